@@ -1,0 +1,1 @@
+"""Hooks that observe and reduce; they never judge (that is rules/)."""

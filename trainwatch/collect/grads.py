@@ -1,0 +1,61 @@
+"""Per-parameter gradient norms in a few batched kernels, no host sync.
+
+One ``torch._foreach_norm`` per device over every gradient the step uses; the
+result stays on the device until the step's single readback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainwatch.layers import ParamInfo
+
+
+def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # older torch: no dtype argument
+        return list(torch._foreach_norm([t.float() for t in tensors], 2))
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    if grad.layout == torch.strided:
+        return grad.detach()
+    return grad.detach().coalesce().values()  # sparse gradients (nn.Embedding(sparse=True))
+
+
+def gradient_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """L2 norm of each gradient as fp32, one 1-D tensor per device, in input order.
+
+    fp32 so that fp16 gradients cannot overflow inside the norm itself.
+    """
+    if not grads:
+        return []
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(_dense(grad))
+    if len(by_device) == 1:
+        (group,) = by_device.values()
+        return [torch.stack(_foreach_norm_fp32(group))]
+    # Several devices (model parallel): keep input order across device groups.
+    order: list[tuple[torch.device, int]] = []
+    counters: dict[torch.device, int] = {}
+    for grad in grads:
+        order.append((grad.device, counters.get(grad.device, 0)))
+        counters[grad.device] = counters.get(grad.device, 0) + 1
+    stacked = {dev: torch.stack(_foreach_norm_fp32(g)).cpu() for dev, g in by_device.items()}
+    return [torch.stack([stacked[dev][i] for dev, i in order])]
+
+
+def layer_norms(
+    present: Sequence[ParamInfo], norms: Sequence[float], layers: Sequence[str]
+) -> tuple[dict[str, float], float]:
+    """Per-layer norm = sqrt(sum of its parameters' squared norms), and the total."""
+    squares: dict[int, float] = {}
+    for info, norm in zip(present, norms):
+        squares[info.layer_index] = squares.get(info.layer_index, 0.0) + norm * norm
+    per_layer = {layers[i]: sq**0.5 for i, sq in squares.items()}
+    total = sum(squares.values()) ** 0.5 if squares else 0.0
+    return per_layer, total

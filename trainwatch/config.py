@@ -1,0 +1,263 @@
+"""Typed configuration: defaults live here, ``configs/*.yaml`` are presets of it.
+
+Every key is validated when the config is loaded, so a typo fails before the
+first training step and the error names the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from trainwatch.errors import ConfigError
+
+RULE_IDS: tuple[str, ...] = (
+    "nonfinite_forward",
+    "nonfinite_backward",
+    "nonfinite_loss",
+    "nonfinite_parameter",
+    "zero_gradient",
+    "accumulated_gradient",
+    "constant_output",
+    "eval_in_train_mode",
+    "train_in_eval_mode",
+    "broadcast",
+    "frozen_in_optimizer",
+    "not_optimized",
+    "unused_parameter",
+    "exploding_gradient",
+    "vanishing_gradient",
+    "dead_units",
+    "internal_error",
+)
+
+SeverityName = Literal["info", "warning", "error"]
+
+
+def _range(low: float | None = None, high: float | None = None) -> dict[str, Any]:
+    return {"min": low, "max": high}
+
+
+@dataclass
+class RuleConfig:
+    """Switch and severity shared by every rule."""
+
+    enabled: bool = True
+    severity: SeverityName = "warning"
+
+
+@dataclass
+class ZeroGradientConfig(RuleConfig):
+    # Consecutive steps without signal before alerting: 1 step of exact zeros is
+    # normal with zero-initialised branches (LoRA B, zero-init residuals).
+    patience: int = field(default=3, metadata=_range(1))
+
+
+@dataclass
+class AccumulatedGradientConfig(RuleConfig):
+    severity: SeverityName = "error"
+
+
+@dataclass
+class FrozenInOptimizerConfig(RuleConfig):
+    pass
+
+
+@dataclass
+class NotOptimizedConfig(RuleConfig):
+    pass
+
+
+@dataclass
+class GradNormsConfig:
+    enabled: bool = True
+
+
+@dataclass
+class ConsoleConfig:
+    summary: bool = True
+    top_layers: int = field(default=5, metadata=_range(0))
+
+
+@dataclass
+class Config:
+    """Everything a Monitor can be told; ``Config()`` is the default preset."""
+
+    halt_on: list[str] = field(default_factory=list)
+    # When per-step numbers are read back to the host: "sync" at the step,
+    # "lagged" one step later without blocking (CUDA), "auto" picks per device.
+    readback: Literal["auto", "sync", "lagged"] = "auto"
+    grad_norms: GradNormsConfig = field(default_factory=GradNormsConfig)
+    zero_gradient: ZeroGradientConfig = field(default_factory=ZeroGradientConfig)
+    accumulated_gradient: AccumulatedGradientConfig = field(
+        default_factory=AccumulatedGradientConfig
+    )
+    frozen_in_optimizer: FrozenInOptimizerConfig = field(default_factory=FrozenInOptimizerConfig)
+    not_optimized: NotOptimizedConfig = field(default_factory=NotOptimizedConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        config = _build(cls, values, "")
+        unknown = [rule for rule in config.halt_on if rule not in RULE_IDS]
+        if unknown:
+            raise ConfigError(
+                f"halt_on: unknown rule id {unknown[0]!r}; allowed: {', '.join(RULE_IDS)}"
+            )
+        return config
+
+    def rule(self, rule_id: str) -> RuleConfig | None:
+        section = getattr(self, rule_id, None)
+        return section if isinstance(section, RuleConfig) else None
+
+
+def load_config(
+    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Resolve ``tw.watch``'s ``config`` argument and ``**overrides`` into a Config.
+
+    Overrides accept a section as a dict (``zero_gradient={"patience": 5}``),
+    ``False``/``True`` for a section's ``enabled`` switch, and dotted or
+    double-underscore keys for single values (``zero_gradient__patience=5``).
+    """
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, Config):
+        base = config.to_dict()
+    elif isinstance(config, dict):
+        base = _deep_copy(config)
+    elif isinstance(config, (str, os.PathLike)):
+        base = _read_yaml(Path(config))
+    else:
+        raise ConfigError(
+            f"config: expected a path, a dict or a trainwatch.Config, got {type(config).__name__}"
+        )
+    for key, value in (overrides or {}).items():
+        _apply_override(base, key, value)
+    return Config.from_dict(base)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config: no such file {str(path)!r}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config: {path} must hold a mapping at the top level")
+    return loaded
+
+
+def _apply_override(target: dict[str, Any], key: str, value: Any) -> None:
+    path = key.replace("__", ".").split(".")
+    node = target
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    last = path[-1]
+    section_type = _field_types(Config).get(last) if len(path) == 1 else None
+    is_section = dataclasses.is_dataclass(section_type)
+    if is_section and isinstance(value, bool):
+        node.setdefault(last, {})
+        if not isinstance(node[last], dict):
+            node[last] = {}
+        node[last]["enabled"] = value
+    elif is_section and isinstance(value, dict):
+        merged = dict(node.get(last) or {})
+        merged.update(value)
+        node[last] = merged
+    else:
+        node[last] = value
+
+
+def _deep_copy(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in values.items()}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(values).__name__}")
+    types_by_name = _field_types(cls)
+    fields_by_name = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in values if k not in types_by_name]
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key; allowed keys"
+            f"{' in ' + where if prefix else ''}: {', '.join(types_by_name)}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        kwargs[name] = _coerce(
+            types_by_name[name], value, f"{prefix}{name}", fields_by_name[name].metadata
+        )
+    return cls(**kwargs)
+
+
+def _coerce(annotation: Any, value: Any, key: str, metadata: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, bool):
+            return annotation(enabled=value) if "enabled" in _field_types(annotation) else None
+        return _build(annotation, value, key + ".")
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key, metadata)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(annotation)
+        return [_coerce(item_type, item, f"{key}[{i}]", {}) for i, item in enumerate(value)]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if annotation is int and not float(value).is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        value = annotation(value)
+        low, high = metadata.get("min"), metadata.get("max")
+        if low is not None and value < low:
+            raise ConfigError(f"{key}: {value} is below the minimum {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{key}: {value} is above the maximum {high}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {annotation!r}")  # pragma: no cover

@@ -1,0 +1,82 @@
+"""From rules to sinks: de-duplicate, fan out, and halt if asked to.
+
+A sink that fails is switched off and the failure is reported through the
+sinks that still work; the user's training is never interrupted by it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+
+from trainwatch.alert import Alert
+from trainwatch.errors import TrainingHealthError
+from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
+
+
+class Dispatcher:
+    def __init__(self, sinks: Sequence[Sink], halt_on: Sequence[str]) -> None:
+        self.sinks: list[Sink] = list(sinks)
+        self.halt_on = frozenset(halt_on)
+        self.tallies: dict[tuple[str, str | None], AlertTally] = {}
+        self._internal_reported: set[str] = set()
+
+    def publish(self, alerts: Sequence[Alert]) -> None:
+        """Hand a step's alerts to every sink; raise once all of them have them."""
+        halt: Alert | None = None
+        for alert in alerts:
+            tally = self.tallies.get(alert.key)
+            if tally is None:
+                self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
+                self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
+            else:
+                tally.count += 1
+                tally.last_step = alert.step
+                count = tally.count
+                self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
+            if halt is None and alert.rule in self.halt_on:
+                halt = alert
+        if halt is not None:
+            raise TrainingHealthError(halt)
+
+    def numbers(self, numbers: StepNumbers) -> None:
+        self._each_sink("on_step", lambda sink: sink.on_step(numbers))
+
+    def close(self, summary: Summary) -> None:
+        self._each_sink("close", lambda sink: sink.close(summary))
+
+    def summary(self, steps: int, latest_norms: dict[str, float]) -> Summary:
+        return Summary(steps, list(self.tallies.values()), dict(latest_norms))
+
+    def internal_error(self, component: str, exc: BaseException, step: int) -> None:
+        """Report a failure inside trainwatch once per component."""
+        if component in self._internal_reported:
+            return
+        self._internal_reported.add(component)
+        alert = Alert(
+            rule="internal_error",
+            severity="warning",
+            step=step,
+            module=None,
+            message=(
+                f"trainwatch's {component} failed and switched itself off "
+                f"({type(exc).__name__}: {exc}); training continues unchanged"
+            ),
+            hint="a bug in trainwatch, not in your training: please report it with data.traceback",
+            data={
+                "component": component,
+                "exception": type(exc).__name__,
+                "traceback": "".join(
+                    traceback.format_exception(type(exc), exc, exc.__traceback__)
+                )[-4000:],
+            },
+        )
+        self.publish([alert])
+
+    def _each_sink(self, what: str, call: Callable[[Sink], None]) -> None:
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                self.internal_error(f"{sink.name} sink ({what})", exc, step=-1)

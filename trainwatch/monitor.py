@@ -1,0 +1,445 @@
+"""``tw.watch`` and the Monitor: wires collectors, rules and sinks, owns the step.
+
+One step, as data: the optimizer's pre-step hook gathers the gradients it is
+about to apply and launches their norms on the device; the post-step hook
+reads everything back in one transfer, runs the rules and hands their alerts
+to the sinks. Plain loops, the Lightning callback and ``trainwatch run``
+drive this same object.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from trainwatch import registry
+from trainwatch.alert import Alert
+from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.grads import gradient_norms, layer_norms
+from trainwatch.collect.structure import StructureWatch
+from trainwatch.config import Config, load_config
+from trainwatch.dispatch import Dispatcher
+from trainwatch.errors import TrainingHealthError, WatchError
+from trainwatch.layers import LayerMap, ParamInfo
+from trainwatch.readback import read_back
+from trainwatch.record import StepRecord
+from trainwatch.rules import build_rules
+from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
+
+_OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+@dataclass
+class _Pending:
+    """A step gathered at its start, waiting for its readback."""
+
+    record: StepRecord
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    norm_piece: int | None = None
+    suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
+    suspect_piece: int | None = None
+    loss_piece: int | None = None
+
+
+class _OptimizerHook:
+    """Optimizer step hook that holds the monitor weakly (no reference cycle)."""
+
+    __slots__ = ("monitor", "index", "before")
+
+    def __init__(self, monitor: Monitor, index: int, before: bool) -> None:
+        self.monitor = weakref.ref(monitor)
+        self.index = index
+        self.before = before
+
+    def __call__(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        monitor = self.monitor()
+        if monitor is None or monitor.closed:
+            return None
+        if self.before:
+            monitor._before_optimizer_step(self.index, args, kwargs)
+        else:
+            monitor._after_optimizer_step(self.index)
+        return None
+
+
+class Monitor:
+    """Watches one model (and its optimizers) for silent training bugs.
+
+    Create it with :func:`trainwatch.watch`. Close it (or use it as a context
+    manager) to take every hook off again.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[Optimizer] = (),
+        *,
+        config: Config | None = None,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
+        for opt in optimizers:
+            _check_optimizer(opt)
+        layers = LayerMap(model)
+        for param in layers.parameters():
+            if registry.owner_of(param) is not None:
+                raise WatchError(
+                    f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
+                    "already watched by an open trainwatch monitor; close that one first "
+                    "(monitor.close()) or keep using it"
+                )
+        self.config = config if config is not None else Config()
+        self.model = model
+        self.closed = False
+        self._layers = layers
+        self._memory = MemorySink()
+        self._dispatcher = Dispatcher([self._memory, *sinks], self.config.halt_on)
+        self._rules = build_rules(self.config)
+        self._rule_ids = {rule.id for rule in self._rules}
+        self._handles: list[RemovableHandle] = []
+        self._optimizers: list[Optimizer] = []
+        self._step = 0
+        self._pending: dict[int, _Pending] = {}
+        self._latest_norms: dict[str, float] = {}
+        self._total_norm: float | None = None
+        self._loss: torch.Tensor | float | None = None
+        self._disabled: set[str] = set()
+        self._membership_key: tuple[Any, ...] | None = None
+        self._unoptimized: list[nn.Parameter] = []
+        self._tracker: GradResetTracker | None = None
+        if "accumulated_gradient" in self._rule_ids:
+            self._tracker = GradResetTracker(self._internal_error)
+            self._tracker.attach(layers.parameters())
+        self._structure = StructureWatch()
+        registry.claim(layers.parameters(), self)
+        weakref.finalize(
+            self, _remove_handles, self._handles, self._tracker, self._structure
+        )
+        _OPEN.add(self)
+        for opt in optimizers:
+            self.add_optimizer(opt)
+
+    # -- public surface ----------------------------------------------------
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert so far, oldest first (repeats of a (rule, module) are counted)."""
+        return list(self._memory.alerts)
+
+    @property
+    def alert_counts(self) -> dict[tuple[str, str | None], int]:
+        """How often each (rule, module) fired, repeats included."""
+        return {key: tally.count for key, tally in self._dispatcher.tallies.items()}
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps seen (or ``monitor.step()`` calls without an optimizer)."""
+        return self._step
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return list(self._optimizers)
+
+    def grad_norms(self) -> dict[str, float]:
+        """Per-layer gradient L2 norms of the latest step, by qualified module name."""
+        return dict(self._latest_norms)
+
+    @property
+    def total_grad_norm(self) -> float | None:
+        """L2 norm over every gradient of the latest step."""
+        return self._total_norm
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """Watch one more optimizer (one created after ``tw.watch``, a GAN's second)."""
+        self._ensure_open()
+        _check_optimizer(optimizer)
+        if any(opt is optimizer for opt in self._optimizers):
+            return
+        index = len(self._optimizers)
+        self._optimizers.append(optimizer)
+        self._handles.append(optimizer.register_step_pre_hook(_OptimizerHook(self, index, True)))
+        self._handles.append(optimizer.register_step_post_hook(_OptimizerHook(self, index, False)))
+        self._guarded("optimizer audit", self._audit_optimizer, index)
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Mark a step boundary when no optimizer is watched; pass the loss in any mode."""
+        self._ensure_open()
+        if loss is not None:
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        if self._optimizers:
+            return  # the optimizers' own hooks mark the steps
+        try:
+            self._guarded("step collector", self._manual_step)
+        finally:
+            pass
+
+    def close(self) -> None:
+        """Remove every hook, flush the sinks and print the summary; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
+        _remove_handles(self._handles, self._tracker, self._structure)
+        registry.release(self)
+        self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"Monitor({type(self.model).__name__}, {len(self._optimizers)} optimizer(s), "
+            f"step {self._step}, {len(self._memory.alerts)} alert(s), {state})"
+        )
+
+    # -- step lifecycle ------------------------------------------------------
+    def _before_optimizer_step(self, index: int, args: Any, kwargs: Any) -> None:
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is not None:
+            # LBFGS & co compute gradients inside step(): gather them after it.
+            self._pending.pop(index, None)
+            return
+        self._guarded("step collector", self._gather_into_pending, index)
+
+    def _gather_into_pending(self, index: int) -> None:
+        self._pending[index] = self._gather(index)
+
+    def _after_optimizer_step(self, index: int) -> None:
+        pending = self._pending.pop(index, None)
+        if pending is None and "step collector" not in self._disabled:
+            pending = self._guarded("step collector", self._gather, index)
+        if self._tracker is not None:
+            self._tracker.arm(self._optimizer_params(index))
+        self._finish(pending)
+
+    def _manual_step(self) -> None:
+        pending = self._gather(None)
+        if self._tracker is not None:
+            self._tracker.arm(self._layers.parameters())
+        self._finish(pending)
+
+    def _finish(self, pending: _Pending | None) -> None:
+        step = self._step
+        self._step += 1
+        if pending is None:
+            return
+        pending.record.step = step
+        alerts = self._guarded("step collector", self._evaluate, pending)
+        if alerts:
+            self._dispatcher.publish(alerts)  # may raise TrainingHealthError
+
+    # -- collection ----------------------------------------------------------
+    def _optimizer_params(self, index: int) -> list[torch.Tensor]:
+        return [p for group in self._optimizers[index].param_groups for p in group["params"]]
+
+    def _gather(self, index: int | None) -> _Pending:
+        if self._structure.changed():
+            self._rebuild_layers()
+        manual = index is None
+        record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
+        params = self._layers.parameters() if manual else self._optimizer_params(index)
+        info = self._layers.info
+        grads: list[torch.Tensor] = []
+        for param in params:
+            if not param.requires_grad:
+                if not manual:
+                    record.frozen.append(info(param))
+                continue
+            grad = param.grad
+            if grad is None:
+                record.missing.append(info(param))
+            else:
+                record.present.append(info(param))
+                grads.append(grad)
+        if record.frozen:
+            for param in params:
+                if param.requires_grad:
+                    owner = info(param).owner
+                    record.trainable_by_module[owner] = record.trainable_by_module.get(owner, 0) + 1
+        if not manual and "not_optimized" in self._rule_ids:
+            record.not_optimized = [
+                info(p) for p in self._unoptimized_params() if p.requires_grad and p.grad is not None
+            ]
+        pending = _Pending(record)
+        if grads:
+            pending.norm_piece = len(pending.pieces)
+            pending.pieces.extend(gradient_norms(grads))
+        if self._tracker is not None:
+            record.accumulation_method = "monitor.step" if manual else "optimizer_step"
+            flags = []
+            for param, content in self._tracker.suspects(params):
+                slot = None
+                if content is not None:
+                    slot = len(flags)
+                    flags.append(content.reshape(1))
+                pending.suspects.append((info(param), slot))
+            if flags:
+                pending.suspect_piece = len(pending.pieces)
+                pending.pieces.append(torch.cat([f.to(flags[0].device) for f in flags]))
+        if isinstance(self._loss, torch.Tensor):
+            pending.loss_piece = len(pending.pieces)
+            pending.pieces.append(self._loss.reshape(-1)[:1])
+        elif self._loss is not None:
+            record.loss = self._loss
+        self._loss = None
+        return pending
+
+    def _evaluate(self, pending: _Pending) -> list[Alert]:
+        record = pending.record
+        values = read_back(pending.pieces)
+        if pending.norm_piece is not None:
+            record.param_norms = values[pending.norm_piece]
+            per_layer, total = layer_norms(record.present, record.param_norms, self._layers.layers)
+            record.layer_norms, record.total_norm = per_layer, total
+            self._latest_norms.update(per_layer)
+            self._total_norm = total
+        if pending.loss_piece is not None:
+            record.loss = values[pending.loss_piece][0]
+        flags = values[pending.suspect_piece] if pending.suspect_piece is not None else []
+        record.accumulated = [
+            info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
+        ]
+        self._dispatcher.numbers(
+            StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
+        )
+        return self._run_rules(record)
+
+    def _run_rules(self, record: StepRecord) -> list[Alert]:
+        alerts: list[Alert] = []
+        for rule in self._rules:
+            component = f"rule {rule.id}"
+            found = self._guarded(component, rule.evaluate, record)
+            if found:
+                alerts.extend(found)
+        return alerts
+
+    def _audit_optimizer(self, index: int) -> None:
+        """Checks that need no gradients, made when an optimizer is attached."""
+        pending = self._gather(index)
+        record = StepRecord(
+            step=self._step,
+            source="attach",
+            optimizer=index,
+            frozen=pending.record.frozen,
+            trainable_by_module=pending.record.trainable_by_module,
+        )
+        self._dispatcher.publish(self._run_rules(record))
+
+    def _unoptimized_params(self) -> list[nn.Parameter]:
+        key = tuple(
+            (id(group["params"]), len(group["params"]))
+            for opt in self._optimizers
+            for group in opt.param_groups
+        ) + (id(self._layers),)
+        if key != self._membership_key:
+            held = {id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]}
+            self._unoptimized = [p for p in self._layers.parameters() if id(p) not in held]
+            self._membership_key = key
+        return self._unoptimized
+
+    def _rebuild_layers(self) -> None:
+        """The model's tree changed (a module or parameter was (re)assigned)."""
+        layers = LayerMap(self.model)
+        fresh = [p for p in layers.parameters() if p not in self._layers]
+        self._layers = layers
+        if self._tracker is not None:
+            self._tracker.attach(fresh)
+        registry.claim(fresh, self)
+
+    # -- failure containment -------------------------------------------------
+    def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
+        if component in self._disabled:
+            return None
+        try:
+            return fn(*args)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:
+            self._disabled.add(component)
+            self._internal_error(component, exc)
+            return None
+
+    def _internal_error(self, component: str, exc: BaseException) -> None:
+        self._dispatcher.internal_error(component, exc, self._step)
+
+    def _ensure_open(self) -> None:
+        if self.closed:
+            raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise WatchError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def _remove_handles(
+    handles: list[RemovableHandle],
+    tracker: GradResetTracker | None,
+    structure: StructureWatch | None,
+) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    if tracker is not None:
+        tracker.detach()
+    if structure is not None:
+        structure.close()
+
+
+def watch(
+    model: nn.Module,
+    optimizer: Optimizer | Iterable[Optimizer] | None = None,
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+    console: bool | IO[str] = True,
+    **overrides: Any,
+) -> Monitor:
+    """Attach trainwatch to a model (and its optimizers) now; returns the Monitor.
+
+    ``console`` may also be a text stream to write the console view to.
+    """
+    cfg = load_config(config, overrides)
+    if optimizer is None:
+        optimizers: list[Optimizer] = []
+    elif isinstance(optimizer, Optimizer):
+        optimizers = [optimizer]
+    else:
+        optimizers = list(optimizer)
+    sinks: list[Sink] = []
+    if console is not False:
+        stream = None if console is True else console
+        sinks.append(
+            ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
+        )
+    if log_dir is not None:
+        try:
+            sinks.append(JsonlSink(Path(log_dir)))
+        except OSError as exc:
+            raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
+    return Monitor(model, optimizers, config=cfg, sinks=sinks)
+
+
+@atexit.register
+def _close_open_monitors() -> None:
+    for monitor in list(_OPEN):
+        try:
+            monitor.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass

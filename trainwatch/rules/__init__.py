@@ -1,0 +1,29 @@
+"""Pure decisions: a step record in, alerts out. Each rule owns its state."""
+
+from __future__ import annotations
+
+from trainwatch.config import Config
+from trainwatch.rules.accumulation import AccumulatedGradientRule
+from trainwatch.rules.base import Rule
+from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
+from trainwatch.rules.zero_gradient import ZeroGradientRule
+
+RULE_CLASSES: tuple[type[Rule], ...] = (
+    ZeroGradientRule,
+    AccumulatedGradientRule,
+    FrozenInOptimizerRule,
+    NotOptimizedRule,
+)
+
+
+def build_rules(config: Config) -> list[Rule]:
+    """The enabled rules, each with its own section of the config."""
+    rules = []
+    for cls in RULE_CLASSES:
+        section = config.rule(cls.id)
+        if section is not None and section.enabled:
+            rules.append(cls(section))  # type: ignore[arg-type]
+    return rules
+
+
+__all__ = ["Rule", "build_rules", "RULE_CLASSES"]

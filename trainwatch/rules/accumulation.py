@@ -1,0 +1,38 @@
+"""Backward added onto gradients an optimizer step had already applied."""
+
+from __future__ import annotations
+
+from trainwatch.alert import Alert
+from trainwatch.record import StepRecord
+from trainwatch.rules.base import Rule, by_owner, short_names
+
+_HINT = (
+    "call optimizer.zero_grad() (or model.zero_grad()) once per step, before "
+    "backward; with gradient accumulation, after optimizer.step(). Without it "
+    "every step re-applies all earlier gradients."
+)
+
+
+class AccumulatedGradientRule(Rule):
+    id = "accumulated_gradient"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        if not record.accumulated:
+            return []
+        owners = by_owner(record.accumulated)
+        return [
+            self.alert(
+                record.step,
+                None,
+                f"backward added onto the gradients step {record.step - 1} had already "
+                f"used, in {len(record.accumulated)} parameters "
+                f"({short_names(record.accumulated, 3)}): zero_grad() is missing",
+                _HINT,
+                {
+                    "parameters": len(record.accumulated),
+                    "modules": list(owners),
+                    "method": record.accumulation_method,
+                    "optimizer": record.optimizer,
+                },
+            )
+        ]

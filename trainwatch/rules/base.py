@@ -1,0 +1,56 @@
+"""What every rule shares: a record in, zero or more alerts out."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from trainwatch.alert import Alert
+from trainwatch.config import RuleConfig
+from trainwatch.layers import ParamInfo
+from trainwatch.record import StepRecord
+
+
+class Rule:
+    """A pure decision over step records; owns whatever state it needs."""
+
+    id: ClassVar[str]
+
+    def __init__(self, config: RuleConfig) -> None:
+        self.config = config
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        raise NotImplementedError
+
+    def alert(
+        self,
+        step: int,
+        module: str | None,
+        message: str,
+        hint: str,
+        data: dict[str, Any] | None = None,
+    ) -> Alert:
+        return Alert(
+            rule=self.id,
+            severity=self.config.severity,
+            step=step,
+            module=module,
+            message=message,
+            hint=hint,
+            data=data or {},
+        )
+
+
+def by_owner(params: Iterable[ParamInfo]) -> dict[str, list[ParamInfo]]:
+    """Group parameters by owning module, keeping first-seen order."""
+    groups: dict[str, list[ParamInfo]] = defaultdict(list)
+    for info in params:
+        groups[info.owner].append(info)
+    return dict(groups)
+
+
+def short_names(params: Iterable[ParamInfo], limit: int = 4) -> str:
+    names = [p.name for p in params]
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

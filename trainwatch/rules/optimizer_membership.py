@@ -1,0 +1,75 @@
+"""Parameters and optimizers that disagree: frozen inside it, trained outside it."""
+
+from __future__ import annotations
+
+from trainwatch.alert import Alert
+from trainwatch.config import RuleConfig
+from trainwatch.layers import ParamInfo
+from trainwatch.record import StepRecord
+from trainwatch.rules.base import Rule, by_owner, short_names
+
+
+class _ReportOnce(Rule):
+    """These conditions persist step after step: report each module once."""
+
+    def __init__(self, config: RuleConfig) -> None:
+        super().__init__(config)
+        self._reported: set[tuple[int | None, str]] = set()
+
+    def new_owners(
+        self, scope: int | None, params: list[ParamInfo]
+    ) -> dict[str, list[ParamInfo]]:
+        fresh = {}
+        for owner, group in by_owner(params).items():
+            if (scope, owner) not in self._reported:
+                self._reported.add((scope, owner))
+                fresh[owner] = group
+        return fresh
+
+
+class FrozenInOptimizerRule(_ReportOnce):
+    id = "frozen_in_optimizer"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        alerts = []
+        for owner, params in self.new_owners(record.optimizer, record.frozen).items():
+            trainable = record.trainable_by_module.get(owner, 0)
+            alerts.append(
+                self.alert(
+                    record.step,
+                    owner,
+                    f"{len(params)} parameter{'s' if len(params) != 1 else ''} with "
+                    f"requires_grad=False ({short_names(params)}) sit in optimizer "
+                    f"{record.optimizer}'s param groups, beside {trainable} trainable "
+                    f"one{'s' if trainable != 1 else ''} of this module",
+                    "this layer will never be updated: a freeze for warm-up or "
+                    "fine-tuning that was never undone? Set requires_grad=True, or "
+                    "build the optimizer from the parameters you mean to train.",
+                    {
+                        "frozen": len(params),
+                        "trainable": trainable,
+                        "parameters": [p.name for p in params],
+                        "optimizer": record.optimizer,
+                    },
+                )
+            )
+        return alerts
+
+
+class NotOptimizedRule(_ReportOnce):
+    id = "not_optimized"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        return [
+            self.alert(
+                record.step,
+                owner,
+                f"{short_names(params)} received gradients but no watched optimizer "
+                "holds them, so they are never updated",
+                "was this module replaced after the optimizer was built (a new head "
+                "for fine-tuning)? Build the optimizer after the last change to the "
+                "model, or add the parameters with optimizer.add_param_group().",
+                {"parameters": [p.name for p in params]},
+            )
+            for owner, params in self.new_owners(None, record.not_optimized).items()
+        ]

@@ -1,0 +1,17 @@
+"""Views of the same alerts: console, JSONL, memory (and TensorBoard later)."""
+
+from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
+from trainwatch.sinks.console import ConsoleSink
+from trainwatch.sinks.jsonl import ALERTS_FILE, JsonlSink
+from trainwatch.sinks.memory import MemorySink
+
+__all__ = [
+    "ALERTS_FILE",
+    "AlertTally",
+    "ConsoleSink",
+    "JsonlSink",
+    "MemorySink",
+    "Sink",
+    "StepNumbers",
+    "Summary",
+]

@@ -1,0 +1,53 @@
+"""The interface every sink implements: alerts and numbers in, never a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainwatch.alert import Alert
+
+
+@dataclass
+class StepNumbers:
+    """The per-step figures sinks may render (TensorBoard scalars, summaries)."""
+
+    step: int
+    layer_norms: dict[str, float] = field(default_factory=dict)
+    total_norm: float | None = None
+    loss: float | None = None
+
+
+@dataclass
+class AlertTally:
+    """A (rule, module) pair's first alert and how often it recurred."""
+
+    first: Alert
+    count: int = 1
+    last_step: int = 0
+
+
+@dataclass
+class Summary:
+    """What a monitor saw over its life, handed to sinks when it closes."""
+
+    steps: int
+    tallies: list[AlertTally]
+    latest_norms: dict[str, float]
+
+
+class Sink:
+    """Base class with no-op defaults, so a sink implements only what it renders."""
+
+    name = "sink"
+
+    def emit(self, alert: Alert) -> None:
+        """A new (rule, module) alert: render it now."""
+
+    def repeat(self, alert: Alert, count: int) -> None:
+        """The same (rule, module) fired again; ``count`` is its total so far."""
+
+    def on_step(self, numbers: StepNumbers) -> None:
+        """A step finished; its figures are ready."""
+
+    def close(self, summary: Summary) -> None:
+        """The monitor is closing; flush and release files."""

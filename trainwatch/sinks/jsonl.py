@@ -1,0 +1,31 @@
+"""``<log_dir>/alerts.jsonl``: one line per alert, flushed as it is raised."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainwatch.alert import Alert
+from trainwatch.sinks.base import Sink, Summary
+
+ALERTS_FILE = "alerts.jsonl"
+
+
+class JsonlSink(Sink):
+    name = "jsonl"
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.path = Path(log_dir) / ALERTS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run keeps what the earlier part of it wrote.
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def emit(self, alert: Alert) -> None:
+        if self._file.closed:
+            return
+        self._file.write(json.dumps(alert.to_dict(), default=str) + "\n")
+        self._file.flush()  # readable up to the last line even after a kill
+
+    def close(self, summary: Summary) -> None:
+        if not self._file.closed:
+            self._file.close()
