@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 
-EXTERNAL = "<external>"  # owner of optimizer parameters the model does not hold
+# The layer that gathers optimizer parameters the model does not hold.
+EXTERNAL = "<outside the model>"
 
 
 @dataclass(frozen=True)
@@ -21,16 +22,20 @@ class ParamInfo:
     name: str  # qualified parameter name, e.g. "encoder.fc1.weight"
     owner: str  # qualified owning module name, "" for the root
     layer_index: int
+    # False for parameters an optimizer holds but the model no longer does
+    # (a replaced head) or never did.
+    in_model: bool = True
 
 
 class LayerMap:
     """Parameter -> (qualified name, owning layer), built from a model's tree."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, previous: LayerMap | None = None) -> None:
         self.layers: list[str] = []
         self._extra = 0
         self._info: dict[int, ParamInfo] = {}
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid while mapped
+        self._keep: dict[int, torch.Tensor] = {}
         for module_name, module in model.named_modules():
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in self._info:
@@ -40,6 +45,26 @@ class LayerMap:
                 qualified = f"{module_name}.{short}" if module_name else short
                 self._info[id(param)] = ParamInfo(qualified, module_name, len(self.layers) - 1)
                 self._params[id(param)] = param
+        self._departed: dict[int, ParamInfo] = {}
+        if previous is not None:
+            # Keep the names of parameters that left the model (a replaced
+            # head): an optimizer may still hold them, and alerts should say
+            # what they were.
+            for key, info in {**previous._info, **previous._departed}.items():
+                if key not in self._info:
+                    old = previous._params.get(key)
+                    self._outside(old if old is not None else previous._keep[key], info)
+
+    def _outside(self, param: torch.Tensor, info: ParamInfo | None) -> ParamInfo:
+        if EXTERNAL not in self.layers:
+            self.layers.append(EXTERNAL)
+        if info is None:
+            self._extra += 1
+            info = ParamInfo(f"{EXTERNAL}.{self._extra}", EXTERNAL, 0)
+        found = ParamInfo(info.name, info.owner, self.layers.index(EXTERNAL), in_model=False)
+        self._departed[id(param)] = found
+        self._keep[id(param)] = param
+        return found
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._info
@@ -52,14 +77,5 @@ class LayerMap:
 
     def info(self, param: torch.Tensor) -> ParamInfo:
         """Names a parameter; one the model does not own gets a stable placeholder."""
-        found = self._info.get(id(param))
-        if found is None:
-            if EXTERNAL not in self.layers:
-                self.layers.append(EXTERNAL)
-            self._extra += 1
-            found = ParamInfo(
-                f"{EXTERNAL}.{self._extra}", EXTERNAL, self.layers.index(EXTERNAL)
-            )
-            self._info[id(param)] = found
-            self._params[id(param)] = param  # type: ignore[assignment]
-        return found
+        found = self._info.get(id(param)) or self._departed.get(id(param))
+        return found if found is not None else self._outside(param, None)

@@ -117,10 +117,11 @@ class Monitor:
         self._disabled: set[str] = set()
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
-        self._tracker: GradResetTracker | None = None
-        if "accumulated_gradient" in self._rule_ids:
-            self._tracker = GradResetTracker(self._internal_error)
-            self._tracker.attach(layers.parameters())
+        # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
+        # need them to know what backward reached: always attached.
+        self._tracker = GradResetTracker(_weak_callback(self._internal_error))
+        self._tracker.attach(layers.parameters())
+        self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
         registry.claim(layers.parameters(), self)
         weakref.finalize(
@@ -222,14 +223,12 @@ class Monitor:
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
             pending = self._guarded("step collector", self._gather, index)
-        if self._tracker is not None:
-            self._tracker.arm(self._optimizer_params(index))
+        self._tracker.arm(self._optimizer_params(index))
         self._finish(pending)
 
     def _manual_step(self) -> None:
         pending = self._gather(None)
-        if self._tracker is not None:
-            self._tracker.arm(self._layers.parameters())
+        self._tracker.arm(self._layers.parameters())
         self._finish(pending)
 
     def _finish(self, pending: _Pending | None) -> None:
@@ -261,7 +260,10 @@ class Monitor:
                 continue
             grad = param.grad
             if grad is None:
-                record.missing.append(info(param))
+                # Without an optimizer, gradients may be reset before
+                # monitor.step(): what backward reached still counts.
+                if not (manual and self._tracker.reached(param)):
+                    record.missing.append(info(param))
             else:
                 record.present.append(info(param))
                 grads.append(grad)
@@ -278,7 +280,7 @@ class Monitor:
         if grads:
             pending.norm_piece = len(pending.pieces)
             pending.pieces.extend(gradient_norms(grads))
-        if self._tracker is not None:
+        if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             flags = []
             for param, content in self._tracker.suspects(params):
@@ -353,11 +355,10 @@ class Monitor:
 
     def _rebuild_layers(self) -> None:
         """The model's tree changed (a module or parameter was (re)assigned)."""
-        layers = LayerMap(self.model)
+        layers = LayerMap(self.model, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
         self._layers = layers
-        if self._tracker is not None:
-            self._tracker.attach(fresh)
+        self._tracker.attach(fresh)
         registry.claim(fresh, self)
 
     # -- failure containment -------------------------------------------------
@@ -379,6 +380,18 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _weak_callback(method: Any) -> Any:
+    """A bound method that does not keep its object alive (for the finalizer)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            target(*args)
+
+    return call
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -30,9 +30,10 @@ from torch.utils.hooks import RemovableHandle
 
 
 class _ParamState:
-    __slots__ = ("armed", "reset", "accumulated", "grad_ref", "version", "content")
+    __slots__ = ("armed", "reset", "accumulated", "grad_ref", "version", "content", "seen")
 
     def __init__(self) -> None:
+        self.seen = False  # backward reached it since the last step boundary
         self.armed = False
         self.reset = False
         self.accumulated = False
@@ -124,7 +125,10 @@ class GradResetTracker:
             return
         try:
             state = self._states.get(id(param))
-            if state is None or not state.armed or state.reset:
+            if state is None:
+                return
+            state.seen = True
+            if not state.armed or state.reset:
                 return
             grad = param.grad
             if grad is not None:
@@ -155,6 +159,11 @@ class GradResetTracker:
                 found.append((param, state.content))
         return found
 
+    def reached(self, param: torch.Tensor) -> bool:
+        """Backward accumulated into this parameter since the last step boundary."""
+        state = self._states.get(id(param))
+        return state is not None and state.seen
+
     def arm(self, params: Iterable[torch.Tensor]) -> None:
         """A step has just used these gradients: start watching for a reset."""
         self.backward_seen = False
@@ -164,6 +173,7 @@ class GradResetTracker:
             state = self._states.get(id(param))
             if state is None:
                 continue
+            state.seen = False
             grad = param.grad
             state.reset = False
             state.accumulated = False

@@ -41,11 +41,16 @@ class ZeroGradientRule(Rule):
         self._streaks: dict[str, _Streak] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
-        if record.source == "attach":
+        if record.source not in ("optimizer", "manual"):
             return []
-        silent: list[tuple[ParamInfo, str]] = [(info, "none") for info in record.missing]
+        # Parameters that left the model (a replaced head) are not_optimized's story.
+        silent: list[tuple[ParamInfo, str]] = [
+            (info, "none") for info in record.missing if info.in_model
+        ]
         silent += [
-            (info, "zero") for info, norm in zip(record.present, record.param_norms) if norm == 0.0
+            (info, "zero")
+            for info, norm in zip(record.present, record.param_norms)
+            if norm == 0.0 and info.in_model
         ]
         silent_names = {info.name for info, _ in silent}
         for info in record.present:

@@ -93,12 +93,16 @@ class ConsoleSink(Sink):
             table.add_row(Text("no alerts", style="green"), "", "", "", "")
         if top and summary.latest_norms:
             ranked = sorted(summary.latest_norms.items(), key=lambda kv: kv[1], reverse=True)
-            table.caption = "grad norm, latest step - largest: " + ", ".join(
-                f"{_module_label(name) or '<model>'} {value:.3g}" for name, value in ranked[:top]
-            )
-            table.caption += " | smallest: " + ", ".join(
-                f"{_module_label(name) or '<model>'} {value:.3g}"
-                for name, value in reversed(ranked[-top:])
-            )
+
+            def listed(items: list[tuple[str, float]]) -> str:
+                return ", ".join(f"{_module_label(n) or '<model>'} {v:.3g}" for n, v in items)
+
+            if len(ranked) <= 2 * top:
+                table.caption = "grad norm by layer, latest step: " + listed(ranked)
+            else:
+                table.caption = (
+                    f"grad norm, latest step - largest: {listed(ranked[:top])}"
+                    f" | smallest: {listed(ranked[-top:][::-1])}"
+                )
             table.caption_justify = "left"
         return table

@@ -1,0 +1,93 @@
+"""Shared tiny models and loops: named layers so alerts are asserted by name."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import trainwatch as tw
+
+
+class TinyNet(nn.Module):
+    def __init__(self, inputs: int = 8, hidden: int = 16, outputs: int = 1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, outputs)
+        self.detach_fc1 = False
+        self.zero_fc2 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.detach_fc1:
+            h = h.detach()
+        h = torch.tanh(self.fc2(h))
+        if self.zero_fc2:
+            h = h * 0.0
+        return self.head(h)
+
+
+def batches(n: int, batch: int = 32, inputs: int = 8, outputs: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(batch, inputs, generator=gen)
+        yield x, x[:, :outputs].sin() * 2.0
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    *,
+    zero_grad_until: int | None = None,
+    set_to_none: bool = True,
+    accumulate: int = 1,
+    clip: float | None = None,
+    before_step=None,
+) -> list[float]:
+    """A plain loop; ``zero_grad_until=k`` drops zero_grad from step k on."""
+    losses = []
+    data = batches(steps * accumulate)
+    for step in range(steps):
+        if zero_grad_until is None or step < zero_grad_until:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = nn.functional.mse_loss(model(x), y) / accumulate
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if before_step is not None:
+            before_step(step)
+        optimizer.step()
+    return losses
+
+
+@pytest.fixture
+def model() -> TinyNet:
+    torch.manual_seed(0)
+    return TinyNet()
+
+
+@pytest.fixture
+def quiet_watch():
+    """tw.watch with the console captured in a string, closed after the test."""
+    opened: list[tw.Monitor] = []
+
+    def make(*args, **kwargs) -> tw.Monitor:
+        kwargs.setdefault("console", io.StringIO())
+        monitor = tw.watch(*args, **kwargs)
+        opened.append(monitor)
+        return monitor
+
+    yield make
+    for monitor in opened:
+        monitor.close()
+
+
+def rules_of(monitor: tw.Monitor, severities=("warning", "error")) -> list[str]:
+    return [a.rule for a in monitor.alerts if a.severity in severities]

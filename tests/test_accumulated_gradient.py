@@ -1,0 +1,213 @@
+"""accumulated_gradient: a missing zero_grad, exact at its first step; silent on
+legitimate accumulation and every way of resetting gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches, rules_of, train
+
+
+def accumulation_alerts(monitor):
+    return [a for a in monitor.alerts if a.rule == "accumulated_gradient"]
+
+
+@pytest.mark.parametrize("missing_from", [0, 1, 5])
+def test_missing_zero_grad_fires_at_the_first_step_that_reuses_gradients(
+    model, quiet_watch, missing_from
+):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 10, zero_grad_until=missing_from)
+    (alert,) = accumulation_alerts(monitor)
+    # Step 0 has nothing stale to add onto: zero_grad missing from the start
+    # shows at step 1.
+    assert alert.step == max(missing_from, 1)
+    assert alert.module is None and alert.severity == "error"
+    assert alert.data["method"] == "optimizer_step"
+    assert alert.data["modules"] == ["fc1", "fc2", "head"]
+    assert "zero_grad" in alert.message
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_every_step_is_clean(model, quiet_watch, set_to_none):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 10, set_to_none=set_to_none)
+    assert rules_of(monitor) == []
+
+
+def test_model_zero_grad_is_clean(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(8):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+def test_legacy_data_zero_is_clean(model, quiet_watch):
+    """``p.grad.data.zero_()`` leaves no version trace; the content check covers it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(8):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data.zero_()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_legitimate_gradient_accumulation_is_clean(model, quiet_watch, micro_batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 8, accumulate=micro_batches)
+    assert rules_of(monitor) == []
+
+
+def test_missing_zero_grad_with_accumulation_still_fires(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 6, accumulate=4, zero_grad_until=3)
+    assert [a.step for a in accumulation_alerts(monitor)] == [3]
+
+
+def test_missing_zero_grad_is_caught_through_gradient_clipping(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 6, clip=0.5, zero_grad_until=2)
+    assert [a.step for a in accumulation_alerts(monitor)] == [2]
+
+
+def test_clipping_with_zero_grad_is_clean(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 6, clip=0.5)
+    assert rules_of(monitor) == []
+
+
+def test_grad_scaler_with_skipped_steps_is_clean(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    monitor = quiet_watch(model, opt)
+    for i, (x, y) in enumerate(batches(8)):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if i in (2, 3):
+            loss = loss * float("inf")  # the scaler skips these steps
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert monitor.step_count == 6
+    assert rules_of(monitor) == []
+
+
+def _lbfgs_run(model, monitor_factory, zero_grad_in_closure: bool):
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    monitor = monitor_factory(model, opt)
+    for x, y in batches(4):
+
+        def closure():
+            if zero_grad_in_closure:
+                opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    return monitor
+
+
+def test_lbfgs_with_closure_is_clean(model, quiet_watch):
+    monitor = _lbfgs_run(model, quiet_watch, zero_grad_in_closure=True)
+    assert monitor.step_count == 4
+    assert rules_of(monitor) == []
+    assert set(monitor.grad_norms()) == {"fc1", "fc2", "head"}
+
+
+def test_lbfgs_closure_without_zero_grad_fires(model, quiet_watch):
+    monitor = _lbfgs_run(model, quiet_watch, zero_grad_in_closure=False)
+    # LBFGS reads gradients between closure calls inside one step(), where no
+    # hook can see the use: the first step() that starts on stale gradients
+    # is the second one.
+    assert [a.step for a in accumulation_alerts(monitor)] == [1]
+
+
+class _Gan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+
+def _gan_run(quiet_watch, zero_d: bool = True):
+    torch.manual_seed(0)
+    gan = _Gan()
+    opt_g = torch.optim.Adam(gan.generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=1e-3)
+    monitor = quiet_watch(gan, [opt_d, opt_g])
+    bce = nn.BCEWithLogitsLoss()
+    for it in range(6):
+        real = torch.randn(16, 8) + 2.0
+        fake = gan.generator(torch.randn(16, 4))
+        if zero_d or it == 0:
+            opt_d.zero_grad()
+        d_loss = bce(gan.discriminator(real), torch.ones(16, 1)) + bce(
+            gan.discriminator(fake.detach()), torch.zeros(16, 1)
+        )
+        d_loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        # This backward also adds onto the discriminator's used gradients:
+        # harmless, because they are reset before the discriminator's next step.
+        bce(gan.discriminator(fake), torch.ones(16, 1)).backward()
+        opt_g.step()
+    return monitor
+
+
+def test_gan_with_two_optimizers_is_clean(quiet_watch):
+    monitor = _gan_run(quiet_watch)
+    assert monitor.step_count == 12
+    assert rules_of(monitor) == []
+
+
+def test_gan_discriminator_missing_zero_grad_fires(quiet_watch):
+    monitor = _gan_run(quiet_watch, zero_d=False)
+    (alert,) = accumulation_alerts(monitor)
+    assert alert.step == 2  # the discriminator's second step (opt_d steps at 0, 2, 4...)
+    assert alert.data["optimizer"] == 0
+    assert alert.data["modules"] == ["discriminator.0", "discriminator.2"]
+
+
+def _manual_sgd(model, monitor, steps, reset: bool):
+    for x, y in batches(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                if reset:
+                    p.grad = None
+        monitor.step()
+
+
+def test_without_optimizer_monitor_step_marks_the_use(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    monitor = quiet_watch(model)
+    _manual_sgd(model, monitor, 5, reset=False)
+    (alert,) = accumulation_alerts(monitor)
+    assert alert.step == 1
+    assert alert.data["method"] == "monitor.step"
+
+
+def test_without_optimizer_resetting_gradients_is_clean(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    monitor = quiet_watch(model)
+    _manual_sgd(model, monitor, 5, reset=True)
+    assert rules_of(monitor) == []

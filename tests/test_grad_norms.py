@@ -1,0 +1,114 @@
+"""Per-layer gradient norms match a naive per-parameter reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches
+
+
+def naive_layer_norms(model: nn.Module) -> dict[str, float]:
+    out = {}
+    for name, module in model.named_modules():
+        grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+        if grads:
+            out[name] = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads))
+    return out
+
+
+def test_layer_norms_equal_naive_vector_norm_loop(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        expected = naive_layer_norms(model)
+        opt.step()
+        got = monitor.grad_norms()
+        assert got.keys() == expected.keys() == {"fc1", "fc2", "head"}
+        for name in expected:
+            assert got[name] == pytest.approx(expected[name], rel=1e-5)
+        total = math.sqrt(sum(v * v for v in expected.values()))
+        assert monitor.total_grad_norm == pytest.approx(total, rel=1e-5)
+
+
+def test_tied_weight_is_counted_once_under_its_first_owner(quiet_watch):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embed(idx))
+
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = quiet_watch(model, opt)
+    opt.zero_grad()
+    model(torch.arange(10)).logsumexp(-1).mean().backward()
+    expected = float(torch.linalg.vector_norm(model.embed.weight.grad))
+    opt.step()
+    assert monitor.grad_norms() == {"embed": pytest.approx(expected, rel=1e-5)}
+
+
+def test_norms_with_grad_scaler_are_of_unscaled_gradients(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    reference = TinyNet()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = quiet_watch(model, opt)
+    x, y = next(batches(1))
+    opt.zero_grad()
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    nn.functional.mse_loss(reference(x), y).backward()
+    expected = naive_layer_norms(reference)
+    for name, value in expected.items():
+        assert monitor.grad_norms()[name] == pytest.approx(value, rel=1e-4)
+
+
+def test_norms_of_two_optimizers_merge_into_one_view(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    body = torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.01)
+    head = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    monitor = quiet_watch(model, [body, head])
+    x, y = next(batches(1))
+    body.zero_grad()
+    head.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = naive_layer_norms(model)
+    body.step()
+    head.step()
+    assert monitor.step_count == 2
+    assert monitor.grad_norms() == pytest.approx(expected, rel=1e-5)
+
+
+def test_one_readback_per_step_not_one_per_parameter(model, quiet_watch, monkeypatch):
+    """The host reads a step's numbers through read_back once, whatever the layer count."""
+    from trainwatch import monitor as monitor_module
+
+    calls = []
+    real = monitor_module.read_back
+
+    def counting(pieces):
+        calls.append(len(pieces))
+        return real(pieces)
+
+    monkeypatch.setattr(monitor_module, "read_back", counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    quiet_watch(model, opt)
+    for x, y in batches(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert len(calls) == 4

@@ -1,0 +1,80 @@
+"""frozen_in_optimizer and not_optimized: parameters and optimizers that disagree."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import rules_of, train
+
+
+def test_frozen_layer_inside_optimizer_is_reported_at_attach(model, quiet_watch):
+    for p in model.fc2.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    (alert,) = monitor.alerts
+    assert (alert.rule, alert.module, alert.step) == ("frozen_in_optimizer", "fc2", 0)
+    assert alert.data["frozen"] == 2 and alert.data["trainable"] == 0
+    train(model, opt, 5)
+    assert [a.rule for a in monitor.alerts] == ["frozen_in_optimizer"]  # not repeated
+
+
+def test_layer_frozen_mid_training_is_reported_at_that_step(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+
+    def freeze(step: int) -> None:
+        if step == 3:
+            model.head.weight.requires_grad_(False)
+
+    train(model, opt, 6, before_step=freeze)
+    frozen = [a for a in monitor.alerts if a.rule == "frozen_in_optimizer"]
+    assert [(a.module, a.step) for a in frozen] == [("head", 3)]
+    assert frozen[0].data == {
+        "frozen": 1,
+        "trainable": 1,
+        "parameters": ["head.weight"],
+        "optimizer": 0,
+    }
+
+
+def test_param_group_added_later_is_checked(model, quiet_watch):
+    for p in model.head.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 2)
+    opt.add_param_group({"params": list(model.head.parameters())})
+    train(model, opt, 1)
+    assert [(a.rule, a.module, a.step) for a in monitor.alerts] == [
+        ("frozen_in_optimizer", "head", 2)
+    ]
+
+
+def test_fine_tuning_with_frozen_params_left_out_of_the_optimizer_is_clean(model, quiet_watch):
+    for p in [*model.fc1.parameters(), *model.fc2.parameters()]:
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 5)
+    assert rules_of(monitor) == []
+
+
+def test_head_replaced_after_optimizer_was_built_is_not_optimized(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 2)
+    model.head = nn.Linear(16, 1)  # the optimizer still holds the old head
+    train(model, opt, 3)
+    alerts = [(a.rule, a.module, a.step) for a in monitor.alerts if a.severity != "info"]
+    assert alerts == [("not_optimized", "head", 2)]
+
+
+def test_not_optimized_is_silent_without_any_watched_optimizer(model, quiet_watch):
+    monitor = quiet_watch(model)
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        monitor.step()
+    assert rules_of(monitor) == []

@@ -1,0 +1,5 @@
+import sys
+
+from trainwatch.cli import main
+
+sys.exit(main())
