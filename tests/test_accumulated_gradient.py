@@ -112,7 +112,7 @@ def _lbfgs_run(model, monitor_factory, zero_grad_in_closure: bool):
     monitor = monitor_factory(model, opt)
     for x, y in batches(4):
 
-        def closure():
+        def closure(x=x, y=y):
             if zero_grad_in_closure:
                 opt.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)

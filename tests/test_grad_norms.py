@@ -94,21 +94,45 @@ def test_norms_of_two_optimizers_merge_into_one_view(quiet_watch):
 
 
 def test_one_readback_per_step_not_one_per_parameter(model, quiet_watch, monkeypatch):
-    """The host reads a step's numbers through read_back once, whatever the layer count."""
+    """A step's numbers reach the host in one staged transfer, whatever the layer count."""
     from trainwatch import monitor as monitor_module
 
-    calls = []
-    real = monitor_module.read_back
+    staged = []
+    real = monitor_module.Staged
 
-    def counting(pieces):
-        calls.append(len(pieces))
-        return real(pieces)
+    def counting(pieces, non_blocking):
+        staged.append(len(pieces))
+        return real(pieces, non_blocking)
 
-    monkeypatch.setattr(monitor_module, "read_back", counting)
+    monkeypatch.setattr(monitor_module, "Staged", counting)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     quiet_watch(model, opt)
     for x, y in batches(4):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    assert len(calls) == 4
+    assert staged == [1, 1, 1, 1]  # the norms of every parameter, as one piece
+
+
+def test_lagged_readback_reports_the_step_where_it_happened(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, readback="lagged")
+    from tests.conftest import train
+
+    train(model, opt, 3, zero_grad_until=2)
+    # Step 2's numbers are still in flight; reading the alerts lands them.
+    (alert,) = monitor.alerts
+    assert (alert.rule, alert.step) == ("accumulated_gradient", 2)
+    assert set(monitor.grad_norms()) == {"fc1", "fc2", "head"}
+
+
+def test_lagged_readback_halts_one_step_later_with_the_right_step(model, quiet_watch):
+    import trainwatch as tw
+    from tests.conftest import train
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, readback="lagged", halt_on=["accumulated_gradient"])
+    with pytest.raises(tw.TrainingHealthError) as caught:
+        train(model, opt, 10, zero_grad_until=2)
+    assert caught.value.alert.step == 2
+    assert monitor.step_count == 4

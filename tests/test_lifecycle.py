@@ -116,7 +116,7 @@ def test_watching_does_not_change_the_training_numerically():
 
 
 def test_bad_arguments_are_rejected_before_anything_attaches(model):
-    with pytest.raises(tw.WatchError, match="torch.nn.Module"):
+    with pytest.raises(tw.WatchError, match=r"torch\.nn\.Module"):
         tw.watch("not a model")
     with pytest.raises(tw.WatchError, match="Optimizer"):
         tw.watch(model, optimizer=[object()], console=False)

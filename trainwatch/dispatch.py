@@ -21,22 +21,26 @@ class Dispatcher:
         self.tallies: dict[tuple[str, str | None], AlertTally] = {}
         self._internal_reported: set[str] = set()
 
-    def publish(self, alerts: Sequence[Alert]) -> None:
-        """Hand a step's alerts to every sink; raise once all of them have them."""
+    def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
+        """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
+
+        Only a (rule, module)'s first alert halts: a loop that caught the
+        error and carried on is not stopped again by the same finding.
+        """
         halt: Alert | None = None
         for alert in alerts:
             tally = self.tallies.get(alert.key)
             if tally is None:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
+                if halt is None and alert.rule in self.halt_on:
+                    halt = alert
             else:
                 tally.count += 1
                 tally.last_step = alert.step
                 count = tally.count
                 self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
-            if halt is None and alert.rule in self.halt_on:
-                halt = alert
-        if halt is not None:
+        if halt is not None and may_halt:
             raise TrainingHealthError(halt)
 
     def numbers(self, numbers: StepNumbers) -> None:
@@ -66,9 +70,9 @@ class Dispatcher:
             data={
                 "component": component,
                 "exception": type(exc).__name__,
-                "traceback": "".join(
-                    traceback.format_exception(type(exc), exc, exc.__traceback__)
-                )[-4000:],
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[
+                    -4000:
+                ],
             },
         )
         self.publish([alert])

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
 

@@ -31,7 +31,7 @@ from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.layers import LayerMap, ParamInfo
-from trainwatch.readback import read_back
+from trainwatch.readback import Staged, wants_lag
 from trainwatch.record import StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
@@ -49,6 +49,7 @@ class _Pending:
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
     suspect_piece: int | None = None
     loss_piece: int | None = None
+    staged: Staged | None = None
 
 
 class _OptimizerHook:
@@ -65,10 +66,16 @@ class _OptimizerHook:
         monitor = self.monitor()
         if monitor is None or monitor.closed:
             return None
-        if self.before:
-            monitor._before_optimizer_step(self.index, args, kwargs)
-        else:
-            monitor._after_optimizer_step(self.index)
+        try:
+            if self.before:
+                monitor._before_optimizer_step(self.index, args, kwargs)
+            else:
+                monitor._after_optimizer_step(self.index)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:  # never break the user's optimizer step
+            monitor._disabled.add("step collector")
+            monitor._internal_error("step hooks", exc)
         return None
 
 
@@ -111,6 +118,7 @@ class Monitor:
         self._optimizers: list[Optimizer] = []
         self._step = 0
         self._pending: dict[int, _Pending] = {}
+        self._in_flight: _Pending | None = None  # lagged readback: read at the next step
         self._latest_norms: dict[str, float] = {}
         self._total_norm: float | None = None
         self._loss: torch.Tensor | float | None = None
@@ -124,9 +132,7 @@ class Monitor:
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
         registry.claim(layers.parameters(), self)
-        weakref.finalize(
-            self, _remove_handles, self._handles, self._tracker, self._structure
-        )
+        weakref.finalize(self, _remove_handles, self._handles, self._tracker, self._structure)
         _OPEN.add(self)
         for opt in optimizers:
             self.add_optimizer(opt)
@@ -135,11 +141,13 @@ class Monitor:
     @property
     def alerts(self) -> list[Alert]:
         """Every alert so far, oldest first (repeats of a (rule, module) are counted)."""
+        self._land_in_flight()
         return list(self._memory.alerts)
 
     @property
     def alert_counts(self) -> dict[tuple[str, str | None], int]:
         """How often each (rule, module) fired, repeats included."""
+        self._land_in_flight()
         return {key: tally.count for key, tally in self._dispatcher.tallies.items()}
 
     @property
@@ -153,11 +161,13 @@ class Monitor:
 
     def grad_norms(self) -> dict[str, float]:
         """Per-layer gradient L2 norms of the latest step, by qualified module name."""
+        self._land_in_flight()
         return dict(self._latest_norms)
 
     @property
     def total_grad_norm(self) -> float | None:
         """L2 norm over every gradient of the latest step."""
+        self._land_in_flight()
         return self._total_norm
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
@@ -179,17 +189,23 @@ class Monitor:
             self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         if self._optimizers:
             return  # the optimizers' own hooks mark the steps
-        try:
-            self._guarded("step collector", self._manual_step)
-        finally:
-            pass
+        if "step collector" in self._disabled:
+            self._advance()
+            return
+        self._guarded("step collector", self._manual_step)
 
     def close(self) -> None:
         """Remove every hook, flush the sinks and print the summary; idempotent."""
         if self.closed:
             return
-        self.closed = True
-        _OPEN.discard(self)
+        try:
+            self._land_in_flight(may_halt=False)  # closing never raises a halt
+        finally:
+            self.closed = True
+            _OPEN.discard(self)
+            self._shut()
+
+    def _shut(self) -> None:
         _remove_handles(self._handles, self._tracker, self._structure)
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
@@ -220,26 +236,52 @@ class Monitor:
         self._pending[index] = self._gather(index)
 
     def _after_optimizer_step(self, index: int) -> None:
+        step = self._advance()
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
             pending = self._guarded("step collector", self._gather, index)
-        self._tracker.arm(self._optimizer_params(index))
-        self._finish(pending)
+        if self._tracker.enabled:
+            self._tracker.arm(self._optimizer_params(index))
+        self._finish(step, pending)
 
     def _manual_step(self) -> None:
+        step = self._advance()
         pending = self._gather(None)
-        self._tracker.arm(self._layers.parameters())
-        self._finish(pending)
+        if self._tracker.enabled:
+            self._tracker.arm(self._layers.parameters())
+        self._finish(step, pending)
 
-    def _finish(self, pending: _Pending | None) -> None:
-        step = self._step
+    def _advance(self) -> int:
+        """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
+        return self._step - 1
+
+    def _finish(self, step: int, pending: _Pending | None) -> None:
         if pending is None:
             return
         pending.record.step = step
+        lag = wants_lag(self.config.readback, pending.pieces)
+        staged = self._guarded("step collector", Staged, pending.pieces, lag)
+        if staged is None:
+            return
+        pending.staged = staged
+        previous, self._in_flight = self._in_flight, None
+        if lag:
+            self._in_flight = pending
+        if previous is not None:
+            self._land(previous)
+        if not lag:
+            self._land(pending)
+
+    def _land_in_flight(self, may_halt: bool = True) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._land(previous, may_halt)
+
+    def _land(self, pending: _Pending, may_halt: bool = True) -> None:
         alerts = self._guarded("step collector", self._evaluate, pending)
         if alerts:
-            self._dispatcher.publish(alerts)  # may raise TrainingHealthError
+            self._dispatcher.publish(alerts, may_halt=may_halt)  # may raise TrainingHealthError
 
     # -- collection ----------------------------------------------------------
     def _optimizer_params(self, index: int) -> list[torch.Tensor]:
@@ -274,7 +316,9 @@ class Monitor:
                     record.trainable_by_module[owner] = record.trainable_by_module.get(owner, 0) + 1
         if not manual and "not_optimized" in self._rule_ids:
             record.not_optimized = [
-                info(p) for p in self._unoptimized_params() if p.requires_grad and p.grad is not None
+                info(p)
+                for p in self._unoptimized_params()
+                if p.requires_grad and p.grad is not None
             ]
         pending = _Pending(record)
         if grads:
@@ -302,7 +346,7 @@ class Monitor:
 
     def _evaluate(self, pending: _Pending) -> list[Alert]:
         record = pending.record
-        values = read_back(pending.pieces)
+        values = pending.staged.values() if pending.staged is not None else []
         if pending.norm_piece is not None:
             record.param_norms = values[pending.norm_piece]
             per_layer, total = layer_norms(record.present, record.param_norms, self._layers.layers)
@@ -348,7 +392,9 @@ class Monitor:
             for group in opt.param_groups
         ) + (id(self._layers),)
         if key != self._membership_key:
-            held = {id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]}
+            held = {
+                id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]
+            }
             self._unoptimized = [p for p in self._layers.parameters() if id(p) not in held]
             self._membership_key = key
         return self._unoptimized

@@ -53,8 +53,11 @@ class _BeforeAccumulate:
 
     def __call__(self, grad: torch.Tensor) -> None:
         tracker, param = self.tracker(), self.param()
-        if tracker is not None and param is not None:
-            tracker.before_accumulate(param)
+        if tracker is not None and param is not None and tracker.enabled:
+            try:
+                tracker.before_accumulate(param)
+            except Exception as exc:  # never break the user's backward
+                tracker.fail(exc)
         return None
 
 
@@ -66,8 +69,11 @@ class _AfterAccumulate:
 
     def __call__(self, param: torch.Tensor) -> None:
         tracker = self.tracker()
-        if tracker is not None:
-            tracker.after_accumulate(param)
+        if tracker is not None and tracker.enabled:
+            try:
+                tracker.after_accumulate(param)
+            except Exception as exc:
+                tracker.fail(exc)
 
 
 class GradResetTracker:
@@ -95,47 +101,37 @@ class GradResetTracker:
         self._handles.clear()
         self._states.clear()
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         self.enabled = False
         self._on_error("accumulation tracker", exc)
 
     # -- hooks -----------------------------------------------------------
     def before_accumulate(self, param: torch.Tensor) -> None:
-        if not self.enabled:
+        state = self._states.get(id(param))
+        if state is None or not state.armed or state.reset:
             return
-        try:
-            state = self._states.get(id(param))
-            if state is None or not state.armed or state.reset:
-                return
-            grad = param.grad
-            if grad is None or grad is not _deref(state.grad_ref) or grad._version != state.version:
-                state.reset = True
-                state.content = None
-                return
-            if not state.accumulated:
-                state.accumulated = True
-                if grad.layout == torch.strided and grad.numel() > 0:
-                    state.content = torch.linalg.vector_norm(grad.detach().float(), ord=math.inf)
-        except Exception as exc:  # never break the user's backward
-            self._fail(exc)
+        grad = param.grad
+        if grad is None or grad is not _deref(state.grad_ref) or grad._version != state.version:
+            state.reset = True
+            state.content = None
+            return
+        if not state.accumulated:
+            state.accumulated = True
+            if grad.layout == torch.strided and grad.numel() > 0:
+                state.content = torch.linalg.vector_norm(grad.detach().float(), ord=math.inf)
 
     def after_accumulate(self, param: torch.Tensor) -> None:
         self.backward_seen = True
-        if not self.enabled:
+        state = self._states.get(id(param))
+        if state is None:
             return
-        try:
-            state = self._states.get(id(param))
-            if state is None:
-                return
-            state.seen = True
-            if not state.armed or state.reset:
-                return
-            grad = param.grad
-            if grad is not None:
-                state.grad_ref = weakref.ref(grad)
-                state.version = grad._version
-        except Exception as exc:
-            self._fail(exc)
+        state.seen = True
+        if not state.armed or state.reset:
+            return
+        grad = param.grad
+        if grad is not None:
+            state.grad_ref = weakref.ref(grad)
+            state.version = grad._version
 
     # -- step boundary ---------------------------------------------------
     def suspects(

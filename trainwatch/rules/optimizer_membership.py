@@ -16,9 +16,7 @@ class _ReportOnce(Rule):
         super().__init__(config)
         self._reported: set[tuple[int | None, str]] = set()
 
-    def new_owners(
-        self, scope: int | None, params: list[ParamInfo]
-    ) -> dict[str, list[ParamInfo]]:
+    def new_owners(self, scope: int | None, params: list[ParamInfo]) -> dict[str, list[ParamInfo]]:
         fresh = {}
         for owner, group in by_owner(params).items():
             if (scope, owner) not in self._reported:

@@ -1,0 +1,89 @@
+"""halt_on stops training at the cause; trainwatch's own failures never do."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+import trainwatch as tw
+from tests.conftest import train
+from trainwatch.rules.zero_gradient import ZeroGradientRule
+
+
+def test_halt_on_raises_after_every_sink_has_the_alert(model, tmp_path):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = io.StringIO()
+    with pytest.raises(tw.TrainingHealthError) as caught:
+        with tw.watch(
+            model, opt, log_dir=tmp_path, console=out, halt_on=["accumulated_gradient"]
+        ) as monitor:
+            train(model, opt, 10, zero_grad_until=4)
+    alert = caught.value.alert
+    assert (alert.rule, alert.step) == ("accumulated_gradient", 4)
+    assert "accumulated_gradient at step 4" in str(caught.value)
+    assert monitor.step_count == 5  # stopped inside the step where it happened
+    assert json.loads((tmp_path / "alerts.jsonl").read_text())["step"] == 4
+    assert "ERROR accumulated_gradient" in out.getvalue()
+    assert monitor.closed
+
+
+def test_no_halt_by_default(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        train(model, opt, 6, zero_grad_until=1)
+    assert monitor.step_count == 6
+
+
+def test_failing_rule_is_reported_once_and_training_goes_on(model, monkeypatch):
+    def broken(self, record):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ZeroGradientRule, "evaluate", broken)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        train(model, opt, 5, zero_grad_until=2)
+    internal = [a for a in monitor.alerts if a.rule == "internal_error"]
+    assert len(internal) == 1
+    assert internal[0].data["component"] == "rule zero_gradient"
+    assert "boom" in internal[0].message and "RuntimeError" in internal[0].data["traceback"]
+    assert monitor.step_count == 5
+    # The other rules kept working.
+    assert [a.rule for a in monitor.alerts if a.rule != "internal_error"] == [
+        "accumulated_gradient"
+    ]
+
+
+def test_failing_hook_inside_backward_does_not_break_backward(model, monkeypatch):
+    from trainwatch.collect.accumulation import GradResetTracker
+
+    def broken(self, param):
+        raise ValueError("hook failure")
+
+    monkeypatch.setattr(GradResetTracker, "after_accumulate", broken, raising=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses_plain = None
+    with tw.watch(model, opt, console=False) as monitor:
+        losses = train(model, opt, 3)
+    assert len(losses) == 3 and losses_plain is None
+    assert monitor.step_count == 3
+
+
+def test_failing_sink_is_switched_off_and_reported_through_the_others(model):
+    from trainwatch.sinks import Sink
+
+    class Broken(Sink):
+        name = "broken"
+
+        def emit(self, alert):
+            raise OSError("disk full")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = tw.Monitor(model, [opt], sinks=[Broken()])
+    train(model, opt, 4, zero_grad_until=1)
+    monitor.close()
+    rules = [a.rule for a in monitor.alerts]
+    assert rules == ["accumulated_gradient", "internal_error"]
+    assert monitor.alerts[1].data["component"] == "broken sink (emit)"

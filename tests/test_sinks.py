@@ -1,0 +1,128 @@
+"""Console, JSONL and memory sinks: what a person and a machine read back."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+
+import trainwatch as tw
+from tests.conftest import train
+from trainwatch.alert import Alert
+from trainwatch.sinks import AlertTally, ConsoleSink, Summary
+
+
+def _alert(**kw) -> Alert:
+    base = dict(
+        rule="zero_gradient",
+        severity="warning",
+        step=3,
+        module="fc1",
+        message="fc1.weight got no gradient",
+        hint="look for a .detach()",
+        data={"kind": "none"},
+    )
+    base.update(kw)
+    return Alert(**base)
+
+
+def test_console_line_has_step_severity_rule_module_message_and_hint():
+    out = io.StringIO()
+    ConsoleSink(out, width=400).emit(_alert())
+    line = out.getvalue()
+    assert line.count("\n") == 1
+    assert line.strip() == (
+        "trainwatch step 3 WARNING zero_gradient [fc1]: fc1.weight got no gradient"
+        " | hint: look for a .detach()"
+    )
+
+
+def test_console_is_plain_text_when_not_a_terminal_and_coloured_on_one():
+    plain, coloured = io.StringIO(), io.StringIO()
+    ConsoleSink(plain).emit(_alert(severity="error"))
+    ConsoleSink(coloured, force_terminal=True).emit(_alert(severity="error"))
+    assert "\x1b[" not in plain.getvalue()
+    assert "\x1b[" in coloured.getvalue()
+
+
+def test_long_lines_are_not_hard_wrapped_in_logs():
+    out = io.StringIO()
+    ConsoleSink(out, width=40).emit(_alert(message="x" * 200))
+    assert out.getvalue().count("\n") == 1
+
+
+def test_root_module_is_named_model():
+    out = io.StringIO()
+    ConsoleSink(out).emit(_alert(module=""))
+    assert "[<model>]" in out.getvalue()
+
+
+def test_repeats_are_counted_not_reprinted(model):
+    out = io.StringIO()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=out) as monitor:
+        train(model, opt, 8, zero_grad_until=2)
+    text = out.getvalue()
+    assert text.count("ERROR accumulated_gradient") == 1
+    assert monitor.alert_counts[("accumulated_gradient", None)] == 6
+    assert len(monitor.alerts) == 1
+    # The closing summary: the rule, its first step and count, and norms.
+    summary = text.split("steps watched", 1)[1]
+    assert "accumulated_gradient" in summary and " 2 " in summary and " 6 " in summary
+    assert "grad norm" in summary and "fc2" in summary
+
+
+def test_summary_lists_largest_and_smallest_layers():
+    norms = {f"layer{i}": float(i) for i in range(12)}
+    out = io.StringIO()
+    sink = ConsoleSink(out, width=300)
+    sink.close(Summary(steps=5, tallies=[AlertTally(_alert(), 4, 9)], latest_norms=norms))
+    text = out.getvalue()
+    assert "largest: layer11 11, layer10 10" in text
+    assert "smallest: layer0 0, layer1 1" in text
+    assert "5 steps watched" in text
+
+
+def test_summary_can_be_turned_off(model):
+    out = io.StringIO()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=out, console__summary=False):
+        train(model, opt, 2)
+    assert out.getvalue() == ""
+
+
+def test_jsonl_line_is_written_and_flushed_as_the_alert_is_raised(model, tmp_path):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "alerts.jsonl"
+    with tw.watch(model, opt, log_dir=tmp_path, console=False):
+        train(model, opt, 3, zero_grad_until=1)
+        lines = path.read_text().splitlines()  # read while the monitor is open
+        assert len(lines) == 1
+        record = json.loads(lines[0])
+        assert set(record) == {
+            "rule",
+            "severity",
+            "step",
+            "module",
+            "message",
+            "hint",
+            "data",
+            "time",
+        }
+        assert record["rule"] == "accumulated_gradient" and record["step"] == 1
+        assert isinstance(record["time"], float)
+        assert tw.Alert.from_dict(record).to_dict() == record
+
+
+def test_unwritable_log_dir_is_a_clear_error_and_attaches_nothing(model, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    try:
+        tw.watch(model, log_dir=blocker / "sub", console=False)
+    except tw.WatchError as exc:
+        assert "log_dir" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("expected WatchError")
+    with tw.watch(model, console=False):
+        pass
