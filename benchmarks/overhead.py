@@ -2,8 +2,9 @@
 
 Two identical copies of each model train side by side; blocks of steps
 alternate between the plain copy and the watched one so that drift (thermal,
-other load) hits both alike, and the reported figure is the median of the
-per-round ratios. Times are never asserted anywhere: they are printed.
+other load) hits both alike. The headline ratio is fastest watched block over
+fastest plain block (the least disturbed of each); the median of per-round
+ratios and its range are printed beside it. Times are never asserted anywhere.
 
     python benchmarks/overhead.py                 # MLP, CNN, transformer on CPU
     python benchmarks/overhead.py --quick         # seconds; a smoke run
@@ -120,17 +121,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clock(device: torch.device) -> float:
+    # On CPU, this process's CPU time: other processes on a shared machine
+    # then disturb the ratio far less than wall time would. On CUDA, wall time.
+    return time.perf_counter() if device.type == "cuda" else time.process_time()
+
+
 def _time_block(model, opt, batch, steps: int, device: torch.device) -> float:
     x, y = batch
     loss_fn = nn.functional.cross_entropy
     _sync(device)
-    start = time.perf_counter()
+    start = _clock(device)
     for _ in range(steps):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
     _sync(device)
-    return time.perf_counter() - start
+    return _clock(device) - start
 
 
 def measure(workload: Workload, device: torch.device, config: str | None) -> dict[str, float]:
@@ -140,7 +147,7 @@ def measure(workload: Workload, device: torch.device, config: str | None) -> dic
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_watched = torch.optim.AdamW(watched.parameters(), lr=1e-4)
     batch = workload.make_batch(device)
-    ratios, plain_times = [], []
+    ratios, plain_times, watched_times = [], [], []
     with tw.watch(watched, opt_watched, config=config, console=False):
         for model, opt in ((plain, opt_plain), (watched, opt_watched)):
             _time_block(model, opt, batch, 2, device)  # warm-up
@@ -153,11 +160,15 @@ def measure(workload: Workload, device: torch.device, config: str | None) -> dic
                 times[id(model)] = _time_block(model, opt, batch, workload.steps_per_round, device)
             ratios.append(times[id(watched)] / times[id(plain)])
             plain_times.append(times[id(plain)] / workload.steps_per_round)
+            watched_times.append(times[id(watched)] / workload.steps_per_round)
     return {
-        "ratio": statistics.median(ratios),
+        # The fastest block of each is the least disturbed by anything else
+        # running on the machine: their ratio is the headline figure.
+        "ratio": min(watched_times) / min(plain_times),
+        "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
-        "plain_ms_per_step": 1000 * statistics.median(plain_times),
+        "plain_ms_per_step": 1000 * min(plain_times),
     }
 
 
@@ -174,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     results = {}
     print(f"trainwatch overhead on {device} (config: {args.config or 'default'})")
-    print(f"{'workload':<12} {'plain ms/step':>14} {'ratio':>7} {'min':>6} {'max':>6}")
+    print(
+        f"{'workload':<12} {'plain ms/step':>14} {'ratio':>7} {'median':>7} {'min':>6} {'max':>6}"
+    )
     for name in args.only:
         result = measure(WORKLOADS[name](args.quick), device, args.config)
         results[name] = result
         print(
             f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['ratio']:>7.3f} "
-            f"{result['ratio_min']:>6.3f} {result['ratio_max']:>6.3f}",
+            f"{result['ratio_median']:>7.3f} {result['ratio_min']:>6.3f} "
+            f"{result['ratio_max']:>6.3f}",
             flush=True,
         )
     if args.json:

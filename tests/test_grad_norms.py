@@ -111,7 +111,8 @@ def test_one_readback_per_step_not_one_per_parameter(model, quiet_watch, monkeyp
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    assert staged == [1, 1, 1, 1]  # the norms of every parameter, as one piece
+    assert len(staged) == 4  # one transfer per step
+    assert max(staged) <= 6  # a few concatenated pieces, not one per parameter or module
 
 
 def test_lagged_readback_reports_the_step_where_it_happened(model, quiet_watch):

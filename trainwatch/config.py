@@ -33,6 +33,7 @@ RULE_IDS: tuple[str, ...] = (
     "exploding_gradient",
     "vanishing_gradient",
     "dead_units",
+    "amp_skipped_steps",
     "internal_error",
 )
 
@@ -74,6 +75,34 @@ class NotOptimizedConfig(RuleConfig):
 
 
 @dataclass
+class NonfiniteForwardConfig(RuleConfig):
+    severity: SeverityName = "error"
+    # Re-run the origin module under a dispatch trace to name the op and line
+    # (only after a detection, on CPU tensors; costs nothing on healthy steps).
+    trace_op: bool = True
+
+
+@dataclass
+class NonfiniteConfig(RuleConfig):
+    severity: SeverityName = "error"
+
+
+@dataclass
+class NonfiniteParameterConfig(RuleConfig):
+    severity: SeverityName = "error"
+    # 0: infer it from the next forward (free: the module whose weights went
+    # non-finite is the next forward's origin); N: also take the norm of every
+    # weight after every N-th step (one batched kernel), to hear of it at once.
+    check_every: int = field(default=0, metadata=_range(0))
+
+
+@dataclass
+class AmpSkippedStepsConfig(RuleConfig):
+    # GradScaler skipping this many backward passes in a row is news; fewer is its job.
+    patience: int = field(default=10, metadata=_range(2))
+
+
+@dataclass
 class GradNormsConfig:
     enabled: bool = True
 
@@ -99,6 +128,11 @@ class Config:
     )
     frozen_in_optimizer: FrozenInOptimizerConfig = field(default_factory=FrozenInOptimizerConfig)
     not_optimized: NotOptimizedConfig = field(default_factory=NotOptimizedConfig)
+    nonfinite_forward: NonfiniteForwardConfig = field(default_factory=NonfiniteForwardConfig)
+    nonfinite_backward: NonfiniteConfig = field(default_factory=NonfiniteConfig)
+    nonfinite_loss: NonfiniteConfig = field(default_factory=NonfiniteConfig)
+    nonfinite_parameter: NonfiniteParameterConfig = field(default_factory=NonfiniteParameterConfig)
+    amp_skipped_steps: AmpSkippedStepsConfig = field(default_factory=AmpSkippedStepsConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from trainwatch import registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
+from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
+from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
@@ -50,6 +52,10 @@ class _Pending:
     suspect_piece: int | None = None
     loss_piece: int | None = None
     staged: Staged | None = None
+    window: StepWindow | None = None
+    window_pieces: dict[str, int] = field(default_factory=dict)
+    checked_params: list[ParamInfo] = field(default_factory=list)
+    param_piece: int | None = None
 
 
 class _OptimizerHook:
@@ -131,8 +137,20 @@ class Monitor:
         self._tracker.attach(layers.parameters())
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
+        self._probe: NonfiniteProbe | None = None
+        if self._rule_ids & NONFINITE_RULES:
+            self._probe = NonfiniteProbe(
+                [name for name, _ in model.named_modules()],
+                _weak_callback(self._internal_error),
+                trace_ops=self.config.nonfinite_forward.trace_op,
+            )
+            self._probe.attach(model)
+            self._probe.on_new_pass = _weak_callback(self._on_new_pass)
+        self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         registry.claim(layers.parameters(), self)
-        weakref.finalize(self, _remove_handles, self._handles, self._tracker, self._structure)
+        weakref.finalize(
+            self, _remove_handles, self._handles, self._tracker, self._structure, self._probe
+        )
         _OPEN.add(self)
         for opt in optimizers:
             self.add_optimizer(opt)
@@ -206,7 +224,7 @@ class Monitor:
             self._shut()
 
     def _shut(self) -> None:
-        _remove_handles(self._handles, self._tracker, self._structure)
+        _remove_handles(self._handles, self._tracker, self._structure, self._probe)
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 
@@ -242,6 +260,10 @@ class Monitor:
             pending = self._guarded("step collector", self._gather, index)
         if self._tracker.enabled:
             self._tracker.arm(self._optimizer_params(index))
+        if pending is not None and self._parameter_check_due(step):
+            self._guarded(
+                "parameter check", self._check_parameters, pending, self._optimizer_params(index)
+            )
         self._finish(step, pending)
 
     def _manual_step(self) -> None:
@@ -249,7 +271,38 @@ class Monitor:
         pending = self._gather(None)
         if self._tracker.enabled:
             self._tracker.arm(self._layers.parameters())
+        if self._parameter_check_due(step):
+            self._guarded(
+                "parameter check", self._check_parameters, pending, self._layers.parameters()
+            )
         self._finish(step, pending)
+
+    def _parameter_check_due(self, step: int) -> bool:
+        every = self.config.nonfinite_parameter.check_every
+        return "nonfinite_parameter" in self._rule_ids and every > 0 and step % every == 0
+
+    def _check_parameters(self, pending: _Pending, params: list[torch.Tensor]) -> None:
+        """Norms of the weights just updated: one batched kernel, read with the step."""
+        trainable = [p for p in params if p.requires_grad and p.grad is not None]
+        if not trainable:
+            return
+        pending.checked_params = [self._layers.info(p) for p in trainable]
+        pending.param_piece = len(pending.pieces)
+        pending.pieces.extend(gradient_norms([p.detach() for p in trainable]))
+
+    def _on_new_pass(self) -> None:
+        """A forward pass of the whole model begins: GradScaler may have skipped a step."""
+        probe = self._probe
+        rule = self.config.amp_skipped_steps
+        if probe is None or not rule.enabled:
+            return
+        passes = len(probe.bad_backward_passes)
+        if passes < rule.patience * self._judge.passes_per_step:
+            return
+        record = StepRecord(step=self._step, source="passes")
+        record.skipped_backward_passes = self._judge.trailing_skips(probe.bad_backward_passes)
+        if record.skipped_backward_passes >= rule.patience:
+            self._dispatcher.publish(self._run_rules(record))
 
     def _advance(self) -> int:
         """Count the step first, so a failure or a halt later cannot lose it."""
@@ -336,6 +389,14 @@ class Monitor:
             if flags:
                 pending.suspect_piece = len(pending.pieces)
                 pending.pieces.append(torch.cat([f.to(flags[0].device) for f in flags]))
+        if self._probe is not None and self._probe.enabled:
+            window = self._probe.take()
+            pending.window = window
+            for name in ("sums", "grad_sums", "skipped"):
+                tensor = getattr(window, name)
+                if tensor is not None:
+                    pending.window_pieces[name] = len(pending.pieces)
+                    pending.pieces.append(tensor)
         if isinstance(self._loss, torch.Tensor):
             pending.loss_piece = len(pending.pieces)
             pending.pieces.append(self._loss.reshape(-1)[:1])
@@ -355,6 +416,19 @@ class Monitor:
             self._total_norm = total
         if pending.loss_piece is not None:
             record.loss = values[pending.loss_piece][0]
+        if pending.window is not None or pending.param_piece is not None:
+            self._judge.judge(
+                record,
+                pending.window,
+                {name: values[slot] for name, slot in pending.window_pieces.items()},
+                pending.checked_params,
+                values[pending.param_piece] if pending.param_piece is not None else [],
+                self._probe.modules() if self._probe is not None else [],
+                self._dispatcher.tallies,
+                self._layers.info,
+            )
+        elif record.loss is not None:
+            self._judge.judge(record, None, {}, [], [], [], self._dispatcher.tallies)
         flags = values[pending.suspect_piece] if pending.suspect_piece is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
@@ -447,18 +521,13 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
-def _remove_handles(
-    handles: list[RemovableHandle],
-    tracker: GradResetTracker | None,
-    structure: StructureWatch | None,
-) -> None:
+def _remove_handles(handles: list[RemovableHandle], *parts: Any) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
-    if tracker is not None:
-        tracker.detach()
-    if structure is not None:
-        structure.close()
+    for part in parts:
+        if part is not None:
+            part.detach()
 
 
 def watch(

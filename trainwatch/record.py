@@ -13,6 +13,26 @@ from trainwatch.layers import ParamInfo
 
 
 @dataclass
+class NonfiniteReport:
+    """Where a NaN/Inf was born, with module names resolved."""
+
+    module: str | None
+    cause: str  # "module", "input" (data), "loss", "parameter"
+    kind: str | None = None
+    count: int | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    input_min: float | None = None
+    input_max: float | None = None
+    op: str | None = None
+    source: str | None = None
+    op_basis: str | None = None
+    parameter: str | None = None
+    spread: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -37,3 +57,14 @@ class StepRecord:
     layer_norms: dict[str, float] = field(default_factory=dict)
     total_norm: float | None = None
     loss: float | None = None
+    # NaN/Inf origins (the cascade downstream of an origin is not reported).
+    nonfinite_forward: NonfiniteReport | None = None
+    nonfinite_backward: NonfiniteReport | None = None
+    nonfinite_loss: NonfiniteReport | None = None
+    nonfinite_params: list[ParamInfo] = field(default_factory=list)
+    # When the weights' NaN/Inf is seen in the next forward, the update that
+    # made it was the step before: alerts carry that step.
+    nonfinite_params_step: int | None = None
+    # Backward passes with non-finite gradients that no optimizer step used
+    # (GradScaler skipping) in a row, ending at this record.
+    skipped_backward_passes: int = 0

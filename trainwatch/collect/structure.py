@@ -42,7 +42,7 @@ class StructureWatch:
         self._seen = _generation
         return True
 
-    def close(self) -> None:
+    def detach(self) -> None:
         global _users
         if not self._open:
             return

@@ -5,10 +5,22 @@ from __future__ import annotations
 from trainwatch.config import Config
 from trainwatch.rules.accumulation import AccumulatedGradientRule
 from trainwatch.rules.base import Rule
+from trainwatch.rules.nonfinite import (
+    NonfiniteBackwardRule,
+    NonfiniteForwardRule,
+    NonfiniteLossRule,
+    NonfiniteParameterRule,
+    SkippedStepsRule,
+)
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
 
 RULE_CLASSES: tuple[type[Rule], ...] = (
+    NonfiniteForwardRule,
+    NonfiniteBackwardRule,
+    NonfiniteLossRule,
+    NonfiniteParameterRule,
+    SkippedStepsRule,
     ZeroGradientRule,
     AccumulatedGradientRule,
     FrozenInOptimizerRule,

@@ -1,0 +1,407 @@
+"""First-NaN localisation: exact step, module and op; silent on AMP and healthy runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import trainwatch as tw
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+class Divide(nn.Module):
+    """x / d, where d can be set to zero at a chosen step (forward-only fault)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("denominator", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.denominator
+
+
+class Standardize(nn.Module):
+    """Batch standardisation without an epsilon: NaN on a constant batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / x.std(0)
+
+
+class SqrtAtZero(nn.Module):
+    """Finite forward (adds 0), infinite derivative of sqrt at 0: a backward-only fault."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x * 0.0)
+
+
+class ZeroNorm(nn.Module):
+    """Scales by a hand-written norm of a vector that is zero when ``armed``.
+
+    Forward stays finite (the norm is 0); its derivative at 0 is 0/0 = NaN.
+    (torch.linalg.vector_norm itself defines that gradient as 0.)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x - x if self.armed else x
+        return x * (v * v).sum(dim=1, keepdim=True).pow(0.5)
+
+
+class Net(nn.Module):
+    def __init__(self, fault: nn.Module | None = None, where: str = "middle") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.fault = fault if fault is not None else nn.Identity()
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "first":
+            x = self.fault(x)
+        x = torch.tanh(self.fc1(x))
+        if self.where == "middle":
+            x = self.fault(x)
+        x = torch.tanh(self.fc2(x))
+        x = self.head(x)
+        if self.where == "last":
+            x = self.fault(x)
+        return x
+
+
+def run(model, device, steps, *, plant=None, loss_fn=None, monitor_kwargs=None, lr=0.01):
+    model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    loss_fn = loss_fn or nn.functional.mse_loss
+    monitor = tw.watch(model, opt, console=False, **(monitor_kwargs or {}))
+    with monitor:
+        for step in range(steps):
+            x = torch.randn(32, 8, generator=gen).to(device)
+            y = torch.randn(32, 1, generator=gen).to(device)
+            if plant is not None:
+                x, y = plant(step, model, x, y)
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+    return monitor
+
+
+def nonfinite(monitor):
+    return [a for a in monitor.alerts if a.rule.startswith("nonfinite")]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_division_by_zero_is_located_at_its_module_step_and_op(device, where):
+    def plant(step, model, x, y):
+        if step == 3:
+            model.fault.denominator.zero_()
+        return x, y
+
+    monitor = run(Net(Divide(), where), device, 6, plant=plant)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 3, "fault")
+    assert first.data["kind"] == "inf" and first.data["cause"] == "module"
+    if device.type == "cpu":
+        assert first.data["op"] == "aten::div"
+        assert first.data["source"].endswith(
+            f"test_nonfinite.py:{_line_of('x / self.denominator')}"
+        )
+        assert "epsilon" in first.hint
+    assert len({a.rule for a in nonfinite(monitor)}) == 1  # no cascade alerts
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as source:
+        for number, line in enumerate(source, 1):
+            if text in line and "_line_of" not in line:
+                return number
+    raise AssertionError(text)
+
+
+def test_zero_std_of_a_constant_batch_names_the_standardisation(device):
+    def plant(step, model, x, y):
+        return (torch.ones_like(x) if step == 2 else x), y
+
+    monitor = run(Net(Standardize(), "first"), device, 4, plant=plant)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 2, "fault")
+    if device.type == "cpu":
+        assert first.data["op"] == "aten::div"
+        assert first.data["kind"] == "nan"
+        assert first.data["input_min"] == first.data["input_max"] == 1.0
+        assert first.data["shape"] == [32, 8]
+    assert "fc1" in first.data["spread"] and first.data["spread_count"] >= 3
+
+
+def test_functional_op_between_modules_is_traced_in_the_parent(device):
+    class LogInForward(Net):
+        def forward(self, x):
+            h = torch.tanh(self.fc1(x))
+            h = torch.log(h)  # NaN wherever tanh(fc1(x)) < 0
+            return self.head(torch.tanh(self.fc2(h)))
+
+    monitor = run(LogInForward(), device, 2)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 0, "")
+    if device.type == "cpu":
+        assert first.data["op"] == "aten::log"
+        assert "log_softmax" in first.hint
+
+
+def test_bad_input_data_is_blamed_on_the_data(device):
+    def plant(step, model, x, y):
+        if step == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return x, y
+
+    monitor = run(Net(), device, 3, plant=plant)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step) == ("nonfinite_forward", 1)
+    assert first.data["cause"] == "input"
+    assert "data" in first.hint
+
+
+@pytest.mark.parametrize(
+    ("fault", "op"),
+    [(SqrtAtZero(), "aten::sqrt"), (ZeroNorm(), "aten::pow")],
+    ids=["sqrt-at-zero", "norm-of-zero-vector"],
+)
+def test_backward_only_fault_names_module_step_and_op(device, fault, op):
+    def plant(step, model, x, y):
+        if isinstance(model.fault, ZeroNorm):
+            model.fault.armed = step >= 2
+        return x, y
+
+    if isinstance(fault, SqrtAtZero):
+        plant = None  # sqrt sits at 0 on every batch: NaN from step 0
+    monitor = run(Net(fault, "middle"), device, 4, plant=plant)
+    alerts = nonfinite(monitor)
+    first = alerts[0]
+    expected_step = 0 if isinstance(fault, SqrtAtZero) else 2
+    assert (first.rule, first.step, first.module) == ("nonfinite_backward", expected_step, "fault")
+    assert not any(a.rule == "nonfinite_forward" for a in alerts[:1])
+    if device.type == "cpu":
+        assert first.data["op"] == op
+
+
+def test_nan_loss_with_finite_output_is_nonfinite_loss(device):
+    def loss_fn(pred, y):
+        return nn.functional.mse_loss(pred, y) + torch.log(torch.tensor(-1.0, device=y.device))
+
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(2):
+            x, y = torch.randn(8, 8, device=device), torch.randn(8, 1, device=device)
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            monitor.step(loss=loss)
+            opt.step()
+    (alert,) = nonfinite(monitor)
+    assert (alert.rule, alert.step, alert.module) == ("nonfinite_loss", 0, None)
+    assert "nan" in alert.message.lower()
+
+
+def test_nan_targets_are_nonfinite_loss_even_without_the_loss_value(device):
+    def plant(step, model, x, y):
+        if step == 1:
+            y = y.clone()
+            y[3] = float("nan")
+        return x, y
+
+    monitor = run(Net(), device, 3, plant=plant)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_loss", 1, None)
+    assert first.data["cause"] == "loss"
+
+
+def _scaled_mse(pred, y):
+    return nn.functional.mse_loss(pred, y) * 1e10
+
+
+def test_learning_rate_that_blows_up_parameters(device):
+    # lr * gradient lands past float32's range: the update itself overflows.
+    monitor = run(Net(), device, 4, lr=1e30, loss_fn=_scaled_mse)
+    alerts = nonfinite(monitor)
+    first = alerts[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_parameter", 0, "fc1")
+    assert "learning rate" in first.hint
+    # The forward NaN that follows is the cascade of that update, not a new origin.
+    assert not any(a.rule == "nonfinite_forward" and a.module == first.module for a in alerts)
+
+
+def test_huge_learning_rate_shows_as_the_backward_overflow_it_causes(device):
+    monitor = run(Net(), device, 4, lr=1e37)  # finite but huge weights after step 0
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step) == ("nonfinite_backward", 1)
+    assert first.data["kind"] == "inf"
+
+
+def test_parameter_check_every_step_reports_at_the_update_itself(device):
+    monitor = run(
+        Net(),
+        device,
+        2,
+        lr=1e30,
+        loss_fn=_scaled_mse,
+        monitor_kwargs={"nonfinite_parameter": {"check_every": 1}},
+    )
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step) == ("nonfinite_parameter", 0)
+    assert monitor.step_count == 2
+
+
+def test_fp16_overflow_is_found(device):
+    class Amplify(nn.Module):
+        def forward(self, x):
+            return (x.half() * 5000.0 * 5000.0).float()
+
+    monitor = run(Net(Amplify(), "middle"), device, 2)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 0, "fault")
+    assert first.data["kind"] == "inf"
+    if device.type == "cpu":
+        assert first.data["op"] == "aten::mul"
+
+
+def test_healthy_training_has_no_nonfinite_alert(device):
+    monitor = run(Net(), device, 20)
+    assert monitor.alerts == []
+
+
+def test_grad_scaler_skipping_a_few_steps_is_silent(device):
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
+    with tw.watch(model, opt, console=False) as monitor:
+        for i in range(12):
+            x, y = torch.randn(8, 8, device=device), torch.randn(8, 1, device=device)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if i in (3, 4, 5):
+                loss = loss * float("inf")  # overflowed scaled loss: the scaler skips
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert monitor.step_count == 9
+    assert monitor.alerts == []
+
+
+def test_grad_scaler_that_keeps_skipping_warns_once(device):
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(device.type)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(25):
+            x, y = torch.randn(8, 8, device=device), torch.randn(8, 1, device=device)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert monitor.step_count == 0
+    (alert,) = monitor.alerts
+    assert alert.rule == "amp_skipped_steps" and alert.severity == "warning"
+    assert alert.data["skipped"] >= 10
+
+
+def test_bf16_autocast_raises_nothing(device):
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(6):
+            x, y = torch.randn(16, 8, device=device), torch.randn(16, 1, device=device)
+            opt.zero_grad()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+    assert monitor.alerts == []
+
+
+def test_origin_agrees_with_a_brute_force_layer_walk():
+    """Run the layers one by one and check every output: the first bad one is the origin."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        Divide(),
+        nn.Linear(8, 8),
+        nn.ReLU(),
+        nn.Linear(8, 1),
+    )
+    layers[3].denominator.zero_()
+    x = torch.randn(4, 8)
+    h, expected = x, None
+    for name, layer in layers.named_children():
+        h = layer(h)
+        if expected is None and not bool(torch.isfinite(h).all()):
+            expected = name
+    opt = torch.optim.SGD(layers.parameters(), lr=0.01)
+    with tw.watch(layers, opt, console=False) as monitor:
+        opt.zero_grad()
+        layers(x).sum().backward()
+        opt.step()
+    assert nonfinite(monitor)[0].module == expected == "3"
+
+
+def test_halt_on_stops_at_the_end_of_the_step_where_it_was_born(tmp_path):
+    def plant(step, model, x, y):
+        if step == 2:
+            model.fault.denominator.zero_()
+        return x, y
+
+    with pytest.raises(tw.TrainingHealthError) as caught:
+        run(
+            Net(Divide()),
+            torch.device("cpu"),
+            10,
+            plant=plant,
+            monitor_kwargs={"halt_on": ["nonfinite_forward"], "log_dir": tmp_path},
+        )
+    assert (caught.value.alert.rule, caught.value.alert.step) == ("nonfinite_forward", 2)
+    assert "nonfinite_forward" in (tmp_path / "alerts.jsonl").read_text()
+
+
+def test_tracing_the_op_leaves_rng_and_buffers_untouched():
+    class DropoutDivide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.bn(x)) / 0.0
+
+    model = DropoutDivide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    with tw.watch(model, opt, console=False) as monitor:
+        torch.manual_seed(123)
+        model(x).sum().backward()
+        after_watched = torch.rand(1)
+        stats = model.bn.running_mean.clone()
+    torch.manual_seed(123)
+    reference = DropoutDivide()
+    reference(x)
+    assert torch.equal(after_watched, torch.rand(1))
+    assert torch.allclose(stats, reference.bn.running_mean)
+    assert nonfinite(monitor) or monitor.step_count == 0
+    assert not math.isnan(float(stats.sum()))

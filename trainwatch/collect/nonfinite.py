@@ -1,0 +1,502 @@
+"""Where the first NaN/Inf of a step was born, in forward and in backward.
+
+Every module's floating outputs get one fp32 sum (a reduction, not an
+elementwise test: any NaN/Inf makes the sum NaN/Inf). A module is the origin
+when its output is non-finite while its inputs were finite; inputs that are
+another module's output reuse that module's sum, matched by identity.
+
+Two ways to read the sums:
+- CPU tensors are checked on the spot (reading a CPU scalar costs no device
+  sync). The first origin is confirmed with an exact check, and its op is
+  traced while its inputs still exist.
+- Device (CUDA) sums stay on the device and join the step's single readback;
+  the origin is located from them when the step lands. No op is traced there
+  (the inputs are gone by then); module, step and spread are still exact.
+
+Backward uses tensor hooks (not full backward hooks, which cost ~150 us a
+module and break on in-place ops, FACTS.md) on each module's outputs and
+inputs: the origin is the module whose input gradient went non-finite while
+its output gradient was finite.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
+from trainwatch.collect.tensors import floating_tensors
+
+_MAX_SUMS = 20000  # per step; past it, checks pause until the next step
+
+# Modules that cannot turn finite inputs into NaN/Inf, forward or backward:
+# left unhooked, they cost nothing, and the next checked module still sees
+# whatever they pass on.
+CANNOT_ORIGINATE: tuple[type[nn.Module], ...] = (
+    nn.Identity,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Hardswish,
+    nn.GELU,
+    nn.SiLU,
+    nn.Softsign,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+)
+
+
+@dataclass
+class ForwardCall:
+    """One module call: which sums are its inputs and its outputs."""
+
+    module: int
+    inputs: list[int]
+    outputs: list[int]
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    # Checked on the spot (CPU) only when an output was bad; None: use the sums.
+    inputs_finite: bool | None = None
+
+
+@dataclass
+class NonfiniteFinding:
+    """What the rules need to name an origin."""
+
+    module: int
+    direction: str  # "forward" or "backward"
+    cause: str  # "module": born here; "input": the model's input was already bad;
+    # "loss": gradient non-finite where it enters the model (the loss's backward)
+    kind: str | None = None  # "nan" / "inf" when known exactly
+    count: int | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    input_min: float | None = None
+    input_max: float | None = None
+    op: str | None = None
+    source: str | None = None
+    op_basis: str | None = None
+    spread: list[int] = field(default_factory=list)
+
+
+class _ForwardHook:
+    __slots__ = ("index", "probe")
+
+    def __init__(self, probe: NonfiniteProbe, index: int) -> None:
+        self.probe = weakref.ref(probe)
+        self.index = index
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        probe = self.probe()
+        if probe is not None and probe.enabled and not probe.suspended:
+            try:
+                probe.after_forward(self.index, module, args, kwargs, output)
+            except Exception as exc:  # never break the user's forward
+                probe.fail(exc)
+        return None
+
+
+class _RootPreHook:
+    __slots__ = ("probe",)
+
+    def __init__(self, probe: NonfiniteProbe) -> None:
+        self.probe = weakref.ref(probe)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        probe = self.probe()
+        if probe is not None and not probe.suspended:
+            probe.new_pass()
+        return None
+
+
+class _GradHook:
+    """Tensor hook: the gradient of a module's output ("out") or input ("in")."""
+
+    __slots__ = ("call", "probe", "side")
+
+    def __init__(self, probe: NonfiniteProbe, call: ForwardCall, side: str) -> None:
+        self.probe = weakref.ref(probe)
+        self.call = call
+        self.side = side
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        probe = self.probe()
+        if probe is not None and probe.enabled:
+            try:
+                probe.on_grad(self.call, self.side, grad)
+            except Exception as exc:
+                probe.fail(exc)
+        return None
+
+
+class NonfiniteProbe:
+    def __init__(self, names: list[str], on_error: Any, trace_ops: bool = True) -> None:
+        self.names = names
+        self.enabled = True
+        self.suspended = False
+        self.trace_ops = trace_ops
+        self._on_error = on_error
+        self.on_new_pass: Any = None
+        self._handles: list[RemovableHandle] = []
+        self._modules: list[weakref.ref[nn.Module]] = []
+        self.reset()
+
+    # -- lifecycle -------------------------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        self._handles.append(model.register_forward_pre_hook(_RootPreHook(self)))
+        for index, (_, module) in enumerate(model.named_modules()):
+            self._modules.append(weakref.ref(module))
+            if isinstance(module, CANNOT_ORIGINATE) and module is not model:
+                continue
+            self._handles.append(
+                module.register_forward_hook(_ForwardHook(self, index), with_kwargs=True)
+            )
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.reset()
+
+    def fail(self, exc: BaseException) -> None:
+        self.enabled = False
+        self.reset()
+        self._on_error("non-finite probe", exc)
+
+    def reset(self) -> None:
+        """Start a new step: drop everything the last one gathered."""
+        self.sums: list[torch.Tensor] = []
+        self.calls: list[ForwardCall] = []
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._grad_fns: dict[int, Any] = {}
+        # Exact verdicts of CPU sums, index-aligned with self.sums (None: not checked).
+        self.finite: list[bool | None] = []
+        self.forward_origin: NonfiniteFinding | None = None
+        self.grad_sums: list[torch.Tensor] = []
+        self.grad_events: list[tuple[ForwardCall, str]] = []
+        self.backward_origin: NonfiniteFinding | None = None
+        self._out_bad: set[int] = set()
+        self._immediate_grads = True
+        self._any_bad_grad = False
+        self._pass_grads: list[torch.Tensor] = []
+        # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
+        self.bad_backward_passes: list[torch.Tensor] = []
+
+    def new_pass(self) -> None:
+        # Identity matches and autograd nodes only matter within one pass;
+        # dropping them here keeps memory flat across many passes per step.
+        self._known.clear()
+        self._grad_fns.clear()
+        if self._pass_grads:
+            flag = torch.stack(self._pass_grads).isfinite().all().logical_not()
+            self.bad_backward_passes.append(flag)
+            if len(self.bad_backward_passes) > 64:
+                del self.bad_backward_passes[0]
+            self._pass_grads = []
+        if self.on_new_pass is not None:
+            self.on_new_pass()
+
+    # -- forward ---------------------------------------------------------
+    def _sum_index(self, tensor: torch.Tensor) -> int:
+        known = self._known.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        index = len(self.sums)
+        self.sums.append(tensor.detach().sum(dtype=torch.float32))
+        self.finite.append(None)
+        self._known[id(tensor)] = (weakref.ref(tensor), index)
+        return index
+
+    def _is_finite(self, index: int, tensor: torch.Tensor | None = None) -> bool:
+        """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow."""
+        verdict = self.finite[index]
+        if verdict is None:
+            verdict = math.isfinite(float(self.sums[index]))
+            if not verdict and tensor is not None:
+                verdict = bool(torch.isfinite(tensor).all())
+            self.finite[index] = verdict
+        return verdict
+
+    def after_forward(
+        self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        outs = list(floating_tensors(output))
+        if not outs or len(self.sums) > _MAX_SUMS:
+            return
+        ins = list(floating_tensors([args, kwargs]))
+        first = outs[0]
+        immediate = first.device.type == "cpu"
+        # On the spot, inputs are only examined when an output is bad; on a
+        # device their sums are needed to judge later, unless already known.
+        in_ids = [] if immediate else [self._sum_index(t) for t in ins]
+        out_ids = [self._sum_index(t) for t in outs]
+        call = ForwardCall(
+            index, in_ids, out_ids, tuple(first.shape), str(first.dtype), str(first.device)
+        )
+        self.calls.append(call)
+        if immediate:
+            self._check_now(call, module, args, kwargs, ins, outs)
+        if torch.is_grad_enabled():
+            self._hook_gradients(call, ins, outs)
+
+    def _check_now(
+        self,
+        call: ForwardCall,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        ins: list[torch.Tensor],
+        outs: list[torch.Tensor],
+    ) -> None:
+        bad_out = [t for i, t in zip(call.outputs, outs) if not self._is_finite(i, t)]
+        if not bad_out:
+            return
+        call.inputs_finite = all(bool(torch.isfinite(t).all()) for t in ins)
+        if not call.inputs_finite or self.forward_origin is not None:
+            return  # propagated: an earlier module (or the data) made it
+        bad = bad_out[0]
+        nan = torch.isnan(bad)
+        finding = NonfiniteFinding(
+            module=call.module,
+            direction="forward",
+            cause="module",
+            kind="nan" if bool(nan.any()) else "inf",
+            count=int((~torch.isfinite(bad)).sum()),
+            shape=tuple(bad.shape),
+            dtype=str(bad.dtype),
+            device=str(bad.device),
+        )
+        if ins:
+            finding.input_min = min(float(t.detach().min()) for t in ins)
+            finding.input_max = max(float(t.detach().max()) for t in ins)
+        if self.trace_ops:
+            self.suspended = True
+            try:
+                found: OpFinding | None = trace_first_nonfinite_op(module, args, kwargs)
+            finally:
+                self.suspended = False
+            if found is not None:
+                finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
+        self.forward_origin = finding
+
+    def _hook_gradients(
+        self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        for tensor in outs:
+            if tensor.requires_grad:
+                tensor.register_hook(_GradHook(self, call, "out"))
+                if tensor.grad_fn is not None:
+                    stop = {id(t.grad_fn) for t in ins if t.grad_fn is not None}
+                    self._grad_fns[id(call)] = (tensor.grad_fn, stop)
+                break
+        for tensor in ins:
+            if tensor.requires_grad:
+                tensor.register_hook(_GradHook(self, call, "in"))
+
+    # -- backward ----------------------------------------------------------
+    def on_grad(self, call: ForwardCall, side: str, grad: torch.Tensor) -> None:
+        if not grad.is_floating_point() or grad.layout != torch.strided:
+            return
+        if len(self.grad_sums) > _MAX_SUMS:
+            return
+        total = grad.detach().sum(dtype=torch.float32)
+        self.grad_sums.append(total)
+        self._pass_grads.append(total)
+        self.grad_events.append((call, side))
+        if grad.device.type != "cpu" or self.backward_origin is not None:
+            self._immediate_grads = self._immediate_grads and grad.device.type == "cpu"
+            return
+        if math.isfinite(float(total)) or bool(torch.isfinite(grad).all()):
+            return
+        self._any_bad_grad = True
+        if side == "out":
+            self._out_bad.add(id(call))
+            return
+        if id(call) in self._out_bad:
+            return  # its output gradient was already bad: propagated
+        finding = NonfiniteFinding(
+            module=call.module,
+            direction="backward",
+            cause="module",
+            kind="nan" if bool(torch.isnan(grad).any()) else "inf",
+            count=int((~torch.isfinite(grad)).sum()),
+            shape=tuple(grad.shape),
+            dtype=str(grad.dtype),
+            device=str(grad.device),
+        )
+        op = _backward_op(*self._grad_fns.get(id(call), (None, set())))
+        if op is not None:
+            finding.op, finding.op_basis = op, "autograd graph"
+        self.backward_origin = finding
+
+    # -- step boundary -----------------------------------------------------
+    def modules(self) -> list[nn.Module | None]:
+        return [ref() for ref in self._modules]
+
+    def take(self) -> StepWindow:
+        """Hand over what this step gathered and start the next one."""
+        window = StepWindow(
+            calls=self.calls,
+            finite=self.finite,
+            forward_origin=self.forward_origin,
+            backward_origin=self.backward_origin,
+            grad_events=self.grad_events,
+        )
+        needs_forward = any(v is None for v in self.finite) and any(
+            not all(self.finite[i] is True for i in c.outputs) for c in self.calls
+        )
+        if needs_forward:
+            window.sums = torch.stack([s.to(self.sums[0].device) for s in self.sums])
+        if self.grad_sums and (
+            not self._immediate_grads or (self._any_bad_grad and self.backward_origin is None)
+        ):
+            window.grad_sums = torch.stack([s.to(self.grad_sums[0].device) for s in self.grad_sums])
+        if self._pass_grads:  # the pass the step used counts as not skipped
+            self._pass_grads = []
+        if self.bad_backward_passes:
+            window.skipped = torch.stack(
+                [f.to(self.bad_backward_passes[0].device) for f in self.bad_backward_passes]
+            )
+        self.reset()
+        return window
+
+
+@dataclass
+class StepWindow:
+    """Everything the probe saw between two step boundaries."""
+
+    calls: list[ForwardCall]
+    finite: list[bool | None]
+    forward_origin: NonfiniteFinding | None
+    backward_origin: NonfiniteFinding | None
+    grad_events: list[tuple[ForwardCall, str]]
+    sums: torch.Tensor | None = None
+    grad_sums: torch.Tensor | None = None
+    skipped: torch.Tensor | None = None
+
+
+def locate_forward(calls: Iterable[ForwardCall], finite: list[bool]) -> NonfiniteFinding | None:
+    """The first call (in completion order) with bad outputs and finite inputs.
+
+    With none such but bad outputs somewhere, the model's input was bad.
+    Pure, so the device path and the tests share it.
+    """
+    calls = list(calls)
+    bad_calls = [c for c in calls if not all(finite[i] for i in c.outputs)]
+    if not bad_calls:
+        return None
+    spread = sorted({c.module for c in bad_calls})
+    for call in bad_calls:
+        inputs_ok = call.inputs_finite
+        if inputs_ok is None:
+            inputs_ok = all(finite[i] for i in call.inputs)
+        if inputs_ok:
+            return NonfiniteFinding(
+                call.module,
+                "forward",
+                "module",
+                shape=call.shape,
+                dtype=call.dtype,
+                device=call.device,
+                spread=spread,
+            )
+    first = bad_calls[0]
+    return NonfiniteFinding(
+        first.module,
+        "forward",
+        "input",
+        shape=first.shape,
+        dtype=first.dtype,
+        device=first.device,
+        spread=spread,
+    )
+
+
+def locate_backward(
+    events: list[tuple[ForwardCall, str]], finite: list[bool]
+) -> NonfiniteFinding | None:
+    """The first module whose input gradient went bad while its output gradient was fine.
+
+    With none such, the gradient was already bad where it entered the model:
+    the loss's backward made it.
+    """
+    out_bad: set[int] = set()
+    first_bad: ForwardCall | None = None
+    for (call, side), ok in zip(events, finite):
+        if ok:
+            continue
+        if first_bad is None:
+            first_bad = call
+        if side == "out":
+            out_bad.add(id(call))
+        elif id(call) not in out_bad:
+            return NonfiniteFinding(call.module, "backward", "module", device=call.device)
+    if first_bad is not None:
+        return NonfiniteFinding(first_bad.module, "backward", "loss", device=first_bad.device)
+    return None
+
+
+_DOMAIN_EDGE = re.compile(
+    r"^(Sqrt|Rsqrt|Pow|Div|Log|Log2|Log10|Log1p|Reciprocal|LinalgVectorNorm|Norm|Acos|Asin|"
+    r"Atanh|Acosh|Cdist|Std|Var|Tan|Exp|Erfinv|Lgamma|Digamma|Polygamma)Backward\d*$"
+)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _backward_op(grad_fn: Any, stop: set[int], limit: int = 64) -> str | None:
+    """The op inside a module whose backward most likely made the NaN/Inf.
+
+    Autograd keeps no values to test, so this names the first op (walking from
+    the module's output towards its inputs) whose derivative is known to blow
+    up at the edge of its domain (sqrt at 0, the norm of a zero vector, log at
+    0, division by 0), or else the output's own op.
+    """
+    if grad_fn is None:
+        return None
+    seen: set[int] = set()
+    queue = [grad_fn]
+    first_name: str | None = None
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue
+        if first_name is None:
+            first_name = name
+        if _DOMAIN_EDGE.match(name):
+            return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
+        queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    if first_name is None:
+        return None
+    return "aten::" + _snake(re.sub(r"Backward\d*$", "", first_name))

@@ -1,0 +1,175 @@
+"""Turns what the non-finite probe gathered into origins the rules can report.
+
+Runs when a step lands (after its readback): it decides which of forward,
+backward, loss or a parameter update is the origin, so the rules downstream
+report the cause once and never the cascade that follows from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainwatch.collect.nonfinite import (
+    NonfiniteFinding,
+    StepWindow,
+    locate_backward,
+    locate_forward,
+)
+from trainwatch.layers import ParamInfo
+from trainwatch.record import NonfiniteReport, StepRecord
+
+NONFINITE_RULES = frozenset(
+    {
+        "nonfinite_forward",
+        "nonfinite_backward",
+        "nonfinite_loss",
+        "nonfinite_parameter",
+        "amp_skipped_steps",
+    }
+)
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+class NonfiniteJudge:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        # Backward passes per optimizer step when healthy (gradient accumulation):
+        # scales how many passes without a step count as GradScaler skipping.
+        self.passes_per_step = 1
+
+    def _report(self, finding: NonfiniteFinding, cause: str | None = None) -> NonfiniteReport:
+        return NonfiniteReport(
+            module=self.names[finding.module] if 0 <= finding.module < len(self.names) else None,
+            cause=cause or finding.cause,
+            kind=finding.kind,
+            count=finding.count,
+            shape=finding.shape,
+            dtype=finding.dtype,
+            device=finding.device,
+            input_min=finding.input_min,
+            input_max=finding.input_max,
+            op=finding.op,
+            source=finding.source,
+            op_basis=finding.op_basis,
+            spread=[self.names[i] for i in finding.spread if 0 <= i < len(self.names)],
+        )
+
+    @staticmethod
+    def trailing_skips(flags: Sequence[torch.Tensor | float]) -> int:
+        values = [float(f) for f in flags]
+        count = 0
+        for value in reversed(values):
+            if value <= 0.0:
+                break
+            count += 1
+        return count
+
+    def judge(
+        self,
+        record: StepRecord,
+        window: StepWindow | None,
+        values: dict[str, list[float]],
+        checked_params: list[ParamInfo],
+        param_norms: list[float],
+        modules: list[nn.Module | None],
+        tallies: dict[tuple[str, str | None], Any],
+        info: Callable[[torch.Tensor], ParamInfo] | None = None,
+    ) -> None:
+        forward_bad = False
+        if window is not None:
+            forward_bad = self._forward(record, window, values.get("sums"), modules, tallies, info)
+            skipped = values.get("skipped", [])
+            self.passes_per_step = len(skipped) + 1 if not any(skipped) else self.passes_per_step
+            record.skipped_backward_passes = self.trailing_skips(skipped)
+        forward_clean = not forward_bad
+        loss_bad = record.loss is not None and not _finite(record.loss)
+        bad_grads = [
+            info for info, norm in zip(record.present, record.param_norms) if not _finite(norm)
+        ]
+        if bad_grads and forward_clean and window is not None:
+            self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
+        if loss_bad and forward_clean and record.nonfinite_loss is None:
+            record.nonfinite_loss = NonfiniteReport(module=None, cause="value")
+        bad_grad_names = {p.name for p in bad_grads}
+        checked = [
+            param
+            for param, norm in zip(checked_params, param_norms)
+            if not _finite(norm) and param.name not in bad_grad_names and param.in_model
+        ]
+        if checked and not record.nonfinite_params:
+            record.nonfinite_params = checked
+
+    def _forward(
+        self,
+        record: StepRecord,
+        window: StepWindow,
+        sums: list[float] | None,
+        modules: list[nn.Module | None],
+        tallies: dict[tuple[str, str | None], Any],
+        info: Callable[[torch.Tensor], ParamInfo] | None,
+    ) -> bool:
+        """Report the forward origin, if any; True when the forward had any NaN/Inf."""
+        # Verdicts taken on the spot (CPU) where known, else the read-back sums.
+        finite = [
+            known if known is not None else (sums is None or _finite(sums[i]))
+            for i, known in enumerate(window.finite)
+        ]
+        located = locate_forward(window.calls, finite)
+        finding = window.forward_origin or located
+        if finding is None:
+            return False
+        if window.forward_origin is not None and located is not None:
+            finding.spread = located.spread
+        report = self._report(finding)
+        module = modules[finding.module] if 0 <= finding.module < len(modules) else None
+        bad_params = _nonfinite_params(module) if finding.cause == "module" and module else []
+        if bad_params:
+            if any(rule.startswith("nonfinite") for rule, _ in tallies):
+                return True  # weights poisoned by an update already reported: the cascade
+            if info is not None and record.step > 0:
+                # Finite gradients, non-finite weights: the last update made them.
+                record.nonfinite_params = [info(p) for p in bad_params]
+                record.nonfinite_params_step = record.step - 1
+                return True
+            report.cause = "parameter"
+        record.nonfinite_forward = report
+        return True
+
+    def _backward(
+        self,
+        record: StepRecord,
+        window: StepWindow,
+        grad_sums: list[float] | None,
+        bad_grads: list[ParamInfo],
+        loss_bad: bool,
+    ) -> None:
+        finding = window.backward_origin
+        if finding is None and grad_sums is not None:
+            finding = locate_backward(window.grad_events, [_finite(v) for v in grad_sums])
+        if finding is None:
+            first = bad_grads[0]
+            record.nonfinite_backward = NonfiniteReport(
+                module=first.owner, cause="parameter", parameter=first.name
+            )
+            return
+        if finding.cause == "loss":
+            report = self._report(finding)
+            report.module = None
+            if loss_bad or record.loss is None:
+                record.nonfinite_loss = report
+            else:
+                record.nonfinite_backward = report
+            return
+        record.nonfinite_backward = self._report(finding)
+
+
+def _nonfinite_params(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters(recurse=False) if not bool(torch.isfinite(p).all())]

@@ -1,0 +1,94 @@
+"""Names the operation (and the user's source line) that made the first NaN/Inf.
+
+Runs only after a module was caught producing a non-finite output from finite
+inputs: the module is re-run on the inputs it saw under a dispatch-level
+trace that checks every aten op's result. Healthy steps never pay for it. The
+re-run must not change training: no autograd, the global RNG forked and
+restored, and the module's buffers (BatchNorm running stats) put back.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainwatch.collect.tensors import floating_tensors
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(mod.__file__) + os.sep
+    for mod in (torch, __import__("trainwatch"))
+    if getattr(mod, "__file__", None)
+)
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    op: str  # e.g. "aten::div"
+    source: str | None  # "path/to/file.py:123", the user's line that called it
+    kind: str  # "nan" or "inf"
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _user_line() -> str | None:
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_SKIP_DIRS) and "<frozen" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+class _FirstNonfinite(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: OpFinding | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            results = list(floating_tensors(out))
+            if results and not _all_finite(results):
+                inputs = list(floating_tensors(list(args) + list((kwargs or {}).values())))
+                if _all_finite(inputs):
+                    bad = next(t for t in results if not bool(torch.isfinite(t).all()))
+                    kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
+                    name = func._schema.name if hasattr(func, "_schema") else str(func)
+                    self.found = OpFinding(name, _user_line(), kind)
+        return out
+
+
+def trace_first_nonfinite_op(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OpFinding | None:
+    """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf."""
+    # Buffers (BatchNorm running stats) are swapped for copies during the
+    # re-run and the originals put back by reference: an in-place restore would
+    # bump version counters that autograd checks in the real backward.
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None:
+                swapped.append((sub._buffers, name, buf))
+                sub._buffers[name] = buf.detach().clone()
+    devices = [
+        t.device.index or 0
+        for t in floating_tensors([list(args), kwargs])
+        if t.device.type == "cuda"
+    ]
+    tracer = _FirstNonfinite()
+    try:
+        with torch.random.fork_rng(devices=sorted(set(devices))), torch.no_grad(), tracer:
+            module(*args, **kwargs)
+    except Exception:
+        return tracer.found
+    finally:
+        for buffers, name, original in swapped:
+            buffers[name] = original
+    return tracer.found

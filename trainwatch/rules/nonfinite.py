@@ -1,0 +1,213 @@
+"""NaN/Inf: the origin, not the cascade, with the op and the line when known."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainwatch.alert import Alert
+from trainwatch.record import NonfiniteReport, StepRecord
+from trainwatch.rules.base import Rule, by_owner, short_names
+
+_OP_HINTS = {
+    "aten::log": "log of a softmax or of a probability that reached 0: use log_softmax, "
+    "cross_entropy or BCEWithLogitsLoss instead of log(softmax(x)) / log(sigmoid(x)), "
+    "or clamp the argument",
+    "aten::_softmax": "a softmax over a row that is entirely -inf (a fully masked row): "
+    "keep at least one position unmasked or use a large negative number instead of -inf",
+    "aten::exp": "exp overflowed: scale or clamp the logits, or use logsumexp / softmax, "
+    "which subtract the maximum first",
+    "aten::div": "division by zero: add an epsilon to the denominator (a zero std on a "
+    "constant batch, a zero norm, a zero count)",
+    "aten::sqrt": "sqrt of a negative number, or its gradient at 0: clamp the argument "
+    "(x.clamp_min(eps).sqrt()) or add an epsilon",
+    "aten::rsqrt": "rsqrt at 0 or below: add an epsilon (as LayerNorm/BatchNorm do)",
+    "aten::pow": "a fractional power at 0 or below (or its gradient): clamp the base",
+    "aten::linalg_vector_norm": "the gradient of a norm at a zero vector is undefined: "
+    "add an epsilon, e.g. (x.pow(2).sum() + eps).sqrt()",
+    "aten::norm": "the gradient of a norm at a zero vector is undefined: add an epsilon",
+    "aten::mul": "a product overflowed (Inf * 0 = NaN, or a value past the dtype's range)",
+    "aten::addmm": "a matmul overflowed: in fp16 keep activations below 65504 "
+    "(bf16, a lower learning rate, or normalisation)",
+    "aten::mm": "a matmul overflowed: in fp16 keep activations below 65504",
+}
+
+
+def _hint(report: NonfiniteReport, default: str) -> str:
+    if report.op and report.op in _OP_HINTS:
+        return _OP_HINTS[report.op]
+    if report.op:
+        for op, hint in _OP_HINTS.items():
+            if report.op.startswith(op):
+                return hint
+    return default
+
+
+def _data(report: NonfiniteReport) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        key: value
+        for key, value in {
+            "cause": report.cause,
+            "kind": report.kind,
+            "count": report.count,
+            "shape": list(report.shape) if report.shape is not None else None,
+            "dtype": report.dtype,
+            "device": report.device,
+            "input_min": report.input_min,
+            "input_max": report.input_max,
+            "op": report.op,
+            "source": report.source,
+            "op_basis": report.op_basis,
+        }.items()
+        if value is not None
+    }
+    if report.spread:
+        data["spread"] = report.spread[:20]
+        data["spread_count"] = len(report.spread)
+    return data
+
+
+def _what(report: NonfiniteReport) -> str:
+    kind = {"nan": "NaN", "inf": "Inf"}.get(report.kind or "", "NaN/Inf")
+    count = f"{report.count} {kind}" if report.count is not None else kind
+    shape = f" in a {report.dtype} tensor of shape {list(report.shape)}" if report.shape else ""
+    op = f", made by {report.op}" if report.op else ""
+    line = f" at {report.source}" if report.source else ""
+    return f"{count}{shape}{op}{line}"
+
+
+class NonfiniteForwardRule(Rule):
+    id = "nonfinite_forward"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.nonfinite_forward
+        if report is None:
+            return []
+        spread = f"; it spread to {len(report.spread)} modules" if len(report.spread) > 1 else ""
+        if report.cause == "input":
+            return [
+                self.alert(
+                    record.step,
+                    report.module,
+                    f"the input to `{report.module or '<model>'}` is already non-finite "
+                    f"before any module computed on it{spread}",
+                    "the data is bad: check the batch for NaN/Inf (a corrupt sample, a "
+                    "division in preprocessing, an uninitialised buffer), or a functional "
+                    "op in the training loop between the data and the model",
+                    _data(report),
+                )
+            ]
+        inputs = ""
+        if report.input_min is not None:
+            inputs = f" from finite inputs in [{report.input_min:.4g}, {report.input_max:.4g}]"
+        return [
+            self.alert(
+                record.step,
+                report.module,
+                f"first non-finite value of the forward pass: {_what(report)}{inputs}{spread}",
+                _hint(
+                    report,
+                    "look for a log/sqrt/division of values at the edge of their domain, "
+                    "an exp that overflowed, or a value past fp16's range",
+                ),
+                _data(report),
+            )
+        ]
+
+
+class NonfiniteBackwardRule(Rule):
+    id = "nonfinite_backward"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.nonfinite_backward
+        if report is None:
+            return []
+        where = (
+            "in the loss's backward, before the gradient reached the model"
+            if report.cause == "loss"
+            else (
+                f"in the gradient of parameter {report.parameter}"
+                if report.parameter
+                else "while its output gradient was finite"
+            )
+        )
+        return [
+            self.alert(
+                record.step,
+                report.module,
+                f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
+                "the optimizer step applied it",
+                _hint(
+                    report,
+                    "a derivative that is infinite at the edge of its domain (sqrt or a norm "
+                    "at 0, log at 0, division by 0): add an epsilon",
+                ),
+                _data(report),
+            )
+        ]
+
+
+class NonfiniteLossRule(Rule):
+    id = "nonfinite_loss"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.nonfinite_loss
+        if report is None:
+            return []
+        value = f" ({record.loss})" if record.loss is not None else ""
+        return [
+            self.alert(
+                record.step,
+                None,
+                f"the loss is non-finite{value} while the model's output was finite",
+                _hint(
+                    report,
+                    "the loss function made it: a log of a probability that reached 0 "
+                    "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, or "
+                    "a division by a zero count (an empty mask)",
+                ),
+                _data(report),
+            )
+        ]
+
+
+class NonfiniteParameterRule(Rule):
+    id = "nonfinite_parameter"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        step = record.nonfinite_params_step
+        step = record.step if step is None else step
+        return [
+            self.alert(
+                step,
+                owner,
+                f"{short_names(params)} became non-finite in the optimizer step "
+                f"{step} although its gradients were finite",
+                "the update blew the weights up: lower the learning rate, clip gradients "
+                "(torch.nn.utils.clip_grad_norm_), or check the optimizer's eps/state",
+                {"parameters": [p.name for p in params], "optimizer": record.optimizer},
+            )
+            for owner, params in by_owner(record.nonfinite_params).items()
+        ]
+
+
+class SkippedStepsRule(Rule):
+    """GradScaler skips steps with Inf/NaN gradients; only a long run of them is news."""
+
+    id = "amp_skipped_steps"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.skipped_backward_passes < self.config.patience:  # type: ignore[attr-defined]
+            return []
+        return [
+            self.alert(
+                record.step,
+                None,
+                f"{record.skipped_backward_passes} backward passes in a row produced "
+                "non-finite gradients and no optimizer step ran: the GradScaler keeps "
+                "skipping and the loss scale is collapsing",
+                "the forward pass overflows even at a tiny scale: find where with "
+                "nonfinite_forward, use bf16, or keep the overflowing op in fp32 "
+                "(torch.autocast(enabled=False) around it)",
+                {"skipped": record.skipped_backward_passes},
+            )
+        ]
