@@ -80,6 +80,10 @@ class NonfiniteForwardConfig(RuleConfig):
     # Re-run the origin module under a dispatch trace to name the op and line
     # (only after a detection, on CPU tensors; costs nothing on healthy steps).
     trace_op: bool = True
+    # "auto": CPU tensors are checked as they are made (reading a CPU scalar
+    # costs no device sync), device tensors after the step's one readback.
+    # "deferred": everything after the readback (no op trace), as on CUDA.
+    check: Literal["auto", "deferred"] = "auto"
 
 
 @dataclass

@@ -143,6 +143,7 @@ class Monitor:
                 [name for name, _ in model.named_modules()],
                 _weak_callback(self._internal_error),
                 trace_ops=self.config.nonfinite_forward.trace_op,
+                on_the_spot=self.config.nonfinite_forward.check == "auto",
             )
             self._probe.attach(model)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)

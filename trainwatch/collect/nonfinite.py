@@ -102,6 +102,8 @@ class NonfiniteFinding:
     source: str | None = None
     op_basis: str | None = None
     spread: list[int] = field(default_factory=list)
+    # Whether the module's own weights were non-finite when it ran (None: not seen).
+    weights_nonfinite: bool | None = None
 
 
 class _ForwardHook:
@@ -155,8 +157,13 @@ class _GradHook:
 
 
 class NonfiniteProbe:
-    def __init__(self, names: list[str], on_error: Any, trace_ops: bool = True) -> None:
+    def __init__(
+        self, names: list[str], on_error: Any, trace_ops: bool = True, on_the_spot: bool = True
+    ) -> None:
         self.names = names
+        # Check CPU tensors as they are made (exact, with the op traced); when
+        # False, every device is judged after the step's readback, as on CUDA.
+        self.on_the_spot = on_the_spot
         self.enabled = True
         self.suspended = False
         self.trace_ops = trace_ops
@@ -222,12 +229,22 @@ class NonfiniteProbe:
             self.on_new_pass()
 
     # -- forward ---------------------------------------------------------
+    def _reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One reduction that any NaN/Inf turns NaN/Inf.
+
+        On the spot an fp32 sum will do: a sum that overflows is caught by the
+        exact check that follows. Judged later there is no exact check, so the
+        sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
+        """
+        on_the_spot = self.on_the_spot and tensor.device.type == "cpu"
+        return tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
+
     def _sum_index(self, tensor: torch.Tensor) -> int:
         known = self._known.get(id(tensor))
         if known is not None and known[0]() is tensor:
             return known[1]
         index = len(self.sums)
-        self.sums.append(tensor.detach().sum(dtype=torch.float32))
+        self.sums.append(self._reduce(tensor))
         self.finite.append(None)
         self._known[id(tensor)] = (weakref.ref(tensor), index)
         return index
@@ -250,7 +267,7 @@ class NonfiniteProbe:
             return
         ins = list(floating_tensors([args, kwargs]))
         first = outs[0]
-        immediate = first.device.type == "cpu"
+        immediate = self.on_the_spot and first.device.type == "cpu"
         # On the spot, inputs are only examined when an output is bad; on a
         # device their sums are needed to judge later, unless already known.
         in_ids = [] if immediate else [self._sum_index(t) for t in ins]
@@ -291,6 +308,9 @@ class NonfiniteProbe:
             dtype=str(bad.dtype),
             device=str(bad.device),
         )
+        finding.weights_nonfinite = not all(
+            bool(torch.isfinite(p).all()) for p in module.parameters(recurse=False)
+        )
         if ins:
             finding.input_min = min(float(t.detach().min()) for t in ins)
             finding.input_max = max(float(t.detach().max()) for t in ins)
@@ -324,12 +344,13 @@ class NonfiniteProbe:
             return
         if len(self.grad_sums) > _MAX_SUMS:
             return
-        total = grad.detach().sum(dtype=torch.float32)
+        total = self._reduce(grad)
         self.grad_sums.append(total)
         self._pass_grads.append(total)
         self.grad_events.append((call, side))
-        if grad.device.type != "cpu" or self.backward_origin is not None:
-            self._immediate_grads = self._immediate_grads and grad.device.type == "cpu"
+        on_the_spot = self.on_the_spot and grad.device.type == "cpu"
+        if not on_the_spot or self.backward_origin is not None:
+            self._immediate_grads = self._immediate_grads and on_the_spot
             return
         if math.isfinite(float(total)) or bool(torch.isfinite(grad).all()):
             return
@@ -371,11 +392,11 @@ class NonfiniteProbe:
             not all(self.finite[i] is True for i in c.outputs) for c in self.calls
         )
         if needs_forward:
-            window.sums = torch.stack([s.to(self.sums[0].device) for s in self.sums])
+            window.sums = _codes(self.sums)
         if self.grad_sums and (
             not self._immediate_grads or (self._any_bad_grad and self.backward_origin is None)
         ):
-            window.grad_sums = torch.stack([s.to(self.grad_sums[0].device) for s in self.grad_sums])
+            window.grad_sums = _codes(self.grad_sums)
         if self._pass_grads:  # the pass the step used counts as not skipped
             self._pass_grads = []
         if self.bad_backward_passes:
@@ -384,6 +405,16 @@ class NonfiniteProbe:
             )
         self.reset()
         return window
+
+
+FINITE, INF, NAN = 0.0, 1.0, 2.0
+
+
+def _codes(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Sums as finite/Inf/NaN codes: they survive the fp32 readback unchanged."""
+    stacked = torch.stack([s.to(device=sums[0].device, dtype=torch.float64) for s in sums])
+    inf = torch.isinf(stacked).to(torch.float32) * INF
+    return torch.where(torch.isnan(stacked), torch.full_like(inf, NAN), inf)
 
 
 @dataclass
@@ -395,12 +426,15 @@ class StepWindow:
     forward_origin: NonfiniteFinding | None
     backward_origin: NonfiniteFinding | None
     grad_events: list[tuple[ForwardCall, str]]
+    # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
 
 
-def locate_forward(calls: Iterable[ForwardCall], finite: list[bool]) -> NonfiniteFinding | None:
+def locate_forward(
+    calls: Iterable[ForwardCall], finite: list[bool], codes: list[float] | None = None
+) -> NonfiniteFinding | None:
     """The first call (in completion order) with bad outputs and finite inputs.
 
     With none such but bad outputs somewhere, the model's input was bad.
@@ -420,6 +454,7 @@ def locate_forward(calls: Iterable[ForwardCall], finite: list[bool]) -> Nonfinit
                 call.module,
                 "forward",
                 "module",
+                kind=_kind(call.outputs, codes),
                 shape=call.shape,
                 dtype=call.dtype,
                 device=call.device,
@@ -437,8 +472,18 @@ def locate_forward(calls: Iterable[ForwardCall], finite: list[bool]) -> Nonfinit
     )
 
 
+def _kind(indices: list[int], codes: list[float] | None) -> str | None:
+    """From a sum alone: Inf for sure, or NaN (which +Inf and -Inf together also give)."""
+    if not codes:
+        return None
+    values = [codes[i] for i in indices if i < len(codes)]
+    if NAN in values:
+        return "nan_or_inf"
+    return "inf" if INF in values else None
+
+
 def locate_backward(
-    events: list[tuple[ForwardCall, str]], finite: list[bool]
+    events: list[tuple[ForwardCall, str]], finite: list[bool], codes: list[float] | None = None
 ) -> NonfiniteFinding | None:
     """The first module whose input gradient went bad while its output gradient was fine.
 
@@ -447,7 +492,7 @@ def locate_backward(
     """
     out_bad: set[int] = set()
     first_bad: ForwardCall | None = None
-    for (call, side), ok in zip(events, finite):
+    for position, ((call, side), ok) in enumerate(zip(events, finite)):
         if ok:
             continue
         if first_bad is None:
@@ -455,7 +500,13 @@ def locate_backward(
         if side == "out":
             out_bad.add(id(call))
         elif id(call) not in out_bad:
-            return NonfiniteFinding(call.module, "backward", "module", device=call.device)
+            return NonfiniteFinding(
+                call.module,
+                "backward",
+                "module",
+                kind=_kind([position], codes),
+                device=call.device,
+            )
     if first_bad is not None:
         return NonfiniteFinding(first_bad.module, "backward", "loss", device=first_bad.device)
     return None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainwatch.collect.nonfinite import (
+    FINITE,
     NonfiniteFinding,
     StepWindow,
     locate_backward,
@@ -83,17 +84,19 @@ class NonfiniteJudge:
         tallies: dict[tuple[str, str | None], Any],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
+        bad_grads = [
+            param for param, norm in zip(record.present, record.param_norms) if not _finite(norm)
+        ]
         forward_bad = False
         if window is not None:
-            forward_bad = self._forward(record, window, values.get("sums"), modules, tallies, info)
+            forward_bad = self._forward(
+                record, window, values.get("sums"), modules, tallies, info, not bad_grads
+            )
             skipped = values.get("skipped", [])
             self.passes_per_step = len(skipped) + 1 if not any(skipped) else self.passes_per_step
             record.skipped_backward_passes = self.trailing_skips(skipped)
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
-        bad_grads = [
-            info for info, norm in zip(record.present, record.param_norms) if not _finite(norm)
-        ]
         if bad_grads and forward_clean and window is not None:
             self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -115,14 +118,15 @@ class NonfiniteJudge:
         modules: list[nn.Module | None],
         tallies: dict[tuple[str, str | None], Any],
         info: Callable[[torch.Tensor], ParamInfo] | None,
+        grads_finite: bool,
     ) -> bool:
         """Report the forward origin, if any; True when the forward had any NaN/Inf."""
         # Verdicts taken on the spot (CPU) where known, else the read-back sums.
         finite = [
-            known if known is not None else (sums is None or _finite(sums[i]))
+            known if known is not None else (sums is None or sums[i] == FINITE)
             for i, known in enumerate(window.finite)
         ]
-        located = locate_forward(window.calls, finite)
+        located = locate_forward(window.calls, finite, sums)
         finding = window.forward_origin or located
         if finding is None:
             return False
@@ -130,7 +134,15 @@ class NonfiniteJudge:
             finding.spread = located.spread
         report = self._report(finding)
         module = modules[finding.module] if 0 <= finding.module < len(modules) else None
-        bad_params = _nonfinite_params(module) if finding.cause == "module" and module else []
+        bad_params: list[torch.Tensor] = []
+        if finding.cause == "module" and module is not None:
+            # Seen when the module ran (on the spot), or now: unless this step's
+            # own non-finite gradients have just been applied to them, which
+            # leaves it open whether they were bad before (then say so only).
+            if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
+                bad_params = _nonfinite_params(module)
+            elif finding.weights_nonfinite is None and _nonfinite_params(module):
+                report.cause = "parameter"
         if bad_params:
             if any(rule.startswith("nonfinite") for rule, _ in tallies):
                 return True  # weights poisoned by an update already reported: the cascade
@@ -153,7 +165,9 @@ class NonfiniteJudge:
     ) -> None:
         finding = window.backward_origin
         if finding is None and grad_sums is not None:
-            finding = locate_backward(window.grad_events, [_finite(v) for v in grad_sums])
+            finding = locate_backward(
+                window.grad_events, [v == FINITE for v in grad_sums], grad_sums
+            )
         if finding is None:
             first = bad_grads[0]
             record.nonfinite_backward = NonfiniteReport(

@@ -96,6 +96,19 @@ class NonfiniteForwardRule(Rule):
                     _data(report),
                 )
             ]
+        if report.cause == "parameter":
+            return [
+                self.alert(
+                    record.step,
+                    report.module,
+                    f"first non-finite value of the forward pass, from `{report.module}` whose "
+                    f"own weights are non-finite{spread}",
+                    "an optimizer update blew these weights up: lower the learning rate or "
+                    "clip gradients; set nonfinite_parameter.check_every: 1 to be told at the "
+                    "update itself",
+                    _data(report),
+                )
+            ]
         inputs = ""
         if report.input_min is not None:
             inputs = f" from finite inputs in [{report.input_min:.4g}, {report.input_max:.4g}]"

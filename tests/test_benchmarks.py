@@ -1,0 +1,44 @@
+"""The benchmark scripts run (a smoke run: times are printed, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
+    out = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/overhead.py", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert set(results) == {"mlp", "cnn", "transformer"}
+    assert all(r["ratio"] > 0 for r in results.values())
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU, run benchmarks/gpu_check.py itself"
+)
+def test_gpu_check_runs_anywhere():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpu_check" in done.stdout
