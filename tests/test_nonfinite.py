@@ -436,3 +436,25 @@ def test_tracing_the_op_leaves_rng_and_buffers_untouched():
     assert torch.allclose(stats, reference.bn.running_mean)
     assert nonfinite(monitor) or monitor.step_count == 0
     assert not math.isnan(float(stats.sum()))
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log(torch.softmax(x * 1000.0, dim=-1))  # softmax underflows to 0
+
+
+class ExpOverflow(nn.Module):
+    def forward(self, x):
+        return torch.exp(x * 1000.0)
+
+
+@pytest.mark.parametrize(
+    ("fault", "op", "advice"),
+    [(LogSoftmax(), "aten::log", "log_softmax"), (ExpOverflow(), "aten::exp", "logits")],
+    ids=["log-of-softmax", "exp-overflow"],
+)
+def test_hint_names_the_fix_for_the_op(fault, op, advice):
+    monitor = run(Net(fault, "middle"), torch.device("cpu"), 1)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.module, first.data["op"]) == ("nonfinite_forward", "fault", op)
+    assert advice in first.hint
