@@ -458,3 +458,26 @@ def test_hint_names_the_fix_for_the_op(fault, op, advice):
     first = nonfinite(monitor)[0]
     assert (first.rule, first.module, first.data["op"]) == ("nonfinite_forward", "fault", op)
     assert advice in first.hint
+
+
+@pytest.mark.parametrize("bad_step", [2, 3], ids=["mid-run", "last-step"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_loss_handed_over_after_the_step_is_judged_for_that_step(where, bad_step):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bad = torch.tensor(float("nan"))
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(4):
+            x, y = torch.randn(8, 8), torch.randn(8, 1)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            reported = loss.detach() + (bad if step == bad_step else 0.0)
+            if where == "before":
+                monitor.step(loss=reported)
+            opt.step()
+            if where == "after":
+                monitor.step(loss=reported)  # as Lightning's on_train_batch_end does
+    (alert,) = nonfinite(monitor)
+    assert (alert.rule, alert.step) == ("nonfinite_loss", bad_step)

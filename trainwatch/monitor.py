@@ -10,6 +10,7 @@ drive this same object.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import weakref
 from collections.abc import Iterable, Sequence
@@ -34,7 +35,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.readback import Staged, wants_lag
-from trainwatch.record import StepRecord
+from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
 
@@ -51,6 +52,7 @@ class _Pending:
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
     suspect_piece: int | None = None
     loss_piece: int | None = None
+    late_loss: tuple[int, float | None, int | None] | None = None  # step, value, piece
     staged: Staged | None = None
     window: StepWindow | None = None
     window_pieces: dict[str, int] = field(default_factory=dict)
@@ -128,6 +130,7 @@ class Monitor:
         self._latest_norms: dict[str, float] = {}
         self._total_norm: float | None = None
         self._loss: torch.Tensor | float | None = None
+        self._late_loss: tuple[int, torch.Tensor | float] | None = None
         self._disabled: set[str] = set()
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
@@ -205,7 +208,12 @@ class Monitor:
         """Mark a step boundary when no optimizer is watched; pass the loss in any mode."""
         self._ensure_open()
         if loss is not None:
-            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            if self._optimizers and self._step > 0 and not self._tracker.backward_seen:
+                # Called after optimizer.step(): the loss is the step just taken's.
+                self._late_loss = (self._step - 1, value)
+            else:
+                self._loss = value
         if self._optimizers:
             return  # the optimizers' own hooks mark the steps
         if "step collector" in self._disabled:
@@ -219,6 +227,13 @@ class Monitor:
             return
         try:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
+            if self._late_loss is not None:
+                step, value = self._late_loss
+                self._late_loss = None
+                number = float(value) if value is not None else None
+                alerts = self._guarded("step collector", self._late_loss_alerts, step, number)
+                if alerts:
+                    self._dispatcher.publish(alerts, may_halt=False)
         finally:
             self.closed = True
             _OPEN.discard(self)
@@ -404,6 +419,14 @@ class Monitor:
         elif self._loss is not None:
             record.loss = self._loss
         self._loss = None
+        if self._late_loss is not None:
+            late_step, value = self._late_loss
+            if isinstance(value, torch.Tensor):
+                pending.late_loss = (late_step, None, len(pending.pieces))
+                pending.pieces.append(value.reshape(-1)[:1])
+            else:
+                pending.late_loss = (late_step, value, None)
+            self._late_loss = None
         return pending
 
     def _evaluate(self, pending: _Pending) -> list[Alert]:
@@ -437,6 +460,20 @@ class Monitor:
         self._dispatcher.numbers(
             StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
         )
+        alerts = self._run_rules(record)
+        if pending.late_loss is not None:
+            late_step, value, slot = pending.late_loss
+            alerts.extend(self._late_loss_alerts(late_step, values[slot][0] if slot else value))
+        return alerts
+
+    def _late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:
+        """A loss handed over after its optimizer step, judged with the next one."""
+        if value is None or math.isfinite(value):
+            return []
+        if any(rule.startswith("nonfinite") for rule, _ in self._dispatcher.tallies):
+            return []  # a NaN already reported upstream explains it
+        record = StepRecord(step=step, source="loss", loss=value)
+        record.nonfinite_loss = NonfiniteReport(module=None, cause="value")
         return self._run_rules(record)
 
     def _run_rules(self, record: StepRecord) -> list[Alert]:
