@@ -28,8 +28,11 @@ def hook_counts(model: nn.Module, optimizers=()) -> dict[str, int]:
     )
     from torch.nn.modules import module as module_globals
 
-    counts["global_registration"] = len(module_globals._global_module_registration_hooks) + len(
-        module_globals._global_parameter_registration_hooks
+    counts["global_registration"] = (
+        len(module_globals._global_module_registration_hooks)
+        + len(module_globals._global_parameter_registration_hooks)
+        + len(module_globals._global_forward_hooks)
+        + len(module_globals._global_forward_pre_hooks)
     )
     return counts
 

@@ -30,6 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
@@ -107,33 +111,55 @@ class NonfiniteFinding:
 
 
 class _ForwardHook:
+    """One global forward hook that picks out the watched model's modules by identity.
+
+    Global, not per module: hooks stored on the modules would travel with
+    ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)`` (an EMA or
+    teacher copy would then report into this monitor). Every other module
+    call in the process pays one dict lookup.
+    """
+
     __slots__ = ("index", "probe")
 
-    def __init__(self, probe: NonfiniteProbe, index: int) -> None:
+    def __init__(self, probe: NonfiniteProbe, index: dict[int, int]) -> None:
         self.probe = weakref.ref(probe)
         self.index = index
 
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        position = self.index.get(id(module))
+        if position is None:
+            return None
         probe = self.probe()
         if probe is not None and probe.enabled and not probe.suspended:
+            kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
             try:
-                probe.after_forward(self.index, module, args, kwargs, output)
+                probe.after_forward(position, module, args, kwargs, output)
             except Exception as exc:  # never break the user's forward
                 probe.fail(exc)
         return None
 
 
 class _RootPreHook:
-    __slots__ = ("probe",)
+    __slots__ = ("probe", "root")
 
-    def __init__(self, probe: NonfiniteProbe) -> None:
+    def __init__(self, probe: NonfiniteProbe, root: nn.Module) -> None:
         self.probe = weakref.ref(probe)
+        self.root = id(root)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if id(module) != self.root:
+            return None
         probe = self.probe()
         if probe is not None and not probe.suspended:
             probe.new_pass()
         return None
+
+
+def _register_global_forward_hook(hook: _ForwardHook) -> RemovableHandle:
+    try:
+        return register_module_forward_hook(hook, with_kwargs=True)
+    except TypeError:  # torch < 2.6: global hooks see positional arguments only
+        return register_module_forward_hook(hook)
 
 
 class _GradHook:
@@ -171,18 +197,19 @@ class NonfiniteProbe:
         self.on_new_pass: Any = None
         self._handles: list[RemovableHandle] = []
         self._modules: list[weakref.ref[nn.Module]] = []
+        self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
         self.reset()
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
-        self._handles.append(model.register_forward_pre_hook(_RootPreHook(self)))
+        self._ids.clear()
         for index, (_, module) in enumerate(model.named_modules()):
             self._modules.append(weakref.ref(module))
             if isinstance(module, CANNOT_ORIGINATE) and module is not model:
                 continue
-            self._handles.append(
-                module.register_forward_hook(_ForwardHook(self, index), with_kwargs=True)
-            )
+            self._ids[id(module)] = index
+        self._handles.append(register_module_forward_pre_hook(_RootPreHook(self, model)))
+        self._handles.append(_register_global_forward_hook(_ForwardHook(self, self._ids)))
 
     def detach(self) -> None:
         for handle in self._handles:
