@@ -145,3 +145,31 @@ def test_step_accepts_a_loss_in_optimizer_mode_without_advancing(model):
             monitor.step(loss=loss)
             opt.step()
         assert monitor.step_count == 3
+
+
+def test_model_without_parameters_is_a_clear_error():
+    with pytest.raises(tw.WatchError, match="has no parameters"):
+        tw.watch(nn.ReLU(), console=False)
+
+
+def test_optimizer_of_another_model_is_a_clear_error(model):
+    other = TinyNet()
+    opt = torch.optim.SGD(other.parameters(), lr=0.01)
+    with pytest.raises(tw.WatchError, match="none of them belongs to the watched model"):
+        tw.watch(model, opt, console=False)
+    assert hook_counts(model, [opt]) == NO_HOOKS
+    with tw.watch(model, console=False) as monitor:
+        with pytest.raises(tw.WatchError, match="another model"):
+            monitor.add_optimizer(opt)
+
+
+def test_extra_learnable_loss_weights_in_the_optimizer_are_fine(model):
+    log_vars = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([*model.parameters(), log_vars], lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        for x, y in batches(4):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * log_vars.exp().sum()
+            loss.backward()
+            opt.step()
+    assert monitor.alerts == []

@@ -107,6 +107,13 @@ class Monitor:
         for opt in optimizers:
             _check_optimizer(opt)
         layers = LayerMap(model)
+        if len(layers) == 0:
+            raise WatchError(
+                f"{type(model).__name__} has no parameters: there is nothing to train or "
+                "watch (pass the model that holds the weights)"
+            )
+        for index, opt in enumerate(optimizers):
+            _check_optimizer_matches(opt, layers, index)
         for param in layers.parameters():
             if registry.owner_of(param) is not None:
                 raise WatchError(
@@ -198,6 +205,7 @@ class Monitor:
         _check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
+        _check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
         self._handles.append(optimizer.register_step_pre_hook(_OptimizerHook(self, index, True)))
@@ -538,6 +546,20 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:
+    """An optimizer none of whose parameters the model holds is the wrong optimizer.
+
+    A few extra parameters (learnable loss weights) are fine: they are named
+    as outside the model.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(p in layers for p in params):
+        raise WatchError(
+            f"optimizer {index} ({type(optimizer).__name__}) holds {len(params)} parameters "
+            "and none of them belongs to the watched model: was it built for another model?"
+        )
 
 
 def _weak_callback(method: Any) -> Any:
