@@ -267,7 +267,8 @@ class Monitor:
 
     # -- step lifecycle ------------------------------------------------------
     def _before_optimizer_step(self, index: int, args: Any, kwargs: Any) -> None:
-        closure = args[0] if args else kwargs.get("closure")
+        # The step hooks see step()'s own arguments: (optimizer, closure?).
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
             # LBFGS & co compute gradients inside step(): gather them after it.
             self._pending.pop(index, None)
@@ -300,6 +301,23 @@ class Monitor:
                 "parameter check", self._check_parameters, pending, self._layers.parameters()
             )
         self._finish(step, pending)
+
+    def _replay_if_gradients_bad(self, norms: torch.Tensor) -> None:
+        """On CPU the norms are already on the host: bad ones get located now.
+
+        The backward replay must not look like training to the accumulation
+        tracker, so it is paused meanwhile.
+        """
+        probe = self._probe
+        if probe is None or not probe.spot or norms.device.type != "cpu":
+            return
+        if bool(torch.isfinite(norms).all()):
+            return
+        paused, self._tracker.enabled = self._tracker.enabled, False
+        try:
+            probe.replay_backward()
+        finally:
+            self._tracker.enabled = paused
 
     def _parameter_check_due(self, step: int) -> bool:
         every = self.config.nonfinite_parameter.check_every
@@ -401,6 +419,7 @@ class Monitor:
         if grads:
             pending.norm_piece = len(pending.pieces)
             pending.pieces.extend(gradient_norms(grads))
+            self._replay_if_gradients_bad(pending.pieces[-1])
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             flags = []

@@ -36,7 +36,12 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
+from trainwatch.collect.op_trace import (
+    OpFinding,
+    _null,
+    swapped_buffers,
+    trace_first_nonfinite_op,
+)
 from trainwatch.collect.tensors import floating_tensors
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
@@ -110,8 +115,8 @@ class NonfiniteFinding:
     weights_nonfinite: bool | None = None
 
 
-class _ForwardHook:
-    """One global forward hook that picks out the watched model's modules by identity.
+class _CallHooks:
+    """Global pre- and post-forward hooks that pick out the watched model's modules.
 
     Global, not per module: hooks stored on the modules would travel with
     ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)`` (an EMA or
@@ -125,7 +130,19 @@ class _ForwardHook:
         self.probe = weakref.ref(probe)
         self.index = index
 
-    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+    def before(self, module: nn.Module, args: Any) -> None:
+        position = self.index.get(id(module))
+        if position is None:
+            return None
+        probe = self.probe()
+        if probe is not None and probe.enabled and not probe.suspended:
+            try:
+                probe.before_call()
+            except Exception as exc:  # never break the user's forward
+                probe.fail(exc)
+        return None
+
+    def after(self, module: nn.Module, args: Any, *rest: Any) -> None:
         position = self.index.get(id(module))
         if position is None:
             return None
@@ -133,33 +150,44 @@ class _ForwardHook:
         if probe is not None and probe.enabled and not probe.suspended:
             kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
             try:
-                probe.after_forward(position, module, args, kwargs, output)
-            except Exception as exc:  # never break the user's forward
+                probe.after_call(position, module, args, kwargs, output)
+            except Exception as exc:
                 probe.fail(exc)
         return None
 
 
-class _RootPreHook:
-    __slots__ = ("probe", "root")
-
-    def __init__(self, probe: NonfiniteProbe, root: nn.Module) -> None:
-        self.probe = weakref.ref(probe)
-        self.root = id(root)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if id(module) != self.root:
-            return None
-        probe = self.probe()
-        if probe is not None and not probe.suspended:
-            probe.new_pass()
-        return None
-
-
-def _register_global_forward_hook(hook: _ForwardHook) -> RemovableHandle:
+def _register_global_hooks(hooks: _CallHooks) -> list[RemovableHandle]:
+    handles = [register_module_forward_pre_hook(hooks.before)]
     try:
-        return register_module_forward_hook(hook, with_kwargs=True)
+        handles.append(
+            register_module_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+        )
     except TypeError:  # torch < 2.6: global hooks see positional arguments only
-        return register_module_forward_hook(hook)
+        handles.append(register_module_forward_hook(hooks.after, always_call=True))
+    return handles
+
+
+class _GradOutHook:
+    """Tensor hook on the model's output: keeps the gradient that enters the model.
+
+    It is what a backward replay needs, and a non-finite one means the loss
+    (or its backward) made the NaN/Inf before it reached the model.
+    """
+
+    __slots__ = ("position", "probe")
+
+    def __init__(self, probe: NonfiniteProbe, position: int) -> None:
+        self.probe = weakref.ref(probe)
+        self.position = position
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        probe = self.probe()
+        if probe is not None and probe.enabled and not probe.suspended:
+            try:
+                probe.on_grad_entering(self.position, grad)
+            except Exception as exc:
+                probe.fail(exc)
+        return None
 
 
 class _GradHook:
@@ -198,6 +226,19 @@ class NonfiniteProbe:
         self._handles: list[RemovableHandle] = []
         self._modules: list[weakref.ref[nn.Module]] = []
         self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
+        self._checkable: set[int] = set()
+        self._first_param: torch.Tensor | None = None
+        # Outermost calls of the model's modules in progress (a pass starts at 0).
+        self._depth = 0
+        # "spot" passes (CPU) check only the outermost output and replay the
+        # pass module by module when something is off; other passes sum every
+        # module's output for the step's readback.
+        self._spot = on_the_spot
+        self._replaying = False
+        self._last_call: tuple[nn.Module, Any, Any] | None = None
+        self._grad_entering: list[torch.Tensor | None] = []
+        self._pass_backward = False
+        self._pass_bad = False
         self.reset()
 
     # -- lifecycle -------------------------------------------------------
@@ -205,11 +246,11 @@ class NonfiniteProbe:
         self._ids.clear()
         for index, (_, module) in enumerate(model.named_modules()):
             self._modules.append(weakref.ref(module))
-            if isinstance(module, CANNOT_ORIGINATE) and module is not model:
-                continue
             self._ids[id(module)] = index
-        self._handles.append(register_module_forward_pre_hook(_RootPreHook(self, model)))
-        self._handles.append(_register_global_forward_hook(_ForwardHook(self, self._ids)))
+            if not isinstance(module, CANNOT_ORIGINATE) or module is model:
+                self._checkable.add(index)
+        self._first_param = next(model.parameters(), None)
+        self._handles.extend(_register_global_hooks(_CallHooks(self, self._ids)))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -237,23 +278,103 @@ class NonfiniteProbe:
         self._out_bad: set[int] = set()
         self._immediate_grads = True
         self._any_bad_grad = False
+        self.grad_entering_bad = False
         self._pass_grads: list[torch.Tensor] = []
         # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
         self.bad_backward_passes: list[torch.Tensor] = []
 
-    def new_pass(self) -> None:
+    # -- passes ----------------------------------------------------------
+    def before_call(self) -> None:
+        if self._depth == 0 and not self._replaying:
+            self._new_pass()
+        self._depth += 1
+
+    def after_call(
+        self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        self._depth = max(0, self._depth - 1)
+        if (self._replaying or not self._spot) and position in self._checkable:
+            self.after_forward(position, module, args, kwargs, output)
+        if self._depth == 0 and self._spot and not self._replaying:
+            self._end_spot_pass(module, args, kwargs, output)
+
+    def _new_pass(self) -> None:
+        """An outermost call of the model begins (a forward pass)."""
         # Identity matches and autograd nodes only matter within one pass;
         # dropping them here keeps memory flat across many passes per step.
         self._known.clear()
         self._grad_fns.clear()
-        if self._pass_grads:
+        if self._pass_grads:  # device passes: one flag per backward, read later
             flag = torch.stack(self._pass_grads).isfinite().all().logical_not()
-            self.bad_backward_passes.append(flag)
-            if len(self.bad_backward_passes) > 64:
-                del self.bad_backward_passes[0]
+            self._note_pass(flag)
             self._pass_grads = []
+        elif self._pass_backward:
+            self._note_pass(torch.tensor(float(self._pass_bad)))
+        self._pass_backward = self._pass_bad = False
+        self._last_call = None
+        self._grad_entering = []
+        first = self._first_param
+        self._spot = self.on_the_spot and (first is None or first.device.type == "cpu")
         if self.on_new_pass is not None:
             self.on_new_pass()
+
+    def _note_pass(self, flag: torch.Tensor) -> None:
+        self.bad_backward_passes.append(flag)
+        if len(self.bad_backward_passes) > 64:
+            del self.bad_backward_passes[0]
+
+    def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """A CPU pass ended: one sum of its output; a replay only if it is bad."""
+        outs = list(floating_tensors(output))
+        if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
+            self._replay_forward(module, args, kwargs)
+        needs_grad = [o for o in outs if o.requires_grad]
+        if needs_grad and torch.is_grad_enabled():
+            # References to the batch (not copies) until the next pass: what a
+            # backward replay needs if this step's gradients turn out bad.
+            self._last_call = (module, args, kwargs)
+            self._grad_entering = [None] * len(needs_grad)
+            for position, tensor in enumerate(needs_grad):
+                tensor.register_hook(_GradOutHook(self, position))
+
+    def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
+        self._pass_backward = True
+        if position < len(self._grad_entering):
+            self._grad_entering[position] = grad
+        if grad.is_floating_point() and not _finite_exact(grad):
+            self.grad_entering_bad = True
+            self._pass_bad = True
+
+    def _replaying_context(self, grad: bool) -> Any:
+        return _Replay(self, grad)
+
+    def _replay_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Run the pass again module by module to find where its NaN/Inf was born."""
+        with self._replaying_context(grad=False):
+            module(*args, **kwargs)
+
+    def replay_backward(self) -> bool:
+        """This step's gradients are bad: run the last pass again, forward and backward.
+
+        The gradient that entered the model is fed back in, and every module's
+        gradients are checked on the way; the real ``.grad`` is left alone
+        (``torch.autograd.grad``). Returns whether a replay ran.
+        """
+        if self._last_call is None or self.backward_origin is not None:
+            return False
+        if self.forward_origin is not None or self.grad_entering_bad:
+            return False
+        module, args, kwargs = self._last_call
+        with self._replaying_context(grad=True):
+            output = module(*args, **kwargs)
+            outs = [o for o in floating_tensors(output) if o.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, self._grad_entering) if g is not None]
+            params = [p for p in module.parameters() if p.requires_grad]
+            if pairs and params:
+                torch.autograd.grad(
+                    [o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True
+                )
+        return True
 
     # -- forward ---------------------------------------------------------
     def _reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -373,7 +494,8 @@ class NonfiniteProbe:
             return
         total = self._reduce(grad)
         self.grad_sums.append(total)
-        self._pass_grads.append(total)
+        if not self._replaying:
+            self._pass_grads.append(total)
         self.grad_events.append((call, side))
         on_the_spot = self.on_the_spot and grad.device.type == "cpu"
         if not on_the_spot or self.backward_origin is not None:
@@ -403,6 +525,11 @@ class NonfiniteProbe:
         self.backward_origin = finding
 
     # -- step boundary -----------------------------------------------------
+    @property
+    def spot(self) -> bool:
+        """Whether the current passes are checked on the spot (CPU)."""
+        return self._spot
+
     def modules(self) -> list[nn.Module | None]:
         return [ref() for ref in self._modules]
 
@@ -414,6 +541,7 @@ class NonfiniteProbe:
             forward_origin=self.forward_origin,
             backward_origin=self.backward_origin,
             grad_events=self.grad_events,
+            grad_entering_bad=self.grad_entering_bad,
         )
         needs_forward = any(v is None for v in self.finite) and any(
             not all(self.finite[i] is True for i in c.outputs) for c in self.calls
@@ -424,8 +552,11 @@ class NonfiniteProbe:
             not self._immediate_grads or (self._any_bad_grad and self.backward_origin is None)
         ):
             window.grad_sums = _codes(self.grad_sums)
-        if self._pass_grads:  # the pass the step used counts as not skipped
-            self._pass_grads = []
+        # The pass the step used counts as not skipped; its batch is let go.
+        self._pass_grads = []
+        self._pass_backward = self._pass_bad = False
+        self._last_call = None
+        self._grad_entering = []
         if self.bad_backward_passes:
             window.skipped = torch.stack(
                 [f.to(self.bad_backward_passes[0].device) for f in self.bad_backward_passes]
@@ -435,6 +566,41 @@ class NonfiniteProbe:
 
 
 FINITE, INF, NAN = 0.0, 1.0, 2.0
+
+
+def _finite_exact(tensor: torch.Tensor) -> bool:
+    """One fp32 sum; only when it is not finite, the exact elementwise check."""
+    if math.isfinite(float(tensor.detach().sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+class _Replay:
+    """Re-running a pass must not change training: RNG forked, buffers swapped."""
+
+    def __init__(self, probe: NonfiniteProbe, grad: bool) -> None:
+        self.probe = probe
+        self.grad = grad
+        self._stack: Any = None
+
+    def __enter__(self) -> _Replay:
+        from contextlib import ExitStack
+
+        probe = self.probe
+        self._stack = ExitStack()
+        root = probe._modules[0]() if probe._modules else None
+        self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
+        self._stack.enter_context(torch.random.fork_rng(devices=[]))
+        self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
+        probe._replaying = True
+        probe._known.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.probe._replaying = False
+        self.probe._known.clear()
+        self._stack.close()
+        return True  # a replay that fails only means no finer location
 
 
 def _codes(sums: list[torch.Tensor]) -> torch.Tensor:
@@ -453,6 +619,7 @@ class StepWindow:
     forward_origin: NonfiniteFinding | None
     backward_origin: NonfiniteFinding | None
     grad_events: list[tuple[ForwardCall, str]]
+    grad_entering_bad: bool = False
     # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

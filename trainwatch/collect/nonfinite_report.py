@@ -164,6 +164,8 @@ class NonfiniteJudge:
         loss_bad: bool,
     ) -> None:
         finding = window.backward_origin
+        if finding is None and window.grad_entering_bad:
+            finding = NonfiniteFinding(0, "backward", "loss")
         if finding is None and grad_sums is not None:
             finding = locate_backward(
                 window.grad_events, [v == FINITE for v in grad_sums], grad_sums

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,19 +66,35 @@ class _FirstNonfinite(TorchDispatchMode):
         return out
 
 
-def trace_first_nonfinite_op(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> OpFinding | None:
-    """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf."""
-    # Buffers (BatchNorm running stats) are swapped for copies during the
-    # re-run and the originals put back by reference: an in-place restore would
-    # bump version counters that autograd checks in the real backward.
+@contextmanager
+def swapped_buffers(module: nn.Module) -> Iterator[None]:
+    """Give a re-run copies of the buffers (BatchNorm running stats).
+
+    The originals are put back by reference: an in-place restore would bump
+    version counters that autograd checks in the real backward.
+    """
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for sub in module.modules():
         for name, buf in list(sub._buffers.items()):
             if buf is not None:
                 swapped.append((sub._buffers, name, buf))
                 sub._buffers[name] = buf.detach().clone()
+    try:
+        yield
+    finally:
+        for buffers, name, original in swapped:
+            buffers[name] = original
+
+
+@contextmanager
+def _null() -> Iterator[None]:
+    yield
+
+
+def trace_first_nonfinite_op(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OpFinding | None:
+    """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf."""
     devices = [
         t.device.index or 0
         for t in floating_tensors([list(args), kwargs])
@@ -84,11 +102,13 @@ def trace_first_nonfinite_op(
     ]
     tracer = _FirstNonfinite()
     try:
-        with torch.random.fork_rng(devices=sorted(set(devices))), torch.no_grad(), tracer:
+        with (
+            swapped_buffers(module),
+            torch.random.fork_rng(devices=sorted(set(devices))),
+            torch.no_grad(),
+            tracer,
+        ):
             module(*args, **kwargs)
     except Exception:
         return tracer.found
-    finally:
-        for buffers, name, original in swapped:
-            buffers[name] = original
     return tracer.found
