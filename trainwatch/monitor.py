@@ -311,7 +311,7 @@ class Monitor:
         probe = self._probe
         if probe is None or not probe.spot or norms.device.type != "cpu":
             return
-        if bool(torch.isfinite(norms).all()):
+        if all(map(math.isfinite, norms.tolist())):
             return
         paused, self._tracker.enabled = self._tracker.enabled, False
         try:

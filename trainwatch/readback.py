@@ -21,9 +21,14 @@ class Staged:
         self._sizes = [int(p.numel()) for p in pieces]
         self._event = None
         self._host: torch.Tensor | None = None
+        self._lists: list[list[float]] | None = None
         if not pieces:
             return
         devices = {p.device for p in pieces}
+        if devices == {torch.device("cpu")}:
+            # Already on the host: no transfer, no concatenation.
+            self._lists = [p.reshape(-1).tolist() for p in pieces]
+            return
         if len(devices) > 1:
             self._host = torch.cat([p.reshape(-1).float().cpu() for p in pieces])
             return
@@ -42,6 +47,8 @@ class Staged:
         return self._event is not None
 
     def values(self) -> list[list[float]]:
+        if self._lists is not None:
+            return self._lists
         if self._host is None:
             return [[] for _ in self._sizes]
         if self._event is not None:
