@@ -133,15 +133,19 @@ class TrainWatchCallback(Callback):
         try:
             sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
             reporter = Reporter(rank, sinks)
-            raw = [_unwrap(opt) for opt in optimizers]
-            monitor = Monitor(pl_module, raw, config=self.config, sinks=[reporter.relay()])
+            monitor = Monitor(pl_module, config=self.config, sinks=[reporter.relay()])
         except Exception as exc:  # never break training
-            warnings.warn(f"trainwatch could not start and is off for this run: {exc}")
+            warnings.warn(
+                f"trainwatch could not start and is off for this run: {exc}", stacklevel=2
+            )
             return
         self._reporter, self._monitor = reporter, monitor
         if self._restored is not None:
+            # Before the optimizers: their attach audit must see what already fired.
             self._apply_state(self._restored)
             self._restored = None
+        for optimizer in optimizers:
+            _quietly(monitor.add_optimizer, _unwrap(optimizer))
 
     def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
         sinks: list[Sink] = []
@@ -156,11 +160,12 @@ class TrainWatchCallback(Callback):
         if cfg.tensorboard.enabled:
             from trainwatch.sinks.tensorboard import TensorBoardSink
 
+            halt_on = cfg.halt_on
             logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
             if logger is not None:
-                sinks.append(TensorBoardSink(logger.experiment, cfg.tensorboard, halt_on=cfg.halt_on))
+                sinks.append(TensorBoardSink(logger.experiment, cfg.tensorboard, halt_on=halt_on))
             elif log_dir is not None:
-                sinks.append(TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=cfg.halt_on))
+                sinks.append(TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=halt_on))
         return sinks
 
     def _stop(self, *, gather: bool) -> None:
@@ -221,9 +226,7 @@ class TrainWatchCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("train")
 
-    def on_validation_epoch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("sanity_check" if trainer.sanity_checking else "validate")
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -285,4 +288,4 @@ def _quietly(fn: Any, *args: Any) -> None:
     except TrainingHealthError:
         raise
     except Exception as exc:
-        warnings.warn(f"trainwatch: {exc!r}")
+        warnings.warn(f"trainwatch: {exc!r}", stacklevel=2)

@@ -33,7 +33,7 @@ class _StepGroup:
 
 
 def open_writer(log_dir: str | Path, flush_secs: float) -> Any:
-    """A SummaryWriter of our own (plain loops); imported late, so ``import trainwatch`` stays light."""
+    """Our own SummaryWriter (plain loops), imported late: ``import trainwatch`` stays light."""
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=str(log_dir), flush_secs=max(1, math.ceil(flush_secs)))
@@ -209,7 +209,7 @@ class TensorBoardSink(Sink):
         alerts = list(group.alerts.values())
         if alerts:
             self.writer.add_text(metadata.TABLE_TAG + suffix, markdown_table(alerts), group.step)
-        payload = {
+        payload: dict[str, Any] = {
             "version": metadata.VERSION,
             "step": group.step,
             "rank": rank,

@@ -32,7 +32,9 @@ const STYLE = `
   svg text { font-size: 11px; fill: #424242; }
 `;
 
-const state = {runs: [], run: '', severities: new Set(SEVERITIES), alerts: null, norms: {}};
+const state = {
+  runs: [], run: '', severities: new Set(SEVERITIES), everyStep: false, alerts: null, norms: {},
+};
 const ui = {};
 
 async function getJson(path) {
@@ -134,23 +136,42 @@ function timeline(alerts) {
     dot.append(tip);
     chart.append(dot);
   }
-  for (const step of [lo, hi]) {
-    const tick = svg('text', {x: x(step) - 4, y: height - 4});
+  for (const [step, anchor] of [[lo, 'start'], [hi, 'end']]) {
+    const tick = svg('text', {x: x(step), y: height - 4, 'text-anchor': anchor});
     tick.textContent = `step ${step}`;
     chart.append(tick);
   }
   return chart;
 }
 
+// By default one row per (run, rank, rule, module): its first step, its last
+// and how often it fired; 'every step' lists each occurrence instead.
+function tableRows(alerts) {
+  if (state.everyStep) return alerts.map((a) => ({...a, last: a.step}));
+  const rows = new Map();
+  for (const a of alerts) {
+    const key = JSON.stringify([a.run, a.rank ?? 0, a.rule, a.module]);
+    const row = rows.get(key);
+    if (!row) rows.set(key, {...a, last: a.step});
+    else {
+      row.last = Math.max(row.last, a.step);
+      row.count = Math.max(row.count ?? 1, a.count ?? 1);
+    }
+  }
+  return [...rows.values()];
+}
+
 function alertTable(alerts) {
   if (!alerts.length) return el('div', {class: 'empty'}, 'no alerts for this selection');
-  const head = el('tr', {}, ...['run', 'step', 'rank', 'severity', 'rule', 'module', 'message',
-    'hint', 'count'].map((h) => el('th', {}, h)));
-  const rows = alerts.map((a) => el('tr', {
+  const head = el('tr', {}, ...['run', 'step', 'last step', 'rank', 'severity', 'rule', 'module',
+    'message', 'hint', 'count'].map((h) => el('th', {}, h)));
+  const rows = tableRows(alerts).map((a) => el('tr', {
     class: `alert-row sev-${a.severity}`, 'data-rule': a.rule, 'data-step': a.step,
+    'data-module': a.module ?? '', 'data-rank': a.rank ?? 0,
   },
   el('td', {}, a.run || '.'),
   el('td', {class: 'num'}, a.step),
+  el('td', {class: 'num'}, a.last),
   el('td', {class: 'num'}, a.rank ?? 0),
   el('td', {class: 'sev', style: `color:${COLORS[a.severity] || '#000'}`}, a.severity),
   el('td', {}, a.rule),
@@ -299,6 +320,9 @@ export async function render() {
   ui.heatmaps = el('div', {class: 'heatmaps'});
   document.body.append(
       el('div', {class: 'controls'}, el('label', {}, 'run ', ui.runSelect), ...boxes,
+          el('label', {}, el('input', {type: 'checkbox', class: 'every-step', onchange: (e) => {
+            state.everyStep = e.target.checked; draw();
+          }}), 'every step'),
           el('button', {onclick: () => load()}, 'Reload'), ui.count, ui.status),
       el('h2', {}, 'Alerts over steps'), ui.timeline,
       el('h2', {}, 'Alerts'), ui.table,
