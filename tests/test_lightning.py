@@ -141,6 +141,24 @@ def test_resuming_from_a_checkpoint_continues_steps_and_does_not_repeat_alerts(t
     assert out.getvalue().count("WARNING frozen_in_optimizer") == 1  # not re-printed
 
 
+def test_halt_on_stops_the_fit_after_the_alert_was_reported(tmp_path):
+    import trainwatch as tw
+
+    out = io.StringIO()
+    callback = TrainWatchCallback(
+        console=out, log_dir=tmp_path / "tw", halt_on=["accumulated_gradient"]
+    )
+    with pytest.raises(tw.TrainingHealthError, match="accumulated_gradient at step 1"):
+        _trainer(tmp_path, callback).fit(ManualNet(forget_zero_grad_on_rank=0))
+    assert "ERROR accumulated_gradient" in out.getvalue()
+    lines = (tmp_path / "tw" / "alerts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rule"] for line in lines] == ["accumulated_gradient"]
+    events = EventAccumulator(str(tmp_path / "tw"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors(metadata.ALERTS_TAG)][-1] == 1
+    assert callback.monitor.closed
+
+
 def test_callback_pickles_and_copies_before_and_after_fit(tmp_path):
     callback = TrainWatchCallback(console=False, zero_gradient={"patience": 5})
     assert pickle.loads(pickle.dumps(callback)).config.zero_gradient.patience == 5

@@ -28,6 +28,8 @@ from trainwatch.tensorboard_plugin.plugin import TrainwatchPlugin
 PLANTED_STEPS = 130  # more alert steps than TensorBoard keeps by default (100)
 NAN_STEP = 120  # late: NaN gradients end what the accumulation check can see
 LAST_ALERT = NAN_STEP + 1  # the layers not yet NaN are still seen re-applied once more
+LONG_STEPS = 300  # more steps than the heatmap has columns (240): several steps per cell
+ZERO_STEP = 150  # the one step of the long run whose head gradient is exactly zero
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
 )
@@ -62,11 +64,26 @@ def _run(log_dir: Path, *, planted: bool) -> None:
         )
 
 
+def _long_run(log_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def zero_head_once(step: int) -> None:
+        if step == ZERO_STEP:
+            model.head.weight.grad.zero_()
+            model.head.bias.grad.zero_()
+
+    with tw.watch(model, opt, log_dir=log_dir, console=io.StringIO()):
+        train(model, opt, LONG_STEPS, before_step=zero_head_once)
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tb")
     _run(root / "planted", planted=True)
     _run(root / "clean", planted=False)
+    _long_run(root / "long")
     return root
 
 
@@ -99,16 +116,17 @@ def test_loader_raises_the_sample_limit_but_keeps_the_users(logdir):
 def test_backend_lists_every_watched_run_and_the_planted_alerts(logdir):
     plugin = _plugin(logdir)
     ctx = tb_context.RequestContext()
-    assert plugin.runs(ctx, "") == ["clean", "planted"]
+    assert plugin.runs(ctx, "") == ["clean", "long", "planted"]
     found = plugin.alerts(ctx, "", None)
     planted = [a for a in found["alerts"] if a["run"] == "planted"]
     assert {a["rule"] for a in planted} == {"accumulated_gradient"}
     # every alert step is kept: more than TensorBoard's default 100
     assert [a["step"] for a in planted] == list(range(3, LAST_ALERT + 1))
-    assert not [a for a in found["alerts"] if a["run"] == "clean"]
+    assert not [a for a in found["alerts"] if a["run"] in ("clean", "long")]
     assert {"layer": "head", "step": NAN_STEP, "kind": "nan"} in found["marks"]["planted"]
     assert "clean" not in found["marks"]
-    assert found["layers"] == {"planted": ["fc1", "fc2", "head"], "clean": ["fc1", "fc2", "head"]}
+    assert found["layers"]["clean"] == found["layers"]["planted"] == ["fc1", "fc2", "head"]
+    assert found["marks"]["long"] == [{"layer": "head", "step": ZERO_STEP, "kind": "zero"}]
 
 
 def test_backend_norms_are_a_layers_by_steps_grid_with_nan_kept(logdir):
@@ -209,9 +227,17 @@ def test_browser_shows_the_planted_alert_row_and_the_nan_in_the_heatmap(tensorbo
             planted = tab.locator(".heatmap-section[data-run='planted']")
             assert planted.locator("rect.cell-nan[data-layer='head']").count() >= 1
             assert planted.locator("rect.cell").count() >= 3 * 100
+            assert planted.locator("rect.alert-tick").count() == LAST_ALERT - 2  # steps 3..121
             clean = tab.locator(".heatmap-section[data-run='clean']")
             assert clean.locator("rect.cell-nan").count() == 0
             assert clean.locator("rect.cell-value").count() == 3 * 20
+            assert clean.locator("rect.alert-tick").count() == 0
+            # 300 steps in fewer columns: the single zero step still marks its cell.
+            long = tab.locator(".heatmap-section[data-run='long']")
+            columns = long.locator("rect.cell[data-layer='head']").count()
+            assert columns < LONG_STEPS
+            assert long.locator("rect.cell-zero").count() == 1
+            assert long.locator("rect.cell-zero").get_attribute("data-layer") == "head"
             shot = tmp_path / "trainwatch_tab.png"
             page.screenshot(path=str(shot), full_page=True)
             print(f"screenshot: {shot}")

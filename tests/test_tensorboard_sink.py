@@ -132,6 +132,29 @@ def test_halting_alert_is_in_the_event_file_before_close(model, tmp_path):
         monitor.close()
 
 
+def test_a_failing_writer_is_switched_off_and_training_goes_on(model, tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from trainwatch.sinks.tensorboard import TensorBoardSink
+
+    class DiskFull(SummaryWriter):
+        def add_scalar(self, *args, **kwargs):
+            raise OSError("No space left on device")
+
+    writer = DiskFull(str(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = tw.Monitor(model, [opt], sinks=[TensorBoardSink(writer)])
+    try:
+        train(model, opt, 4, zero_grad_until=2)
+    finally:
+        monitor.close()
+        writer.close()
+    assert monitor.step_count == 4
+    rules = [a.rule for a in monitor.alerts]
+    assert rules == ["internal_error", "accumulated_gradient"]
+    assert "tensorboard sink" in monitor.alerts[0].message
+
+
 def test_tensorboard_can_be_switched_off(model, tmp_path, quiet_watch):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt, log_dir=tmp_path, tensorboard=False)

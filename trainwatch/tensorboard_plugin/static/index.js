@@ -226,12 +226,28 @@ function heatmapSection(run) {
   const cell = Math.max(3, Math.min(14, Math.floor(760 / groups.length)));
   const labelWidth = Math.min(220, 10 + 7 * Math.max(...layers.map((l) => l.length)));
   const width = labelWidth + cell * groups.length + 10;
-  const height = 14 * layers.length + 30;
+  const top = 10;  // a strip above the rows marks the columns that had alerts
+  const height = top + 14 * layers.length + 30;
   const chart = svg('svg', {width, height, class: 'heatmap', role: 'img'});
+  const worst = new Map();  // column -> most severe alert in it
+  for (const alert of visibleAlerts().filter((a) => a.run === run)) {
+    const c = groups.findIndex((g) => g[0] <= alert.step && alert.step <= g[g.length - 1]);
+    const sev = SEVERITIES.indexOf(alert.severity);
+    if (c >= 0 && (!worst.has(c) || sev < worst.get(c))) worst.set(c, sev);
+  }
+  for (const [c, sev] of worst) {
+    const tick = svg('rect', {x: labelWidth + c * cell, y: 1, width: Math.max(1, cell - 1),
+      height: top - 3, fill: COLORS[SEVERITIES[sev]], class: 'alert-tick'});
+    const tip = svg('title');
+    tip.textContent = `${SEVERITIES[sev]} alert(s) at step ${groups[c][0]}` +
+      (groups[c].length > 1 ? `–${groups[c][groups[c].length - 1]}` : '');
+    tick.append(tip);
+    chart.append(tick);
+  }
   layers.forEach((layer, r) => {
     const row = norms.values[norms.layers.indexOf(layer)];
     const layerMarks = marks.filter((m) => m.layer === layer);
-    const label = svg('text', {x: 2, y: 14 * r + 11});
+    const label = svg('text', {x: 2, y: top + 14 * r + 11});
     label.textContent = layer;
     chart.append(label);
     groups.forEach((group, c) => {
@@ -251,7 +267,7 @@ function heatmapSection(run) {
       else if (best !== null) kind = 'value';
       const fill = kind === 'value' ? scale((Math.log10(best) - lo) / (hi - lo)) : SPECIAL[kind];
       const rect = svg('rect', {
-        x: labelWidth + c * cell, y: 14 * r, width: Math.max(1, cell - 1), height: 13, fill,
+        x: labelWidth + c * cell, y: top + 14 * r, width: Math.max(1, cell - 1), height: 13, fill,
         class: `cell cell-${kind}`, 'data-layer': layer, 'data-step': group[0],
         'data-kind': kind,
       });
