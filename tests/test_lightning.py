@@ -9,6 +9,7 @@ import pickle
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -16,6 +17,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.lightning_models import BoringNet, ManualNet
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.tensorboard_plugin import metadata
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _trainer(tmp_path, callback, **kwargs) -> pl.Trainer:

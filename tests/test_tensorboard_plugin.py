@@ -33,6 +33,17 @@ ZERO_STEP = 150  # the one step of the long run whose head gradient is exactly z
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
