@@ -65,6 +65,12 @@ def test_clean_module_raises_no_alert_and_counts_optimizer_steps(tmp_path):
     assert callback.alerts == []
     assert callback.monitor.step_count == 4
     assert set(callback.monitor.grad_norms()) == {"fc1", "fc2", "head"}
+    # Without a logger, log_dir is the trainer's: default_root_dir.
+    assert (tmp_path / "alerts.jsonl").read_text() == ""
+    (events_file,) = tmp_path.glob("events.out.tfevents*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    assert len(events.Scalars(metadata.TOTAL_TAG)) == 4
 
 
 def test_norms_are_taken_before_gradient_clipping(tmp_path):

@@ -78,7 +78,7 @@ def markdown_table(alerts: Iterable[tuple[Alert, int]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for alert, count in alerts:
-        module = "" if alert.module is None else (alert.module or metadata.ROOT_LABEL)
+        module = "-" if alert.module is None else (alert.module or metadata.ROOT_LABEL)
         rows.append(
             f"| {_cell(alert.severity)} | {_cell(alert.rule)} | {_cell(module)} | "
             f"{_cell(alert.message)} | {_cell(alert.hint)} | {count} |"
