@@ -27,7 +27,8 @@ def one_torch_thread():
 
 
 def _read(log_dir) -> EventAccumulator:
-    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0})
+    guidance = {"tensors": 0, "scalars": 0, "histograms": 0}  # 0: keep every event
+    events = EventAccumulator(str(log_dir), size_guidance=guidance)
     events.Reload()
     return events
 
@@ -50,6 +51,7 @@ def test_per_layer_norms_and_total_are_scalars_equal_to_the_monitors(model, tmp_
     latest, total = monitor.grad_norms(), monitor.total_grad_norm
     monitor.close()
     events = _read(tmp_path)
+    assert events.Tags()["histograms"] == []
     scalars = set(events.Tags()["scalars"])
     assert scalars == {
         "trainwatch/grad_norm/fc1",
@@ -70,6 +72,18 @@ def test_norms_follow_the_configured_cadence(model, tmp_path, quiet_watch):
     train(model, opt, 7)
     monitor.close()
     assert sorted(_norm_steps(_read(tmp_path), "fc1")) == [0, 3, 6]
+
+
+def test_histograms_are_off_by_default_and_throttled_when_on(model, tmp_path, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(
+        model, opt, log_dir=tmp_path, tensorboard={"histograms": True, "histogram_every": 2}
+    )
+    train(model, opt, 5)
+    monitor.close()
+    events = _read(tmp_path)
+    assert [e.step for e in events.Histograms(metadata.HISTOGRAM_TAG)] == [0, 2, 4]
+    assert events.Histograms(metadata.HISTOGRAM_TAG)[0].histogram_value.num == 3  # layers
 
 
 def test_a_step_with_alerts_gets_one_tensor_and_one_markdown_table(model, tmp_path, quiet_watch):
