@@ -89,12 +89,33 @@ def _long_run(log_dir: Path) -> None:
         train(model, opt, LONG_STEPS, before_step=zero_head_once)
 
 
+def _lightning_run(root: Path) -> None:
+    """What a Lightning user gets from one callback: a frozen layer left in the optimizer."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from tests.lightning_models import BoringNet
+    from trainwatch.lightning import TrainWatchCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        logger=TensorBoardLogger(str(root), name="lightning", version="fit"),
+        callbacks=[TrainWatchCallback(console=False)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(BoringNet(freeze_fc1=True))
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tb")
     _run(root / "planted", planted=True)
     _run(root / "clean", planted=False)
     _long_run(root / "long")
+    _lightning_run(root)
     return root
 
 
@@ -127,13 +148,15 @@ def test_loader_raises_the_sample_limit_but_keeps_the_users(logdir):
 def test_backend_lists_every_watched_run_and_the_planted_alerts(logdir):
     plugin = _plugin(logdir)
     ctx = tb_context.RequestContext()
-    assert plugin.runs(ctx, "") == ["clean", "long", "planted"]
+    assert plugin.runs(ctx, "") == ["clean", "lightning/fit", "long", "planted"]
     found = plugin.alerts(ctx, "", None)
     planted = [a for a in found["alerts"] if a["run"] == "planted"]
     assert {a["rule"] for a in planted} == {"accumulated_gradient"}
     # every alert step is kept: more than TensorBoard's default 100
     assert [a["step"] for a in planted] == list(range(3, LAST_ALERT + 1))
     assert not [a for a in found["alerts"] if a["run"] in ("clean", "long")]
+    lightning = [(a["rule"], a["module"], a["step"]) for a in found["alerts"] if "fit" in a["run"]]
+    assert lightning == [("frozen_in_optimizer", "fc1", 0)]
     assert {"layer": "head", "step": NAN_STEP, "kind": "nan"} in found["marks"]["planted"]
     assert "clean" not in found["marks"]
     assert found["layers"]["clean"] == found["layers"]["planted"] == ["fc1", "fc2", "head"]
@@ -249,6 +272,18 @@ def test_browser_shows_the_planted_alert_row_and_the_nan_in_the_heatmap(tensorbo
             assert columns < LONG_STEPS
             assert long.locator("rect.cell-zero").count() == 1
             assert long.locator("rect.cell-zero").get_attribute("data-layer") == "head"
+            # The Lightning run's alert, written through the TensorBoardLogger's writer.
+            frozen = tab.locator("tr.alert-row[data-rule='frozen_in_optimizer']")
+            assert frozen.count() == 1
+            assert frozen.locator("td").all_inner_texts()[:7] == [
+                "lightning/fit",
+                "0",
+                "0",
+                "0",
+                "WARNING",
+                "frozen_in_optimizer",
+                "fc1",
+            ]
             shot = tmp_path / "trainwatch_tab.png"
             page.screenshot(path=str(shot), full_page=True)
             print(f"screenshot: {shot}")
