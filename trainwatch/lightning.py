@@ -106,6 +106,16 @@ class TrainWatchCallback(Callback):
         # logger's writer still open: the last gather, then rank zero reports.
         self._stop(gather=not self._failed)
 
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop(gather=not self._failed)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop(gather=not self._failed)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # trainer.validate(): the run ends here
+            self._stop(gather=not self._failed)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop(gather=False)
 
