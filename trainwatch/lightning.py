@@ -240,7 +240,7 @@ class TrainWatchCallback(Callback):
         self._enter("sanity_check" if trainer.sanity_checking else "validate")
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("train" if trainer.training else "validate")
+        self._enter("train" if trainer.state.fn == "fit" else "validate")
 
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("test")
