@@ -118,6 +118,29 @@ class ConsoleConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    """Event files in ``log_dir`` (or the Lightning logger's): norms, alerts, the tab."""
+
+    enabled: bool = True
+    # Per-layer gradient norms are written every `every` steps; alerts and the
+    # first step of a NaN/Inf or all-zero streak are written whatever the cadence.
+    every: int = field(default=1, metadata=_range(1))
+    # A histogram of the per-layer norms: FACTS.md, histograms are what costs.
+    histograms: bool = False
+    histogram_every: int = field(default=100, metadata=_range(1))
+    # Seconds, so a live TensorBoard shows a run while it trains.
+    flush_secs: float = field(default=5.0, metadata=_range(0.1))
+
+
+@dataclass
+class DistributedConfig:
+    # Under DDP, alerts raised on other ranks reach rank zero every
+    # `gather_every` training batches (one small object gather), at each
+    # epoch end and when training ends; 0 keeps only the last two.
+    gather_every: int = field(default=50, metadata=_range(0))
+
+
+@dataclass
 class Config:
     """Everything a Monitor can be told; ``Config()`` is the default preset."""
 
@@ -138,6 +161,8 @@ class Config:
     nonfinite_parameter: NonfiniteParameterConfig = field(default_factory=NonfiniteParameterConfig)
     amp_skipped_steps: AmpSkippedStepsConfig = field(default_factory=AmpSkippedStepsConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
@@ -51,6 +52,26 @@ class Dispatcher:
 
     def summary(self, steps: int, latest_norms: dict[str, float]) -> Summary:
         return Summary(steps, list(self.tallies.values()), dict(latest_norms))
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The tallies as JSON types (for checkpoints)."""
+        return [
+            {"alert": t.first.to_dict(), "count": t.count, "last_step": t.last_step}
+            for t in self.tallies.values()
+        ]
+
+    def load_state_dict(self, state: Sequence[dict[str, Any]]) -> list[Alert]:
+        """Restore tallies saved by ``state_dict``; returns the first alerts it did not hold."""
+        restored = []
+        for entry in state:
+            alert = Alert.from_dict(entry["alert"])
+            if alert.key in self.tallies:
+                continue
+            self.tallies[alert.key] = AlertTally(
+                alert, int(entry.get("count", 1)), int(entry.get("last_step", alert.step))
+            )
+            restored.append(alert)
+        return restored
 
     def internal_error(self, component: str, exc: BaseException, step: int) -> None:
         """Report a failure inside trainwatch once per component."""

@@ -265,6 +265,29 @@ class Monitor:
             f"step {self._step}, {len(self._memory.alerts)} alert(s), {state})"
         )
 
+    # -- driven by a framework (the Lightning callback) -----------------------
+    def collect_before_step(self, optimizer: Optimizer) -> None:
+        """Gather ``optimizer``'s gradients now instead of in its step pre-hook.
+
+        Frameworks that pass a closure to ``optimizer.step`` (Lightning) run
+        backward and gradient clipping inside it, after the pre-hook: calling
+        this between backward and clipping gives the norms before clipping.
+        """
+        for index, opt in enumerate(self._optimizers):
+            if opt is optimizer:
+                self._guarded("step collector", self._gather_into_pending, index)
+                return
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the step count and which (rule, module) already fired."""
+        self._land_in_flight(may_halt=False)
+        return {"step": self._step, "tallies": self._dispatcher.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
+        self._step = int(state.get("step", self._step))
+        self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
+
     # -- step lifecycle ------------------------------------------------------
     def _before_optimizer_step(self, index: int, args: Any, kwargs: Any) -> None:
         # The step hooks see step()'s own arguments: (optimizer, closure?).
@@ -640,7 +663,16 @@ def watch(
             sinks.append(JsonlSink(Path(log_dir)))
         except OSError as exc:
             raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
+        if cfg.tensorboard.enabled:
+            sinks.append(_tensorboard_sink(Path(log_dir), cfg))
     return Monitor(model, optimizers, config=cfg, sinks=sinks)
+
+
+def _tensorboard_sink(log_dir: Path, cfg: Config) -> Sink:
+    """Event files next to alerts.jsonl; imported here so plain imports stay light."""
+    from trainwatch.sinks.tensorboard import TensorBoardSink
+
+    return TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=cfg.halt_on)
 
 
 @atexit.register

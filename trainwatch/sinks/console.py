@@ -59,6 +59,9 @@ class ConsoleSink(Sink):
         module = _module_label(alert.module)
         if module:
             line.append(f" [{module}]", style="magenta")
+        rank = alert.data.get("rank")
+        if isinstance(rank, int) and rank != 0:
+            line.append(f" (rank {rank})", style="magenta")  # gathered from another DDP rank
         line.append(f": {alert.message}")
         if alert.hint:
             line.append(f" | hint: {alert.hint}", style="dim")

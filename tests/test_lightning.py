@@ -1,0 +1,193 @@
+"""TrainWatchCallback with real Lightning Trainers: one callback, the same alerts as plain loops."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.lightning_models import BoringNet, ManualNet
+from trainwatch.lightning import TrainWatchCallback
+from trainwatch.tensorboard_plugin import metadata
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _trainer(tmp_path, callback, **kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu",
+        max_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=[callback], **options)
+
+
+def _rules(callback) -> list[str]:
+    return [a.rule for a in callback.alerts]
+
+
+def test_frozen_layer_in_optimizer_is_reported_with_the_lightning_module_names(tmp_path):
+    out = io.StringIO()
+    callback = TrainWatchCallback(console=out)
+    _trainer(tmp_path, callback).fit(BoringNet(freeze_fc1=True))
+    (alert,) = callback.alerts
+    assert (alert.rule, alert.module, alert.step) == ("frozen_in_optimizer", "fc1", 0)
+    assert alert.data["rank"] == 0
+    assert "WARNING frozen_in_optimizer [fc1]" in out.getvalue()
+    assert "4 steps watched" in out.getvalue()
+
+
+def test_clean_module_raises_no_alert_and_counts_optimizer_steps(tmp_path):
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback).fit(BoringNet())
+    assert callback.alerts == []
+    assert callback.monitor.step_count == 4
+    assert set(callback.monitor.grad_norms()) == {"fc1", "fc2", "head"}
+    # Without a logger, log_dir is the trainer's: default_root_dir.
+    assert (tmp_path / "alerts.jsonl").read_text() == ""
+    (events_file,) = tmp_path.glob("events.out.tfevents*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    assert len(events.Scalars(metadata.TOTAL_TAG)) == 4
+
+
+def test_norms_are_taken_before_gradient_clipping(tmp_path):
+    model = BoringNet()
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback, gradient_clip_val=1e-3).fit(model)
+    total = callback.monitor.total_grad_norm
+    assert total == pytest.approx(model.reference_norms[-1], rel=1e-5)
+    assert total > 1e-2  # far above the clip value: the unclipped gradients
+
+
+def test_gradient_accumulation_is_no_missing_zero_grad(tmp_path):
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback, accumulate_grad_batches=3).fit(BoringNet())
+    assert callback.alerts == []
+    assert callback.monitor.step_count == 4
+
+
+def test_manual_optimisation_without_zero_grad_is_caught(tmp_path):
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback).fit(ManualNet(forget_zero_grad_on_rank=0))
+    assert _rules(callback) == ["accumulated_gradient"]
+    assert callback.alerts[0].step == 1
+
+
+def test_manual_optimisation_with_zero_grad_is_clean(tmp_path):
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback).fit(ManualNet())
+    assert callback.alerts == []
+    assert callback.monitor.step_count == 4
+
+
+def test_sanity_check_and_validation_add_no_steps_or_alerts(tmp_path):
+    phases: list[str] = []
+
+    class Spy(TrainWatchCallback):
+        def _enter(self, phase):
+            phases.append(phase)
+            super()._enter(phase)
+
+    callback = Spy(console=False)
+    trainer = _trainer(
+        tmp_path, callback, limit_val_batches=2, num_sanity_val_steps=2, val_check_interval=2
+    )
+    trainer.fit(BoringNet())
+    assert callback.alerts == [] and callback.monitor.step_count == 4
+    # sanity check, back to train, then each validation returns to train
+    assert phases[:3] == ["sanity_check", "sanity_check", "train"]
+    assert phases[3:] == ["train", "validate", "train", "validate", "train"]
+    trainer.test(BoringNet(), verbose=False)
+    trainer.predict(BoringNet())
+    assert phases[-2:] == ["test", "predict"]
+
+
+def test_alerts_go_to_the_loggers_tensorboard_and_its_log_dir(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="exp")
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback, logger=logger).fit(BoringNet(freeze_fc1=True))
+    log_dir = tmp_path / "exp" / "version_0"
+    lines = (log_dir / "alerts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rule"] for line in lines] == ["frozen_in_optimizer"]
+    # One event file: the sink wrote through the logger's own writer.
+    (events_file,) = log_dir.glob("events.out.tfevents*")
+    events = EventAccumulator(str(events_file), size_guidance={"tensors": 0})
+    events.Reload()
+    assert metadata.norm_tag("head") in events.Tags()["scalars"]
+    steps = [e.step for e in events.Tensors(metadata.ALERTS_TAG)]
+    assert steps == [0]
+
+
+def test_resuming_from_a_checkpoint_continues_steps_and_does_not_repeat_alerts(tmp_path):
+    out = io.StringIO()
+    first = TrainWatchCallback(console=out)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, first, max_steps=3, enable_checkpointing=True)
+    trainer.callbacks.append(saver)
+    trainer.fit(BoringNet(freeze_fc1=True))
+    assert out.getvalue().count("WARNING frozen_in_optimizer") == 1
+
+    resumed = TrainWatchCallback(console=out)
+    _trainer(tmp_path, resumed, max_steps=6).fit(
+        BoringNet(freeze_fc1=True), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    assert resumed.monitor.step_count == 6
+    assert [(a.rule, a.step) for a in resumed.alerts] == [("frozen_in_optimizer", 0)]
+    assert out.getvalue().count("WARNING frozen_in_optimizer") == 1  # not re-printed
+
+
+def test_halt_on_stops_the_fit_after_the_alert_was_reported(tmp_path):
+    import trainwatch as tw
+
+    out = io.StringIO()
+    callback = TrainWatchCallback(
+        console=out, log_dir=tmp_path / "tw", halt_on=["accumulated_gradient"]
+    )
+    with pytest.raises(tw.TrainingHealthError, match="accumulated_gradient at step 1"):
+        _trainer(tmp_path, callback).fit(ManualNet(forget_zero_grad_on_rank=0))
+    assert "ERROR accumulated_gradient" in out.getvalue()
+    lines = (tmp_path / "tw" / "alerts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["rule"] for line in lines] == ["accumulated_gradient"]
+    events = EventAccumulator(str(tmp_path / "tw"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors(metadata.ALERTS_TAG)][-1] == 1
+    assert callback.monitor.closed
+
+
+def test_callback_pickles_and_copies_before_and_after_fit(tmp_path):
+    callback = TrainWatchCallback(console=False, zero_gradient={"patience": 5})
+    assert pickle.loads(pickle.dumps(callback)).config.zero_gradient.patience == 5
+    _trainer(tmp_path, callback).fit(BoringNet())
+    clone = pickle.loads(pickle.dumps(callback))
+    assert clone.monitor is None and clone.config == callback.config
+    assert copy.deepcopy(callback).alerts == []
+
+
+def test_bad_config_fails_when_the_callback_is_built():
+    from trainwatch import ConfigError
+
+    with pytest.raises(ConfigError, match=r"zero_gradient\.patiense"):
+        TrainWatchCallback(zero_gradient={"patiense": 3})

@@ -1,0 +1,301 @@
+"""``TrainWatchCallback``: the Lightning adapter over the same Monitor plain loops use.
+
+The only module that imports Lightning. What Lightning changes, and how the
+callback meets it:
+
+* Lightning passes a closure to ``optimizer.step``; backward and gradient
+  clipping run inside it, after the optimizer's step pre-hook. The callback
+  gathers the gradients in ``on_before_optimizer_step``, which Lightning calls
+  after backward and *before* clipping, so norms and rules see the gradients
+  the model produced, not the clipped ones. The optimizer's post-hook still
+  ends the step, in automatic and manual optimisation alike.
+* ``accumulate_grad_batches``: Lightning steps (and zero_grads) once per N
+  batches; steps are optimizer steps, so no false accumulated-gradient alarm.
+* DDP: every rank collects; alerts are stamped with their rank and gathered
+  to global rank zero (:mod:`trainwatch.relay`), which alone prints and writes.
+* The loop phase (sanity check, train, validate, test, predict) is tracked in
+  :attr:`TrainWatchCallback.phase`; Lightning flips ``train()``/``eval()`` at
+  exactly these boundaries, which is what mode rules will compare against.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.optim import Optimizer
+
+from trainwatch.alert import Alert
+from trainwatch.config import Config, load_config
+from trainwatch.monitor import Monitor
+from trainwatch.relay import Reporter, gather_to_zero
+from trainwatch.sinks import ConsoleSink, JsonlSink, Sink
+
+Phase = str  # "sanity_check" | "train" | "validate" | "test" | "predict"
+
+
+class TrainWatchCallback(Callback):
+    """Watches a LightningModule for silent training bugs; add it to ``Trainer(callbacks=...)``.
+
+    ``log_dir`` defaults to the trainer's log dir (the TensorBoardLogger's
+    version directory). Alerts from every rank are reported by global rank
+    zero only.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+        console: bool | IO[str] = True,
+        **overrides: Any,
+    ) -> None:
+        # Validate now, so a typo fails when the callback is built, not mid-fit.
+        self.config = load_config(config, overrides)
+        self.log_dir = log_dir
+        self.console = console
+        self._monitor: Monitor | None = None
+        self._reporter: Reporter | None = None
+        self._restored: dict[str, Any] | None = None
+        self._phase: Phase | None = None
+        self._batches = 0
+        self._failed = False
+
+    # -- public surface ------------------------------------------------------
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert so far, oldest first; on rank zero, those of every rank."""
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor.alerts  # noqa: B018 - lands a lagged readback
+        if self._reporter is None:
+            return []
+        return list(self._reporter.memory.alerts)
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The Monitor of the current (or last) run; None before ``fit`` starts."""
+        return self._monitor
+
+    @property
+    def phase(self) -> Phase | None:
+        return self._phase
+
+    # -- starting and stopping -----------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer, pl_module, list(trainer.optimizers))
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_for_evaluation(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_for_evaluation(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_for_evaluation(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every rank is here together, the process group is still up and the
+        # logger's writer still open: the last gather, then rank zero reports.
+        self._stop(gather=not self._failed)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop(gather=not self._failed)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop(gather=not self._failed)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # trainer.validate(): the run ends here
+            self._stop(gather=not self._failed)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop(gather=False)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Other ranks may never reach another collective: report locally and stop.
+        self._failed = True
+        self._stop(gather=False)
+
+    def _start_for_evaluation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._monitor is None or self._monitor.closed:
+            self._start(trainer, pl_module, [])
+
+    def _start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list[Any]
+    ) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            return
+        self._failed = False
+        self._batches = 0
+        # trainer.log_dir is a broadcast: every rank must ask, in step.
+        log_dir = self.log_dir if self.log_dir is not None else trainer.log_dir
+        rank = trainer.global_rank
+        try:
+            sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
+            reporter = Reporter(rank, sinks)
+            monitor = Monitor(pl_module, config=self.config, sinks=[reporter.relay()])
+        except Exception as exc:  # never break training
+            warnings.warn(
+                f"trainwatch could not start and is off for this run: {exc}", stacklevel=2
+            )
+            return
+        self._reporter, self._monitor = reporter, monitor
+        if self._restored is not None:
+            # Before the optimizers: their attach audit must see what already fired.
+            self._apply_state(self._restored)
+            self._restored = None
+        for optimizer in optimizers:
+            _quietly(monitor.add_optimizer, _unwrap(optimizer))
+
+    def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
+        sinks: list[Sink] = []
+        cfg = self.config
+        if self.console is not False:
+            stream = sys.stderr if self.console is True else self.console
+            sinks.append(
+                ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
+            )
+        if log_dir is not None:
+            sinks.append(JsonlSink(Path(log_dir)))
+        if cfg.tensorboard.enabled:
+            from trainwatch.sinks.tensorboard import TensorBoardSink
+
+            halt_on = cfg.halt_on
+            logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+            if logger is not None:
+                sinks.append(TensorBoardSink(logger.experiment, cfg.tensorboard, halt_on=halt_on))
+            elif log_dir is not None:
+                sinks.append(TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=halt_on))
+        return sinks
+
+    def _stop(self, *, gather: bool) -> None:
+        monitor, reporter = self._monitor, self._reporter
+        if monitor is not None and not monitor.closed:
+            _quietly(monitor.close)  # lands the last readback into the relay
+        if gather:
+            gather_to_zero(reporter if reporter is not None and not reporter.closed else None)
+        if reporter is not None and not reporter.closed:
+            if reporter.outbox is not None and reporter.outbox.pending:
+                self._report_undelivered(reporter)
+            _quietly(reporter.close)
+
+    def _report_undelivered(self, reporter: Reporter) -> None:
+        """A rank that can no longer reach rank zero says what it saw itself."""
+        if self.console is False or reporter.outbox is None:
+            return
+        stream = sys.stderr if self.console is True else self.console
+        sink = ConsoleSink(stream, summary=False)
+        for record in reporter.outbox.take():
+            _quietly(sink.emit, Alert.from_dict(record))
+
+    # -- the step ------------------------------------------------------------
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        monitor = self._monitor
+        if monitor is not None and not monitor.closed and monitor.optimizers:
+            _quietly(monitor.step, loss)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        monitor = self._monitor
+        if monitor is not None and not monitor.closed:
+            # After backward, before Lightning clips: norms of what the model produced.
+            monitor.collect_before_step(_unwrap(optimizer))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        self._batches += 1
+        every = self.config.distributed.gather_every
+        if every and self._batches % every == 0:
+            gather_to_zero(self._reporter)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        gather_to_zero(self._reporter)
+
+    # -- phases: the seam for mode rules -------------------------------------
+    def _enter(self, phase: Phase) -> None:
+        """Lightning sets train()/eval() at these boundaries; mode rules will read this."""
+        self._phase = phase
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("sanity_check")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("train")
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("sanity_check" if trainer.sanity_checking else "validate")
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("train" if trainer.state.fn == "fit" else "validate")
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("test")
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter("predict")
+
+    # -- checkpoints and pickling --------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self._monitor is None or self._reporter is None:
+            return dict(self._restored or {})
+        return {
+            "monitor": self._monitor.state_dict(),
+            "reported": self._reporter.dispatcher.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_fit_start on most strategies.
+        if self._monitor is not None and not self._monitor.closed:
+            self._apply_state(state_dict)
+        else:
+            self._restored = dict(state_dict)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        if self._monitor is not None and "monitor" in state:
+            self._monitor.load_state_dict(state["monitor"])
+        if self._reporter is not None and "reported" in state:
+            restored = self._reporter.dispatcher.load_state_dict(state["reported"])
+            self._reporter.memory.alerts.extend(restored)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Hooks, open files and a live console do not travel: a copy starts fresh."""
+        state = dict(self.__dict__)
+        state["_monitor"] = None
+        state["_reporter"] = None
+        if not isinstance(self.console, bool) and not isinstance(self.console, io.StringIO):
+            state["console"] = True
+        return state
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """A LightningOptimizer wraps the torch one: hooks live on the torch optimizer."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, Optimizer) else optimizer
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    """Training goes on whatever trainwatch's own bookkeeping does."""
+    from trainwatch.errors import TrainingHealthError
+
+    try:
+        fn(*args)
+    except TrainingHealthError:
+        raise
+    except Exception as exc:
+        warnings.warn(f"trainwatch: {exc!r}", stacklevel=2)

@@ -1,0 +1,236 @@
+"""TensorBoard: per-layer gradient norms as scalars, alerts as text and as the tab's data.
+
+Writes through any ``SummaryWriter`` (its own in ``log_dir`` for plain loops,
+the Lightning ``TensorBoardLogger``'s otherwise). A step's alerts are held
+until the step is over and written together, because TensorBoard keeps one
+value per run, tag and step: two writes for one step would hide the first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainwatch.alert import Alert
+from trainwatch.config import TensorBoardConfig
+from trainwatch.sinks.base import Sink, StepNumbers, Summary
+from trainwatch.tensorboard_plugin import metadata
+
+
+@dataclass
+class _StepGroup:
+    """What one rank raised in one step, waiting to be written as one entry."""
+
+    step: int
+    alerts: dict[tuple[str, str | None], tuple[Alert, int]] = field(default_factory=dict)
+    marks: dict[str, str] = field(default_factory=dict)
+    layers: list[str] | None = None  # the model's layer order, when it is new
+    written: bool = False
+
+
+def open_writer(log_dir: str | Path, flush_secs: float) -> Any:
+    """Our own SummaryWriter (plain loops), imported late: ``import trainwatch`` stays light."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(log_dir), flush_secs=max(1, math.ceil(flush_secs)))
+
+
+def _label(layer: str) -> str:
+    """A layer's name as the tab shows it (the heatmap row of its norm tag)."""
+    return metadata.layer_of_tag(metadata.norm_tag(layer)) or layer
+
+
+def _kind(value: float) -> str | None:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    if value == 0.0:
+        return "zero"
+    return None
+
+
+def jsonable(value: Any) -> Any:
+    """Alert data as strict JSON: a NaN or Inf in a rule's figures becomes a string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(alerts: Iterable[tuple[Alert, int]]) -> str:
+    """The Text tab's view of one step: a markdown table, one row per (rule, module)."""
+    rows = [
+        "| severity | rule | module | message | hint | count |",
+        "|---|---|---|---|---|---|",
+    ]
+    for alert, count in alerts:
+        module = "-" if alert.module is None else (alert.module or metadata.ROOT_LABEL)
+        rows.append(
+            f"| {_cell(alert.severity)} | {_cell(alert.rule)} | {_cell(module)} | "
+            f"{_cell(alert.message)} | {_cell(alert.hint)} | {count} |"
+        )
+    return "\n".join(rows)
+
+
+class TensorBoardSink(Sink):
+    name = "tensorboard"
+
+    def __init__(
+        self,
+        writer: Any,
+        config: TensorBoardConfig | None = None,
+        *,
+        halt_on: Iterable[str] = (),
+        owns_writer: bool = False,
+    ) -> None:
+        self.writer = writer
+        self.config = config if config is not None else TensorBoardConfig()
+        self._halt_on = frozenset(halt_on)
+        self._owns = owns_writer
+        self._groups: dict[int, _StepGroup] = {}  # rank -> the step being gathered
+        self._streaks: dict[str, str | None] = {}  # layer -> kind of its current streak
+        self._layers: list[str] = []  # layer names in model order, as the tab shows them
+        self._last_flush = time.monotonic()
+        self._closed = False
+
+    @classmethod
+    def in_dir(
+        cls, log_dir: str | Path, config: TensorBoardConfig | None = None, **kwargs: Any
+    ) -> TensorBoardSink:
+        config = config if config is not None else TensorBoardConfig()
+        return cls(open_writer(log_dir, config.flush_secs), config, owns_writer=True, **kwargs)
+
+    # -- Sink interface ------------------------------------------------------
+    def emit(self, alert: Alert) -> None:
+        self._add(alert, 1)
+        if alert.rule in self._halt_on:
+            # Training is about to stop on this alert: make it visible now.
+            self._write_group(self._rank(alert))
+            self.flush()
+
+    def repeat(self, alert: Alert, count: int) -> None:
+        self._add(alert, count)
+
+    def on_step(self, numbers: StepNumbers) -> None:
+        if self._closed:
+            return
+        step = numbers.step
+        self._roll(0, step)
+        group = self._groups[0]
+        for layer, value in numbers.layer_norms.items():
+            kind = _kind(value)
+            if kind is not None and self._streaks.get(layer) != kind:
+                group.marks[_label(layer)] = kind
+                group.written = False
+            self._streaks[layer] = kind
+        new = [_label(layer) for layer in numbers.layer_norms if _label(layer) not in self._layers]
+        if new:
+            # Written once (and when layers appear), so the tab lists every run
+            # that trainwatch watched, alerts or not, with rows in model order.
+            self._layers.extend(new)
+            group.layers = list(self._layers)
+            group.written = False
+        if step % self.config.every == 0:
+            for layer, value in numbers.layer_norms.items():
+                self.writer.add_scalar(metadata.norm_tag(layer), value, step)
+            if numbers.total_norm is not None:
+                self.writer.add_scalar(metadata.TOTAL_TAG, numbers.total_norm, step)
+        if self.config.histograms and step % self.config.histogram_every == 0:
+            finite = [v for v in numbers.layer_norms.values() if math.isfinite(v)]
+            if finite:
+                import numpy as np
+
+                self.writer.add_histogram(metadata.HISTOGRAM_TAG, np.asarray(finite), step)
+        self._maybe_flush()
+
+    def close(self, summary: Summary) -> None:
+        if self._closed:
+            return
+        for rank in list(self._groups):
+            self._write_group(rank)
+        self.flush()
+        self._closed = True
+        if self._owns:
+            self.writer.close()
+
+    # -- writing -------------------------------------------------------------
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        self.writer.flush()
+
+    def _maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush >= self.config.flush_secs:
+            self.flush()
+
+    @staticmethod
+    def _rank(alert: Alert) -> int:
+        rank = alert.data.get("rank", 0)
+        return rank if isinstance(rank, int) else 0
+
+    def _roll(self, rank: int, step: int) -> None:
+        """Start gathering ``step`` for ``rank``; the step gathered before is complete."""
+        group = self._groups.get(rank)
+        if group is not None and group.step == step:
+            return
+        if group is not None:
+            self._write_group(rank)
+        self._groups[rank] = _StepGroup(step)
+
+    def _add(self, alert: Alert, count: int) -> None:
+        if self._closed:
+            return
+        rank = self._rank(alert)
+        self._roll(rank, max(alert.step, 0))
+        group = self._groups[rank]
+        group.alerts[alert.key] = (alert, count)
+        group.written = False
+        self._maybe_flush()
+
+    def _write_group(self, rank: int) -> None:
+        group = self._groups.get(rank)
+        if group is None or group.written or not (group.alerts or group.marks or group.layers):
+            return
+        group.written = True
+        suffix = metadata.rank_suffix(rank)
+        alerts = list(group.alerts.values())
+        if alerts:
+            self.writer.add_text(metadata.TABLE_TAG + suffix, markdown_table(alerts), group.step)
+        payload: dict[str, Any] = {
+            "version": metadata.VERSION,
+            "step": group.step,
+            "rank": rank,
+            "alerts": [
+                {**jsonable(alert.to_dict()), "count": count, "rank": rank}
+                for alert, count in alerts
+            ],
+            "marks": group.marks,
+        }
+        if group.layers:
+            payload["layers"] = group.layers
+        summary = metadata.step_summary(metadata.ALERTS_TAG + suffix, payload)
+        _add_summary(self.writer, summary, group.step)
+
+
+def _add_summary(writer: Any, summary: Any, step: int) -> None:
+    """A summary of our own plugin: SummaryWriter has no public call for that."""
+    file_writer = getattr(writer, "file_writer", None) or writer._get_file_writer()
+    try:
+        file_writer.add_summary(summary, step)
+    except TypeError:  # tensorboardX's writer: the same proto, its own classes
+        from tensorboardX.proto.summary_pb2 import Summary as XSummary
+
+        file_writer.add_summary(XSummary.FromString(summary.SerializeToString()), step)
