@@ -11,6 +11,15 @@ from torch import nn
 import trainwatch as tw
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models on a small shared machine: more threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class TinyNet(nn.Module):
     def __init__(self, inputs: int = 8, hidden: int = 16, outputs: int = 1) -> None:
         super().__init__()
