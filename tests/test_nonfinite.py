@@ -481,3 +481,22 @@ def test_loss_handed_over_after_the_step_is_judged_for_that_step(where, bad_step
                 monitor.step(loss=reported)  # as Lightning's on_train_batch_end does
     (alert,) = nonfinite(monitor)
     assert (alert.rule, alert.step) == ("nonfinite_loss", bad_step)
+
+
+def test_a_model_that_stays_broken_is_not_replayed_every_step():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x
+
+    counter = Counting()
+    net = Net(counter, "middle")
+    with torch.no_grad():
+        net.fc1.weight.fill_(float("nan"))  # broken from the start, forever
+    monitor = run(net, torch.device("cpu"), 20)
+    assert nonfinite(monitor)  # reported
+    assert counter.calls <= 20 + 2 * 3  # one call per step, plus a few replays

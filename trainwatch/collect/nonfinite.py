@@ -45,6 +45,7 @@ from trainwatch.collect.op_trace import (
 from trainwatch.collect.tensors import floating_tensors
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
+_REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 
 # Modules that cannot turn finite inputs into NaN/Inf, forward or backward:
 # left unhooked, they cost nothing, and the next checked module still sees
@@ -239,6 +240,10 @@ class NonfiniteProbe:
         self._grad_entering: list[torch.Tensor | None] = []
         self._pass_backward = False
         self._pass_bad = False
+        # Consecutive steps with a non-finite output or gradient: past a few,
+        # replays stop (a broken model would otherwise pay one every step).
+        self._bad_streak = 0
+        self._step_bad = False
         self.reset()
 
     # -- lifecycle -------------------------------------------------------
@@ -327,7 +332,9 @@ class NonfiniteProbe:
         """A CPU pass ended: one sum of its output; a replay only if it is bad."""
         outs = list(floating_tensors(output))
         if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
-            self._replay_forward(module, args, kwargs)
+            self._step_bad = True
+            if self._bad_streak < _REPLAY_STREAK:
+                self._replay_forward(module, args, kwargs)
         needs_grad = [o for o in outs if o.requires_grad]
         if needs_grad and torch.is_grad_enabled():
             # References to the batch (not copies) until the next pass: what a
@@ -362,6 +369,9 @@ class NonfiniteProbe:
         """
         if self._last_call is None or self.backward_origin is not None:
             return False
+        self._step_bad = True
+        if self._bad_streak >= _REPLAY_STREAK:
+            return False  # still broken: what follows is the cascade, already reported
         if self.forward_origin is not None or self.grad_entering_bad:
             return False
         module, args, kwargs = self._last_call
@@ -552,6 +562,8 @@ class NonfiniteProbe:
             not self._immediate_grads or (self._any_bad_grad and self.backward_origin is None)
         ):
             window.grad_sums = _codes(self.grad_sums)
+        self._bad_streak = self._bad_streak + 1 if self._step_bad else 0
+        self._step_bad = False
         # The pass the step used counts as not skipped; its batch is let go.
         self._pass_grads = []
         self._pass_backward = self._pass_bad = False
