@@ -88,4 +88,10 @@ def test_report_on_what_trainwatch_run_wrote(tmp_path):
 
     run_demo("missing_zero_grad", steps=12, delay=0, log_dir=tmp_path, monitor_console=False)
     (row,) = build_report(tmp_path).rows
-    assert (row.rule, row.first_step) == ("accumulated_gradient", 4)
+    # one line in alerts.jsonl; the repeats come from the tally written at close
+    assert (row.rule, row.first_step, row.last_step, row.count) == (
+        "accumulated_gradient",
+        4,
+        11,
+        8,
+    )

@@ -163,16 +163,17 @@ class AutoWatch:
                 monitor.close()
             except Exception as exc:  # a failure at close must not hide the script's result
                 self._internal.internal_error("monitor close", exc, monitor.step_count)
-        self._internal.close(self.summary())
+        shown, raw = self.summary(), self.summary(labelled=False)
+        self._each_sink("close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw))
 
     @property
     def steps(self) -> int:
         """Training steps so far: those of the model that has trained the most."""
         return max((m.step_count for m in self.monitors), default=0)
 
-    def summary(self) -> Summary:
+    def summary(self, labelled: bool = True) -> Summary:
         """Every model's alerts in one summary; names carry the model when there are several."""
-        several = len(self.views) > 1
+        several = labelled and len(self.views) > 1
         norms: dict[str, float] = {}
         for view, monitor in zip(self.views, self.monitors):
             for layer, value in monitor.grad_norms().items():

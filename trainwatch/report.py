@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from trainwatch.alert import SEVERITIES, severity_rank
-from trainwatch.sinks import ALERTS_FILE
+from trainwatch.sinks import ALERTS_FILE, COUNTS_FILE
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
 
@@ -124,6 +124,7 @@ def build_report(path: str | os.PathLike[str]) -> Report:
             row.last_step = max(row.last_step, step)
             if _rank(severity) > _rank(row.severity):
                 row.severity = severity
+        _apply_counts(file.with_name(COUNTS_FILE), run, groups)
     rows = sorted(
         groups.values(),
         key=lambda r: (r.run or "", r.first_step, -_rank(r.severity), r.rule, r.module or ""),
@@ -131,11 +132,41 @@ def build_report(path: str | os.PathLike[str]) -> Report:
     return Report(rows, [str(f) for f in files], skipped)
 
 
+def _apply_counts(path: Path, run: str | None, groups: dict[tuple[Any, ...], Row]) -> None:
+    """Repeats are not lines in alerts.jsonl: take their counts from the monitor's tally."""
+    try:
+        tallies = json.loads(path.read_text(encoding="utf-8"))["counts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no tally (a killed run): each line counts once
+    for tally in tallies:
+        try:
+            row = groups.get((run, tally.get("model"), tally["rule"], tally.get("module")))
+            if row is not None:
+                row.count = max(row.count, int(tally["count"]))
+                row.last_step = max(row.last_step, int(tally["last_step"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+
+
 def _rank(severity: str) -> int:
     return severity_rank(severity) if severity in SEVERITIES else 0
 
 
-def render(report: Report) -> Table:
+def render(report: Report) -> Group:
+    """The table, then each finding's first message and hint (too long for a cell)."""
+    parts: list[Any] = [_table(report)]
+    for row in report.rows:
+        where = f" [{row.module or '<model>'}]" if row.module is not None else ""
+        model = f"{row.model}: " if row.model else ""
+        line = Text(f"{model}{row.rule}{where} step {row.first_step}: ", style="bold")
+        line.append(row.message, style="")
+        if row.hint:
+            line.append(f" | hint: {row.hint}", style="dim")
+        parts.append(line)
+    return Group(*parts)
+
+
+def _table(report: Report) -> Table:
     several_runs = any(row.run for row in report.rows)
     several_models = len({row.model for row in report.rows}) > 1
     table = Table(
@@ -147,10 +178,10 @@ def render(report: Report) -> Table:
     if several_models:
         table.add_column("model")
     for name in ("rule", "module", "severity"):
-        table.add_column(name)
+        table.add_column(name, no_wrap=True)
     table.add_column("first step", justify="right")
+    table.add_column("last step", justify="right")
     table.add_column("count", justify="right")
-    table.add_column("message", overflow="fold")
     for row in report.rows:
         cells: list[Any] = []
         if several_runs:
@@ -163,12 +194,12 @@ def render(report: Report) -> Table:
             module,
             Text(row.severity, style=_STYLE.get(row.severity, "")),
             str(row.first_step),
+            str(row.last_step),
             str(row.count),
-            row.message,
         ]
         table.add_row(*cells)
     if not report.rows:
-        table.add_row(*[""] * (len(table.columns) - 1), Text("no alerts", style="green"))
+        table.add_row(Text("no alerts", style="green"), *[""] * (len(table.columns) - 1))
     if report.skipped_lines:
         table.caption = f"{report.skipped_lines} unreadable line(s) skipped"
     return table
@@ -184,5 +215,5 @@ def report_main(path: str, *, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        Console(highlight=False).print(render(report))
+        Console(highlight=False, soft_wrap=True).print(render(report))
     return 0
