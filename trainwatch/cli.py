@@ -8,14 +8,15 @@ from collections.abc import Sequence
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from trainwatch.demo import BUGS, run_demo
+    from trainwatch.demo import BUGS, demo_log_dir, run_demo
 
     if args.list:
         for bug in BUGS.values():
             print(f"{bug.name:20s} {bug.description}  -> {bug.expected_rule}")
         return 0
     bug = None if args.bug == "none" else args.bug
-    run_demo(bug, steps=args.steps, bug_at=args.bug_at, log_dir=args.log_dir, delay=args.delay)
+    log_dir = args.log_dir if args.log_dir is not None else demo_log_dir()
+    run_demo(bug, steps=args.steps, bug_at=args.bug_at, log_dir=log_dir, delay=args.delay)
     return 0
 
 
@@ -68,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--list", action="store_true", help="list the bugs and exit")
     demo.add_argument("--steps", type=int, default=120)
     demo.add_argument("--bug-at", type=int, default=None, help="first step with the bug")
-    demo.add_argument("--log-dir", default=None, help="also write alerts.jsonl here")
+    demo.add_argument(
+        "--log-dir",
+        default=None,
+        help="where alerts.jsonl and TensorBoard events go (default: runs/trainwatch/demo-<time>)",
+    )
     demo.add_argument("--delay", type=float, default=0.01, help="seconds to pause per step")
     demo.set_defaults(handler=_demo)
 
