@@ -400,3 +400,49 @@ def test_default_log_dir_and_max_steps_from_the_console_script(tmp_path):
     assert "finished" not in done.stdout
     (log,) = (tmp_path / "runs" / "trainwatch").iterdir()
     assert (log / "alerts.jsonl").read_text() == ""
+
+
+@pytest.mark.slow
+def test_lightning_script_is_watched_through_the_global_hooks(tmp_path, capsys):
+    pytest.importorskip("lightning")
+    script = write(
+        tmp_path,
+        "lit.py",
+        """
+        import lightning as L
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+
+
+        class Lit(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(8, 16)
+                self.head = nn.Linear(16, 1)
+
+            def forward(self, x):
+                return self.head(torch.relu(self.fc1(x).detach()))  # planted: fc1 cut out
+
+            def training_step(self, batch, _):
+                x, y = batch
+                return nn.functional.mse_loss(self(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+        x = torch.randn(256, 8)
+        data = DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=32)
+        trainer = L.Trainer(
+            max_steps=50, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(Lit(), data)
+        """,
+    )
+    assert run_script(script, log_dir=tmp_path / "log", max_steps=4) == 0
+    found = alerts(tmp_path / "log")
+    # The optimizer steps with a closure that first calls the model: step 0 still counts.
+    assert [(a["rule"], a["module"], a["step"]) for a in found] == [("zero_gradient", "fc1", 0)]
+    assert "4 steps watched" in capsys.readouterr().err
