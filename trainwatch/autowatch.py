@@ -128,7 +128,7 @@ class AutoWatch:
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
         self._handles: list[RemovableHandle] = []
-        self._param_handles: list[RemovableHandle] = []
+        self._backward_ends: dict[int, list[RemovableHandle]] = {}  # by id(monitor)
         self._local = threading.local()
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -154,10 +154,10 @@ class AutoWatch:
         if self._closed:
             return
         self._closed = True
-        for handle in [*self._handles, *self._param_handles]:
+        for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
             handle.remove()
         self._handles.clear()
-        self._param_handles.clear()
+        self._backward_ends.clear()
         for monitor in self.monitors:
             try:
                 monitor.close()
@@ -253,9 +253,12 @@ class AutoWatch:
         self.monitors.append(monitor)
         self.views.append(view)
         hook = _BackwardEnd(self, monitor)
-        for param in params:
-            if param.requires_grad:
-                self._param_handles.append(param.register_post_accumulate_grad_hook(hook))
+        handles = [
+            param.register_post_accumulate_grad_hook(hook)
+            for param in params
+            if param.requires_grad
+        ]
+        self._backward_ends[id(monitor)] = handles
         for optimizer in list(self._pending):
             self._attach(optimizer)
 
@@ -301,6 +304,9 @@ class AutoWatch:
         for monitor in joined.values():
             if not monitor.closed:
                 monitor.add_optimizer(optimizer)
+                # its optimizer marks its steps from now on: backward ends are not needed
+                for handle in self._backward_ends.pop(id(monitor), []):
+                    handle.remove()
         if unowned:
             self._pending.add(optimizer)
         else:
