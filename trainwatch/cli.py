@@ -12,7 +12,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.list:
         for bug in BUGS.values():
-            print(f"{bug.name:20s} {bug.description}  -> {bug.expected_rule}")
+            print(f"{bug.name:28s} {bug.expected_rule:22s} {bug.description}")
         return 0
     bug = None if args.bug == "none" else args.bug
     log_dir = args.log_dir if args.log_dir is not None else demo_log_dir()

@@ -143,7 +143,9 @@ def run_demo(
             p.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     planted = f"'{bug}' ({BUGS[bug].description}) from step {bug_at}" if bug else "no bug"
-    out.print(f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}")
+    out.print(
+        f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}", soft_wrap=True
+    )
     writer = _writer(log_dir)
     monitor = tw.watch(model, optimizer, log_dir=log_dir, console=monitor_console)
     try:

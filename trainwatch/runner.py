@@ -79,8 +79,8 @@ def run_script(
         and severity_rank(watcher.worst) >= severity_rank(fail_on)
     ):
         note.print(
-            f"trainwatch run: failing (exit {EXIT_ALERTS}): a {watcher.worst} alert was "
-            f"raised and --fail-on is {fail_on}"
+            f"trainwatch run: failing (exit {EXIT_ALERTS}): an alert of severity "
+            f"{watcher.worst} was raised and --fail-on is {fail_on}"
         )
         code = EXIT_ALERTS
     return code
