@@ -340,30 +340,37 @@ def test_a_script_already_using_tw_watch_is_left_to_its_own_monitor(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_planted_bug_fails_the_gate_in_a_subprocess(tmp_path):
+def test_planted_bug_fails_the_gate_from_the_console_script(tmp_path):
+    """The installed ``trainwatch`` command, the default log dir, and exit status 3."""
     write(tmp_path, "train.py", LOOP)
-    log = tmp_path / "log"
-    done = cli(
-        "run", "--log-dir", str(log), "--fail-on", "warning", "train.py", "8", "3", cwd=tmp_path
+    trainwatch = Path(sys.executable).with_name("trainwatch")
+    done = subprocess.run(
+        [str(trainwatch), "run", "--fail-on", "warning", "train.py", "8", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert done.returncode == 3, done.stderr
     assert "finished 8" in done.stdout
-    assert "accumulated_gradient" in done.stderr
+    assert "step 3 ERROR accumulated_gradient" in done.stderr
+    (log,) = (tmp_path / "runs" / "trainwatch").iterdir()
     assert rules(log) == {"accumulated_gradient"}
-    error_only = cli(
-        "run",
-        "--log-dir",
-        str(tmp_path / "e"),
-        "--fail-on",
-        "error",
-        "--no-console",
-        "train.py",
-        "8",
-        "3",
-        cwd=tmp_path,
-    )
-    assert error_only.returncode == 3
-    assert "accumulated_gradient" not in error_only.stderr
+
+
+def test_fail_on_error_without_console(tmp_path, capsys):
+    script = write(tmp_path, "train.py", LOOP)
+    code = run_script(script, ["8", "3"], log_dir=tmp_path / "log", fail_on="error", console=False)
+    assert code == 3
+    assert "accumulated_gradient" not in capsys.readouterr().err
+    assert rules(tmp_path / "log") == {"accumulated_gradient"}
+
+
+def test_fail_on_error_ignores_warnings(tmp_path):
+    script = write(tmp_path, "manual.py", MANUAL)
+    code = run_script(script, ["detach"], log_dir=tmp_path / "log", fail_on="error", console=False)
+    assert code == 0  # zero_gradient is a warning
+    assert rules(tmp_path / "log") == {"zero_gradient"}
 
 
 @pytest.mark.slow
@@ -383,23 +390,6 @@ def test_a_crash_passes_its_traceback_and_status_through_with_alerts_flushed(tmp
     assert "ValueError: boom after training" in done.stderr
     assert "runpy" not in done.stderr and "runner.py" not in done.stderr
     assert rules(log) == {"accumulated_gradient"}
-
-
-@pytest.mark.slow
-def test_default_log_dir_and_max_steps_from_the_console_script(tmp_path):
-    write(tmp_path, "train.py", LOOP)
-    trainwatch = Path(sys.executable).with_name("trainwatch")
-    done = subprocess.run(
-        [str(trainwatch), "run", "--max-steps", "3", "train.py", "500"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "finished" not in done.stdout
-    (log,) = (tmp_path / "runs" / "trainwatch").iterdir()
-    assert (log / "alerts.jsonl").read_text() == ""
 
 
 @pytest.mark.slow

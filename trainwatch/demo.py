@@ -162,6 +162,7 @@ def run_demo(
                     optimizer.zero_grad()
                 loss = _loss(model(x[batch]), y[batch], buggy and bug == "broadcast_loss")
                 loss.backward()
+                monitor.step(loss=loss)  # optional with an optimizer: lets loss rules see it
                 optimizer.step()
                 if writer is not None:
                     writer.add_scalar("demo/loss", loss.item(), step)
