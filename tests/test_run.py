@@ -436,3 +436,54 @@ def test_lightning_script_is_watched_through_the_global_hooks(tmp_path, capsys):
     # The optimizer steps with a closure that first calls the model: step 0 still counts.
     assert [(a["rule"], a["module"], a["step"]) for a in found] == [("zero_gradient", "fc1", 0)]
     assert "4 steps watched" in capsys.readouterr().err
+
+
+def test_a_failure_inside_trainwatch_is_reported_once_and_training_goes_on(tmp_path):
+    script = write(
+        tmp_path,
+        "odd.py",
+        """
+        import torch
+        from torch import nn
+
+
+        class Odd(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 1)
+
+            def parameters(self, recurse=True):  # breaks trainwatch's discovery, not training
+                raise RuntimeError("Odd hides its parameters")
+
+            def forward(self, x):
+                return self.lin(x)
+
+
+        model = Odd()
+        opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        print("trained")
+        """,
+    )
+    assert run_script(script, log_dir=tmp_path / "log", console=False, fail_on="warning") == 0
+    found = alerts(tmp_path / "log")
+    assert [(a["rule"], a["data"]["component"]) for a in found] == [
+        ("internal_error", "trainwatch run: model discovery")
+    ]
+
+
+def test_usage_errors_exit_2_before_the_script_runs(tmp_path, capsys):
+    from trainwatch.cli import main
+
+    script = write(tmp_path, "train.py", LOOP)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero_gradient:\n  patiense: 2\n")
+    assert main(["run", "--config", str(bad), str(script)]) == 2
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    captured = capsys.readouterr()
+    assert "zero_gradient.patiense: unknown key" in captured.err
+    assert "can't open file" in captured.err
+    assert "finished" not in captured.out

@@ -92,14 +92,18 @@ class _BackwardEnd:
         monitor = self.monitor()
         if self.queued or monitor is None or monitor.closed or monitor.optimizers:
             return
+        owner = self.owner()
+        if owner is None or owner.manual_steps_off:
+            return
         self.queued = True
         try:
             # The engine runs queued callbacks once this backward has finished,
             # when every gradient of it is in place: the step boundary.
             torch.autograd.Variable._execution_engine.queue_callback(self.done)
-        except Exception:
+        except Exception as exc:  # never break the user's backward
             self.queued = False
-            raise
+            owner.manual_steps_off = True
+            owner._internal.internal_error("trainwatch run: backward end", exc, owner.steps)
 
     def done(self) -> None:
         self.queued = False
@@ -125,6 +129,7 @@ class AutoWatch:
         self.views: list[_ModelView] = []
         self.worst: str | None = None  # highest severity raised, internal errors aside
         self.stopped = False
+        self.manual_steps_off = False  # set if the end-of-backward callback cannot be queued
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
         self._handles: list[RemovableHandle] = []
@@ -242,6 +247,8 @@ class AutoWatch:
 
     def _discover(self, module: nn.Module) -> None:
         self._seen.add(module)
+        if getattr(module, "_is_replica", False):
+            return  # a DataParallel replica: its original is the model
         params = list(module.parameters())
         # No parameters (a loss module), or already watched: by us as part of
         # a bigger model, or by the script's own tw.watch / Lightning callback.
