@@ -487,3 +487,49 @@ def test_usage_errors_exit_2_before_the_script_runs(tmp_path, capsys):
     assert "zero_gradient.patiense: unknown key" in captured.err
     assert "can't open file" in captured.err
     assert "finished" not in captured.out
+
+
+@pytest.mark.slow
+def test_ctrl_c_flushes_alerts_and_exits_130(tmp_path):
+    import signal
+
+    write(
+        tmp_path,
+        "forever.py",
+        """
+        import torch
+        from netdef import Net, batch
+
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        step = 0
+        while True:
+            x, y = batch(step)
+            if step < 2:
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == 4:
+                print("READY", flush=True)
+            step += 1
+        """,
+    )
+    log = tmp_path / "log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainwatch", "run", "--log-dir", str(log), "forever.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "KeyboardInterrupt" in err
+    assert "steps watched" in err  # the summary still printed
+    assert rules(log) == {"accumulated_gradient"}
+    assert json.loads((log / "alert_counts.json").read_text())["counts"][0]["count"] >= 2
