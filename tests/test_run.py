@@ -314,7 +314,7 @@ def test_keyboard_interrupt_flushes_alerts(tmp_path, capsys):
     assert "KeyboardInterrupt" in capsys.readouterr().err
 
 
-def test_a_script_already_using_tw_watch_is_left_to_its_own_monitor(tmp_path, capsys):
+def test_a_script_calling_tw_watch_itself_takes_over_its_model(tmp_path, capsys):
     script = write(
         tmp_path,
         "own.py",
@@ -326,6 +326,7 @@ def test_a_script_already_using_tw_watch_is_left_to_its_own_monitor(tmp_path, ca
 
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model(torch.zeros(1, 8))  # a forward before tw.watch: trainwatch run saw it first
         with tw.watch(model, opt, console=io.StringIO()) as monitor:
             for step in range(4):
                 x, y = batch(step)

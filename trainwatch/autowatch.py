@@ -257,6 +257,7 @@ class AutoWatch:
         name = self._unique_name(type(module).__name__)
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
+        monitor.yields_to_explicit_watch = True
         self.monitors.append(monitor)
         self.views.append(view)
         hook = _BackwardEnd(self, monitor)

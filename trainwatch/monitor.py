@@ -86,6 +86,10 @@ class Monitor:
     manager) to take every hook off again.
     """
 
+    # True for the monitors `trainwatch run` creates on its own: a script that
+    # calls tw.watch on the same model later takes over instead of failing.
+    yields_to_explicit_watch: bool = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -100,7 +104,10 @@ class Monitor:
             _check_optimizer(opt)
         layers = LayerMap(model)
         for param in layers.parameters():
-            if registry.owner_of(param) is not None:
+            owner = registry.owner_of(param)
+            if owner is not None and owner.yields_to_explicit_watch:
+                owner.close()  # `trainwatch run`'s automatic monitor steps aside
+            elif owner is not None:
                 raise WatchError(
                     f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
                     "already watched by an open trainwatch monitor; close that one first "
