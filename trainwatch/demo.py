@@ -18,6 +18,22 @@ from torch import nn
 import trainwatch as tw
 
 
+class UnsafeLinear(nn.Linear):
+    """``nn.Linear`` that can be told to take the log of its output: the NaN bug.
+
+    The log of a pre-activation that can be negative is a classic source of a
+    NaN produced inside one layer from finite inputs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return torch.log(out) if self.log_output else out
+
+
 class DemoNet(nn.Module):
     """A small classifier with readable layer names for the alerts.
 
@@ -28,7 +44,7 @@ class DemoNet(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(inputs, hidden)
         self.drop = nn.Dropout(0.1)
-        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc2 = UnsafeLinear(hidden, hidden)
         self.head = nn.Linear(hidden, classes)
         self.detach_fc1 = False
 
@@ -76,7 +92,12 @@ BUGS: dict[str, Bug] = {
             "frozen_in_optimizer",
             "fc2",
         ),
-        Bug("nan_in_layer", "a NaN lands in fc2's weights", "nonfinite_forward", "fc2"),
+        Bug(
+            "nan_in_layer",
+            "fc2 takes the log of its output, which can be negative",
+            "nonfinite_forward",
+            "fc2",
+        ),
     )
 }
 DEFAULT_BUG = "missing_zero_grad"
@@ -153,9 +174,7 @@ def run_demo(
             for step in range(steps):
                 buggy = bug is not None and step >= bug_at
                 model.detach_fc1 = buggy and bug == "detached_layer"
-                if buggy and bug == "nan_in_layer" and step == bug_at:
-                    with torch.no_grad():
-                        model.fc2.weight[0, 0] = float("nan")
+                model.fc2.log_output = buggy and bug == "nan_in_layer"
                 gen = torch.Generator().manual_seed(step)
                 batch = torch.randint(0, len(x), (64,), generator=gen)
                 if not (buggy and bug == "missing_zero_grad"):
