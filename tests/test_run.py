@@ -534,3 +534,39 @@ def test_ctrl_c_flushes_alerts_and_exits_130(tmp_path):
     assert "steps watched" in err  # the summary still printed
     assert rules(log) == {"accumulated_gradient"}
     assert json.loads((log / "alert_counts.json").read_text())["counts"][0]["count"] >= 2
+
+
+def test_a_nan_made_in_the_first_forward_is_found_there(tmp_path):
+    from trainwatch.rules import RULE_CLASSES
+
+    if "nonfinite_forward" not in {cls.id for cls in RULE_CLASSES}:
+        pytest.skip("rule nonfinite_forward not built yet")
+    script = write(
+        tmp_path,
+        "nan.py",
+        """
+        import torch
+        from torch import nn
+
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = nn.Linear(8, 16)
+                self.fc2 = nn.Linear(16, 1)
+
+            def forward(self, x):
+                return self.fc2(torch.log(torch.relu(self.fc1(x)) - 1))  # NaN in the root's op
+
+
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            opt.step()
+        """,
+    )
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    first = alerts(tmp_path / "log")[0]
+    assert (first["rule"], first["module"], first["step"]) == ("nonfinite_forward", "", 0)

@@ -1,12 +1,13 @@
 """Watches every model and optimizer a script creates, without touching the script.
 
 PyTorch's global hooks make this possible. A module called while no other
-module is running is a model: it gets a Monitor, so alert names are relative
-to it. An optimizer is found at its first ``step()`` (the global pre-step hook
-runs before the per-instance hooks, so a monitor attached there still sees
-that first step) and joins the monitor of every model whose parameters it
-holds. A model nobody builds an optimizer for is trained by hand: its steps
-end where a backward pass that reached it ends.
+module is running is a model: it gets a Monitor as that first call starts,
+and alert names are relative to it; optimizers that already hold its
+parameters join at once. An optimizer is found at its first ``step()`` (the
+global pre-step hook runs before the per-instance hooks, so a monitor attached
+there still sees that first step) and joins the monitor of every model whose
+parameters it holds. A model nobody builds an optimizer for is trained by
+hand: its steps end where a backward pass that reached it ends.
 
 The global hooks cost a few microseconds per module call; they are removed by
 :meth:`AutoWatch.close`.
@@ -235,7 +236,10 @@ class AutoWatch:
             raise StopRun
         if module in self._seen:
             return None
+        self._seen.add(module)
         try:
+            # Hooks attached now see this very call (the module's own pre-hooks
+            # excepted: PyTorch has already gathered them), so step 0 is checked.
             self._discover(module)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: model discovery", exc, self.steps)
@@ -246,7 +250,6 @@ class AutoWatch:
         return None
 
     def _discover(self, module: nn.Module) -> None:
-        self._seen.add(module)
         if getattr(module, "_is_replica", False):
             return  # a DataParallel replica: its original is the model
         params = list(module.parameters())
@@ -269,6 +272,10 @@ class AutoWatch:
         self._backward_ends[id(monitor)] = handles
         for optimizer in list(self._pending):
             self._attach(optimizer)
+        if not monitor.optimizers:
+            # The optimizer usually exists already: attach it before the first
+            # training forward, so the monitor runs in optimizer mode from the start.
+            self._find_optimizers(monitor)
 
     def _unique_name(self, base: str) -> str:
         name, n = base, 1
