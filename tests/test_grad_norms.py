@@ -137,3 +137,14 @@ def test_lagged_readback_halts_one_step_later_with_the_right_step(model, quiet_w
         train(model, opt, 10, zero_grad_until=2)
     assert caught.value.alert.step == 2
     assert monitor.step_count == 4
+
+
+def test_a_layer_without_gradient_in_the_latest_step_is_not_reported_stale(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for step, (x, y) in enumerate(batches(2)):
+        model.detach_fc1 = step == 1
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert set(monitor.grad_norms()) == {"fc2", "head"}

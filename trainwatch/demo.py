@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -17,18 +18,38 @@ from torch import nn
 import trainwatch as tw
 
 
+class UnsafeLinear(nn.Linear):
+    """``nn.Linear`` that can be told to take the log of its output: the NaN bug.
+
+    The log of a pre-activation that can be negative is a classic source of a
+    NaN produced inside one layer from finite inputs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_output = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return torch.log(out) if self.log_output else out
+
+
 class DemoNet(nn.Module):
-    """A three-layer classifier with readable layer names for the alerts."""
+    """A small classifier with readable layer names for the alerts.
+
+    Dropout gives the train/eval mode bugs something to get wrong.
+    """
 
     def __init__(self, inputs: int = 20, hidden: int = 64, classes: int = 4) -> None:
         super().__init__()
         self.fc1 = nn.Linear(inputs, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = UnsafeLinear(hidden, hidden)
         self.head = nn.Linear(hidden, classes)
         self.detach_fc1 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc1(x))
+        h = self.drop(torch.relu(self.fc1(x)))
         if self.detach_fc1:
             h = h.detach()  # the planted bug: fc1 is cut out of the graph
         h = torch.relu(self.fc2(h))
@@ -40,14 +61,43 @@ class Bug:
     name: str
     description: str
     expected_rule: str
+    module: str | None = None  # where the alert should point, when a module applies
 
 
 BUGS: dict[str, Bug] = {
     bug.name: bug
     for bug in (
         Bug("missing_zero_grad", "optimizer.zero_grad() is dropped", "accumulated_gradient"),
-        Bug("detached_layer", "fc1's output is .detach()ed", "zero_gradient"),
-        Bug("frozen_layer", "fc2 is left frozen inside the optimizer", "frozen_in_optimizer"),
+        Bug(
+            "forgotten_eval",
+            "the evaluation runs without model.eval(), dropout still on",
+            "eval_in_train_mode",
+            "drop",
+        ),
+        Bug(
+            "forgotten_train_after_eval",
+            "model.train() is not called after an evaluation",
+            "train_in_eval_mode",
+            "drop",
+        ),
+        Bug(
+            "broadcast_loss",
+            "a hand-written loss subtracts a (N, 1) from a (N,) tensor",
+            "broadcast",
+        ),
+        Bug("detached_layer", "fc1's output is .detach()ed", "zero_gradient", "fc1"),
+        Bug(
+            "frozen_layer",
+            "fc2 is left frozen inside the optimizer",
+            "frozen_in_optimizer",
+            "fc2",
+        ),
+        Bug(
+            "nan_in_layer",
+            "fc2 takes the log of its output, which can be negative",
+            "nonfinite_forward",
+            "fc2",
+        ),
     )
 }
 DEFAULT_BUG = "missing_zero_grad"
@@ -63,6 +113,25 @@ def synthetic_data(
     return x, y
 
 
+def demo_log_dir(root: str | Path = "runs/trainwatch") -> Path:
+    """A fresh ``runs/trainwatch/demo-<timestamp>`` for one demo run."""
+    base = Path(root) / time.strftime("demo-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor, broadcast_slip: bool) -> torch.Tensor:
+    """Cross-entropy; with the slip it is the classic hand-written one gone wrong."""
+    if not broadcast_slip:
+        return nn.functional.cross_entropy(logits, y)
+    picked = logits.gather(1, y[:, None]).squeeze(1)  # (N,)
+    # keepdim leaves (N, 1): minus (N,) broadcasts to (N, N), and the mean hides it
+    return (logits.logsumexp(1, keepdim=True) - picked).mean()
+
+
 def run_demo(
     bug: str | None = DEFAULT_BUG,
     *,
@@ -72,44 +141,85 @@ def run_demo(
     delay: float = 0.01,
     console: Console | None = None,
     monitor_console: bool = True,
+    eval_every: int = 10,
 ) -> tw.Monitor:
     """Train DemoNet for ``steps`` steps, planting ``bug`` at step ``bug_at``.
 
     By default the run is healthy for its first third and goes wrong after.
+    An evaluation on held-out data runs every ``eval_every`` steps. With
+    ``log_dir``, alerts go to ``alerts.jsonl`` and the loss curve to
+    TensorBoard event files there.
     """
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; choose from: {', '.join(BUGS)}")
     out = console or Console(stderr=True, highlight=False)
     bug_at = steps // 3 if bug_at is None else bug_at
     torch.manual_seed(0)
-    x, y = synthetic_data()
+    x, y = synthetic_data(samples=768)
+    x, y, x_val, y_val = x[:512], y[:512], x[512:], y[512:]  # one teacher, held-out tail
     model = DemoNet()
     if bug == "frozen_layer":
         bug_at = 0
         for p in model.fc2.parameters():
             p.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
     planted = f"'{bug}' ({BUGS[bug].description}) from step {bug_at}" if bug else "no bug"
-    out.print(f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}")
+    out.print(
+        f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}", soft_wrap=True
+    )
+    writer = _writer(log_dir)
     monitor = tw.watch(model, optimizer, log_dir=log_dir, console=monitor_console)
-    with monitor:
-        for step in range(steps):
-            buggy = bug is not None and step >= bug_at
-            model.detach_fc1 = buggy and bug == "detached_layer"
-            batch = torch.randint(0, len(x), (64,), generator=torch.Generator().manual_seed(step))
-            if not (buggy and bug == "missing_zero_grad"):
-                optimizer.zero_grad()
-            loss = loss_fn(model(x[batch]), y[batch])
-            loss.backward()
-            optimizer.step()
-            if step % 20 == 0 or step == steps - 1:
-                out.print(
-                    f"[dim]step {step:4d}  loss {loss.item():.4f}  "
-                    f"grad norm {monitor.total_grad_norm or 0.0:.3f}[/]"
-                )
-            if delay:
-                time.sleep(delay)
+    try:
+        with monitor:
+            for step in range(steps):
+                buggy = bug is not None and step >= bug_at
+                model.detach_fc1 = buggy and bug == "detached_layer"
+                model.fc2.log_output = buggy and bug == "nan_in_layer"
+                gen = torch.Generator().manual_seed(step)
+                batch = torch.randint(0, len(x), (64,), generator=gen)
+                if not (buggy and bug == "missing_zero_grad"):
+                    optimizer.zero_grad()
+                loss = _loss(model(x[batch]), y[batch], buggy and bug == "broadcast_loss")
+                loss.backward()
+                monitor.step(loss=loss)  # optional with an optimizer: lets loss rules see it
+                optimizer.step()
+                if writer is not None:
+                    writer.add_scalar("demo/loss", loss.item(), step)
+                line = f"step {step:4d}  loss {loss.item():.4f}"
+                if step % eval_every == eval_every - 1:
+                    accuracy = _evaluate(model, x_val, y_val, bug if buggy else None)
+                    line += f"  val acc {accuracy:.2f}"
+                    if writer is not None:
+                        writer.add_scalar("demo/val_accuracy", accuracy, step)
+                if step == 0 or step % 20 == eval_every - 1 or step == steps - 1:
+                    norm = monitor.total_grad_norm or 0.0
+                    out.print(f"[dim]{line}  grad norm {norm:.3f}[/]")
+                if delay:
+                    time.sleep(delay)
+    finally:
+        if writer is not None:
+            writer.close()
     if log_dir is not None:
-        out.print(f"alerts written to {Path(log_dir) / 'alerts.jsonl'}")
+        out.print(f"alerts written to {Path(log_dir) / 'alerts.jsonl'}", soft_wrap=True)
+        out.print(f"see the run in TensorBoard: tensorboard --logdir {log_dir}", soft_wrap=True)
     return monitor
+
+
+def _evaluate(model: DemoNet, x: torch.Tensor, y: torch.Tensor, bug: str | None) -> float:
+    """Held-out accuracy; the mode bugs are planted here, where they happen in real code."""
+    if bug != "forgotten_eval":
+        model.eval()
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    if bug != "forgotten_train_after_eval":
+        model.train()
+    return accuracy
+
+
+def _writer(log_dir: str | Path | None) -> Any:
+    """A TensorBoard writer for the demo's own curves; None without a log dir."""
+    if log_dir is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(log_dir))

@@ -94,6 +94,10 @@ class Monitor:
     manager) to take every hook off again.
     """
 
+    # True for the monitors `trainwatch run` creates on its own: a script that
+    # calls tw.watch on the same model later takes over instead of failing.
+    yields_to_explicit_watch: bool = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -115,7 +119,10 @@ class Monitor:
         for index, opt in enumerate(optimizers):
             _check_optimizer_matches(opt, layers, index)
         for param in layers.parameters():
-            if registry.owner_of(param) is not None:
+            owner = registry.owner_of(param)
+            if owner is not None and owner.yields_to_explicit_watch:
+                owner.close()  # `trainwatch run`'s automatic monitor steps aside
+            elif owner is not None:
                 raise WatchError(
                     f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
                     "already watched by an open trainwatch monitor; close that one first "
@@ -134,7 +141,8 @@ class Monitor:
         self._step = 0
         self._pending: dict[int, _Pending] = {}
         self._in_flight: _Pending | None = None  # lagged readback: read at the next step
-        self._latest_norms: dict[str, float] = {}
+        # Per-layer norms of the latest step of each optimizer (None: manual steps).
+        self._latest_by_source: dict[int | None, dict[str, float]] = {}
         self._total_norm: float | None = None
         self._loss: torch.Tensor | float | None = None
         self._late_loss: tuple[int, torch.Tensor | float] | None = None
@@ -191,7 +199,15 @@ class Monitor:
     def grad_norms(self) -> dict[str, float]:
         """Per-layer gradient L2 norms of the latest step, by qualified module name."""
         self._land_in_flight()
-        return dict(self._latest_norms)
+        return self._latest_norms
+
+    @property
+    def _latest_norms(self) -> dict[str, float]:
+        """Each optimizer's latest step merged (a GAN's two halves, say)."""
+        merged: dict[str, float] = {}
+        for norms in self._latest_by_source.values():
+            merged.update(norms)
+        return merged
 
     @property
     def total_grad_norm(self) -> float | None:
@@ -486,7 +502,7 @@ class Monitor:
             record.param_norms = values[pending.norm_piece]
             per_layer, total = layer_norms(record.present, record.param_norms, self._layers.layers)
             record.layer_norms, record.total_norm = per_layer, total
-            self._latest_norms.update(per_layer)
+            self._latest_by_source[record.optimizer] = per_layer
             self._total_norm = total
         if pending.loss_piece is not None:
             record.loss = values[pending.loss_piece][0]

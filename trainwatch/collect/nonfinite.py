@@ -284,6 +284,7 @@ class NonfiniteProbe:
         self._immediate_grads = True
         self._any_bad_grad = False
         self.grad_entering_bad = False
+        self._output_bad = False
         self._pass_grads: list[torch.Tensor] = []
         # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
         self.bad_backward_passes: list[torch.Tensor] = []
@@ -332,7 +333,7 @@ class NonfiniteProbe:
         """A CPU pass ended: one sum of its output; a replay only if it is bad."""
         outs = list(floating_tensors(output))
         if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
-            self._step_bad = True
+            self._step_bad = self._output_bad = True
             if self._bad_streak < _REPLAY_STREAK:
                 self._replay_forward(module, args, kwargs)
         needs_grad = [o for o in outs if o.requires_grad]
@@ -552,6 +553,7 @@ class NonfiniteProbe:
             backward_origin=self.backward_origin,
             grad_events=self.grad_events,
             grad_entering_bad=self.grad_entering_bad,
+            output_bad=self._output_bad,
         )
         needs_forward = any(v is None for v in self.finite) and any(
             not all(self.finite[i] is True for i in c.outputs) for c in self.calls
@@ -632,6 +634,8 @@ class StepWindow:
     backward_origin: NonfiniteFinding | None
     grad_events: list[tuple[ForwardCall, str]]
     grad_entering_bad: bool = False
+    # A spot pass's output was non-finite (whether or not a replay located it).
+    output_bad: bool = False
     # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

@@ -2,11 +2,12 @@
 
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 from trainwatch.sinks.console import ConsoleSink
-from trainwatch.sinks.jsonl import ALERTS_FILE, JsonlSink
+from trainwatch.sinks.jsonl import ALERTS_FILE, COUNTS_FILE, JsonlSink
 from trainwatch.sinks.memory import MemorySink
 
 __all__ = [
     "ALERTS_FILE",
+    "COUNTS_FILE",
     "AlertTally",
     "ConsoleSink",
     "JsonlSink",

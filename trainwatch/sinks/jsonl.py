@@ -9,6 +9,9 @@ from trainwatch.alert import Alert
 from trainwatch.sinks.base import Sink, Summary
 
 ALERTS_FILE = "alerts.jsonl"
+# Repeats of a (rule, module) are counted, not written as lines; the counts
+# land here when the monitor closes, for ``trainwatch report``.
+COUNTS_FILE = "alert_counts.json"
 
 
 class JsonlSink(Sink):
@@ -29,3 +32,19 @@ class JsonlSink(Sink):
     def close(self, summary: Summary) -> None:
         if not self._file.closed:
             self._file.close()
+        if summary.tallies:
+            counts = [
+                {
+                    "rule": t.first.rule,
+                    "module": t.first.module,
+                    "model": t.first.data.get("model"),
+                    "first_step": t.first.step,
+                    "last_step": t.last_step,
+                    "count": t.count,
+                }
+                for t in summary.tallies
+            ]
+            path = self.path.with_name(COUNTS_FILE)
+            partial = path.with_name(COUNTS_FILE + ".partial")
+            partial.write_text(json.dumps({"steps": summary.steps, "counts": counts}, indent=1))
+            partial.replace(path)

@@ -1,0 +1,369 @@
+"""Watches every model and optimizer a script creates, without touching the script.
+
+PyTorch's global hooks make this possible. A module called while no other
+module is running is a model: it gets a Monitor as that first call starts,
+and alert names are relative to it; optimizers that already hold its
+parameters join at once. An optimizer is found at its first ``step()`` (the
+global pre-step hook runs before the per-instance hooks, so a monitor attached
+there still sees that first step) and joins the monitor of every model whose
+parameters it holds. A model nobody builds an optimizer for is trained by
+hand: its steps end where a backward pass that reached it ends.
+
+The global hooks cost a few microseconds per module call; they are removed by
+:meth:`AutoWatch.close`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from trainwatch import registry
+from trainwatch.alert import Alert, severity_rank
+from trainwatch.config import Config
+from trainwatch.dispatch import Dispatcher
+from trainwatch.errors import TrainingHealthError
+from trainwatch.monitor import Monitor
+from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
+
+
+class StopRun(BaseException):
+    """Raised from a hook when ``max_steps`` is reached; the runner catches it.
+
+    A BaseException, so a script's ``except Exception`` does not swallow it.
+    """
+
+
+class _ModelView(Sink):
+    """One model's monitor feeding the run's shared sinks, tagged with the model."""
+
+    name = "run"
+
+    def __init__(self, owner: AutoWatch, model_name: str) -> None:
+        self.owner = weakref.ref(owner)
+        self.model_name = model_name
+        self.summary: Summary | None = None
+
+    def emit(self, alert: Alert) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._emit(self._tag(alert), self.model_name)
+
+    def repeat(self, alert: Alert, count: int) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._repeat(self._tag(alert), count, self.model_name)
+
+    def on_step(self, numbers: StepNumbers) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._each_sink("on_step", lambda s: s.on_step(numbers))
+
+    def close(self, summary: Summary) -> None:
+        self.summary = summary
+
+    def _tag(self, alert: Alert) -> Alert:
+        return dataclasses.replace(alert, data={**alert.data, "model": self.model_name})
+
+
+class _BackwardEnd:
+    """Post-accumulate-grad hook: marks a hand-trained model's step after backward."""
+
+    __slots__ = ("owner", "monitor", "queued")
+
+    def __init__(self, owner: AutoWatch, monitor: Monitor) -> None:
+        self.owner = weakref.ref(owner)
+        self.monitor = weakref.ref(monitor)
+        self.queued = False
+
+    def __call__(self, param: torch.Tensor) -> None:
+        monitor = self.monitor()
+        if self.queued or monitor is None or monitor.closed or monitor.optimizers:
+            return
+        owner = self.owner()
+        if owner is None or owner.manual_steps_off:
+            return
+        self.queued = True
+        try:
+            # The engine runs queued callbacks once this backward has finished,
+            # when every gradient of it is in place: the step boundary.
+            torch.autograd.Variable._execution_engine.queue_callback(self.done)
+        except Exception as exc:  # never break the user's backward
+            self.queued = False
+            owner.manual_steps_off = True
+            owner._internal.internal_error("trainwatch run: backward end", exc, owner.steps)
+
+    def done(self) -> None:
+        self.queued = False
+        owner, monitor = self.owner(), self.monitor()
+        if owner is not None and monitor is not None:
+            owner._manual_step(monitor)
+
+
+class AutoWatch:
+    """Global hooks that give each model a Monitor and each optimizer its monitor."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        sinks: Sequence[Sink] = (),
+        max_steps: int | None = None,
+    ) -> None:
+        self.config = config
+        self.sinks: list[Sink] = list(sinks)
+        self.max_steps = max_steps
+        self.monitors: list[Monitor] = []
+        self.views: list[_ModelView] = []
+        self.worst: str | None = None  # highest severity raised, internal errors aside
+        self.stopped = False
+        self.manual_steps_off = False  # set if the end-of-backward callback cannot be queued
+        self._internal = Dispatcher(self.sinks, halt_on=())
+        self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
+        self._handles: list[RemovableHandle] = []
+        self._backward_ends: dict[int, list[RemovableHandle]] = {}  # by id(monitor)
+        self._local = threading.local()
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._names: set[str] = set()
+        self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        self._stop_next = False
+        self._closed = False
+        self._tallies: dict[tuple[str, str | None, str], AlertTally] = {}
+
+    # -- lifecycle -------------------------------------------------------
+    def install(self) -> None:
+        mod = nn.modules.module
+        self._handles.append(mod.register_module_forward_pre_hook(self._before_forward))
+        self._handles.append(
+            mod.register_module_forward_hook(self._after_forward, always_call=True)
+        )
+        self._handles.append(register_optimizer_step_pre_hook(self._before_step))
+        self._handles.append(register_optimizer_step_post_hook(self._after_step))
+
+    def close(self) -> None:
+        """Remove the global hooks, close every monitor, print one summary."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
+            handle.remove()
+        self._handles.clear()
+        self._backward_ends.clear()
+        for monitor in self.monitors:
+            try:
+                monitor.close()
+            except Exception as exc:  # a failure at close must not hide the script's result
+                self._internal.internal_error("monitor close", exc, monitor.step_count)
+        shown, raw = self.summary(), self.summary(labelled=False)
+        self._each_sink("close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw))
+
+    @property
+    def steps(self) -> int:
+        """Training steps so far: those of the model that has trained the most."""
+        return max((m.step_count for m in self.monitors), default=0)
+
+    def summary(self, labelled: bool = True) -> Summary:
+        """Every model's alerts in one summary; names carry the model when there are several."""
+        several = labelled and len(self.views) > 1
+        norms: dict[str, float] = {}
+        for view, monitor in zip(self.views, self.monitors):
+            for layer, value in monitor.grad_norms().items():
+                norms[self._label(view.model_name, layer) if several else layer] = value
+        tallies = []
+        for (_, _, model), tally in self._tallies.items():
+            first = tally.first
+            if several:
+                first = dataclasses.replace(first, module=self._label(model, first.module))
+            tallies.append(AlertTally(first, tally.count, tally.last_step))
+        return Summary(self.steps, tallies, norms)
+
+    # -- the shared sinks ---------------------------------------------------
+    def _emit(self, alert: Alert, model: str) -> None:
+        self._tallies[(alert.rule, alert.module, model)] = AlertTally(alert, 1, alert.step)
+        if alert.rule != "internal_error" and (
+            self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
+        ):
+            self.worst = alert.severity
+        shown = self._for_console(alert, model)
+        self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
+
+    def _repeat(self, alert: Alert, count: int, model: str) -> None:
+        tally = self._tallies.get((alert.rule, alert.module, model))
+        if tally is not None:
+            tally.count, tally.last_step = count, alert.step
+        self._each_sink("repeat", lambda s: s.repeat(alert, count))
+
+    def _each_sink(self, what: str, call: Any) -> None:
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                self._internal.internal_error(f"{sink.name} sink ({what})", exc, self.steps)
+
+    def _for_console(self, alert: Alert, model: str) -> Alert:
+        if len(self.views) < 2:
+            return alert
+        return dataclasses.replace(alert, module=self._label(model, alert.module))
+
+    @staticmethod
+    def _label(model: str, module: str | None) -> str:
+        return f"{model}:{module}" if module else model
+
+    # -- discovery -----------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth:
+            return None
+        if self._stop_next:
+            self._local.depth = 0
+            raise StopRun
+        if module in self._seen:
+            return None
+        self._seen.add(module)
+        try:
+            # Hooks attached now see this very call (the module's own pre-hooks
+            # excepted: PyTorch has already gathered them), so step 0 is checked.
+            self._discover(module)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: model discovery", exc, self.steps)
+        return None
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        return None
+
+    def _discover(self, module: nn.Module) -> None:
+        if getattr(module, "_is_replica", False):
+            return  # a DataParallel replica: its original is the model
+        params = list(module.parameters())
+        # No parameters (a loss module), or already watched: by us as part of
+        # a bigger model, or by the script's own tw.watch / Lightning callback.
+        if not params or any(registry.owner_of(p) is not None for p in params):
+            return
+        name = self._unique_name(type(module).__name__)
+        view = _ModelView(self, name)
+        monitor = Monitor(module, [], config=self.config, sinks=[view])
+        monitor.yields_to_explicit_watch = True
+        self.monitors.append(monitor)
+        self.views.append(view)
+        hook = _BackwardEnd(self, monitor)
+        handles = [
+            param.register_post_accumulate_grad_hook(hook)
+            for param in params
+            if param.requires_grad
+        ]
+        self._backward_ends[id(monitor)] = handles
+        for optimizer in list(self._pending):
+            self._attach(optimizer)
+        if not monitor.optimizers:
+            # The optimizer usually exists already: attach it before the first
+            # training forward, so the monitor runs in optimizer mode from the start.
+            self._find_optimizers(monitor)
+
+    def _unique_name(self, base: str) -> str:
+        name, n = base, 1
+        while name in self._names:
+            n += 1
+            name = f"{base}#{n}"
+        self._names.add(name)
+        return name
+
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # No module runs during an optimizer step's start: repair the depth
+        # count if an interrupted forward left it raised.
+        self._local.depth = 0
+        if optimizer in self._handled:
+            return None
+        self._handled.add(optimizer)
+        try:
+            self._attach(optimizer)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
+        return None
+
+    def _attach(self, optimizer: Optimizer) -> None:
+        """Join the optimizer to every monitor of ours that owns some of its parameters.
+
+        Runs inside the global pre-step hook, before the per-instance hooks, so
+        the monitor sees this very step. Parameters no model of ours owns yet
+        (a model first called inside the optimizer's closure) keep it pending
+        until that model appears.
+        """
+        ours = {id(m): m for m in self.monitors}
+        joined: dict[int, Monitor] = {}
+        unowned = False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                owner = registry.owner_of(param)
+                if owner is None:
+                    unowned = True
+                elif id(owner) in ours:
+                    joined[id(owner)] = owner
+        for monitor in joined.values():
+            if not monitor.closed:
+                monitor.add_optimizer(optimizer)
+                # its optimizer marks its steps from now on: backward ends are not needed
+                for handle in self._backward_ends.pop(id(monitor), []):
+                    handle.remove()
+        if unowned:
+            self._pending.add(optimizer)
+        else:
+            self._pending.discard(optimizer)
+
+    def _find_optimizers(self, monitor: Monitor) -> bool:
+        """Attach live optimizers holding the monitor's parameters (one heap scan)."""
+        try:
+            params = {id(p) for p in monitor.model.parameters()}
+            for obj in gc.get_objects():
+                if issubclass(type(obj), Optimizer) and any(
+                    id(p) in params for g in obj.param_groups for p in g["params"]
+                ):
+                    self._handled.add(obj)
+                    self._attach(obj)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: optimizer search", exc, self.steps)
+        return bool(monitor.optimizers)
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            self.stopped = True
+            raise StopRun
+        return None
+
+    def _manual_step(self, monitor: Monitor) -> None:
+        if monitor.closed or monitor.optimizers:
+            return
+        if monitor not in self._searched:
+            self._searched.add(monitor)
+            # The usual loop built its optimizer before this first backward but
+            # has not stepped it yet: find it, or this backward would count as
+            # a hand-made step on top of the optimizer's.
+            if self._find_optimizers(monitor):
+                return
+        try:
+            monitor.step()
+        except TrainingHealthError:
+            raise
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: manual step", exc, self.steps)
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            # Stop at the next forward, after the script has applied this update.
+            self.stopped = True
+            self._stop_next = True

@@ -1,0 +1,141 @@
+"""``trainwatch run SCRIPT ARGS``: a training script watched with no code change.
+
+The script runs in this process as ``__main__``, with ``sys.argv`` and
+``sys.path[0]`` set as ``python SCRIPT ARGS`` would set them, so it cannot
+tell the difference; :class:`~trainwatch.autowatch.AutoWatch` finds its models
+and optimizers. The exit status is the script's own, so the command can stand
+in for ``python`` in CI; ``--fail-on`` turns alerts into a failing status.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from trainwatch.alert import SEVERITIES, severity_rank
+from trainwatch.autowatch import AutoWatch, StopRun
+from trainwatch.config import Config, load_config
+from trainwatch.sinks import ALERTS_FILE, ConsoleSink, JsonlSink, Sink
+
+FAIL_ON = ("never", *SEVERITIES[1:])  # never, warning, error
+EXIT_ALERTS = 3  # --fail-on: an alert at or above the level was raised
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by Ctrl-C
+
+_OWN_MODULES = {__name__, "runpy"}
+
+
+def default_log_dir(root: str | Path = "runs/trainwatch") -> Path:
+    """A fresh ``runs/trainwatch/<timestamp>``; never one an earlier run wrote."""
+    base = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+    max_steps: int | None = None,
+    fail_on: str = "never",
+    console: bool = True,
+) -> int:
+    """Run ``script`` as ``python script args`` would, watched; return the exit status."""
+    note = Console(stderr=True, highlight=False, soft_wrap=True)
+    if fail_on not in FAIL_ON:
+        raise ValueError(f"fail_on: {fail_on!r}; choose from {', '.join(FAIL_ON)}")
+    path = Path(script)
+    if not path.is_file():
+        note.print(f"trainwatch run: can't open file {str(script)!r}: no such file")
+        return EXIT_USAGE
+    cfg = load_config(config)
+    out = Path(log_dir) if log_dir is not None else default_log_dir()
+    sinks: list[Sink] = [JsonlSink(out)]
+    if cfg.tensorboard.enabled:
+        from trainwatch.sinks.tensorboard import TensorBoardSink
+
+        sinks.append(TensorBoardSink.in_dir(out, cfg.tensorboard, halt_on=cfg.halt_on))
+    if console:
+        sinks.append(ConsoleSink(summary=cfg.console.summary, top_layers=cfg.console.top_layers))
+    watcher = AutoWatch(config=cfg, sinks=sinks, max_steps=max_steps)
+    if console:
+        note.print(f"[dim]trainwatch run: watching {path}; alerts go to {out / ALERTS_FILE}[/]")
+    code = _run_watched(path, list(args), watcher)
+    if console and watcher.stopped:
+        note.print(f"[dim]trainwatch run: stopped after {watcher.steps} steps (--max-steps)[/]")
+    if (
+        code == 0
+        and fail_on != "never"
+        and watcher.worst is not None
+        and severity_rank(watcher.worst) >= severity_rank(fail_on)
+    ):
+        note.print(
+            f"trainwatch run: failing (exit {EXIT_ALERTS}): an alert of severity "
+            f"{watcher.worst} was raised and --fail-on is {fail_on}"
+        )
+        code = EXIT_ALERTS
+    return code
+
+
+def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
+    """Run the script; whatever happens, hooks come off and alerts are flushed."""
+    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [str(path), *args]
+    script_dir = str(path.resolve().parent)
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    code = 0
+    watcher.install()
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopRun:
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except KeyboardInterrupt as exc:
+        _print_traceback(exc)
+        code = EXIT_INTERRUPTED
+    except BaseException as exc:
+        _print_traceback(exc)
+        code = 1
+    finally:
+        watcher.close()
+        sys.argv = saved_argv
+        if saved_path0 is not None and sys.path:
+            sys.path[0] = saved_path0
+    return code
+
+
+def _exit_status(code: object) -> int:
+    """What ``sys.exit(code)`` makes the interpreter exit with."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """The traceback python would print: the script's frames, not the runner's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in _OWN_MODULES:
+        tb = tb.tb_next
+    sys.stdout.flush()
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    sys.stderr.flush()
