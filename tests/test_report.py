@@ -95,3 +95,25 @@ def test_report_on_what_trainwatch_run_wrote(tmp_path):
         11,
         8,
     )
+
+
+def test_report_reads_alerts_back_from_event_files_alone(tmp_path):
+    import torch
+
+    import trainwatch as tw
+    from tests.conftest import TinyNet, train
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, log_dir=tmp_path, console=False):
+        train(model, opt, 8, zero_grad_until=2)
+    for name in ("alerts.jsonl", "alert_counts.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    (row,) = build_report(tmp_path).rows
+    assert (row.rule, row.first_step, row.last_step, row.count) == (
+        "accumulated_gradient",
+        2,
+        7,
+        6,
+    )

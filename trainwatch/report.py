@@ -1,9 +1,9 @@
 """``trainwatch report PATH``: what went wrong in a finished (or killed) run, at a glance.
 
-Reads ``alerts.jsonl`` files only: they are flushed line by line, so a run
-killed mid-way still has everything it raised. A log dir holding only
-TensorBoard event files is recognised and refused with a pointer, since
-reading alerts back from events is not implemented here.
+Reads ``alerts.jsonl`` files (flushed line by line, so a run killed mid-way
+still has everything it raised), and, for a log dir that has only TensorBoard
+event files (a Lightning run's logger dir, say), the alerts trainwatch's own
+summaries hold, read back with TensorBoard's reader.
 """
 
 from __future__ import annotations
@@ -71,13 +71,54 @@ def find_alert_files(path: str | os.PathLike[str]) -> list[Path]:
     found = sorted(target.rglob(ALERTS_FILE))
     if found:
         return found
-    if any(target.rglob("events.out.tfevents.*")):
-        raise ReportError(
-            f"{target} holds TensorBoard event files but no {ALERTS_FILE}; reading alerts "
-            "from event files is not supported yet: open it with `tensorboard --logdir "
-            f"{target}`, or report on the {ALERTS_FILE} the run wrote beside them"
-        )
-    raise ReportError(f"no {ALERTS_FILE} in {target} or below it")
+    event_dirs = sorted({p.parent for p in target.rglob("events.out.tfevents.*")})
+    if event_dirs:
+        return event_dirs
+    raise ReportError(f"no {ALERTS_FILE} or TensorBoard event files in {target} or below it")
+
+
+def _records(source: Path) -> tuple[list[dict[str, Any] | None], bool]:
+    """Alert records of one source, and whether they carry their own counts.
+
+    None stands for a line that could not be read (cut short by a kill).
+    """
+    if source.is_file():
+        records: list[dict[str, Any] | None] = []
+        for line in source.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                records.append(None)
+        return records, False
+    return _records_from_events(source), True
+
+
+def _records_from_events(directory: Path) -> list[dict[str, Any] | None]:
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    from trainwatch.tensorboard_plugin import metadata
+
+    accumulator = event_accumulator.EventAccumulator(
+        str(directory), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    records: list[dict[str, Any] | None] = []
+    for tag in accumulator.Tags().get("tensors", []):
+        if not tag.startswith(metadata.ALERTS_TAG):
+            continue
+        for event in accumulator.Tensors(tag):
+            try:
+                payload = metadata.decode(tensor_util.make_ndarray(event.tensor_proto))
+            except (ValueError, TypeError):
+                records.append(None)
+                continue
+            records.extend(payload.get("alerts", []))
+    if not records:
+        raise ReportError(f"the event files in {directory} hold no trainwatch alerts")
+    return records
 
 
 def build_report(path: str | os.PathLike[str]) -> Report:
@@ -89,15 +130,14 @@ def build_report(path: str | os.PathLike[str]) -> Report:
         run = None
         if len(files) > 1 and base is not None:
             run = str(file.parent.relative_to(base)) or "."
-        for line in file.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
+        records, counted = _records(file)
+        for record in records:
             try:
-                record = json.loads(line)
-                rule, step = str(record["rule"]), int(record["step"])
+                rule, step = str(record["rule"]), int(record["step"])  # type: ignore[index]
             except (ValueError, KeyError, TypeError):
                 skipped += 1  # a line cut short by a kill, or not an alert
                 continue
+            assert record is not None
             severity = str(record.get("severity", "warning"))
             module = record.get("module")
             data = record.get("data") if isinstance(record.get("data"), dict) else {}
@@ -111,20 +151,21 @@ def build_report(path: str | os.PathLike[str]) -> Report:
                     severity=severity,
                     first_step=step,
                     last_step=step,
-                    count=1,
+                    count=int(record.get("count", 1)) if counted else 1,
                     message=str(record.get("message", "")),
                     hint=str(record.get("hint", "")),
                     model=model,
                     run=run,
                 )
                 continue
-            row.count += 1
+            row.count = max(row.count, int(record.get("count", 1))) if counted else row.count + 1
             if step < row.first_step:
                 row.first_step, row.message = step, str(record.get("message", ""))
             row.last_step = max(row.last_step, step)
             if _rank(severity) > _rank(row.severity):
                 row.severity = severity
-        _apply_counts(file.with_name(COUNTS_FILE), run, groups)
+        if file.is_file():
+            _apply_counts(file.with_name(COUNTS_FILE), run, groups)
     rows = sorted(
         groups.values(),
         key=lambda r: (r.run or "", r.first_step, -_rank(r.severity), r.rule, r.module or ""),
