@@ -231,7 +231,7 @@ class BroadcastAudit:
         if n < 2 or n != self._batch or not target.is_floating_point():
             return
         rows = target.detach()[:16].reshape(min(n, 16), -1).float()
-        self.target_spread = rows.std(dim=0).mean()
+        self.target_spread = (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
 
     def after_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         operands = [a for a in args if isinstance(a, torch.Tensor)]
