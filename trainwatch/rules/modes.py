@@ -43,7 +43,9 @@ class EvalInTrainModeRule(Rule):
                 "call model.eval() before evaluating (and model.train() after): in "
                 "training mode dropout drops units and batch norm normalises with the "
                 "eval batch's statistics and overwrites its running averages with them. "
-                "Deliberate Monte-Carlo dropout: set eval_in_train_mode.mc_dropout: true.",
+                "Deliberate Monte-Carlo dropout: set eval_in_train_mode.mc_dropout: true. "
+                "A no-grad pass that is part of training (GAN samples, pseudo-labels) "
+                "can disable this rule.",
                 _data(report),
             )
         ]

@@ -1,0 +1,65 @@
+"""The behaviour collectors: nothing installed when their rules are off, failures contained."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches
+from tests.test_modes import DropNet
+from trainwatch.collect.modes import ModeWatch
+
+BEHAVIOUR_OFF = {
+    "constant_output": False,
+    "dead_units": False,
+    "eval_in_train_mode": False,
+    "train_in_eval_mode": False,
+    "broadcast": False,
+}
+
+
+def _module_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_disabled_behaviour_rules_install_nothing(quiet_watch):
+    model = TinyNet()
+    baseline = quiet_watch(model, **BEHAVIOUR_OFF)
+    hooks_without = _module_hooks(model)
+    assert baseline._behaviour is None
+    baseline.close()
+    monitor = quiet_watch(model)
+    assert monitor._behaviour is not None
+    # Two root hooks plus one idle hook per module for constant_output.
+    assert _module_hooks(model) == hooks_without + 2 + len(list(model.modules()))
+
+
+def test_modes_only_add_two_root_hooks(quiet_watch):
+    model = TinyNet()
+    off = dict(BEHAVIOUR_OFF)
+    baseline = quiet_watch(model, **off)
+    hooks_without = _module_hooks(model)
+    baseline.close()
+    del off["eval_in_train_mode"]
+    quiet_watch(model, **off)
+    assert _module_hooks(model) == hooks_without + 2
+
+
+def test_a_failing_check_is_reported_once_and_training_goes_on(quiet_watch, monkeypatch):
+    def broken(self, training, skip_dropout=False):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ModeWatch, "in_mode", broken)
+    torch.manual_seed(0)
+    model = DropNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    errors = [a for a in monitor.alerts if a.rule == "internal_error"]
+    assert len(errors) == 1 and errors[0].data["component"] == "behaviour checks"
+    assert monitor.step_count == 4
