@@ -119,3 +119,34 @@ def _line(text: str) -> int:
 
     lines = inspect.getsource(inspect.getmodule(_line)).splitlines()
     return next(i + 1 for i, line in enumerate(lines) if text in line and "lambda" in line)
+
+
+def test_a_pass_inside_the_users_own_function_mode_is_not_audited(model, quiet_watch):
+    from torch.overrides import TorchFunctionMode
+
+    class UserMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    quiet_watch(model, opt)
+    x, y = next(batches(1))
+    with UserMode():
+        out = model(x)  # ours would sit above theirs and be popped by their exit
+    assert torch._C._len_torch_function_stack() == 0
+    opt.zero_grad()
+    nn.functional.mse_loss(out, y).backward()
+    opt.step()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_audit_works_under_a_default_device(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    torch.set_default_device("cpu")  # pushes a DeviceContext mode for good
+    try:
+        _regression(model, opt, 2, lambda out, y: ((out - y) ** 2).mean())
+    finally:
+        torch.set_default_device(None)
+    assert "broadcast" in rules_of(monitor)
+    assert torch._C._len_torch_function_stack() == 0

@@ -120,6 +120,24 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     return result if low_expanded else None
 
 
+def _stack_is_ours_to_use() -> bool:
+    """Whether our mode can be pushed now and popped later without disturbing another.
+
+    A mode the user entered around the forward pass would be exited while
+    ours sits above it, and ``TorchFunctionMode.__exit__`` pops whatever is
+    on top: ours instead of theirs. So the audit skips such passes; only the
+    default-device context (which restores the stack itself) may be below.
+    """
+    if torch._C._len_torch_function_stack() == 0:
+        return True
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    return all(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+
+
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -176,6 +194,8 @@ class BroadcastAudit:
             if self._batch is None and tensor.dim() > 0:
                 self._batch = tensor.shape[0]
         if self._depth is None:
+            if not _stack_is_ours_to_use():
+                return
             self._mode.__enter__()
             self._depth = torch._C._len_torch_function_stack()
 
