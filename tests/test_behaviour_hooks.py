@@ -63,3 +63,23 @@ def test_a_failing_check_is_reported_once_and_training_goes_on(quiet_watch, monk
     errors = [a for a in monitor.alerts if a.rule == "internal_error"]
     assert len(errors) == 1 and errors[0].data["component"] == "behaviour checks"
     assert monitor.step_count == 4
+
+
+def test_a_failing_step_hand_over_leaves_the_other_checks_running(quiet_watch, monkeypatch):
+    from trainwatch.collect.behaviour import BehaviourWatch
+
+    def broken(self, record, pieces):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(BehaviourWatch, "gather", broken)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    errors = [a for a in monitor.alerts if a.rule == "internal_error"]
+    assert [e.data["component"] for e in errors] == ["behaviour checks"]
+    assert set(monitor.grad_norms()) == {"fc1", "fc2", "head"}  # gradient checks go on

@@ -422,7 +422,9 @@ class Monitor:
                     pending.window_pieces[name] = len(pending.pieces)
                     pending.pieces.append(tensor)
         if self._behaviour is not None:
-            pending.behaviour = self._behaviour.gather(record, pending.pieces)
+            pending.behaviour = self._guarded(
+                "behaviour checks", self._behaviour.gather, record, pending.pieces
+            )
         if isinstance(self._loss, torch.Tensor):
             pending.loss_piece = len(pending.pieces)
             pending.pieces.append(self._loss.reshape(-1)[:1])
@@ -456,7 +458,9 @@ class Monitor:
         elif record.loss is not None:
             self._judge.judge(record, None, {}, [], [], [], self._dispatcher.tallies)
         if self._behaviour is not None and pending.behaviour is not None:
-            self._behaviour.land(record, pending.behaviour, values)
+            self._guarded(
+                "behaviour checks", self._behaviour.land, record, pending.behaviour, values
+            )
         flags = values[pending.suspect_piece] if pending.suspect_piece is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0

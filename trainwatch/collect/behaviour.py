@@ -207,6 +207,13 @@ class BehaviourWatch:
 
     # -- step boundary --------------------------------------------------------------
     def gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+        try:
+            return self._gather(record, pieces)
+        except Exception:
+            self.detach()  # the monitor reports it once; nothing of ours stays behind
+            raise
+
+    def _gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
         record.train_in_eval, self.train_in_eval = self.train_in_eval, None
         if self.broadcast is not None:
             record.broadcasts = self.broadcast.step_boundary()
