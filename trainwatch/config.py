@@ -107,6 +107,84 @@ class AmpSkippedStepsConfig(RuleConfig):
 
 
 @dataclass
+class ConstantOutputConfig(RuleConfig):
+    # Sampled (a std over the batch per module costs 1.5-2.6x a step, FACTS.md):
+    # on each of the first ``first_steps`` steps, then every ``every`` steps,
+    # and on ``rows`` rows of the batch only.
+    every: int = field(default=25, metadata=_range(1))
+    first_steps: int = field(default=5, metadata=_range(0))
+    rows: int = field(default=16, metadata=_range(2))
+    # Constant: the across-batch spread fell below ``ratio`` times its
+    # reference (the model's output: the loss target's spread; a hidden
+    # module: its own largest spread, with its input still varying), in
+    # ``patience`` consecutive checks. A collapsed regression still varies by
+    # 0.1-2% of its targets' spread, so zero is no test.
+    ratio: float = field(default=0.05, metadata=_range(0.0, 1.0))
+    patience: int = field(default=2, metadata=_range(1))
+    # A fresh model often fits the target mean first (small, shrinking output
+    # spread): a relative collapse of the model's output counts from this step
+    # on. An output that does not vary at all is reported at once.
+    warmup: int = field(default=20, metadata=_range(0))
+
+
+@dataclass
+class DeadUnitsConfig(RuleConfig):
+    every: int = field(default=25, metadata=_range(1))
+    first_steps: int = field(default=5, metadata=_range(0))
+    rows: int = field(default=16, metadata=_range(1))
+    # Fraction of the sampled outputs that are exactly zero; a healthy ReLU
+    # layer sits near 0.5, sparse ones rarely above 0.95.
+    threshold: float = field(default=0.99, metadata=_range(0.0, 1.0))
+    patience: int = field(default=2, metadata=_range(1))
+
+
+@dataclass
+class EvalInTrainModeConfig(RuleConfig):
+    # Monte-Carlo dropout: dropout left in training mode on purpose for
+    # no-grad passes. Batch norm in training mode is still reported.
+    mc_dropout: bool = False
+
+
+@dataclass
+class TrainInEvalModeConfig(RuleConfig):
+    pass
+
+
+@dataclass
+class BroadcastConfig(RuleConfig):
+    severity: SeverityName = "error"
+    # A shape bug is there from the first step: audit this many steps, then
+    # the check costs nothing.
+    audit_steps: int = field(default=3, metadata=_range(0))
+
+
+@dataclass
+class UnusedParameterConfig(RuleConfig):
+    pass
+
+
+@dataclass
+class ExplodingGradientConfig(RuleConfig):
+    # No verdicts in the first steps: gradients settle from the initialisation.
+    warmup: int = field(default=50, metadata=_range(0))
+    # A layer's norm above ``factor`` times its recent typical norm (an
+    # exponential average of log norms over about ``window`` steps).
+    factor: float = field(default=50.0, metadata=_range(1.0))
+    window: int = field(default=50, metadata=_range(2))
+    # An absolute bound on any layer's norm; null: none.
+    max_norm: float | None = field(default=None, metadata=_range(0.0))
+
+
+@dataclass
+class VanishingGradientConfig(RuleConfig):
+    warmup: int = field(default=50, metadata=_range(0))
+    # A layer's norm below ``ratio`` times the median layer norm of the step,
+    # for ``patience`` steps in a row.
+    ratio: float = field(default=1e-4, metadata=_range(0.0, 1.0))
+    patience: int = field(default=20, metadata=_range(1))
+
+
+@dataclass
 class GradNormsConfig:
     enabled: bool = True
 
@@ -160,6 +238,14 @@ class Config:
     nonfinite_loss: NonfiniteConfig = field(default_factory=NonfiniteConfig)
     nonfinite_parameter: NonfiniteParameterConfig = field(default_factory=NonfiniteParameterConfig)
     amp_skipped_steps: AmpSkippedStepsConfig = field(default_factory=AmpSkippedStepsConfig)
+    constant_output: ConstantOutputConfig = field(default_factory=ConstantOutputConfig)
+    dead_units: DeadUnitsConfig = field(default_factory=DeadUnitsConfig)
+    eval_in_train_mode: EvalInTrainModeConfig = field(default_factory=EvalInTrainModeConfig)
+    train_in_eval_mode: TrainInEvalModeConfig = field(default_factory=TrainInEvalModeConfig)
+    broadcast: BroadcastConfig = field(default_factory=BroadcastConfig)
+    unused_parameter: UnusedParameterConfig = field(default_factory=UnusedParameterConfig)
+    exploding_gradient: ExplodingGradientConfig = field(default_factory=ExplodingGradientConfig)
+    vanishing_gradient: VanishingGradientConfig = field(default_factory=VanishingGradientConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -158,8 +158,11 @@ def run_demo(
     x, y = synthetic_data(samples=768)
     x, y, x_val, y_val = x[:512], y[:512], x[512:], y[512:]  # one teacher, held-out tail
     model = DemoNet()
-    if bug == "frozen_layer":
+    if bug in ("frozen_layer", "broadcast_loss"):
+        # Both are set-up mistakes, there from the first step (the broadcast
+        # audit looks at the first steps only, where shape bugs show).
         bug_at = 0
+    if bug == "frozen_layer":
         for p in model.fc2.parameters():
             p.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

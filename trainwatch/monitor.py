@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch import registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
@@ -58,6 +59,7 @@ class _Pending:
     window_pieces: dict[str, int] = field(default_factory=dict)
     checked_params: list[ParamInfo] = field(default_factory=list)
     param_piece: int | None = None
+    behaviour: BehaviourToken | None = None
 
 
 class _OptimizerHook:
@@ -166,9 +168,26 @@ class Monitor:
             self._probe.attach(model)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
+        # Modes, loss shapes and sampled activations: only for their rules.
+        self._behaviour: BehaviourWatch | None = None
+        if BehaviourWatch.wanted(self._rule_ids):
+            self._behaviour = BehaviourWatch(
+                model,
+                self.config,
+                self._rule_ids,
+                _weak_getter(self, "step_count", 0),
+                _weak_callback(self._publish_pass),
+                _weak_callback(self._internal_error),
+            )
         registry.claim(layers.parameters(), self)
         weakref.finalize(
-            self, _remove_handles, self._handles, self._tracker, self._structure, self._probe
+            self,
+            _remove_handles,
+            self._handles,
+            self._tracker,
+            self._structure,
+            self._probe,
+            self._behaviour,
         )
         _OPEN.add(self)
         for opt in optimizers:
@@ -264,7 +283,7 @@ class Monitor:
             self._shut()
 
     def _shut(self) -> None:
-        _remove_handles(self._handles, self._tracker, self._structure, self._probe)
+        _remove_handles(self._handles, self._tracker, self._structure, self._probe, self._behaviour)
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 
@@ -385,6 +404,10 @@ class Monitor:
         if record.skipped_backward_passes >= rule.patience:
             self._dispatcher.publish(self._run_rules(record))
 
+    def _publish_pass(self, record: StepRecord) -> None:
+        """A forward pass found something on its own (an evaluation in training mode)."""
+        self._dispatcher.publish(self._run_rules(record))
+
     def _advance(self) -> int:
         """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
@@ -479,6 +502,10 @@ class Monitor:
                 if tensor is not None:
                     pending.window_pieces[name] = len(pending.pieces)
                     pending.pieces.append(tensor)
+        if self._behaviour is not None:
+            pending.behaviour = self._guarded(
+                "behaviour checks", self._behaviour.gather, record, pending.pieces
+            )
         if isinstance(self._loss, torch.Tensor):
             pending.loss_piece = len(pending.pieces)
             pending.pieces.append(self._loss.reshape(-1)[:1])
@@ -519,6 +546,10 @@ class Monitor:
             )
         elif record.loss is not None:
             self._judge.judge(record, None, {}, [], [], [], self._dispatcher.tallies)
+        if self._behaviour is not None and pending.behaviour is not None:
+            self._guarded(
+                "behaviour checks", self._behaviour.land, record, pending.behaviour, values
+            )
         flags = values[pending.suspect_piece] if pending.suspect_piece is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
@@ -630,6 +661,17 @@ def _weak_callback(method: Any) -> Any:
             target(*args)
 
     return call
+
+
+def _weak_getter(target: Any, name: str, default: Any) -> Any:
+    """Reads an attribute of an object without keeping the object alive."""
+    ref = weakref.ref(target)
+
+    def get() -> Any:
+        obj = ref()
+        return default if obj is None else getattr(obj, name)
+
+    return get
 
 
 def _check_optimizer(optimizer: Any) -> None:

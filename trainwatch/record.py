@@ -33,6 +33,46 @@ class NonfiniteReport:
 
 
 @dataclass
+class ModeReport:
+    """Mode-dependent modules (dropout, batch norm) in the wrong mode for a pass."""
+
+    modules: list[str]  # qualified names, in named_modules() order
+    kinds: list[str]  # their class names, aligned with ``modules``
+    # The root module itself is in that mode: the whole model was switched
+    # (``model.eval()`` with no ``model.train()``), not a chosen part of it.
+    whole_model: bool
+    total: int  # mode-dependent modules in the model
+
+
+@dataclass
+class BroadcastReport:
+    """An elementwise op on the model's output that broadcast a batch axis against another."""
+
+    op: str
+    shapes: list[tuple[int, ...]]
+    result: tuple[int, ...]
+    source: str | None = None
+
+
+@dataclass
+class ActivationStats:
+    """One module's sampled output statistics for a step (host floats)."""
+
+    module: str
+    # Mean over features of the standard deviation across the batch, for the
+    # output and for the module's first input; the output's RMS and mean.
+    out_spread: float | None = None
+    in_spread: float | None = None
+    out_rms: float | None = None
+    out_mean: float | None = None
+    # ReLU family only: fraction of sampled outputs that are exactly zero, and
+    # of positions (units) that are zero for every sampled row.
+    zero_fraction: float | None = None
+    dead_fraction: float | None = None
+    rows: int = 0
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -68,3 +108,9 @@ class StepRecord:
     # Backward passes with non-finite gradients that no optimizer step used
     # (GradScaler skipping) in a row, ending at this record.
     skipped_backward_passes: int = 0
+    # Behaviour checks (mode, shape and activation statistics).
+    train_in_eval: ModeReport | None = None
+    eval_in_train: ModeReport | None = None
+    broadcasts: list[BroadcastReport] = field(default_factory=list)
+    # Empty on steps that were not sampled.
+    activations: list[ActivationStats] = field(default_factory=list)

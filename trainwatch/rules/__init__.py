@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from trainwatch.config import Config
 from trainwatch.rules.accumulation import AccumulatedGradientRule
+from trainwatch.rules.activations import ConstantOutputRule, DeadUnitsRule
 from trainwatch.rules.base import Rule
+from trainwatch.rules.broadcast import BroadcastRule
+from trainwatch.rules.gradient_scale import ExplodingGradientRule, VanishingGradientRule
+from trainwatch.rules.modes import EvalInTrainModeRule, TrainInEvalModeRule
 from trainwatch.rules.nonfinite import (
     NonfiniteBackwardRule,
     NonfiniteForwardRule,
@@ -13,6 +17,7 @@ from trainwatch.rules.nonfinite import (
     SkippedStepsRule,
 )
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
+from trainwatch.rules.unused import UnusedParameterRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
 
 RULE_CLASSES: tuple[type[Rule], ...] = (
@@ -25,6 +30,14 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     AccumulatedGradientRule,
     FrozenInOptimizerRule,
     NotOptimizedRule,
+    UnusedParameterRule,
+    ExplodingGradientRule,
+    VanishingGradientRule,
+    EvalInTrainModeRule,
+    TrainInEvalModeRule,
+    BroadcastRule,
+    ConstantOutputRule,
+    DeadUnitsRule,
 )
 
 

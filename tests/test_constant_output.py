@@ -1,0 +1,194 @@
+"""constant_output: outputs that stopped varying across the batch; the traps stay silent."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches, rules_of
+
+EVERY_STEP = {"every": 1}
+
+
+def _regress(model, opt, steps: int, broadcast_bug: bool = False, seed: int = 0) -> None:
+    for x, y in batches(steps, seed=seed):
+        opt.zero_grad()
+        out = model(x)
+        target = y.squeeze(-1) if broadcast_bug else y
+        ((out - target) ** 2).mean().backward()
+        opt.step()
+
+
+def test_regression_collapsed_to_the_target_mean_names_the_model_output(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP)
+    _regress(model, opt, 40, broadcast_bug=True)  # (N, 1) - (N,): predicts the mean
+    (alert,) = [a for a in monitor.alerts if a.rule == "constant_output"]
+    assert alert.module == ""
+    assert 5 <= alert.step <= 30
+    assert alert.data["spread"] < 0.05 * alert.data["target_spread"]
+    assert abs(alert.data["value"]) < 0.5  # the targets' mean is ~0
+    assert "collapsed to" in alert.message and "loss target" in alert.message
+    assert "broadcast" in rules_of(monitor)  # the cause, named too
+
+
+def test_healthy_regression_to_convergence_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output={"every": 5})
+    _regress(model, opt, 300)
+    assert rules_of(monitor) == []
+
+
+def test_healthy_regression_on_tiny_targets_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt, constant_output={"every": 5})
+    for x, y in batches(200):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), 0.01 * y).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+def test_healthy_classifier_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet(outputs=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output={"every": 5})
+    for x, _ in batches(200):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), x[:, :4].argmax(1)).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+def test_hidden_layer_that_stops_varying_is_named_not_the_layers_after_it(quiet_watch):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(8, 16))
+    model.add_module("act", nn.Tanh())
+    model.add_module("fc2", nn.Linear(16, 16))
+    model.add_module("head", nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP, zero_gradient=False)
+
+    def plant(step: int) -> None:
+        if step == 6:
+            with torch.no_grad():
+                model.fc2.weight.zero_()  # fc2 now outputs its bias, whatever the input
+            model.fc2.weight.requires_grad_(False)
+
+    for step, (x, y) in enumerate(batches(12)):
+        plant(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    found = {a.module: a for a in monitor.alerts if a.rule == "constant_output"}
+    assert found["fc2"].step == 6
+    assert "head" not in found  # its input is constant: fc2 explains it
+    assert found[""].step == 6  # and the model's output no longer depends on x
+
+
+def test_positional_embedding_of_a_constant_input_is_silent(quiet_watch):
+    class WithPositions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(50, 16)
+            self.positions = nn.Embedding(12, 16)  # input: arange, the same for every sample
+            self.table = nn.Parameter(torch.randn(12, 16) * 0.02)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            n, t = tokens.shape
+            pos = torch.arange(t).expand(n, t)
+            h = self.tokens(tokens) + self.positions(pos) + self.table[:t]
+            return self.head(h).mean(1)
+
+    torch.manual_seed(0)
+    model = WithPositions()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP)
+    for _ in range(20):
+        tokens = torch.randint(0, 50, (16, 12))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(tokens), tokens.float().mean(1, keepdim=True) / 50).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+def test_recurrent_model_is_silent(quiet_watch):
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 16, num_layers=2)  # (T, N, F): dim 0 is time
+            self.cell = nn.GRUCell(4, 16)  # called once per time step, state starts at zero
+            self.head = nn.Linear(32, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.lstm(x)
+            h = torch.zeros(x.shape[1], 16)
+            for step in x:
+                h = self.cell(step, h)
+            return self.head(torch.cat([out[-1], h], dim=1))
+
+    torch.manual_seed(0)
+    model = Recurrent()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP)
+    for _ in range(30):
+        x = torch.randn(6, 16, 4)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x.sum(0)[:, :1]).backward()
+        opt.step()
+    assert rules_of(monitor) == []
+
+
+def test_batch_size_one_and_integer_outputs_are_not_judged(quiet_watch):
+    class Argmax(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.argmax(1)  # integer output: no spread to speak of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), Argmax())
+    monitor = quiet_watch(model, constant_output=EVERY_STEP)
+    for _ in range(5):
+        model(torch.zeros(8, 8) + torch.randn(1, 8))
+        monitor.step()
+    assert "constant_output" not in rules_of(monitor)
+    frozen = TinyNet()
+    nn.init.zeros_(frozen.head.weight)
+    frozen.head.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in frozen.parameters() if p.requires_grad], lr=0.01)
+    monitor = quiet_watch(frozen, opt, constant_output=EVERY_STEP, zero_gradient=False)
+    for x, y in batches(5, batch=1):
+        opt.zero_grad()
+        nn.functional.mse_loss(frozen(x), y).backward()  # constant, but one sample says nothing
+        opt.step()
+    assert [a for a in monitor.alerts if a.rule == "constant_output"] == []
+
+
+def test_zero_initialised_branch_is_silent(quiet_watch):
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.branch = nn.Linear(8, 8)
+            nn.init.zeros_(self.branch.weight)  # adaLN-zero / LoRA-B style start
+            nn.init.zeros_(self.branch.bias)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.fc(x))
+            return self.head(h + self.branch(h))
+
+    torch.manual_seed(0)
+    model = Residual()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP)
+    _regress(model, opt, 20)
+    assert rules_of(monitor) == []

@@ -1,0 +1,123 @@
+"""exploding_gradient / vanishing_gradient: spikes against a layer's own past, layers starved."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches, rules_of
+from trainwatch.config import ExplodingGradientConfig
+from trainwatch.record import StepRecord
+from trainwatch.rules.gradient_scale import ExplodingGradientRule
+
+
+def _loop(model, opt, steps, scale_at=None, scale=1e4, batch=32):
+    data = batches(
+        steps, batch=batch, inputs=model[0].in_features if isinstance(model, nn.Sequential) else 8
+    )
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if step == scale_at:
+            loss = loss * scale  # a loss term that blows up for one batch
+        loss.backward()
+        opt.step()
+
+
+def test_loss_spike_after_warmup_is_exploding_at_that_step(model, quiet_watch):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # bounded updates: one spike only
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 90, scale_at=70)
+    (alert,) = [a for a in monitor.alerts if a.rule == "exploding_gradient"]
+    assert alert.step == 70
+    assert alert.module in {"fc1", "fc2", "head"}
+    assert alert.data["ratio"] > 1000
+    assert set(alert.data["layers"]) == {"fc1", "fc2", "head"}
+
+
+def test_healthy_training_and_spikes_during_warmup_stay_quiet(model, quiet_watch):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 150, scale_at=10)  # the first steps are exempt
+    assert [r for r in rules_of(monitor) if r.endswith("_gradient")] == []
+
+
+def test_absolute_bound_is_optional(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt, exploding_gradient={"max_norm": 1e-6, "warmup": 0})
+    _loop(model, opt, 3)
+    alerts = [a for a in monitor.alerts if a.rule == "exploding_gradient"]
+    assert alerts and alerts[0].step == 0 and "bound" in alerts[0].message
+
+
+def test_layer_recovering_from_tiny_gradients_is_not_exploding():
+    """A deep stack waking up after init: big jump for the layer, still below the others."""
+    rule = ExplodingGradientRule(ExplodingGradientConfig(warmup=5))
+    alerts = []
+    for step in range(30):
+        early = step < 20
+        norms = {"0": 1e-4 if early else 0.05, "2": 0.3, "4": 0.4}
+        alerts += rule.evaluate(StepRecord(step=step, layer_norms=norms))
+    assert alerts == []
+    alerts = rule.evaluate(StepRecord(step=30, layer_norms={"0": 50.0, "2": 0.3, "4": 0.4}))
+    assert [a.module for a in alerts] == ["0"]
+
+
+def _deep(act: type[nn.Module], depth: int, width: int = 16) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(8, width), act()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), act()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def test_deep_sigmoid_stack_vanishes_from_the_first_step(quiet_watch):
+    torch.manual_seed(0)
+    model = _deep(nn.Sigmoid, 20)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 75)
+    (alert,) = [a for a in monitor.alerts if a.rule == "vanishing_gradient"]
+    assert alert.module == "0"  # the layer furthest from the loss starves most
+    assert alert.step == 0
+    assert alert.data["ratio"] < 1e-4
+    assert "0" in alert.data["layers"]
+
+
+def test_deep_relu_stack_and_rare_token_embeddings_do_not_vanish(quiet_watch):
+    torch.manual_seed(0)
+    model = _deep(nn.ReLU, 8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 80)
+    assert [r for r in rules_of(monitor) if r.endswith("_gradient")] == []
+
+    class LM(nn.Module):
+        def __init__(self, vocab: int = 2000) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, 16)
+            self.fc = nn.Linear(16, 32)
+            self.head = nn.Linear(32, vocab)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.fc(self.embed(tokens))))
+
+    torch.manual_seed(0)
+    lm = LM()
+    opt = torch.optim.Adam(lm.parameters(), lr=1e-3)
+    monitor = quiet_watch(lm, opt)
+    zipf = 1.0 / torch.arange(1, 2001).float()
+    for _ in range(80):
+        tokens = torch.multinomial(zipf, 64, replacement=True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(lm(tokens), tokens.roll(1)).backward()
+        opt.step()
+    assert [r for r in rules_of(monitor) if r.endswith("_gradient")] == []
+
+
+def test_tiny_net_stays_quiet(quiet_watch):
+    torch.manual_seed(1)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 120)
+    assert [r for r in rules_of(monitor) if r.endswith("_gradient")] == []

@@ -1,0 +1,137 @@
+"""eval_in_train_mode / train_in_eval_mode: dropout and batch norm in the wrong mode."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches, rules_of
+
+
+class DropNet(nn.Module):
+    def __init__(self, dropout: bool = True, norm: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16) if norm else nn.Identity()
+        self.drop = nn.Dropout(0.2) if dropout else nn.Identity()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def _train(model, opt, steps: int, seed: int = 0) -> None:
+    for x, y in batches(steps, seed=seed):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _evaluate(model, passes: int = 2) -> None:
+    with torch.no_grad():
+        for x, _ in batches(passes, seed=9):
+            model(x)
+
+
+def _setup(quiet_watch, **config):
+    torch.manual_seed(0)
+    model = DropNet(**{k: config.pop(k) for k in ("dropout", "norm") if k in config})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt, quiet_watch(model, opt, **config)
+
+
+def test_evaluation_in_training_mode_fires_at_the_pass_without_a_later_step(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 3)
+    _evaluate(model)  # forgot model.eval(); no optimizer step follows
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert (alert.step, alert.module) == (3, "bn")  # the first mode-dependent module
+    assert alert.data["modules"] == ["bn", "drop"]
+    assert "model.eval()" in alert.hint
+    assert monitor.alert_counts[("eval_in_train_mode", "bn")] == 2  # each pass counted
+
+
+def test_evaluation_after_model_eval_is_silent(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 3)
+    model.eval()
+    _evaluate(model)
+    model.train()
+    _train(model, opt, 2)
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_model_without_dropout_or_norm_evaluated_without_eval_is_silent(model, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 3)
+    _evaluate(model)  # TinyNet: no mode-dependent module, so the mode does not matter
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_monte_carlo_dropout_with_the_opt_out_is_silent_but_batch_norm_is_not(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch, norm=False, eval_in_train_mode={"mc_dropout": True})
+    _train(model, opt, 2)
+    model.eval()
+    model.drop.train()  # deliberate: sample predictions with dropout on
+    _evaluate(model, 5)
+    assert rules_of(monitor) == []
+
+    model, opt, monitor = _setup(quiet_watch, eval_in_train_mode={"mc_dropout": True})
+    _train(model, opt, 2)
+    _evaluate(model)  # batch norm in training mode would overwrite its running stats
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert alert.module == "bn" and alert.data["modules"] == ["bn"]
+
+
+def test_monte_carlo_dropout_without_the_opt_out_is_reported(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch, norm=False)
+    _train(model, opt, 2)
+    model.eval()
+    model.drop.train()
+    _evaluate(model)
+    assert [(a.rule, a.module) for a in monitor.alerts] == [("eval_in_train_mode", "drop")]
+
+
+def test_training_after_eval_without_train_fires_at_that_step(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 3)
+    model.eval()
+    _evaluate(model)
+    _train(model, opt, 3, seed=1)  # forgot model.train()
+    (alert,) = [a for a in monitor.alerts if a.rule == "train_in_eval_mode"]
+    assert (alert.step, alert.module, alert.severity) == (3, "bn", "warning")
+    assert alert.data["whole_model"] is True
+    assert "model.train()" in alert.hint
+
+
+def test_frozen_batch_norm_for_fine_tuning_is_one_info_line(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    model.train()
+    model.bn.eval()  # the usual idiom: keep the pretrained statistics
+    _train(model, opt, 6)
+    alerts = [a for a in monitor.alerts if a.rule == "train_in_eval_mode"]
+    assert [(a.severity, a.module, a.step) for a in alerts] == [("info", "bn", 0)]
+    assert rules_of(monitor) == []
+
+
+def test_validation_with_gradients_on_in_eval_mode_is_not_a_training_step(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 2)
+    model.eval()
+    for x, y in batches(2, seed=5):
+        nn.functional.mse_loss(model(x), y)  # no no_grad, but no backward either
+    model.train()
+    _train(model, opt, 2)
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_mode_cache_follows_a_module_added_after_watching(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 1)
+    model.extra = nn.Dropout(0.5)  # registered after tw.watch
+    _evaluate(model)
+    assert [(a.rule, a.module) for a in monitor.alerts] == [("eval_in_train_mode", "extra")]

@@ -1,0 +1,74 @@
+"""unused_parameter: a branch that gets gradients on some steps only (hangs DDP)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import batches, rules_of
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.aux = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if self.use_aux:
+            h = h + torch.tanh(self.aux(h))
+        return self.head(h)
+
+
+def _train(model: Branchy, opt, steps: int, use_aux) -> None:
+    for step, (x, y) in enumerate(batches(steps)):
+        model.use_aux = use_aux(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def test_branch_skipped_on_a_later_step_is_named_at_that_step(quiet_watch):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 8, lambda step: step != 3)
+    (alert,) = [a for a in monitor.alerts if a.rule == "unused_parameter"]
+    assert (alert.step, alert.module) == (3, "aux")
+    assert alert.data["parameters"] == ["aux.weight", "aux.bias"]
+    assert "find_unused_parameters=True" in alert.message
+    assert "DDP" in alert.message or "DistributedDataParallel" in alert.hint
+
+
+def test_branch_that_joins_late_is_named_when_it_first_gets_a_gradient(quiet_watch):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, zero_gradient=False)
+    _train(model, opt, 8, lambda step: step >= 5)
+    (alert,) = [a for a in monitor.alerts if a.rule == "unused_parameter"]
+    assert (alert.step, alert.module) == (5, "aux")
+    assert alert.data["unused_step"] == 0
+
+
+def test_branch_used_every_step_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 8, lambda step: True)
+    assert "unused_parameter" not in rules_of(monitor)
+
+
+def test_frozen_parameters_are_not_unused(quiet_watch):
+    torch.manual_seed(0)
+    model = Branchy()
+    model.aux.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 6, lambda step: step % 2 == 0)
+    assert "unused_parameter" not in rules_of(monitor)

@@ -1,0 +1,259 @@
+"""Behaviour checks around the model's forward pass: modes, loss shapes, activations.
+
+One object, created only when one of its rules is enabled, installs two hooks
+on the root module (start and end of each forward pass of the whole model)
+plus, for the activation rules, one idle forward hook per module. At the step
+boundary it hands what it saw to the step record; device numbers join the
+step's single readback.
+
+- Modes (pure Python on ``.training`` flags): a forward pass without
+  gradients with dropout/batch norm in training mode is published at once,
+  from the end of that pass (an evaluation needs no optimizer step after it);
+  a pass with gradients in eval mode is remembered, and counted as a training
+  step only when backward runs through its output.
+- Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
+  also measures the loss target's spread, constant_output's reference for the
+  model's own output.
+- Activations: sampled statistics (``collect/activations.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler
+from trainwatch.collect.broadcast import BroadcastAudit
+from trainwatch.collect.modes import ModeWatch
+from trainwatch.collect.structure import StructureWatch
+from trainwatch.collect.tensors import floating_tensors
+from trainwatch.config import Config
+from trainwatch.errors import TrainingHealthError
+from trainwatch.record import ModeReport, StepRecord
+
+BEHAVIOUR_RULES = frozenset(
+    {
+        "eval_in_train_mode",
+        "train_in_eval_mode",
+        "broadcast",
+        "constant_output",
+        "dead_units",
+    }
+)
+
+
+@dataclass
+class BehaviourToken:
+    """What a step's record still needs from its readback."""
+
+    names: list[str]
+    piece: int
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+class _RootHook:
+    """Global hook picking out the watched root by identity.
+
+    Global, so nothing is stored on the model: it saves, pickles and deep-copies
+    (an EMA copy) exactly as without trainwatch.
+    """
+
+    __slots__ = ("watch", "before", "root")
+
+    def __init__(self, watch: BehaviourWatch, before: bool, root: nn.Module) -> None:
+        self.watch = weakref.ref(watch)
+        self.before = before
+        self.root = id(root)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        if id(module) != self.root:
+            return None
+        watch = self.watch()
+        if watch is None or _compiling():
+            return None
+        if self.before:
+            watch.guard("behaviour checks", watch.pass_starts)
+        else:
+            watch.guard("behaviour checks", watch.pass_ends, output)
+        return None
+
+
+class _BackwardSeen:
+    """Tensor hook on a pass's output: backward ran through an eval-mode pass."""
+
+    __slots__ = ("watch", "report")
+
+    def __init__(self, watch: BehaviourWatch, report: ModeReport) -> None:
+        self.watch = weakref.ref(watch)
+        self.report = report
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        watch = self.watch()
+        if watch is not None and watch.train_in_eval is None:
+            watch.train_in_eval = self.report
+        return None
+
+
+class BehaviourWatch:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        rule_ids: set[str],
+        step_of: Callable[[], int],
+        publish: Callable[[StepRecord], None],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self._model = weakref.ref(model)
+        self._config = config
+        self._step_of = step_of
+        self._publish = publish
+        self._on_error = on_error
+        self._disabled: set[str] = set()
+        self._handles: list[RemovableHandle] = []
+        self._structure = StructureWatch()
+        self.check_eval_pass = "eval_in_train_mode" in rule_ids
+        self.check_train_step = "train_in_eval_mode" in rule_ids
+        self.modes = ModeWatch(model) if self.check_eval_pass or self.check_train_step else None
+        self.train_in_eval: ModeReport | None = None
+        self.broadcast = (
+            BroadcastAudit(config.broadcast.audit_steps, on_error)
+            if "broadcast" in rule_ids or "constant_output" in rule_ids
+            else None
+        )
+        spread, zeros = "constant_output" in rule_ids, "dead_units" in rule_ids
+        self.sampler = (
+            ActivationSampler(
+                model,
+                max(config.constant_output.rows, config.dead_units.rows),
+                spread,
+                zeros,
+                on_error,
+            )
+            if spread or zeros
+            else None
+        )
+        self._handles.append(register_module_forward_pre_hook(_RootHook(self, True, model)))
+        self._handles.append(register_module_forward_hook(_RootHook(self, False, model)))
+
+    @staticmethod
+    def wanted(rule_ids: set[str]) -> bool:
+        return bool(rule_ids & BEHAVIOUR_RULES)
+
+    # -- failure containment -----------------------------------------------------
+    def guard(self, component: str, fn: Any, *args: Any) -> Any:
+        if component in self._disabled:
+            return None
+        try:
+            return fn(*args)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:
+            self._disabled.add(component)
+            self._on_error(component, exc)
+            return None
+
+    # -- a forward pass of the whole model ----------------------------------------
+    def _due(self, step: int) -> bool:
+        config = self._config
+        for section in (config.constant_output, config.dead_units):
+            if not section.enabled:
+                continue
+            if step < section.first_steps or step % section.every == 0:
+                return True
+        return False
+
+    def pass_starts(self) -> None:
+        if self._structure.changed():
+            self._rebuild()
+        if self.broadcast is not None:
+            self.broadcast.stop()  # a new pass: the previous loss is done
+        sampler = self.sampler
+        if sampler is not None and sampler.enabled:
+            sampler.active = torch.is_grad_enabled() and self._due(self._step_of())
+
+    def pass_ends(self, output: Any) -> None:
+        grad = torch.is_grad_enabled()
+        if self.sampler is not None:
+            self.sampler.end_pass()
+        if self.modes is not None:
+            if not grad and self.check_eval_pass:
+                report = self.modes.in_mode(
+                    True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
+                )
+                if report is not None:
+                    record = StepRecord(step=self._step_of(), source="forward")
+                    record.eval_in_train = report
+                    self._publish(record)
+            elif grad and self.check_train_step and self.train_in_eval is None:
+                report = self.modes.in_mode(False)
+                if report is not None:
+                    for tensor in floating_tensors(output):
+                        if tensor.requires_grad:
+                            tensor.register_hook(_BackwardSeen(self, report))
+                            break
+        if grad and self.broadcast is not None and self.broadcast.live:
+            self.broadcast.start(output)
+
+    def _rebuild(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        if self.modes is not None:
+            self.modes.refresh()
+        if self.sampler is not None:
+            self.sampler.attach(model)
+
+    # -- step boundary --------------------------------------------------------------
+    def gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+        try:
+            return self._gather(record, pieces)
+        except Exception:
+            self.detach()  # the monitor reports it once; nothing of ours stays behind
+            raise
+
+    def _gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+        record.train_in_eval, self.train_in_eval = self.train_in_eval, None
+        if self.broadcast is not None:
+            record.broadcasts = self.broadcast.step_boundary()
+        token = None
+        if self.sampler is not None:
+            self.sampler.active = False
+            names, stats = self.sampler.take()
+            target = self.broadcast.take_target() if self.broadcast is not None else None
+            if target is not None:
+                names.append(TARGET)
+                row = torch.full((len(FIELDS),), float("nan"), device=target.device)
+                row[0] = target
+                stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
+            if stats is not None:
+                token = BehaviourToken(names, len(pieces))
+                pieces.append(stats.reshape(-1))
+        return token
+
+    def land(self, record: StepRecord, token: BehaviourToken, values: list[list[float]]) -> None:
+        record.activations = ActivationSampler.unpack(token.names, values[token.piece])
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.broadcast is not None:
+            self.broadcast.detach()
+        if self.sampler is not None:
+            self.sampler.detach()
+        self._structure.detach()

@@ -1,0 +1,279 @@
+"""A short audit of the loss's elementwise ops for batch-against-batch broadcasting.
+
+For the first few training steps a ``TorchFunctionMode`` is active from the
+end of the model's forward pass to the step boundary: the span in which the
+loss is computed. It follows the tensors derived from the model's output
+(by identity, weakly) and looks at the shapes of each elementwise op or loss
+function that takes one of them: ``(N, 1)`` against ``(N,)`` makes ``(N, N)``
+and silently averages every prediction against every target. After the
+audit the mode is never entered again, so the check costs nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from trainwatch.collect.op_trace import _user_line
+from trainwatch.record import BroadcastReport
+
+_MAX_TRACKED = 4096
+# Ops that compare a prediction with its target: the other operand's spread
+# across the batch is the scale a regression output should reach.
+_REGRESSION = frozenset(
+    {
+        "sub",
+        "rsub",
+        "subtract",
+        "__sub__",
+        "__rsub__",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+    }
+)
+_MAX_FINDINGS = 4
+
+_ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "rsub",
+        "true_divide",
+        "subtract",
+        "multiply",
+        "divide",
+        "pow",
+        "maximum",
+        "minimum",
+        "atan2",
+        "hypot",
+        "remainder",
+        "fmod",
+        "xlogy",
+        "squared_difference",
+        "add_",
+        "sub_",
+        "mul_",
+        "div_",
+        "__add__",
+        "__radd__",
+        "__iadd__",
+        "__sub__",
+        "__rsub__",
+        "__isub__",
+        "__mul__",
+        "__rmul__",
+        "__imul__",
+        "__truediv__",
+        "__rtruediv__",
+        "__itruediv__",
+        "__pow__",
+        "__rpow__",
+        # Loss functions compare input and target elementwise, then reduce.
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "soft_margin_loss",
+        "poisson_nll_loss",
+        "gaussian_nll_loss",
+        "kl_div",
+    }
+)
+
+
+def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The result shape when two operands broadcast a batch axis against another.
+
+    The pattern: operands of different rank, the higher-rank one with a
+    trailing axis of size 1 that the other's axis of size N fills, while the
+    higher-rank one's own axis of the same size N is what the other lacks.
+    ``(N, 1)`` with ``(N,)`` gives ``(N, N)``. An explicit pairwise op
+    (``a[:, None] - b[None, :]``, same ranks) or an outer product of unequal
+    sizes (``t[:, None] * freqs``) is not it.
+    """
+    if len(first) == len(second) or not first or not second:
+        return None
+    try:
+        result = tuple(torch.broadcast_shapes(first, second))
+    except RuntimeError:
+        return None
+    high, low = (first, second) if len(first) > len(second) else (second, first)
+    rank = len(result)
+    low_padded = (1,) * (rank - len(low)) + tuple(low)
+    if high[-1] != 1 or result[-1] <= 1:
+        return None
+    size = result[-1]
+    low_expanded = any(
+        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if result[i] > 1
+    )
+    return result if low_expanded else None
+
+
+def _stack_is_ours_to_use() -> bool:
+    """Whether our mode can be pushed now and popped later without disturbing another.
+
+    A mode the user entered around the forward pass would be exited while
+    ours sits above it, and ``TorchFunctionMode.__exit__`` pops whatever is
+    on top: ours instead of theirs. So the audit skips such passes; only the
+    default-device context (which restores the stack itself) may be below.
+    """
+    if torch._C._len_torch_function_stack() == 0:
+        return True
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    return all(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)) and depth < 2:
+        for item in value:
+            yield from _tensors(item, depth + 1)
+
+
+def _op_name(func: Any) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+class _AuditMode(TorchFunctionMode):
+    def __init__(self, audit: BroadcastAudit) -> None:
+        super().__init__()
+        self.audit = weakref.ref(audit)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        audit = self.audit()
+        if audit is not None and audit.live:
+            try:
+                audit.after_op(func, args, kwargs, out)
+            except Exception as exc:  # never break the user's loss
+                audit.fail(exc)
+        return out
+
+
+class BroadcastAudit:
+    def __init__(self, steps: int, on_error: Any) -> None:
+        self.steps_left = steps
+        self.live = steps > 0
+        self._on_error = on_error
+        self._mode = _AuditMode(self)
+        self._depth: int | None = None  # the mode stack's depth with ours on top
+        self._tracked: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.findings: list[BroadcastReport] = []
+        self._seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+        self.audited_pass = False
+        # Device scalar: the spread across the batch of the loss's target side
+        # (first regression-like op of a step), for constant_output's reference.
+        self.target_spread: torch.Tensor | None = None
+        self._batch: int | None = None
+
+    # -- the span: from the model's output to the step boundary -------------
+    def start(self, output: Any) -> None:
+        """The model produced ``output`` with gradients on: follow it into the loss."""
+        if not self.live or self.steps_left <= 0:
+            return
+        self.audited_pass = True
+        for tensor in _tensors(output):
+            self._track(tensor)
+            if self._batch is None and tensor.dim() > 0:
+                self._batch = tensor.shape[0]
+        if self._depth is None:
+            if not _stack_is_ours_to_use():
+                return
+            self._mode.__enter__()
+            self._depth = torch._C._len_torch_function_stack()
+
+    def stop(self) -> None:
+        """Leave the span; only pops the mode when it is still on top of the stack."""
+        if self._depth is None:
+            return
+        if torch._C._len_torch_function_stack() == self._depth:
+            self._mode.__exit__(None, None, None)
+            self._depth = None
+            self._tracked.clear()
+        # Otherwise another mode entered after ours is still active: popping
+        # now would pop it. Ours stays, inert once the audit ends, and is
+        # retried at the next boundary.
+
+    def step_boundary(self) -> list[BroadcastReport]:
+        self.stop()
+        if self.audited_pass:
+            self.steps_left -= 1
+            self.audited_pass = False
+        if self.steps_left <= 0:
+            self.live = False
+        found, self.findings = self.findings, []
+        self._batch = None
+        return found
+
+    def take_target(self) -> torch.Tensor | None:
+        found, self.target_spread = self.target_spread, None
+        return found
+
+    def detach(self) -> None:
+        self.live = False
+        self.stop()
+
+    def fail(self, exc: BaseException) -> None:
+        self.live = False
+        self._on_error("broadcast audit", exc)
+
+    # -- inside the mode -------------------------------------------------------
+    def _track(self, tensor: torch.Tensor) -> None:
+        if len(self._tracked) < _MAX_TRACKED:
+            self._tracked[id(tensor)] = weakref.ref(tensor)
+
+    def _derived(self, tensor: torch.Tensor) -> bool:
+        ref = self._tracked.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _measure_target(self, operands: list[torch.Tensor]) -> None:
+        if len(operands) < 2 or sum(self._derived(t) for t in operands[:2]) != 1:
+            return
+        target = operands[1] if self._derived(operands[0]) else operands[0]
+        n = target.shape[0] if target.dim() > 0 else 0
+        if n < 2 or n != self._batch or not target.is_floating_point():
+            return
+        rows = target.detach()[:16].reshape(min(n, 16), -1).float()
+        self.target_spread = (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
+
+    def after_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        operands = [a for a in args if isinstance(a, torch.Tensor)]
+        operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if not operands or not any(self._derived(t) for t in operands):
+            return
+        for tensor in _tensors(out):
+            self._track(tensor)
+        name = _op_name(func)
+        if name in _REGRESSION and self.target_spread is None:
+            self._measure_target(operands)
+        if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
+            return
+        first, second = tuple(operands[0].shape), tuple(operands[1].shape)
+        result = batch_broadcast(first, second)
+        if result is None:
+            return
+        key = (name, first, second)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        op = name.strip("_")
+        if op.startswith("r") and name.startswith("__r"):
+            op = op[1:]  # __rsub__: the same subtraction, operands swapped
+        self.findings.append(BroadcastReport(op, [first, second], result, _user_line()))

@@ -1,0 +1,207 @@
+"""Sampled activation checks: outputs that stopped varying, ReLU layers gone dead.
+
+Both decide on sampled steps only (the record's ``activations`` is empty on
+the others) and need ``patience`` consecutive sampled checks; the alert
+carries the step of the first check of the streak.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainwatch.alert import Alert
+from trainwatch.collect.activations import TARGET
+from trainwatch.config import ConstantOutputConfig, DeadUnitsConfig
+from trainwatch.record import ActivationStats, StepRecord
+from trainwatch.rules.base import Rule
+
+# Spreads this small relative to the values are rounding noise, not variation.
+_EXACT = 1e-6
+_INPUT_CONSTANT = 1e-8
+
+
+class _State:
+    __slots__ = ("max_spread", "max_ratio", "start", "count", "reported")
+
+    def __init__(self) -> None:
+        self.max_spread = 0.0
+        self.max_ratio = 0.0
+        self.start = -1
+        self.count = 0
+        self.reported = False
+
+
+class ConstantOutputRule(Rule):
+    """A module's output no longer depends on its input.
+
+    "Constant" is relative, never against zero (a collapsed regression still
+    varies by a few per mille of its targets' spread):
+
+    - the model's output (module ``""``): below ``ratio`` of the loss
+      target's spread across the batch (measured during the broadcast audit;
+      without it, of the output's own largest spread), and shrunk to at most
+      half its own largest spread (an untrained model's small but growing
+      output is not a collapse). An output that does not vary at all while
+      its input does is reported from the first check.
+    - a hidden module: below ``ratio`` of its own largest spread, while its
+      input still varies as much relative to its output as it did, so the
+      module where the variation dies is named, not every module after it. A
+      module that never varied (a positional table read for the input's
+      length, a zero-initialised branch) is structural, not a collapse.
+    """
+
+    id = "constant_output"
+    config: ConstantOutputConfig
+
+    def __init__(self, config: ConstantOutputConfig) -> None:
+        super().__init__(config)
+        self._states: dict[str, _State] = {}
+        self._target: float | None = None
+
+    def _constant(self, stats: ActivationStats, state: _State, step: int) -> bool:
+        spread, in_spread = stats.out_spread, stats.in_spread
+        assert spread is not None and in_spread is not None
+        gain = spread / in_spread
+        state.max_spread = max(state.max_spread, spread)
+        ratio = self.config.ratio
+        if stats.module == "":
+            if spread <= _EXACT * max(stats.out_rms or 0.0, 1e-30):
+                return True
+            if step < self.config.warmup:
+                return False
+            reference = self._target if self._target else state.max_spread
+            return spread <= ratio * reference and spread <= 0.5 * state.max_spread
+        constant = (
+            state.max_spread > 0.0
+            and spread <= ratio * state.max_spread
+            and gain <= ratio * state.max_ratio
+        )
+        state.max_ratio = max(state.max_ratio, gain)
+        return constant
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        alerts = []
+        for stats in record.activations:
+            spread, in_spread = stats.out_spread, stats.in_spread
+            if stats.module == TARGET:
+                if spread is not None and math.isfinite(spread) and spread > 0.0:
+                    self._target = max(self._target or 0.0, spread)
+                continue
+            if spread is None or in_spread is None:
+                continue
+            if not (math.isfinite(spread) and math.isfinite(in_spread)):
+                continue
+            state = self._states.get(stats.module)
+            if state is None:
+                state = self._states[stats.module] = _State()
+            if in_spread <= _INPUT_CONSTANT or not self._constant(stats, state, record.step):
+                state.count = 0  # a constant input explains a constant output
+                continue
+            if state.count == 0:
+                state.start = record.step
+            state.count += 1
+            if state.count < self.config.patience or state.reported:
+                continue
+            state.reported = True
+            alerts.append(self._alert(record, stats, state))
+        return alerts
+
+    def _alert(self, record: StepRecord, stats: ActivationStats, state: _State) -> Alert:
+        spread, in_spread = stats.out_spread or 0.0, stats.in_spread or 0.0
+        name = stats.module
+        if name == "" and self._target:
+            versus = (
+                f" ({spread / self._target:.2%} of the loss target's spread, {self._target:.3g})"
+            )
+        elif state.max_spread > 0.0:
+            versus = (
+                f" ({spread / state.max_spread:.2%} of its largest spread, {state.max_spread:.3g})"
+            )
+        else:
+            versus = ""
+        if name == "":
+            what = (
+                f"the model's output collapsed to ~{stats.out_mean:.4g}: it varies across "
+                f"the batch by {spread:.3g}{versus} while its input varies by {in_spread:.3g}"
+            )
+            hint = (
+                "the model predicts (nearly) the same value for every sample: the "
+                "target mean or the class prior. Usual causes: a loss that broadcasts "
+                "(N, 1) against (N,) (see the broadcast rule), a dead layer upstream, "
+                "or a learning rate so high that the weights collapsed."
+            )
+        else:
+            what = (
+                f"output of {name} no longer varies across the batch: spread {spread:.3g}"
+                f"{versus} while its input varies by {in_spread:.3g}"
+            )
+            hint = (
+                "this layer ignores its input: saturated or dead units, weights decayed "
+                "to zero, or a bias that dominates. Check its weights' norm and the "
+                "learning rate; everything downstream sees a constant."
+            )
+        steps = "" if state.start == record.step else f" (checks from step {state.start} on)"
+        return self.alert(
+            state.start,
+            name,
+            what + steps,
+            hint,
+            {
+                "spread": spread,
+                "input_spread": in_spread,
+                "largest_spread": state.max_spread,
+                "target_spread": self._target if name == "" else None,
+                "value": stats.out_mean,
+                "rows": stats.rows,
+                "checks": state.count,
+            },
+        )
+
+
+class DeadUnitsRule(Rule):
+    id = "dead_units"
+    config: DeadUnitsConfig
+
+    def __init__(self, config: DeadUnitsConfig) -> None:
+        super().__init__(config)
+        self._states: dict[str, _State] = {}
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        alerts = []
+        for stats in record.activations:
+            zero = stats.zero_fraction
+            if zero is None or not math.isfinite(zero):
+                continue
+            state = self._states.get(stats.module)
+            if state is None:
+                state = self._states[stats.module] = _State()
+            if zero < self.config.threshold:
+                state.count = 0
+                continue
+            if state.count == 0:
+                state.start = record.step
+            state.count += 1
+            if state.count < self.config.patience or state.reported:
+                continue
+            state.reported = True
+            dead = stats.dead_fraction or 0.0
+            alerts.append(
+                self.alert(
+                    state.start,
+                    stats.module,
+                    f"{stats.module or 'the root module'} outputs zero for {zero:.1%} of "
+                    f"units and samples; {dead:.1%} of its units are zero for every sampled "
+                    f"sample ({state.count} checks from step {state.start})",
+                    "dead ReLUs: a learning rate too high (a large update pushed the "
+                    "pre-activations negative for good), a large negative bias, or bad "
+                    "input scaling. Lower the learning rate, check the initialisation, or "
+                    "use LeakyReLU/GELU.",
+                    {
+                        "zero_fraction": zero,
+                        "dead_fraction": dead,
+                        "checks": state.count,
+                        "since_step": state.start,
+                    },
+                )
+            )
+        return alerts

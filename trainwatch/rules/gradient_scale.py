@@ -1,0 +1,180 @@
+"""Per-layer gradient norms far out of their usual range: exploding and vanishing.
+
+Both read the per-layer norms the step already has (one batched kernel), so
+they cost a few float operations per layer.
+
+Exploding compares each layer with its own recent past (an exponential
+average of log norms: scale-free, so one default fits layers whose norms
+differ by orders of magnitude), requires the jump to reach the median of the
+layers' typical norms, and optionally checks an absolute bound.
+Vanishing compares each layer with the other layers of the same step, for
+several steps in a row: a layer that is merely small (a rarely used
+embedding) is still within a few orders of magnitude of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from trainwatch.alert import Alert
+from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
+from trainwatch.record import StepRecord
+from trainwatch.rules.base import Rule
+
+_EXPLODING_HINT = (
+    "usually a learning rate too high for this point of training, a loss term "
+    "that blows up (log of ~0, division by a tiny std), or bad data in this batch. "
+    "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or "
+    "add warm-up, and check the batch that caused it."
+)
+_VANISHING_HINT = (
+    "the signal dies on its way back to this layer: saturating activations "
+    "(sigmoid/tanh) in a deep stack, a bad initialisation, or a very small "
+    "residual/gating factor. Use ReLU-family activations, normalisation layers, "
+    "residual connections or a proper init (kaiming/xavier) for this depth."
+)
+
+
+# How far above the median of the layers' typical norms a jump must end.
+_ABOVE_OTHERS = 10.0
+
+
+class _LogAverage:
+    __slots__ = ("mean", "count")
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.count = 0
+
+
+class ExplodingGradientRule(Rule):
+    id = "exploding_gradient"
+    config: ExplodingGradientConfig
+
+    def __init__(self, config: ExplodingGradientConfig) -> None:
+        super().__init__(config)
+        self._history: dict[str, _LogAverage] = {}
+        self._steps = 0
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.source not in ("optimizer", "manual") or not record.layer_norms:
+            return []
+        self._steps += 1
+        config = self.config
+        alpha = 2.0 / (config.window + 1)
+        limit = math.log(config.factor)
+        judged = self._steps > config.warmup
+        # A layer recovering from tiny gradients (a deep stack whose units
+        # were nearly dead waking up) jumps by 1e3-1e4 against its own past
+        # in healthy runs, but only up to the other layers' level: a jump
+        # counts when it also ends well above the layers' typical norms.
+        typical_norms = [h.mean for h in self._history.values() if h.count]
+        median = math.exp(statistics.median(typical_norms)) if typical_norms else 0.0
+        spikes: list[tuple[float, str, float, float | None]] = []
+        for layer, norm in record.layer_norms.items():
+            if not math.isfinite(norm) or norm <= 0.0:
+                continue  # the non-finite and zero-gradient rules own those
+            log_norm = math.log(norm)
+            history = self._history.get(layer)
+            if history is None:
+                history = self._history[layer] = _LogAverage()
+            typical = math.exp(history.mean) if history.count else None
+            over_bound = config.max_norm is not None and norm > config.max_norm
+            jump = (
+                history.count > 0
+                and log_norm - history.mean > limit
+                and norm >= _ABOVE_OTHERS * median
+            )
+            if judged and (over_bound or jump):
+                ratio = norm / typical if typical else math.inf
+                spikes.append((ratio if jump else 0.0, layer, norm, typical))
+                continue  # a spike does not become the new normal
+            history.count += 1
+            history.mean = (
+                log_norm if history.count == 1 else history.mean + alpha * (log_norm - history.mean)
+            )
+        if not spikes:
+            return []
+        spikes.sort(key=lambda row: (-row[0], -row[2]))
+        ratio, layer, norm, typical = spikes[0]
+        if typical is not None and ratio > 0.0:
+            what = f"{ratio:.3g}x its recent typical norm {typical:.3g}"
+        else:
+            what = f"above the configured bound {config.max_norm:g}"
+        others = f" ({len(spikes) - 1} other layers too)" if len(spikes) > 1 else ""
+        return [
+            self.alert(
+                record.step,
+                layer,
+                f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
+                f"{what}{others}",
+                _EXPLODING_HINT,
+                {
+                    "norm": norm,
+                    "typical": typical,
+                    "ratio": ratio if ratio > 0.0 else None,
+                    "layers": [row[1] for row in spikes],
+                    "total_norm": record.total_norm,
+                },
+            )
+        ]
+
+
+class VanishingGradientRule(Rule):
+    id = "vanishing_gradient"
+    config: VanishingGradientConfig
+
+    def __init__(self, config: VanishingGradientConfig) -> None:
+        super().__init__(config)
+        self._streaks: dict[str, int] = {}  # layer -> first step of its current streak
+        self._lengths: dict[str, int] = {}
+        self._reported: set[str] = set()
+        self._steps = 0
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.source not in ("optimizer", "manual") or len(record.layer_norms) < 3:
+            return []
+        self._steps += 1
+        finite = {k: v for k, v in record.layer_norms.items() if math.isfinite(v) and v > 0.0}
+        if len(finite) < 3:
+            return []
+        median = statistics.median(finite.values())
+        low = {k: v for k, v in finite.items() if v < self.config.ratio * median}
+        for layer in list(self._streaks):
+            if layer not in low:
+                del self._streaks[layer]
+                del self._lengths[layer]
+        for layer in low:
+            self._streaks.setdefault(layer, record.step)
+            self._lengths[layer] = self._lengths.get(layer, 0) + 1
+        if self._steps <= self.config.warmup:
+            return []
+        due = [
+            layer
+            for layer in low
+            if self._lengths[layer] >= self.config.patience and layer not in self._reported
+        ]
+        if not due:
+            return []
+        self._reported.update(due)
+        worst = min(due, key=lambda layer: low[layer])
+        since = min(self._streaks[layer] for layer in due)
+        others = f" ({len(due) - 1} other layers too)" if len(due) > 1 else ""
+        return [
+            self.alert(
+                since,
+                worst,
+                f"gradient norm of {worst or 'the root module'} is {low[worst]:.3g}, "
+                f"{low[worst] / median:.2g}x the median layer's {median:.3g}, for "
+                f"{self._lengths[worst]} steps since step {since}{others}",
+                _VANISHING_HINT,
+                {
+                    "norm": low[worst],
+                    "median": median,
+                    "ratio": low[worst] / median,
+                    "layers": due,
+                    "since_step": since,
+                },
+            )
+        ]

@@ -1,0 +1,95 @@
+"""Dropout and batch norm in the wrong mode: evaluating in training mode, training in eval mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainwatch.alert import Alert
+from trainwatch.config import EvalInTrainModeConfig, TrainInEvalModeConfig
+from trainwatch.record import ModeReport, StepRecord
+from trainwatch.rules.base import Rule
+
+
+def _listing(report: ModeReport, limit: int = 4) -> str:
+    shown = [f"{name or '<root>'} ({kind})" for name, kind in zip(report.modules, report.kinds)]
+    extra = len(shown) - limit
+    return ", ".join(shown[:limit]) + (f" and {extra} more" if extra > 0 else "")
+
+
+def _data(report: ModeReport) -> dict[str, object]:
+    return {
+        "modules": report.modules,
+        "kinds": report.kinds,
+        "whole_model": report.whole_model,
+        "mode_dependent": report.total,
+    }
+
+
+class EvalInTrainModeRule(Rule):
+    id = "eval_in_train_mode"
+    config: EvalInTrainModeConfig
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.eval_in_train
+        if report is None:
+            return []
+        return [
+            self.alert(
+                record.step,
+                report.modules[0],
+                f"a forward pass without gradients (evaluation) ran with "
+                f"{len(report.modules)} of {report.total} mode-dependent modules in "
+                f"training mode: {_listing(report)}",
+                "call model.eval() before evaluating (and model.train() after): in "
+                "training mode dropout drops units and batch norm normalises with the "
+                "eval batch's statistics and overwrites its running averages with them. "
+                "Deliberate Monte-Carlo dropout: set eval_in_train_mode.mc_dropout: true. "
+                "A no-grad pass that is part of training (GAN samples, pseudo-labels) "
+                "can disable this rule.",
+                _data(report),
+            )
+        ]
+
+
+class TrainInEvalModeRule(Rule):
+    """Whole-model eval during training is the bug; frozen batch norm alone is an idiom."""
+
+    id = "train_in_eval_mode"
+    config: TrainInEvalModeConfig
+
+    def __init__(self, config: TrainInEvalModeConfig) -> None:
+        super().__init__(config)
+        self._told_partial = False
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.train_in_eval
+        if report is None:
+            return []
+        norms_only = all("Norm" in kind for kind in report.kinds)
+        if report.whole_model or not norms_only:
+            return [
+                self.alert(
+                    record.step,
+                    report.modules[0],
+                    f"a training step ran with {len(report.modules)} of {report.total} "
+                    f"mode-dependent modules in eval mode: {_listing(report)}",
+                    "an evaluation called model.eval() and training resumed without "
+                    "model.train(): dropout is off and batch norm uses frozen running "
+                    "statistics, so the model trains differently from what you think. "
+                    "Call model.train() at the start of each training epoch.",
+                    _data(report),
+                )
+            ]
+        if self._told_partial:
+            return []
+        self._told_partial = True
+        alert = self.alert(
+            record.step,
+            report.modules[0],
+            f"training with {len(report.modules)} normalisation layers kept in eval mode "
+            f"while the rest of the model trains: {_listing(report)}",
+            "the usual fine-tuning idiom (frozen batch-norm statistics); nothing to do "
+            "if that is the intent.",
+            _data(report),
+        )
+        return [dataclasses.replace(alert, severity="info")]

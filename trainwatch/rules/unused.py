@@ -1,0 +1,83 @@
+"""A trainable parameter that backward reaches on some steps and not on others.
+
+One device forgives it: the optimizer just skips a ``None`` gradient. Under
+DistributedDataParallel the reducer waits for every parameter's gradient, so
+the step hangs or fails unless ``find_unused_parameters=True``. The evidence
+is free: the step record already lists which parameters had a gradient.
+"""
+
+from __future__ import annotations
+
+from trainwatch.alert import Alert
+from trainwatch.config import UnusedParameterConfig
+from trainwatch.layers import ParamInfo
+from trainwatch.record import StepRecord
+from trainwatch.rules.base import Rule, by_owner, short_names
+
+_HINT = (
+    "a branch that only runs on some steps (an if on the data, a mixture-of-experts "
+    "router, an auxiliary head used every k steps). On one device this works; under "
+    "DistributedDataParallel it fails or hangs unless find_unused_parameters=True "
+    "(which costs a graph walk per step). Better: make every branch reach the loss "
+    "each step (add 0 * branch_output), or run the branch unconditionally."
+)
+
+
+class UnusedParameterRule(Rule):
+    id = "unused_parameter"
+
+    def __init__(self, config: UnusedParameterConfig) -> None:
+        super().__init__(config)
+        # Per parameter name: True once it had a gradient, False once it had
+        # none; a name in both is the finding. Bounded by the model's size.
+        self._used: set[str] = set()
+        self._unused: dict[str, int] = {}
+        self._reported: set[str] = set()
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.source not in ("optimizer", "manual"):
+            return []
+        if not record.present:
+            return []  # no backward reached anything: not a partial step
+        found: list[tuple[ParamInfo, int, str]] = []
+        for info in record.missing:
+            if not info.in_model:
+                continue
+            self._unused.setdefault(info.name, record.step)
+            if info.name in self._used and info.name not in self._reported:
+                found.append((info, self._unused[info.name], "missing now"))
+        for info in record.present:
+            if info.name in self._used:
+                continue
+            self._used.add(info.name)
+            if info.name in self._unused and info.name not in self._reported:
+                found.append((info, self._unused[info.name], "missing before"))
+        if not found:
+            return []
+        for info, _, _ in found:
+            self._reported.add(info.name)
+        alerts = []
+        for owner, params in by_owner(info for info, _, _ in found).items():
+            rows = [row for row in found if row[0].owner == owner]
+            unused_since = min(row[1] for row in rows)
+            now_missing = any(row[2] == "missing now" for row in rows)
+            how = (
+                f"had gradients in earlier steps but none in step {record.step}"
+                if now_missing
+                else f"had no gradient from step {unused_since} but got one in step {record.step}"
+            )
+            alerts.append(
+                self.alert(
+                    record.step,
+                    owner,
+                    f"{short_names(params)} {how}: used on some steps only. Fine on one "
+                    "device; under DDP this hangs or fails unless find_unused_parameters=True",
+                    _HINT,
+                    {
+                        "parameters": [p.name for p in params],
+                        "unused_step": unused_since,
+                        "missing_now": now_missing,
+                    },
+                )
+            )
+        return alerts
