@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (FACTS.md: 1)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--rounds", type=float, default=1.0, help="multiply every workload's rounds (steadier)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -189,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'workload':<12} {'plain ms/step':>14} {'ratio':>7} {'median':>7} {'min':>6} {'max':>6}"
     )
     for name in args.only:
-        result = measure(WORKLOADS[name](args.quick), device, args.config)
+        workload = WORKLOADS[name](args.quick)
+        workload.rounds = max(3, round(workload.rounds * args.rounds))
+        result = measure(workload, device, args.config)
         results[name] = result
         print(
             f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['ratio']:>7.3f} "
