@@ -34,6 +34,7 @@ from trainwatch.collect.structure import StructureWatch
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
+from trainwatch.guard import Guard
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.readback import Staged, wants_lag
 from trainwatch.record import NonfiniteReport, StepRecord
@@ -148,7 +149,8 @@ class Monitor:
         self._total_norm: float | None = None
         self._loss: torch.Tensor | float | None = None
         self._late_loss: tuple[int, torch.Tensor | float] | None = None
-        self._disabled: set[str] = set()
+        self._guard = Guard(_weak_callback(self._internal_error))
+        self._disabled = self._guard.disabled
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
         # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
@@ -618,16 +620,7 @@ class Monitor:
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
-        if component in self._disabled:
-            return None
-        try:
-            return fn(*args)
-        except TrainingHealthError:
-            raise
-        except Exception as exc:
-            self._disabled.add(component)
-            self._internal_error(component, exc)
-            return None
+        return self._guard.run(component, fn, *args)
 
     def _internal_error(self, component: str, exc: BaseException) -> None:
         self._dispatcher.internal_error(component, exc, self._step)

@@ -38,7 +38,7 @@ from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
 from trainwatch.config import Config
-from trainwatch.errors import TrainingHealthError
+from trainwatch.guard import Guard
 from trainwatch.record import ModeReport, StepRecord
 
 BEHAVIOUR_RULES = frozenset(
@@ -123,7 +123,7 @@ class BehaviourWatch:
         self._step_of = step_of
         self._publish = publish
         self._on_error = on_error
-        self._disabled: set[str] = set()
+        self._guard = Guard(on_error)
         self._handles: list[RemovableHandle] = []
         self._structure = StructureWatch()
         self.check_eval_pass = "eval_in_train_mode" in rule_ids
@@ -156,16 +156,7 @@ class BehaviourWatch:
 
     # -- failure containment -----------------------------------------------------
     def guard(self, component: str, fn: Any, *args: Any) -> Any:
-        if component in self._disabled:
-            return None
-        try:
-            return fn(*args)
-        except TrainingHealthError:
-            raise
-        except Exception as exc:
-            self._disabled.add(component)
-            self._on_error(component, exc)
-            return None
+        return self._guard.run(component, fn, *args)
 
     # -- a forward pass of the whole model ----------------------------------------
     def _due(self, step: int) -> bool:
