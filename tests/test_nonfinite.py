@@ -500,3 +500,27 @@ def test_a_model_that_stays_broken_is_not_replayed_every_step():
     monitor = run(net, torch.device("cpu"), 20)
     assert nonfinite(monitor)  # reported
     assert counter.calls <= 20 + 2 * 3  # one call per step, plus a few replays
+
+
+def test_replays_are_invisible_to_the_other_checks():
+    """A replay is a no-grad pass in train mode: the mode check must not take it for an eval."""
+
+    class DropDivide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.1)
+            self.fault = Divide()
+
+        def forward(self, x):
+            return self.fault(self.drop(self.fc(x))).sum(1, keepdim=True)
+
+    def plant(step, model, x, y):
+        if step == 1:
+            model.fault.denominator.zero_()
+        return x, y
+
+    monitor = run(DropDivide(), torch.device("cpu"), 3, plant=plant)
+    rules = [a.rule for a in monitor.alerts]
+    assert rules[0] == "nonfinite_forward"
+    assert "eval_in_train_mode" not in rules

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainwatch import registry
 from trainwatch.alert import Alert, severity_rank
+from trainwatch.collect import quiet
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
@@ -227,6 +228,8 @@ class AutoWatch:
 
     # -- discovery -----------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if quiet.replaying():
+            return None  # trainwatch re-running a watched model: not the script's call
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         if depth:
@@ -246,6 +249,8 @@ class AutoWatch:
         return None
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if quiet.replaying():
+            return None
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         return None
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
+from trainwatch.collect import quiet
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
@@ -79,7 +80,7 @@ class _Hook:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         sampler = self.sampler()
-        if sampler is None or not sampler.active:
+        if sampler is None or not sampler.active or quiet.replaying():
             return None
         position = self.index.get(id(module))
         if position is not None:

@@ -32,6 +32,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.collect import quiet
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.modes import ModeWatch
@@ -80,7 +81,7 @@ class _RootHook:
         self.root = id(root)
 
     def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
-        if id(module) != self.root:
+        if id(module) != self.root or quiet.replaying():
             return None
         watch = self.watch()
         if watch is None or _compiling():

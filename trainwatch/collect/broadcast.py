@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from trainwatch.collect import quiet
 from trainwatch.collect.op_trace import _user_line
 from trainwatch.record import BroadcastReport
 
@@ -159,7 +160,7 @@ class _AuditMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         audit = self.audit()
-        if audit is not None and audit.live:
+        if audit is not None and audit.live and not quiet.replaying():
             try:
                 audit.after_op(func, args, kwargs, out)
             except Exception as exc:  # never break the user's loss

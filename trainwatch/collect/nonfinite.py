@@ -36,6 +36,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.collect import quiet
 from trainwatch.collect.op_trace import (
     OpFinding,
     _null,
@@ -606,6 +607,7 @@ class _Replay:
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         self._stack.enter_context(torch.random.fork_rng(devices=[]))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
+        self._stack.enter_context(quiet.replay())
         probe._replaying = True
         probe._known.clear()
         return self

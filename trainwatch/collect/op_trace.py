@@ -20,12 +20,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainwatch.collect import quiet
 from trainwatch.collect.tensors import floating_tensors
 
-_SKIP_DIRS = tuple(
-    os.path.dirname(mod.__file__) + os.sep
-    for mod in (torch, __import__("trainwatch"))
-    if getattr(mod, "__file__", None)
+# Frames that are never the user's line: PyTorch's and trainwatch's own
+# collectors (the re-run and the trace sit on the stack below the user's code).
+_SKIP_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
 )
 
 
@@ -106,6 +108,7 @@ def trace_first_nonfinite_op(
             swapped_buffers(module),
             torch.random.fork_rng(devices=sorted(set(devices))),
             torch.no_grad(),
+            quiet.replay(),
             tracer,
         ):
             module(*args, **kwargs)
