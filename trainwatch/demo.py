@@ -115,12 +115,9 @@ def synthetic_data(
 
 def demo_log_dir(root: str | Path = "runs/trainwatch") -> Path:
     """A fresh ``runs/trainwatch/demo-<timestamp>`` for one demo run."""
-    base = Path(root) / time.strftime("demo-%Y%m%d-%H%M%S")
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    from trainwatch.runner import default_log_dir
+
+    return default_log_dir(root, prefix="demo-")
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor, broadcast_slip: bool) -> torch.Tensor:

@@ -33,9 +33,9 @@ EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by Ctrl-C
 _OWN_MODULES = {__name__, "runpy"}
 
 
-def default_log_dir(root: str | Path = "runs/trainwatch") -> Path:
-    """A fresh ``runs/trainwatch/<timestamp>``; never one an earlier run wrote."""
-    base = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+def default_log_dir(root: str | Path = "runs/trainwatch", prefix: str = "") -> Path:
+    """A fresh ``runs/trainwatch/<prefix><timestamp>``; never one an earlier run wrote."""
+    base = Path(root) / time.strftime(f"{prefix}%Y%m%d-%H%M%S")
     path, n = base, 1
     while path.exists():
         n += 1

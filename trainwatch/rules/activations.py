@@ -30,6 +30,19 @@ class _State:
         self.count = 0
         self.reported = False
 
+    def due(self, bad: bool, step: int, patience: int) -> bool:
+        """Count a streak of bad checks; True once, when it reaches ``patience``."""
+        if not bad:
+            self.count = 0
+            return False
+        if self.count == 0:
+            self.start = step
+        self.count += 1
+        if self.count < patience or self.reported:
+            return False
+        self.reported = True
+        return True
+
 
 class ConstantOutputRule(Rule):
     """A module's output no longer depends on its input.
@@ -94,16 +107,10 @@ class ConstantOutputRule(Rule):
             state = self._states.get(stats.module)
             if state is None:
                 state = self._states[stats.module] = _State()
-            if in_spread <= _INPUT_CONSTANT or not self._constant(stats, state, record.step):
-                state.count = 0  # a constant input explains a constant output
-                continue
-            if state.count == 0:
-                state.start = record.step
-            state.count += 1
-            if state.count < self.config.patience or state.reported:
-                continue
-            state.reported = True
-            alerts.append(self._alert(record, stats, state))
+            # A constant input explains a constant output.
+            bad = in_spread > _INPUT_CONSTANT and self._constant(stats, state, record.step)
+            if state.due(bad, record.step, self.config.patience):
+                alerts.append(self._alert(record, stats, state))
         return alerts
 
     def _alert(self, record: StepRecord, stats: ActivationStats, state: _State) -> Alert:
@@ -175,15 +182,8 @@ class DeadUnitsRule(Rule):
             state = self._states.get(stats.module)
             if state is None:
                 state = self._states[stats.module] = _State()
-            if zero < self.config.threshold:
-                state.count = 0
+            if not state.due(zero >= self.config.threshold, record.step, self.config.patience):
                 continue
-            if state.count == 0:
-                state.start = record.step
-            state.count += 1
-            if state.count < self.config.patience or state.reported:
-                continue
-            state.reported = True
             dead = stats.dead_fraction or 0.0
             alerts.append(
                 self.alert(
