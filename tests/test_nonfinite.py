@@ -268,10 +268,11 @@ def test_learning_rate_that_blows_up_parameters(device, traced):
     if traced:
         assert (first.rule, first.step, first.module) == ("nonfinite_parameter", 0, "fc1")
     else:
-        # Judged after the step, the weights were already updated again: the
-        # forward that met them is named, with its weights as the cause.
+        # Judged after the step, the weights were already updated again with
+        # this step's NaN gradients: the forward that met them is named, and
+        # both stories (an op, or the last update) are told.
         assert (first.rule, first.step, first.module) == ("nonfinite_forward", 1, "fc1")
-        assert first.data["cause"] == "parameter"
+        assert first.data["cause"] == "module_or_parameter"
     assert "learning rate" in first.hint
     # What follows is the cascade of that update: no second origin.
     assert len(alerts) == 1

@@ -27,6 +27,7 @@ from trainwatch import registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
+from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
@@ -159,6 +160,9 @@ class Monitor:
         self._tracker.attach(layers.parameters())
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
+        self._calls = CallTracker()
+        if "zero_gradient" in self._rule_ids:
+            self._calls.track(model, layers.layers)
         self._probe: NonfiniteProbe | None = None
         if self._rule_ids & NONFINITE_RULES:
             self._probe = NonfiniteProbe(
@@ -188,6 +192,7 @@ class Monitor:
             self._handles,
             self._tracker,
             self._structure,
+            self._calls,
             self._probe,
             self._behaviour,
         )
@@ -285,7 +290,14 @@ class Monitor:
             self._shut()
 
     def _shut(self) -> None:
-        _remove_handles(self._handles, self._tracker, self._structure, self._probe, self._behaviour)
+        _remove_handles(
+            self._handles,
+            self._tracker,
+            self._structure,
+            self._calls,
+            self._probe,
+            self._behaviour,
+        )
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 
@@ -468,6 +480,8 @@ class Monitor:
             else:
                 record.present.append(info(param))
                 grads.append(grad)
+        if record.missing:
+            record.never_called = self._calls.never_called()
         if record.frozen:
             for param in params:
                 if param.requires_grad:
@@ -614,6 +628,8 @@ class Monitor:
         """The model's tree changed (a module or parameter was (re)assigned)."""
         layers = LayerMap(self.model, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
+        if "zero_gradient" in self._rule_ids:
+            self._calls.track(self.model, set(layers.layers) - set(self._layers.layers))
         self._layers = layers
         self._tracker.attach(fresh)
         registry.claim(fresh, self)

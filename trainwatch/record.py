@@ -84,6 +84,9 @@ class StepRecord:
     param_norms: list[float] = field(default_factory=list)
     # Trainable parameters the step should have used but whose .grad is None.
     missing: list[ParamInfo] = field(default_factory=list)
+    # Layers never called in a forward pass since watching began (filled only
+    # when parameters are missing): defined-but-unused, not cut off.
+    never_called: frozenset[str] = frozenset()
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)

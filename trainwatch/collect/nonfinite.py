@@ -359,7 +359,9 @@ class NonfiniteProbe:
 
     def _replay_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Run the pass again module by module to find where its NaN/Inf was born."""
-        with self._replaying_context(grad=False):
+        # Grad mode as in the pass itself, so masks and real values are told
+        # apart the same way (requires_grad) in the replay.
+        with self._replaying_context(grad=torch.is_grad_enabled()):
             module(*args, **kwargs)
 
     def replay_backward(self) -> bool:
@@ -397,7 +399,11 @@ class NonfiniteProbe:
         sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
         """
         on_the_spot = self.on_the_spot and tensor.device.type == "cpu"
-        return tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
+        total = tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
+        if not tensor.requires_grad:
+            # A sum of -inf means -inf entries and no NaN or +inf: a mask.
+            total = total.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0)
+        return total
 
     def _sum_index(self, tensor: torch.Tensor) -> int:
         known = self._known.get(id(tensor))
@@ -415,7 +421,7 @@ class NonfiniteProbe:
         if verdict is None:
             verdict = math.isfinite(float(self.sums[index]))
             if not verdict and tensor is not None:
-                verdict = bool(torch.isfinite(tensor).all())
+                verdict = _finite_or_mask(tensor)
             self.finite[index] = verdict
         return verdict
 
@@ -453,7 +459,7 @@ class NonfiniteProbe:
         bad_out = [t for i, t in zip(call.outputs, outs) if not self._is_finite(i, t)]
         if not bad_out:
             return
-        call.inputs_finite = all(bool(torch.isfinite(t).all()) for t in ins)
+        call.inputs_finite = all(_finite_or_mask(t) for t in ins)
         if not call.inputs_finite or self.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
         bad = bad_out[0]
@@ -587,7 +593,23 @@ def _finite_exact(tensor: torch.Tensor) -> bool:
     """One fp32 sum; only when it is not finite, the exact elementwise check."""
     if math.isfinite(float(tensor.detach().sum(dtype=torch.float32))):
         return True
-    return bool(torch.isfinite(tensor).all())
+    return _finite_or_mask(tensor)
+
+
+def _finite_or_mask(tensor: torch.Tensor) -> bool:
+    """Finite, or a deliberate mask: outside autograd, its only non-finite entries -inf.
+
+    Causal and padding masks are built with -inf on purpose (``torch.full``,
+    ``masked_fill``) and never require grad; a -inf that training made does
+    (it came from the weights), and NaN or +inf is never a mask. Under
+    ``no_grad`` (evaluation) nothing requires grad, so a -inf alone is let
+    pass there: the NaN it turns into downstream is still caught.
+    """
+    if bool(torch.isfinite(tensor).all()):
+        return True
+    if tensor.requires_grad:
+        return False
+    return not bool((torch.isnan(tensor) | torch.isposinf(tensor)).any())
 
 
 class _Replay:

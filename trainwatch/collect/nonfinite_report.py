@@ -149,7 +149,13 @@ class NonfiniteJudge:
             if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
                 bad_params = _nonfinite_params(module)
             elif finding.weights_nonfinite is None and _nonfinite_params(module):
-                report.cause = "parameter"
+                # This step's own NaN gradients were just applied, so whether
+                # the weights were bad during the forward is open (an op that
+                # overflowed, or the previous update): after an earlier report
+                # it is the cascade; else both stories are told.
+                if any(rule.startswith("nonfinite") for rule, _ in tallies):
+                    return True
+                report.cause = "module_or_parameter"
         if bad_params:
             if any(rule.startswith("nonfinite") for rule, _ in tallies):
                 return True  # weights poisoned by an update already reported: the cascade

@@ -49,10 +49,23 @@ def _user_line() -> str | None:
     return None
 
 
+def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
+    """Non-finite entries all -inf: what a mask is made of (``full(-inf)``, ``masked_fill``)."""
+    return not any(bool((torch.isnan(t) | torch.isposinf(t)).any()) for t in tensors)
+
+
 class _FirstNonfinite(TorchDispatchMode):
+    """The first op making NaN/+inf from inputs that were finite or masks.
+
+    An op making only -inf is kept as the answer only when nothing worse
+    follows: a module that builds a causal mask and then divides by zero is
+    named by its division, not by its mask.
+    """
+
     def __init__(self) -> None:
         super().__init__()
         self.found: OpFinding | None = None
+        self.masklike: OpFinding | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -60,12 +73,20 @@ class _FirstNonfinite(TorchDispatchMode):
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
                 inputs = list(floating_tensors(list(args) + list((kwargs or {}).values())))
-                if _all_finite(inputs):
+                if _all_finite(inputs) or _only_negative_inf(inputs):
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
                     name = func._schema.name if hasattr(func, "_schema") else str(func)
-                    self.found = OpFinding(name, _user_line(), kind)
+                    finding = OpFinding(name, _user_line(), kind)
+                    if not _only_negative_inf(results):
+                        self.found = finding
+                    elif self.masklike is None and _all_finite(inputs):
+                        self.masklike = finding
         return out
+
+    @property
+    def answer(self) -> OpFinding | None:
+        return self.found or self.masklike
 
 
 @contextmanager
@@ -113,5 +134,5 @@ def trace_first_nonfinite_op(
         ):
             module(*args, **kwargs)
     except Exception:
-        return tracer.found
-    return tracer.found
+        return tracer.answer
+    return tracer.answer

@@ -30,10 +30,12 @@ class Rule:
         message: str,
         hint: str,
         data: dict[str, Any] | None = None,
+        *,
+        severity: str | None = None,
     ) -> Alert:
         return Alert(
             rule=self.id,
-            severity=self.config.severity,
+            severity=severity or self.config.severity,  # type: ignore[arg-type]
             step=step,
             module=module,
             message=message,

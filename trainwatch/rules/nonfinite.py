@@ -109,6 +109,21 @@ class NonfiniteForwardRule(Rule):
                     _data(report),
                 )
             ]
+        if report.cause == "module_or_parameter":
+            return [
+                self.alert(
+                    record.step,
+                    report.module,
+                    f"first non-finite value of the forward pass: {_what(report)} from "
+                    f"`{report.module}`, whose weights are non-finite after this step's "
+                    f"update{spread}",
+                    "either an op in this module made it (a log/sqrt/division at the edge "
+                    "of its domain, an exp past the dtype's range) or the previous update "
+                    "blew its weights up (learning rate too high); "
+                    "nonfinite_parameter.check_every: 1 tells the two apart",
+                    _data(report),
+                )
+            ]
         inputs = ""
         if report.input_min is not None:
             inputs = f" from finite inputs in [{report.input_min:.4g}, {report.input_max:.4g}]"

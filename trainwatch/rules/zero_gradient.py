@@ -14,6 +14,12 @@ _HINTS = {
         ".item()/.numpy() round trip, torch.no_grad() around the layer, or a branch "
         "whose output does not reach the loss."
     ),
+    "never_called": (
+        "the layer is defined but its forward never ran, so its parameters sit in "
+        "the optimizer untrained. Fine if deliberate (an unused head or pooler); "
+        "otherwise call it in forward(). Under DDP it needs find_unused_parameters=True, "
+        "or leave its parameters out of the optimizer."
+    ),
     "zero": (
         "backward reached these parameters but every gradient entry is exactly "
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
@@ -74,12 +80,20 @@ class ZeroGradientRule(Rule):
             since = min(s.start for s in streaks)
             steps = record.step - since + 1
             what = "no gradient (None)" if kind == "none" else "an exactly zero gradient"
+            message = (
+                f"{short_names(params)} got {what} in {steps} consecutive "
+                f"step{'s' if steps != 1 else ''} since step {since}"
+            )
+            severity = None
+            if kind == "none" and owner in record.never_called:
+                # Usually deliberate: a note, not a warning (a cut-off layer is).
+                kind, severity = "never_called", "info"
+                message = f"{owner} is never called in forward: {message}"
             alerts.append(
                 self.alert(
                     since,
                     owner,
-                    f"{short_names(params)} got {what} in {steps} consecutive "
-                    f"step{'s' if steps != 1 else ''} since step {since}",
+                    message,
                     _HINTS[kind],
                     {
                         "kind": kind,
@@ -87,6 +101,7 @@ class ZeroGradientRule(Rule):
                         "since_step": since,
                         "steps": steps,
                     },
+                    severity=severity,
                 )
             )
         return alerts
