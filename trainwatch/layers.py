@@ -11,9 +11,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
+
+
+def _parametrized_owner(name: str, module: nn.Module) -> str:
+    """``fc.parametrizations.weight`` holds fc's weight (spectral/weight norm): fc owns it."""
+    if isinstance(module, parametrize.ParametrizationList):
+        return name.rsplit(".parametrizations.", 1)[0] if ".parametrizations." in name else ""
+    return name
 
 
 @dataclass(frozen=True)
@@ -35,14 +43,17 @@ class LayerMap:
         self._info: dict[int, ParamInfo] = {}
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid while mapped
         self._keep: dict[int, torch.Tensor] = {}
+        index: dict[str, int] = {}
         for module_name, module in model.named_modules():
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in self._info:
                     continue
-                if not self.layers or self.layers[-1] != module_name:
-                    self.layers.append(module_name)
+                owner = _parametrized_owner(module_name, module)
+                if owner not in index:
+                    index[owner] = len(self.layers)
+                    self.layers.append(owner)
                 qualified = f"{module_name}.{short}" if module_name else short
-                self._info[id(param)] = ParamInfo(qualified, module_name, len(self.layers) - 1)
+                self._info[id(param)] = ParamInfo(qualified, owner, index[owner])
                 self._params[id(param)] = param
         self._departed: dict[int, ParamInfo] = {}
         if previous is not None:

@@ -237,6 +237,7 @@ class NonfiniteProbe:
         # module's output for the step's readback.
         self._spot = on_the_spot
         self._replaying = False
+        self._recomputing = False
         self._last_call: tuple[nn.Module, Any, Any] | None = None
         self._grad_entering: list[torch.Tensor | None] = []
         self._pass_backward = False
@@ -282,6 +283,9 @@ class NonfiniteProbe:
         self.grad_events: list[tuple[ForwardCall, str]] = []
         self.backward_origin: NonfiniteFinding | None = None
         self._out_bad: set[int] = set()
+        # Calls whose output gradient arrived: only those can be an origin (a
+        # checkpoint's recomputed outputs are not in the graph backward runs).
+        self._out_seen: set[int] = set()
         self._immediate_grads = True
         self._any_bad_grad = False
         self.grad_entering_bad = False
@@ -293,16 +297,24 @@ class NonfiniteProbe:
     # -- passes ----------------------------------------------------------
     def before_call(self) -> None:
         if self._depth == 0 and not self._replaying:
-            self._new_pass()
+            # Gradient checkpointing re-runs blocks inside backward: that is
+            # no new pass.
+            self._recomputing = _inside_backward()
+            if not self._recomputing:
+                self._new_pass()
         self._depth += 1
 
     def after_call(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         self._depth = max(0, self._depth - 1)
-        if (self._replaying or not self._spot) and position in self._checkable:
+        # A recomputation is checked module by module even on the spot: its
+        # tensors are the ones backward flows through, and a replay cannot
+        # re-enter a reentrant checkpoint (it refuses torch.autograd.grad).
+        checked = self._replaying or not self._spot or self._recomputing
+        if checked and position in self._checkable:
             self.after_forward(position, module, args, kwargs, output)
-        if self._depth == 0 and self._spot and not self._replaying:
+        if self._depth == 0 and self._spot and not self._replaying and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
 
     def _new_pass(self) -> None:
@@ -462,7 +474,7 @@ class NonfiniteProbe:
         call.inputs_finite = all(_finite_or_mask(t) for t in ins)
         if not call.inputs_finite or self.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
-        bad = bad_out[0]
+        bad = bad_out[0].detach()
         nan = torch.isnan(bad)
         finding = NonfiniteFinding(
             module=call.module,
@@ -475,7 +487,7 @@ class NonfiniteProbe:
             device=str(bad.device),
         )
         finding.weights_nonfinite = not all(
-            bool(torch.isfinite(p).all()) for p in module.parameters(recurse=False)
+            bool(torch.isfinite(p.detach()).all()) for p in module.parameters(recurse=False)
         )
         if ins:
             finding.input_min = min(float(t.detach().min()) for t in ins)
@@ -515,6 +527,8 @@ class NonfiniteProbe:
         if not self._replaying:
             self._pass_grads.append(total)
         self.grad_events.append((call, side))
+        if side == "out":
+            self._out_seen.add(id(call))
         on_the_spot = self.on_the_spot and grad.device.type == "cpu"
         if not on_the_spot or self.backward_origin is not None:
             self._immediate_grads = self._immediate_grads and on_the_spot
@@ -525,8 +539,8 @@ class NonfiniteProbe:
         if side == "out":
             self._out_bad.add(id(call))
             return
-        if id(call) in self._out_bad:
-            return  # its output gradient was already bad: propagated
+        if id(call) in self._out_bad or id(call) not in self._out_seen:
+            return  # its output gradient was already bad (propagated), or never came
         finding = NonfiniteFinding(
             module=call.module,
             direction="backward",
@@ -589,6 +603,12 @@ class NonfiniteProbe:
 FINITE, INF, NAN = 0.0, 1.0, 2.0
 
 
+def _inside_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread right now."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _finite_exact(tensor: torch.Tensor) -> bool:
     """One fp32 sum; only when it is not finite, the exact elementwise check."""
     if math.isfinite(float(tensor.detach().sum(dtype=torch.float32))):
@@ -605,11 +625,14 @@ def _finite_or_mask(tensor: torch.Tensor) -> bool:
     ``no_grad`` (evaluation) nothing requires grad, so a -inf alone is let
     pass there: the NaN it turns into downstream is still caught.
     """
-    if bool(torch.isfinite(tensor).all()):
+    # Detached: inside a checkpoint's recomputation, any op that saves a
+    # tensor for backward (isfinite's abs does) breaks the recompute's match.
+    values = tensor.detach()
+    if bool(torch.isfinite(values).all()):
         return True
     if tensor.requires_grad:
         return False
-    return not bool((torch.isnan(tensor) | torch.isposinf(tensor)).any())
+    return not bool((torch.isnan(values) | torch.isposinf(values)).any())
 
 
 class _Replay:
@@ -725,15 +748,18 @@ def locate_backward(
     the loss's backward made it.
     """
     out_bad: set[int] = set()
+    out_seen: set[int] = set()
     first_bad: ForwardCall | None = None
     for position, ((call, side), ok) in enumerate(zip(events, finite)):
+        if side == "out":
+            out_seen.add(id(call))
         if ok:
             continue
         if first_bad is None:
             first_bad = call
         if side == "out":
             out_bad.add(id(call))
-        elif id(call) not in out_bad:
+        elif id(call) not in out_bad and id(call) in out_seen:
             return NonfiniteFinding(
                 call.module,
                 "backward",

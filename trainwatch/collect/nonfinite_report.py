@@ -201,4 +201,6 @@ class NonfiniteJudge:
 
 
 def _nonfinite_params(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters(recurse=False) if not bool(torch.isfinite(p).all())]
+    return [
+        p for p in module.parameters(recurse=False) if not bool(torch.isfinite(p.detach()).all())
+    ]
