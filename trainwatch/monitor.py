@@ -110,28 +110,11 @@ class Monitor:
         config: Config | None = None,
         sinks: Sequence[Sink] = (),
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
-        for opt in optimizers:
-            _check_optimizer(opt)
-        layers = LayerMap(model)
-        if len(layers) == 0:
-            raise WatchError(
-                f"{type(model).__name__} has no parameters: there is nothing to train or "
-                "watch (pass the model that holds the weights)"
-            )
-        for index, opt in enumerate(optimizers):
-            _check_optimizer_matches(opt, layers, index)
+        layers = preflight(model, optimizers)
         for param in layers.parameters():
             owner = registry.owner_of(param)
             if owner is not None and owner.yields_to_explicit_watch:
                 owner.close()  # `trainwatch run`'s automatic monitor steps aside
-            elif owner is not None:
-                raise WatchError(
-                    f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
-                    "already watched by an open trainwatch monitor; close that one first "
-                    "(monitor.close()) or keep using it"
-                )
         self.config = config if config is not None else Config()
         self.model = model
         self.closed = False
@@ -646,6 +629,35 @@ class Monitor:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
 
 
+def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
+    """Every check that can refuse a watch, made before anything is created or attached.
+
+    Run by ``watch`` before it opens any file, and again by the Monitor: a
+    refused watch leaves no hook, no alerts file and no event file behind.
+    """
+    if not isinstance(model, nn.Module):
+        raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
+    for opt in optimizers:
+        _check_optimizer(opt)
+    layers = LayerMap(model)
+    if len(layers) == 0:
+        raise WatchError(
+            f"{type(model).__name__} has no parameters: there is nothing to train or "
+            "watch (pass the model that holds the weights)"
+        )
+    for index, opt in enumerate(optimizers):
+        _check_optimizer_matches(opt, layers, index)
+    for param in layers.parameters():
+        owner = registry.owner_of(param)
+        if owner is not None and not owner.yields_to_explicit_watch:
+            raise WatchError(
+                f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
+                "already watched by an open trainwatch monitor; close that one first "
+                "(monitor.close()) or keep using it"
+            )
+    return layers
+
+
 def _check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:
     """An optimizer none of whose parameters the model holds is the wrong optimizer.
 
@@ -717,8 +729,19 @@ def watch(
         optimizers: list[Optimizer] = []
     elif isinstance(optimizer, Optimizer):
         optimizers = [optimizer]
-    else:
+    elif isinstance(optimizer, Iterable) and not isinstance(optimizer, (str, bytes)):
         optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]  # refused by preflight, naming its type
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise WatchError(
+            f"log_dir: expected a path (str or os.PathLike), got {type(log_dir).__name__}"
+        )
+    if not (isinstance(console, bool) or hasattr(console, "write")):
+        raise WatchError(
+            f"console: expected True, False or a text stream, got {type(console).__name__}"
+        )
+    preflight(model, optimizers)
     sinks: list[Sink] = []
     if console is not False:
         stream = None if console is True else console

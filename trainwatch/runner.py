@@ -63,7 +63,11 @@ def run_script(
         return EXIT_USAGE
     cfg = load_config(config)
     out = Path(log_dir) if log_dir is not None else default_log_dir()
-    sinks: list[Sink] = [JsonlSink(out)]
+    try:
+        sinks: list[Sink] = [JsonlSink(out)]
+    except OSError as exc:
+        note.print(f"trainwatch run: --log-dir: cannot write alerts into {str(out)!r}: {exc}")
+        return EXIT_USAGE
     if cfg.tensorboard.enabled:
         from trainwatch.sinks.tensorboard import TensorBoardSink
 
