@@ -17,6 +17,13 @@ MODES = ["cpu", "cpu-deferred"] + (
 )
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Fixed initial weights: a huge update overflows to Inf weights for ~99% of
+    random inits, and for the rest the forward overflows from finite ones."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(params=MODES)
 def mode(request, monkeypatch) -> str:
     if request.param == "cpu-deferred":
