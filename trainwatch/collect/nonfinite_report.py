@@ -149,6 +149,8 @@ class NonfiniteJudge:
             if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
                 bad_params = _nonfinite_params(module)
             elif finding.weights_nonfinite is None and _nonfinite_params(module):
+                if any(rule.startswith("nonfinite") for rule, _ in tallies):
+                    return True  # weights the reported NaN/Inf's update poisoned: the cascade
                 report.cause = "parameter"
         if bad_params:
             if any(rule.startswith("nonfinite") for rule, _ in tallies):
