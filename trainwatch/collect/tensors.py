@@ -59,3 +59,11 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
         if is_checkable_float(tensor):
             yield tensor
 
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for inference tensors, which keep none.
+
+    Telling "the same tensor" from "the same tensor, changed in place since"
+    (``nn.ReLU(inplace=True)``, ``x += residual``) needs both identity and this.
+    """
+    return None if tensor.is_inference() else tensor._version
