@@ -195,7 +195,8 @@ class BehaviourWatch:
                 report = self.modes.in_mode(False)
                 if report is not None:
                     for tensor in floating_tensors(output):
-                        if tensor.requires_grad:
+                        # Not on a leaf (a returned parameter): the hook would stay on it.
+                        if tensor.requires_grad and tensor.grad_fn is not None:
                             tensor.register_hook(_BackwardSeen(self, report))
                             break
         if grad and self.broadcast is not None and self.broadcast.live:

@@ -4,7 +4,8 @@ Runs only after a module was caught producing a non-finite output from finite
 inputs: the module is re-run on the inputs it saw under a dispatch-level
 trace that checks every aten op's result. Healthy steps never pay for it. The
 re-run must not change training: no autograd, the global RNG forked and
-restored, and the module's buffers (BatchNorm running stats) put back.
+restored, the module's buffers (BatchNorm running stats) put back, and its
+inputs copied (a module that changes its input in place changes the copy).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import floating_tensors
+from trainwatch.collect.tensors import detached_copies, floating_tensors
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own
 # collectors (the re-run and the trace sit on the stack below the user's code).
@@ -111,7 +112,7 @@ def trace_first_nonfinite_op(
             quiet.replay(),
             tracer,
         ):
-            module(*args, **kwargs)
+            module(*detached_copies(args), **detached_copies(kwargs))
     except Exception:
         return tracer.found
     return tracer.found

@@ -60,6 +60,29 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield tensor
 
 
+def detached_copies(value: Any, depth: int = 0) -> Any:
+    """``value`` with each tensor in it replaced by a detached copy.
+
+    trainwatch's re-runs of a module (a NaN replay, an op trace) are handed
+    these: a module that changes its input in place (an in-place
+    normalisation, ``x.relu_()``) must not change the user's batch a second
+    time, nor bump the version counter of a tensor the user's backward needs.
+    Containers are rebuilt as tuples, lists, named tuples and dicts; any other
+    object is passed on as it is.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(detached_copies(item, depth + 1) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(detached_copies(item, depth + 1) for item in value)
+    if type(value) is dict:
+        return {key: detached_copies(item, depth + 1) for key, item in value.items()}
+    return value
+
+
 def version_of(tensor: torch.Tensor) -> int | None:
     """The tensor's in-place version counter; None for inference tensors, which keep none.
 
