@@ -103,6 +103,16 @@ class ForwardCall:
 
 
 @dataclass
+class _CallStart:
+    """A module call as it began: its positional inputs and their sums."""
+
+    position: int
+    inputs: list[torch.Tensor]
+    sums: list[int]
+    given: Any = None  # copies of its positional arguments (replays only)
+
+
+@dataclass
 class NonfiniteFinding:
     """What the rules need to name an origin."""
 
@@ -285,10 +295,9 @@ class NonfiniteProbe:
         # saw: a tensor changed in place since (ReLU(inplace=True), ``x += r``)
         # gets a new sum.
         self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, int | None]] = {}
-        # Per call in progress: (position, input tensors, their sums taken
-        # before the call ran), so a module that changes its input in place
-        # is judged on the input it was given.
-        self._calls_in_progress: list[tuple[int, list[torch.Tensor], list[int]]] = []
+        # Calls in progress, innermost last: a module that changes its input
+        # in place is judged on the input it was given.
+        self._calls_in_progress: list[_CallStart] = []
         self._grad_fns: dict[int, Any] = {}
         # Exact verdicts of CPU sums, index-aligned with self.sums (None: not checked).
         self.finite: list[bool | None] = []
@@ -311,9 +320,13 @@ class NonfiniteProbe:
             self._new_pass()
         self._depth += 1
         if (self._replaying or not self._spot) and position in self._checkable:
-            ins = list(floating_tensors(args))
             if len(self.sums) <= _MAX_SUMS:
-                self._calls_in_progress.append((position, ins, [self._sum_index(t) for t in ins]))
+                ins = list(floating_tensors(args))
+                ids = [self._sum_index(t) for t in ins]
+                # In a replay (cost is no object there) the op trace may need
+                # to re-run the module on what it was given, before it changed it.
+                given = detached_copies(args) if self._replaying and self.trace_ops else None
+                self._calls_in_progress.append(_CallStart(position, ins, ids, given))
 
     def after_call(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -448,7 +461,9 @@ class NonfiniteProbe:
     def after_forward(
         self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        ins, in_ids = self._inputs_of(index)
+        start = self._started(index)
+        ins = list(start.inputs) if start is not None else []
+        in_ids = list(start.sums) if start is not None else []
         outs = list(floating_tensors(output))
         if not outs or len(self.sums) > _MAX_SUMS:
             return
@@ -464,17 +479,17 @@ class NonfiniteProbe:
         )
         self.calls.append(call)
         if immediate:
-            self._check_now(call, module, args, kwargs, ins, outs)
+            given = start.given if start is not None and start.given is not None else args
+            self._check_now(call, module, given, kwargs, ins, outs)
         if torch.is_grad_enabled():
             self._hook_gradients(call, ins, outs)
 
-    def _inputs_of(self, position: int) -> tuple[list[torch.Tensor], list[int]]:
-        """The input tensors ``before_call`` summed for the call that just ended."""
+    def _started(self, position: int) -> _CallStart | None:
+        """What ``before_call`` recorded for the call that just ended."""
         stack = self._calls_in_progress
-        if stack and stack[-1][0] == position:
-            _, ins, ids = stack.pop()
-            return ins, ids
-        return [], []
+        if stack and stack[-1].position == position:
+            return stack.pop()
+        return None
 
     def _check_now(
         self,
@@ -512,9 +527,10 @@ class NonfiniteProbe:
         finding.weights_nonfinite = not all(
             bool(torch.isfinite(p).all()) for p in module.parameters(recurse=False)
         )
-        if ins:
-            finding.input_min = min(float(t.detach().min()) for t in ins)
-            finding.input_max = max(float(t.detach().max()) for t in ins)
+        given = list(floating_tensors([args, kwargs]))
+        if given:
+            finding.input_min = min(float(t.detach().min()) for t in given)
+            finding.input_max = max(float(t.detach().max()) for t in given)
         if self.trace_ops:
             self.suspended = True
             try:

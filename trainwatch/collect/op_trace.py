@@ -43,6 +43,13 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _mutates_an_input(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _user_line() -> str | None:
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(_SKIP_DIRS) and "<frozen" not in frame.filename:
@@ -56,12 +63,17 @@ class _FirstNonfinite(TorchDispatchMode):
         self.found: OpFinding | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # An in-place op (sqrt_) overwrites its input: judge that input before it runs.
+        inputs_before = None
+        if self.found is None and _mutates_an_input(func):
+            inputs_before = _all_finite(list(floating_tensors([args, kwargs])))
         out = func(*args, **(kwargs or {}))
         if self.found is None:
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
-                inputs = list(floating_tensors(list(args) + list((kwargs or {}).values())))
-                if _all_finite(inputs):
+                if inputs_before is None:
+                    inputs_before = _all_finite(list(floating_tensors([args, kwargs])))
+                if inputs_before:
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
                     name = func._schema.name if hasattr(func, "_schema") else str(func)
