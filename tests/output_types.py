@@ -105,3 +105,18 @@ def unwrap(kind: str, value: Any) -> torch.Tensor:
     if kind == "nested":
         return value["out"][0].hidden
     return value[0]
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``value``, found without trainwatch's own walker."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    else:
+        return []
+    return [tensor for item in items for tensor in tensors_in(item)]
