@@ -259,6 +259,47 @@ def test_clean_control_for_the_model_output_that_stops_varying(kind):
     assert fit(StructuredNet(outer=kind), 6).alerts == []
 
 
+class SummaryThenPrediction(nn.Module):
+    """Returns a (5,) summary that is not batch-first, then the (N, 1) prediction."""
+
+    outer = "tuple"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.collapse = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.fc(x))
+        out = self.head(h)
+        if self.collapse:
+            out = out * 0.0 + self.head.bias
+        return h[:, :5].mean(0), out
+
+
+def _second(out, y):
+    return nn.functional.mse_loss(out[1], y) + out[0].pow(2).mean()
+
+
+def test_a_vector_ahead_of_the_prediction_does_not_take_its_place():
+    torch.manual_seed(0)
+    model = SummaryThenPrediction()
+
+    def plant(step: int) -> None:
+        model.collapse = step >= 3
+
+    monitor = fit(model, 6, plant=plant, loss_fn=_second)
+    (alert,) = [a for a in monitor.alerts if a.rule == "constant_output"]
+    assert (alert.module, alert.step, alert.data["output"]) == ("", 3, "1")
+    assert "the model's output (1) collapsed" in alert.message
+
+
+def test_clean_control_for_the_vector_ahead_of_the_prediction():
+    torch.manual_seed(0)
+    assert fit(SummaryThenPrediction(), 6, loss_fn=_second).alerts == []
+
+
 @dataclasses.dataclass
 class Encoded:
     hidden: torch.Tensor

@@ -11,7 +11,7 @@ on the device and join the step's single readback.
 Which values: the floating tensors of a module's output (whatever structure
 holds them: a dict, a dataclass, a named tuple) that have the batch axis of
 its input, up to ``_MAX_LEAVES`` of them, each a row of its own. The first
-one that carries gradient is the module's *primary* output (a model's
+of them that carries gradient is the module's *primary* output (a model's
 prediction: ``logits`` of a Hugging Face-style output, whose ``loss`` is a
 0-d tensor); dead units look at that one only. Integer, bool, complex and
 empty tensors, 0-d tensors, batches of one and values that are not tensors
@@ -195,10 +195,11 @@ class ActivationSampler:
         if not leaves:
             return
         self._done.add(index)
-        primary = next((t for _, t in leaves if t.requires_grad), leaves[0][1])
-        relu = self._relu[index]
         inp = _first_input(args)
         batch = inp.shape[0] if inp is not None and inp.dim() > 0 else None
+        batched = [t for _, t in leaves if t.shape[0] == batch] or [t for _, t in leaves]
+        primary = next((t for t in batched if t.requires_grad), batched[0])
+        relu = self._relu[index]
         in_spread: torch.Tensor | None = None
         for path, out in leaves:
             is_primary = out is primary
