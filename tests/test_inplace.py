@@ -21,6 +21,8 @@ from torch import nn
 
 import trainwatch as tw
 from tests.conftest import CHECK_MODES, every_check
+from tests.output_types import Features, LMOutput
+from trainwatch.collect.tensors import detached_copies
 
 pytestmark = pytest.mark.usefixtures("warnings_are_errors")
 
@@ -280,3 +282,14 @@ def test_a_parameter_handed_to_a_module_collects_no_hooks(check):
     assert len(set(counts)) == 1  # the same few hooks all along, not one more per step
     assert not model.queries._backward_hooks
     assert monitor.alerts == []
+
+
+def test_a_re_run_gets_copies_that_keep_their_aliasing_and_spare_the_originals():
+    x = torch.ones(3)
+    args = (x, [x], {"x": x}, Features(x), LMOutput(logits=x))
+    copied = detached_copies(args)
+    leaves = [copied[0], copied[1][0], copied[2]["x"], copied[3].hidden, copied[4]["logits"]]
+    assert all(leaf is leaves[0] for leaf in leaves)  # one copy, shared as x was
+    assert copied[4].logits is leaves[0] and type(copied[4]) is LMOutput
+    leaves[0].add_(1.0)
+    assert torch.equal(x, torch.ones(3)) and x._version == 0

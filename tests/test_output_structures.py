@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections import UserDict
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 
 import trainwatch as tw
 from tests.conftest import CHECK_MODES, every_check
-from tests.output_types import KINDS, unwrap, wrap
+from tests.output_types import KINDS, LMOutput, Pair, unwrap, wrap
+from trainwatch.collect.tensors import floating_tensors, tensor_leaves
 from trainwatch.config import RULE_IDS, load_config
 
 pytestmark = pytest.mark.usefixtures("warnings_are_errors")
@@ -402,3 +404,26 @@ def test_training_in_eval_mode_is_seen_through_a_structured_output(kind):
 def test_clean_control_for_training_in_eval_mode(kind):
     torch.manual_seed(0)
     assert fit(DropoutNet(kind), 3).alerts == []
+
+
+# -- the walker every check shares -------------------------------------------------
+
+
+def test_every_tensor_is_found_with_its_path_through_any_container():
+    a, b, ids = torch.ones(2, 3), torch.zeros(2), torch.arange(2)
+    output = {
+        "lm": LMOutput(logits=a, hidden_states=(b, None)),
+        "pair": Pair(ids, [UserDict(x=b), "text", 3]),
+        "dc": Encoded(a, b, ids),
+    }
+    paths = [path for path, _ in tensor_leaves(output)]
+    assert paths == [
+        "lm.logits",
+        "lm.hidden_states.0",
+        "pair.value",
+        "pair.index.0.x",
+        "dc.hidden",
+        "dc.pooled",
+        "dc.lengths",
+    ]
+    assert len(list(floating_tensors(output))) == 5  # not the integer ids

@@ -393,7 +393,8 @@ class NonfiniteProbe:
     def _replay_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Run the pass again module by module to find where its NaN/Inf was born."""
         with self._replaying_context(grad=False):
-            module(*detached_copies(args), **detached_copies(kwargs))
+            args, kwargs = detached_copies((args, kwargs))
+            module(*args, **kwargs)
 
     def replay_backward(self) -> bool:
         """This step's gradients are bad: run the last pass again, forward and backward.
@@ -411,7 +412,8 @@ class NonfiniteProbe:
             return False
         module, args, kwargs = self._last_call
         with self._replaying_context(grad=True):
-            output = module(*detached_copies(args), **detached_copies(kwargs))
+            args, kwargs = detached_copies((args, kwargs))
+            output = module(*args, **kwargs)
             outs = [o for o in floating_tensors(output) if _non_leaf(o)]
             pairs = [(o, g) for o, g in zip(outs, self._grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]

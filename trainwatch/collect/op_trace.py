@@ -116,6 +116,8 @@ def trace_first_nonfinite_op(
         if t.device.type == "cuda"
     ]
     tracer = _FirstNonfinite()
+    with torch.no_grad():
+        args, kwargs = detached_copies((args, kwargs))
     try:
         with (
             swapped_buffers(module),
@@ -124,7 +126,7 @@ def trace_first_nonfinite_op(
             quiet.replay(),
             tracer,
         ):
-            module(*detached_copies(args), **detached_copies(kwargs))
+            module(*args, **kwargs)
     except Exception:
         return tracer.found
     return tracer.found

@@ -16,8 +16,9 @@ leaves it applies to and silently skips the rest:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def tensor_leaves(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[
         return
     if depth >= _MAX_DEPTH or value is None or isinstance(value, (str, bytes, int, float)):
         return
-    if isinstance(value, dict):  # dicts, OrderedDicts and ModelOutput-style hybrids
+    if isinstance(value, Mapping):  # dicts, OrderedDicts, ModelOutput-style hybrids, UserDicts
         items: Any = value.items()
     elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
         items = zip(value._fields, value)
@@ -60,27 +61,51 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield tensor
 
 
-def detached_copies(value: Any, depth: int = 0) -> Any:
+def detached_copies(value: Any, memo: dict[int, Any] | None = None, depth: int = 0) -> Any:
     """``value`` with each tensor in it replaced by a detached copy.
 
     trainwatch's re-runs of a module (a NaN replay, an op trace) are handed
     these: a module that changes its input in place (an in-place
     normalisation, ``x.relu_()``) must not change the user's batch a second
     time, nor bump the version counter of a tensor the user's backward needs.
-    Containers are rebuilt as tuples, lists, named tuples and dicts; any other
-    object is passed on as it is.
+    A tensor found twice gets one copy (``memo``), as aliasing goes.
+    Tuples, lists, named tuples and dicts are rebuilt; other mappings and
+    dataclasses are shallow-copied with their tensors replaced; any other
+    object (or one that cannot be copied) is passed on as it is.
     """
+    memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        if id(value) not in memo:
+            memo[id(value)] = value.detach().clone()
+        return memo[id(value)]
     if depth >= _MAX_DEPTH:
         return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(detached_copies(item, depth + 1) for item in value))
+        return type(value)(*(detached_copies(item, memo, depth + 1) for item in value))
     if type(value) in (tuple, list):
-        return type(value)(detached_copies(item, depth + 1) for item in value)
+        return type(value)(detached_copies(item, memo, depth + 1) for item in value)
     if type(value) is dict:
-        return {key: detached_copies(item, depth + 1) for key, item in value.items()}
+        return {key: detached_copies(item, memo, depth + 1) for key, item in value.items()}
+    if isinstance(value, Mapping) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        return _rebuilt(value, memo, depth)
     return value
+
+
+def _rebuilt(value: Any, memo: dict[int, Any], depth: int) -> Any:
+    try:
+        rebuilt = copy.copy(value)
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                rebuilt[key] = detached_copies(item, memo, depth + 1)
+        if dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                item = detached_copies(getattr(value, field.name, None), memo, depth + 1)
+                object.__setattr__(rebuilt, field.name, item)
+    except Exception:  # immutable or uncopyable: the replay gets the original
+        return value
+    return rebuilt
 
 
 def version_of(tensor: torch.Tensor) -> int | None:
