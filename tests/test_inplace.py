@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import trainwatch as tw
-from tests.conftest import CHECK_MODES, every_check
+from tests.conftest import CHECK_MODES, device_of, every_check
 from tests.output_types import Features, LMOutput
 from trainwatch.collect.tensors import detached_copies
 
@@ -116,14 +116,17 @@ MODELS = {
 }
 
 
-def train(make, steps, *, check=None, plant=None):
+def train(make, steps, *, check=None, plant=None, on=None):
     """``steps`` Adam steps with dropout on; ``check`` None: without trainwatch.
+
+    ``on``: the device (default: the one ``check`` runs on).
 
     Returns the losses, the parameters after training, the RNG state, and
     the monitor's alerts (None without trainwatch).
     """
+    device = on if on is not None else device_of(check or "auto")
     torch.manual_seed(0)
-    model = make()
+    model = make().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     monitor = None
     if check is not None:
@@ -132,7 +135,7 @@ def train(make, steps, *, check=None, plant=None):
     for step in range(steps):
         if plant is not None:
             plant(step, model)
-        x = torch.randn(16, 8)
+        x = torch.randn(16, 8).to(device)
         y = x[:, :1].sin()
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
@@ -140,6 +143,8 @@ def train(make, steps, *, check=None, plant=None):
         opt.step()
         losses.append(loss.item())
     rng = torch.get_rng_state()
+    if device.type == "cuda":
+        rng = torch.cat([rng, torch.cuda.get_rng_state(device)])
     alerts = None
     if monitor is not None:
         monitor.close()
@@ -176,7 +181,7 @@ def arm_fault(at: int):
 @pytest.mark.parametrize("check", CHECK_MODES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_in_place_models_train_silently_and_bit_identically(name, check):
-    plain = train(MODELS[name], 8)
+    plain = train(MODELS[name], 8, on=device_of(check))
     assert all(math.isfinite(v) for v in plain[0])  # a valid model without trainwatch
     watched = train(MODELS[name], 8, check=check)
     assert watched[3] == []
@@ -188,7 +193,7 @@ def test_a_replay_through_a_layer_that_changes_the_batch_in_place_changes_nothin
     # A NaN at step 2 makes trainwatch re-run the pass (on the CPU path) to
     # locate it; the first layer standardises the batch in place, so a re-run
     # on the user's own batch would change it twice and break their backward.
-    plain = train(InplaceArithmetic, 5, plant=arm_fault(2))
+    plain = train(InplaceArithmetic, 5, plant=arm_fault(2), on=device_of(check))
     watched = train(InplaceArithmetic, 5, check=check, plant=arm_fault(2))
     assert_bit_identical(plain, watched)
     first = watched[3][0]
@@ -270,13 +275,14 @@ def test_a_parameter_handed_to_a_module_collects_no_hooks(check):
             return x @ self.proj(self.queries).t()
 
     torch.manual_seed(0)
-    model = LearnedQueries()
+    device = device_of(check)
+    model = LearnedQueries().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     counts = []
     with tw.watch(model, opt, console=io.StringIO(), **every_check(check)) as monitor:
         for _ in range(6):
             opt.zero_grad()
-            model(torch.randn(16, 8)).pow(2).mean().backward()
+            model(torch.randn(16, 8, device=device)).pow(2).mean().backward()
             opt.step()
             counts.append(len(model.queries._backward_hooks or {}))
     assert len(set(counts)) == 1  # the same few hooks all along, not one more per step

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import trainwatch as tw
-from tests.conftest import CHECK_MODES, every_check
+from tests.conftest import CHECK_MODES, device_of, every_check
 from tests.output_types import KINDS, LMOutput, Pair, unwrap, wrap
 from trainwatch.collect.tensors import floating_tensors, tensor_leaves
 from trainwatch.config import RULE_IDS, load_config
@@ -82,6 +82,8 @@ class StructuredNet(nn.Module):
 def fit(model, steps, *, check="auto", batches=(16,), plant=None, loss_fn=None, inputs=8):
     """Adam on a smooth regression of x; ``batches`` cycles through the batch sizes."""
     loss_fn = loss_fn or (lambda out, y: nn.functional.mse_loss(unwrap(model.outer, out), y))
+    device = device_of(check)
+    model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     monitor = tw.watch(model, opt, console=io.StringIO(), **every_check(check))
     gen = torch.Generator().manual_seed(0)
@@ -90,7 +92,7 @@ def fit(model, steps, *, check="auto", batches=(16,), plant=None, loss_fn=None, 
             if plant is not None:
                 plant(step)
             n = batches[step % len(batches)]
-            x = torch.randn(n, inputs, generator=gen)
+            x = torch.randn(n, inputs, generator=gen).to(device)
             opt.zero_grad()
             loss_fn(model(x), x[:, :1].sin()).backward()
             opt.step()
@@ -201,9 +203,9 @@ def test_evaluation_passes_on_structured_outputs_raise_nothing(check):
     def evaluate(step: int) -> None:
         model.eval()
         with torch.no_grad():
-            model(torch.randn(4, 8))
+            model(torch.randn(4, 8, device=device_of(check)))
         with torch.inference_mode():
-            model(torch.randn(4, 8))
+            model(torch.randn(4, 8, device=device_of(check)))
         model.train()
 
     monitor = fit(model, 6, check=check, plant=evaluate)

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import trainwatch as tw
-from tests.conftest import CHECK_MODES, every_check
+from tests.conftest import CHECK_MODES, device_of, every_check
 from tests.output_types import ModelOutput, tensors_in
 
 DTYPES = (
@@ -148,12 +148,13 @@ def trainable_leaves(output: Any) -> list[torch.Tensor]:
 
 def train(spec: tuple, batch: int, check: str, steps: int = 4) -> tw.Monitor:
     torch.manual_seed(0)
-    model = Model(spec)
+    device = device_of(check)
+    model = Model(spec).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     with tw.watch(model, opt, console=io.StringIO(), **every_check(check)) as monitor:
         for _ in range(steps):
-            x = torch.randn(batch, 4, generator=gen)
+            x = torch.randn(batch, 4, generator=gen).to(device)
             opt.zero_grad()
             out = model(x)
             loss = sum(((t.float() - 0.5) ** 2).mean() for t in trainable_leaves(out))
