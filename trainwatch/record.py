@@ -60,7 +60,8 @@ class ActivationStats:
 
     module: str
     # Which of the module's outputs ("logits", "hidden.0"; "" for a plain
-    # tensor), and whether it is the primary one (the first carrying gradient).
+    # tensor), and whether it is the primary one (the first batch-first one
+    # carrying gradient: a model's prediction).
     output: str = ""
     primary: bool = True
     # Mean over features of the standard deviation across the batch, for the
