@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -100,3 +101,37 @@ def quiet_watch():
 
 def rules_of(monitor: tw.Monitor, severities=("warning", "error")) -> list[str]:
     return [a.rule for a in monitor.alerts if a.severity in severities]
+
+
+# How NaN/Inf are looked for: "auto" checks CPU tensors on the spot (one sum
+# of the model's output, a replay to locate); "deferred" sums every module's
+# output for the step's readback, the path CUDA takes, on CPU; "cuda" is that
+# path on a GPU (only where there is one).
+CHECK_MODES = ("auto", "deferred") + (
+    (pytest.param("cuda", marks=pytest.mark.cuda),) if torch.cuda.is_available() else ()
+)
+
+
+def device_of(check: str) -> torch.device:
+    return torch.device("cuda" if check == "cuda" else "cpu")
+
+
+def every_check(check: str = "auto") -> dict:
+    """tw.watch overrides: every rule on, and every sampled check made every step."""
+    return {
+        "nonfinite_forward": {"check": "deferred" if check == "deferred" else "auto"},
+        "nonfinite_parameter": {"check_every": 1},
+        "constant_output": {"every": 1},
+        "dead_units": {"every": 1},
+        "broadcast": {"audit_steps": 1000},
+        "exploding_gradient": {"warmup": 2},
+        "vanishing_gradient": {"warmup": 2},
+    }
+
+
+@pytest.fixture
+def warnings_are_errors():
+    """Any Python warning raised while the test runs fails it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield

@@ -59,6 +59,11 @@ class ActivationStats:
     """One module's sampled output statistics for a step (host floats)."""
 
     module: str
+    # Which of the module's outputs ("logits", "hidden.0"; "" for a plain
+    # tensor), and whether it is the primary one (the first batch-first one
+    # carrying gradient: a model's prediction).
+    output: str = ""
+    primary: bool = True
     # Mean over features of the standard deviation across the batch, for the
     # output and for the module's first input; the output's RMS and mean.
     out_spread: float | None = None

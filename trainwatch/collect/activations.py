@@ -7,22 +7,38 @@ at most ``rows`` rows of the batch and at most ``_MAX_FEATURES`` positions
 (a strided view): the cost per module is bounded whatever the layer's size.
 On other steps each hook returns after one attribute test. The numbers stay
 on the device and join the step's single readback.
+
+Which values: the floating tensors of a module's output (whatever structure
+holds them: a dict, a dataclass, a named tuple) that have the batch axis of
+its input, up to ``_MAX_LEAVES`` of them, each a row of its own. The first
+of them that carries gradient is the module's *primary* output (a model's
+prediction: ``logits`` of a Hugging Face-style output, whose ``loss`` is a
+0-d tensor); dead units look at that one only. Integer, bool, complex and
+empty tensors, 0-d tensors, batches of one and values that are not tensors
+are skipped.
+
+In-place modules (``nn.ReLU(inplace=True)``) return the tensor they were
+given, changed: told apart from a container passing its child's output on by
+the tensor's version counter, they are measured again, and their input's
+spread is the one measured before the change.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
+from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
+_MAX_LEAVES = 8  # output tensors measured per module
 _NAN = float("nan")
 # Stats per module, in this order, in one row of the step's tensor.
 FIELDS = ("out_spread", "in_spread", "out_rms", "out_mean", "zero_fraction", "dead_fraction")
@@ -34,17 +50,45 @@ TARGET = "<loss target>"
 RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Threshold)
 
 
-def _first_tensor(value: Any, depth: int = 0) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.layout == torch.strided and value.numel() > 0 else None
-    if isinstance(value, dict) and depth < 3:
-        value = list(value.values())
-    if isinstance(value, (tuple, list)) and depth < 3:
-        for item in value:
-            found = _first_tensor(item, depth + 1)
-            if found is not None:
-                return found
+class RowKey(NamedTuple):
+    """Whose statistics a row holds: a module, which of its outputs, whether the primary one."""
+
+    module: str
+    output: str  # path inside the module's output ("logits", "0"); "" for a plain tensor
+    primary: bool
+
+
+class _Measured(NamedTuple):
+    ref: weakref.ref[torch.Tensor]
+    slot: int
+    version: int | None
+
+
+def _first_input(args: Any) -> torch.Tensor | None:
+    """The module's first real-valued input tensor with values (ids count: they vary too)."""
+    for _, tensor in tensor_leaves(args):
+        if tensor.layout == torch.strided and tensor.numel() > 0 and not tensor.is_complex():
+            return tensor
     return None
+
+
+def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """The output's floating tensors with a batch axis of two or more rows, each once.
+
+    A structure may hold one tensor twice (``logits`` and ``hidden_states[-1]``):
+    it keeps the first path.
+    """
+    found = []
+    seen: set[int] = set()
+    for path, tensor in tensor_leaves(output):
+        if id(tensor) in seen:
+            continue
+        if is_checkable_float(tensor) and tensor.dim() > 0 and tensor.shape[0] >= 2:
+            seen.add(id(tensor))
+            found.append((path, tensor))
+            if len(found) == _MAX_LEAVES:
+                break
+    return found
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,11 +178,12 @@ class ActivationSampler:
 
     def _reset(self) -> None:
         self._stats: list[torch.Tensor] = []
-        self._modules: list[int] = []
+        self._keys: list[tuple[int, str, bool]] = []  # (module index, output path, primary)
         self._done: set[int] = set()
-        # Output tensors measured in this pass, weakly: a container that
-        # returns its child's tensor is not measured twice.
-        self._outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # Output tensors measured in this pass, weakly, with the version they
+        # had: a container that returns its child's tensor is not measured
+        # twice; one changed in place since is.
+        self._outputs: dict[int, _Measured] = {}
 
     def end_pass(self) -> None:
         self._outputs.clear()
@@ -146,65 +191,96 @@ class ActivationSampler:
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():
             return  # the first call of a step is enough (recurrent cells, eval passes)
-        out = _first_tensor(output)
-        if out is None or not out.is_floating_point() or out.dim() == 0 or out.shape[0] < 2:
+        leaves = _batched_outputs(output)
+        if not leaves:
             return
         self._done.add(index)
-        seen = self._outputs.get(id(out))
-        if seen is not None and seen[0]() is out:
-            if index == 0:  # the root returns a child's tensor: report it as the model's
-                slot = seen[1]
-                self._modules[slot] = 0
-                inp = _first_tensor(args)
-                if self.spread and inp is not None and inp.dim() > 0:
-                    if inp.shape[0] == out.shape[0]:
-                        row = self._stats[slot].clone()
-                        row[1] = _spread(_rows(inp, self.rows))
-                        self._stats[slot] = row
-            return
+        inp = _first_input(args)
+        batch = inp.shape[0] if inp is not None and inp.dim() > 0 else None
+        batched = [t for _, t in leaves if t.shape[0] == batch] or [t for _, t in leaves]
+        primary = next((t for t in batched if t.requires_grad), batched[0])
         relu = self._relu[index]
-        if not self.spread and not relu:
-            return
+        in_spread: torch.Tensor | None = None
+        for path, out in leaves:
+            is_primary = out is primary
+            spread = self.spread and out.shape[0] == batch
+            zeros = self.zeros and relu and is_primary
+            if not (spread or zeros):
+                continue
+            seen = self._outputs.get(id(out))
+            if seen is not None and seen.ref() is not out:
+                seen = None
+            if seen is not None and seen.version == version_of(out):
+                # Already measured, unchanged: a container passing a child's output on.
+                if index == 0 and is_primary and spread:
+                    self._adopt_as_model_output(seen.slot, path, inp)
+                continue
+            if spread and in_spread is None:
+                if seen is not None and out is inp:
+                    # Changed its own input in place: that input was measured before.
+                    in_spread = self._stats[seen.slot][0]
+                else:
+                    in_spread = _spread(_rows(inp, self.rows))
+            self._measure(index, path, is_primary, out, in_spread if spread else None, zeros)
+
+    def _adopt_as_model_output(self, slot: int, path: str, inp: torch.Tensor | None) -> None:
+        """The root returns a child's tensor: its row is reported as the model's output."""
+        self._keys[slot] = (0, path, True)
+        if inp is not None and self.spread:
+            row = self._stats[slot].clone()
+            row[1] = _spread(_rows(inp, self.rows))
+            self._stats[slot] = row
+
+    def _measure(
+        self,
+        index: int,
+        path: str,
+        primary: bool,
+        out: torch.Tensor,
+        in_spread: torch.Tensor | None,
+        zeros: bool,
+    ) -> None:
         rows = _rows(out, self.rows)
-        values = [_NAN] * len(FIELDS)
-        stats: list[torch.Tensor | float] = list(values)
-        if self.spread:
+        stats: list[torch.Tensor | float] = [_NAN] * len(FIELDS)
+        if in_spread is not None:
             stats[0] = _spread(rows)
+            stats[1] = in_spread
             stats[2] = rows.square().mean().sqrt()
             stats[3] = rows.mean()
-            inp = _first_tensor(args)
-            if inp is not None and inp.dim() > 0 and inp.shape[0] == out.shape[0]:
-                stats[1] = _spread(_rows(inp, self.rows))
-        if self.zeros and relu:
+        if zeros:
             zero = rows == 0
             stats[4] = zero.float().mean()
             stats[5] = zero.all(dim=0).float().mean()
         device = rows.device
         row = torch.stack(
             [
-                s.reshape(()) if isinstance(s, torch.Tensor) else torch.tensor(s, device=device)
+                s.reshape(()).to(device)
+                if isinstance(s, torch.Tensor)
+                else torch.tensor(s, device=device)
                 for s in stats
             ]
         )
-        self._outputs[id(out)] = (weakref.ref(out), len(self._modules))
-        self._modules.append(index)
+        self._outputs[id(out)] = _Measured(weakref.ref(out), len(self._keys), version_of(out))
+        self._keys.append((index, path, primary))
         self._stats.append(row)
 
-    def take(self) -> tuple[list[str], torch.Tensor | None]:
-        """Hand over this step's samples (module names, one (M, 6) device tensor)."""
-        names = [self._names[i] for i in self._modules]
+    def take(self) -> tuple[list[RowKey], torch.Tensor | None]:
+        """Hand over this step's samples (whose each row is, one (M, 6) device tensor)."""
+        keys = [RowKey(self._names[i], path, primary) for i, path, primary in self._keys]
         stats = torch.stack(self._stats) if self._stats else None
         self._reset()
-        return names, stats
+        return keys, stats
 
     @staticmethod
-    def unpack(names: list[str], values: list[float]) -> list[ActivationStats]:
+    def unpack(keys: list[RowKey], values: list[float]) -> list[ActivationStats]:
         found = []
         width = len(FIELDS)
-        for i, name in enumerate(names):
+        for i, key in enumerate(keys):
             row = values[i * width : (i + 1) * width]
             if len(row) < width:
                 break
             fields = {k: (None if math.isnan(v) else v) for k, v in zip(FIELDS, row)}
-            found.append(ActivationStats(name, **fields))
+            found.append(
+                ActivationStats(key.module, output=key.output, primary=key.primary, **fields)
+            )
         return found

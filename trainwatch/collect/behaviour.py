@@ -33,7 +33,7 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect import quiet
-from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler
+from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
@@ -57,7 +57,7 @@ BEHAVIOUR_RULES = frozenset(
 class BehaviourToken:
     """What a step's record still needs from its readback."""
 
-    names: list[str]
+    names: list[RowKey]
     piece: int
 
 
@@ -195,7 +195,8 @@ class BehaviourWatch:
                 report = self.modes.in_mode(False)
                 if report is not None:
                     for tensor in floating_tensors(output):
-                        if tensor.requires_grad:
+                        # Not on a leaf (a returned parameter): the hook would stay on it.
+                        if tensor.requires_grad and tensor.grad_fn is not None:
                             tensor.register_hook(_BackwardSeen(self, report))
                             break
         if grad and self.broadcast is not None and self.broadcast.live:
@@ -228,7 +229,7 @@ class BehaviourWatch:
             names, stats = self.sampler.take()
             target = self.broadcast.take_target() if self.broadcast is not None else None
             if target is not None:
-                names.append(TARGET)
+                names.append(RowKey(TARGET, "", True))
                 row = torch.full((len(FIELDS),), float("nan"), device=target.device)
                 row[0] = target
                 stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.op_trace import _user_line
+from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import BroadcastReport
 
 _MAX_TRACKED = 4096
@@ -139,12 +140,10 @@ def _stack_is_ours_to_use() -> bool:
     return all(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
 
 
-def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)) and depth < 2:
-        for item in value:
-            yield from _tensors(item, depth + 1)
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a model output or op result: ``out["logits"]`` is followed too."""
+    for _, tensor in tensor_leaves(value):
+        yield tensor
 
 
 def _op_name(func: Any) -> str:

@@ -16,7 +16,15 @@ Two ways to read the sums:
 Backward uses tensor hooks (not full backward hooks, which cost ~150 us a
 module and break on in-place ops, FACTS.md) on each module's outputs and
 inputs: the origin is the module whose input gradient went non-finite while
-its output gradient was finite.
+its output gradient was finite. Leaves (parameters) get none: a hook on a
+parameter outlives the step.
+
+In-place ops (``nn.ReLU(inplace=True)``, ``x += r``) change a tensor and keep
+its identity, so sums are matched by identity and version counter; a
+module's inputs are summed as its call begins, so one that changes its input
+in place is judged on the input it was given; and every re-run (a replay, an
+op trace) gets copies of the tensors it is handed, so the user's batch and
+the values their backward needs are never touched twice.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from trainwatch.collect.op_trace import (
     swapped_buffers,
     trace_first_nonfinite_op,
 )
-from trainwatch.collect.tensors import floating_tensors
+from trainwatch.collect.tensors import detached_copies, floating_tensors, version_of
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
@@ -95,6 +103,16 @@ class ForwardCall:
 
 
 @dataclass
+class _CallStart:
+    """A module call as it began: its positional inputs and their sums."""
+
+    position: int
+    inputs: list[torch.Tensor]
+    sums: list[int]
+    given: Any = None  # copies of its positional arguments (replays only)
+
+
+@dataclass
 class NonfiniteFinding:
     """What the rules need to name an origin."""
 
@@ -139,7 +157,7 @@ class _CallHooks:
         probe = self.probe()
         if probe is not None and probe.enabled and not probe.suspended:
             try:
-                probe.before_call()
+                probe.before_call(position, args)
             except Exception as exc:  # never break the user's forward
                 probe.fail(exc)
         return None
@@ -274,7 +292,13 @@ class NonfiniteProbe:
         """Start a new step: drop everything the last one gathered."""
         self.sums: list[torch.Tensor] = []
         self.calls: list[ForwardCall] = []
-        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # Sums already taken, by tensor identity, with the version counter they
+        # saw: a tensor changed in place since (ReLU(inplace=True), ``x += r``)
+        # gets a new sum.
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int, int | None]] = {}
+        # Calls in progress, innermost last: a module that changes its input
+        # in place is judged on the input it was given.
+        self._calls_in_progress: list[_CallStart] = []
         self._grad_fns: dict[int, Any] = {}
         # Exact verdicts of CPU sums, index-aligned with self.sums (None: not checked).
         self.finite: list[bool | None] = []
@@ -295,7 +319,7 @@ class NonfiniteProbe:
         self.bad_backward_passes: list[torch.Tensor] = []
 
     # -- passes ----------------------------------------------------------
-    def before_call(self) -> None:
+    def before_call(self, position: int, args: Any) -> None:
         if self._depth == 0 and not self._replaying:
             # Gradient checkpointing re-runs blocks inside backward: that is
             # no new pass.
@@ -303,19 +327,30 @@ class NonfiniteProbe:
             if not self._recomputing:
                 self._new_pass()
         self._depth += 1
+        if self._checks_each_module() and position in self._checkable:
+            if len(self.sums) <= _MAX_SUMS:
+                ins = list(floating_tensors(args))
+                ids = [self._sum_index(t) for t in ins]
+                # In a replay (cost is no object there) the op trace may need
+                # to re-run the module on what it was given, before it changed it.
+                given = detached_copies(args) if self._replaying and self.trace_ops else None
+                self._calls_in_progress.append(_CallStart(position, ins, ids, given))
 
     def after_call(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         self._depth = max(0, self._depth - 1)
-        # A recomputation is checked module by module even on the spot: its
-        # tensors are the ones backward flows through, and a replay cannot
-        # re-enter a reentrant checkpoint (it refuses torch.autograd.grad).
-        checked = self._replaying or not self._spot or self._recomputing
-        if checked and position in self._checkable:
+        if self._checks_each_module() and position in self._checkable:
             self.after_forward(position, module, args, kwargs, output)
         if self._depth == 0 and self._spot and not self._replaying and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
+
+    def _checks_each_module(self) -> bool:
+        """Replays and device passes check every module; so does a recomputation,
+        even on the spot: a reentrant checkpoint's recomputed tensors are the ones
+        its backward flows through, and a replay cannot re-enter it (it refuses
+        torch.autograd.grad)."""
+        return self._replaying or not self._spot or self._recomputing
 
     def _new_pass(self) -> None:
         """An outermost call of the model begins (a forward pass)."""
@@ -323,6 +358,7 @@ class NonfiniteProbe:
         # dropping them here keeps memory flat across many passes per step.
         self._known.clear()
         self._grad_fns.clear()
+        self._calls_in_progress.clear()
         if self._pass_grads:  # device passes: one flag per backward, read later
             flag = torch.stack(self._pass_grads).isfinite().all().logical_not()
             self._note_pass(flag)
@@ -349,7 +385,7 @@ class NonfiniteProbe:
             self._step_bad = self._output_bad = True
             if self._bad_streak < _REPLAY_STREAK:
                 self._replay_forward(module, args, kwargs)
-        needs_grad = [o for o in outs if o.requires_grad]
+        needs_grad = [o for o in outs if _non_leaf(o)]
         if needs_grad and torch.is_grad_enabled():
             # References to the batch (not copies) until the next pass: what a
             # backward replay needs if this step's gradients turn out bad.
@@ -374,6 +410,7 @@ class NonfiniteProbe:
         # Grad mode as in the pass itself, so masks and real values are told
         # apart the same way (requires_grad) in the replay.
         with self._replaying_context(grad=torch.is_grad_enabled()):
+            args, kwargs = detached_copies((args, kwargs))
             module(*args, **kwargs)
 
     def replay_backward(self) -> bool:
@@ -392,8 +429,9 @@ class NonfiniteProbe:
             return False
         module, args, kwargs = self._last_call
         with self._replaying_context(grad=True):
+            args, kwargs = detached_copies((args, kwargs))
             output = module(*args, **kwargs)
-            outs = [o for o in floating_tensors(output) if o.requires_grad]
+            outs = [o for o in floating_tensors(output) if _non_leaf(o)]
             pairs = [(o, g) for o, g in zip(outs, self._grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]
             if pairs and params:
@@ -419,13 +457,19 @@ class NonfiniteProbe:
 
     def _sum_index(self, tensor: torch.Tensor) -> int:
         known = self._known.get(id(tensor))
-        if known is not None and known[0]() is tensor:
+        version = version_of(tensor)
+        if known is not None and known[0]() is tensor and known[2] == version:
             return known[1]
         index = len(self.sums)
         self.sums.append(self._reduce(tensor))
         self.finite.append(None)
-        self._known[id(tensor)] = (weakref.ref(tensor), index)
+        self._known[id(tensor)] = (weakref.ref(tensor), index, version)
         return index
+
+    def _unchanged(self, index: int, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` still holds the values its sum ``index`` was taken of."""
+        known = self._known.get(id(tensor))
+        return known is not None and known[1] == index and known[2] == version_of(tensor)
 
     def _is_finite(self, index: int, tensor: torch.Tensor | None = None) -> bool:
         """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow."""
@@ -440,24 +484,35 @@ class NonfiniteProbe:
     def after_forward(
         self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
+        start = self._started(index)
+        ins = list(start.inputs) if start is not None else []
+        in_ids = list(start.sums) if start is not None else []
         outs = list(floating_tensors(output))
         if not outs or len(self.sums) > _MAX_SUMS:
             return
-        ins = list(floating_tensors([args, kwargs]))
+        # Positional inputs were summed as the call began; keyword ones now.
+        kw_ins = list(floating_tensors(kwargs))
+        ins += kw_ins
+        in_ids += [self._sum_index(t) for t in kw_ins]
         first = outs[0]
         immediate = self.on_the_spot and first.device.type == "cpu"
-        # On the spot, inputs are only examined when an output is bad; on a
-        # device their sums are needed to judge later, unless already known.
-        in_ids = [] if immediate else [self._sum_index(t) for t in ins]
         out_ids = [self._sum_index(t) for t in outs]
         call = ForwardCall(
             index, in_ids, out_ids, tuple(first.shape), str(first.dtype), str(first.device)
         )
         self.calls.append(call)
         if immediate:
-            self._check_now(call, module, args, kwargs, ins, outs)
+            given = start.given if start is not None and start.given is not None else args
+            self._check_now(call, module, given, kwargs, ins, outs)
         if torch.is_grad_enabled():
             self._hook_gradients(call, ins, outs)
+
+    def _started(self, position: int) -> _CallStart | None:
+        """What ``before_call`` recorded for the call that just ended."""
+        stack = self._calls_in_progress
+        if stack and stack[-1].position == position:
+            return stack.pop()
+        return None
 
     def _check_now(
         self,
@@ -471,7 +526,13 @@ class NonfiniteProbe:
         bad_out = [t for i, t in zip(call.outputs, outs) if not self._is_finite(i, t)]
         if not bad_out:
             return
-        call.inputs_finite = all(_finite_or_mask(t) for t in ins)
+        # The sums taken as the call began: a module that changed its input in
+        # place is judged on what it was given (the exact check only while
+        # the tensor still holds those values).
+        call.inputs_finite = all(
+            self._is_finite(i, t if self._unchanged(i, t) else None)
+            for i, t in zip(call.inputs, ins)
+        )
         if not call.inputs_finite or self.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
         bad = bad_out[0].detach()
@@ -489,9 +550,10 @@ class NonfiniteProbe:
         finding.weights_nonfinite = not all(
             bool(torch.isfinite(p.detach()).all()) for p in module.parameters(recurse=False)
         )
-        if ins:
-            finding.input_min = min(float(t.detach().min()) for t in ins)
-            finding.input_max = max(float(t.detach().max()) for t in ins)
+        given = list(floating_tensors([args, kwargs]))
+        if given:
+            finding.input_min = min(float(t.detach().min()) for t in given)
+            finding.input_max = max(float(t.detach().max()) for t in given)
         if self.trace_ops:
             self.suspended = True
             try:
@@ -505,15 +567,18 @@ class NonfiniteProbe:
     def _hook_gradients(
         self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]
     ) -> None:
+        # Leaves (a parameter handed to a module, or returned by one) are left
+        # alone: a hook on one would stay on it after the step, one more each
+        # step, and its gradient sums every use, so it names no single call;
+        # the step's gradient norms check parameters anyway.
         for tensor in outs:
-            if tensor.requires_grad:
+            if _non_leaf(tensor):
                 tensor.register_hook(_GradHook(self, call, "out"))
-                if tensor.grad_fn is not None:
-                    stop = {id(t.grad_fn) for t in ins if t.grad_fn is not None}
-                    self._grad_fns[id(call)] = (tensor.grad_fn, stop)
+                stop = {id(t.grad_fn) for t in ins if t.grad_fn is not None}
+                self._grad_fns[id(call)] = (tensor.grad_fn, stop)
                 break
         for tensor in ins:
-            if tensor.requires_grad:
+            if _non_leaf(tensor):
                 tensor.register_hook(_GradHook(self, call, "in"))
 
     # -- backward ----------------------------------------------------------
@@ -609,6 +674,11 @@ def _inside_backward() -> bool:
     return task is not None and task() != -1
 
 
+def _non_leaf(tensor: torch.Tensor) -> bool:
+    """Made by autograd in this pass: a tensor hook on it goes when the graph goes."""
+    return tensor.requires_grad and tensor.grad_fn is not None
+
+
 def _finite_exact(tensor: torch.Tensor) -> bool:
     """One fp32 sum; only when it is not finite, the exact elementwise check."""
     if math.isfinite(float(tensor.detach().sum(dtype=torch.float32))):
@@ -660,6 +730,7 @@ class _Replay:
     def __exit__(self, *exc: Any) -> bool:
         self.probe._replaying = False
         self.probe._known.clear()
+        self.probe._calls_in_progress.clear()
         self._stack.close()
         return True  # a replay that fails only means no finer location
 

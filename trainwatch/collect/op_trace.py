@@ -4,7 +4,8 @@ Runs only after a module was caught producing a non-finite output from finite
 inputs: the module is re-run on the inputs it saw under a dispatch-level
 trace that checks every aten op's result. Healthy steps never pay for it. The
 re-run must not change training: no autograd, the global RNG forked and
-restored, and the module's buffers (BatchNorm running stats) put back.
+restored, the module's buffers (BatchNorm running stats) put back, and its
+inputs copied (a module that changes its input in place changes the copy).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import floating_tensors
+from trainwatch.collect.tensors import detached_copies, floating_tensors
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own
 # collectors (the re-run and the trace sit on the stack below the user's code).
@@ -42,6 +43,13 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _mutates_an_input(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _user_line() -> str | None:
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(_SKIP_DIRS) and "<frozen" not in frame.filename:
@@ -52,6 +60,13 @@ def _user_line() -> str | None:
 def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
     """Non-finite entries all -inf: what a mask is made of (``full(-inf)``, ``masked_fill``)."""
     return not any(bool((torch.isnan(t) | torch.isposinf(t)).any()) for t in tensors)
+
+
+def _judge_inputs(args: Any, kwargs: Any) -> tuple[bool, bool]:
+    """(all finite, finite or masks) for an op's floating inputs."""
+    inputs = list(floating_tensors([args, kwargs]))
+    finite = _all_finite(inputs)
+    return finite, finite or _only_negative_inf(inputs)
 
 
 class _FirstNonfinite(TorchDispatchMode):
@@ -68,19 +83,23 @@ class _FirstNonfinite(TorchDispatchMode):
         self.masklike: OpFinding | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # An in-place op (sqrt_) overwrites its input: judge that input before it runs.
+        before = None
+        if self.found is None and _mutates_an_input(func):
+            before = _judge_inputs(args, kwargs)
         out = func(*args, **(kwargs or {}))
         if self.found is None:
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
-                inputs = list(floating_tensors(list(args) + list((kwargs or {}).values())))
-                if _all_finite(inputs) or _only_negative_inf(inputs):
+                finite, finite_or_masks = before or _judge_inputs(args, kwargs)
+                if finite_or_masks:
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
                     name = func._schema.name if hasattr(func, "_schema") else str(func)
                     finding = OpFinding(name, _user_line(), kind)
                     if not _only_negative_inf(results):
                         self.found = finding
-                    elif self.masklike is None and _all_finite(inputs):
+                    elif self.masklike is None and finite:
                         self.masklike = finding
         return out
 
@@ -124,6 +143,8 @@ def trace_first_nonfinite_op(
         if t.device.type == "cuda"
     ]
     tracer = _FirstNonfinite()
+    with torch.no_grad():
+        args, kwargs = detached_copies((args, kwargs))
     try:
         with (
             swapped_buffers(module),

@@ -1,34 +1,117 @@
-"""Finds the floating-point tensors inside whatever a module returns.
+"""Finds the tensors inside whatever a module returns.
 
-Real models return tensors, tuples, dicts, dataclasses and named tuples (a
-Hugging Face-style output); checks apply to the floating tensors among them
-and silently skip the rest.
+Real models return tensors, tuples, lists, dicts, dataclasses and named
+tuples, nested (a Hugging Face-style ``ModelOutput`` is an ``OrderedDict``
+subclass and a dataclass at once), and mix in values that are not tensors
+(``None``, a count, a string). Every check walks them here, each takes the
+leaves it applies to and silently skips the rest:
+
+- ``tensor_leaves``: every tensor, with its path (``"logits"``,
+  ``"hidden.0"``); the broadcast audit follows all of them into the loss.
+- ``floating_tensors``: real floating tensors with values (not empty, not
+  sparse): what a NaN/Inf check and the activation statistics apply to.
+  Integer and bool tensors cannot hold a NaN/Inf, and complex ones have no
+  single spread.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-_MAX_DEPTH = 4
+# Deep enough for a dict of tuples of dataclasses of lists; a bound, so a
+# self-referencing object cannot recurse forever.
+_MAX_DEPTH = 6
 
 
-def floating_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def tensor_leaves(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``value`` with its dotted path, in the structure's order."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.layout == torch.strided and value.numel() > 0:
-            yield value
+        yield path, value
         return
     if depth >= _MAX_DEPTH or value is None or isinstance(value, (str, bytes, int, float)):
         return
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from floating_tensors(item, depth + 1)
+    if isinstance(value, Mapping):  # dicts, OrderedDicts, ModelOutput-style hybrids, UserDicts
+        items: Any = value.items()
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        items = zip(value._fields, value)
     elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from floating_tensors(item, depth + 1)
+        items = enumerate(value)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from floating_tensors(getattr(value, field.name, None), depth + 1)
+        items = ((f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value))
+    else:
+        return
+    for key, item in items:
+        yield from tensor_leaves(item, f"{path}.{key}" if path else str(key), depth + 1)
+
+
+def is_checkable_float(tensor: torch.Tensor) -> bool:
+    """A real floating tensor with values in ordinary (strided) storage."""
+    return tensor.is_floating_point() and tensor.layout == torch.strided and tensor.numel() > 0
+
+
+def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The real floating tensors with values in ``value``, in the structure's order."""
+    for _, tensor in tensor_leaves(value):
+        if is_checkable_float(tensor):
+            yield tensor
+
+
+def detached_copies(value: Any, memo: dict[int, Any] | None = None, depth: int = 0) -> Any:
+    """``value`` with each tensor in it replaced by a detached copy.
+
+    trainwatch's re-runs of a module (a NaN replay, an op trace) are handed
+    these: a module that changes its input in place (an in-place
+    normalisation, ``x.relu_()``) must not change the user's batch a second
+    time, nor bump the version counter of a tensor the user's backward needs.
+    A tensor found twice gets one copy (``memo``), as aliasing goes.
+    Tuples, lists, named tuples and dicts are rebuilt; other mappings and
+    dataclasses are shallow-copied with their tensors replaced; any other
+    object (or one that cannot be copied) is passed on as it is.
+    """
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = value.detach().clone()
+        return memo[id(value)]
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(detached_copies(item, memo, depth + 1) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(detached_copies(item, memo, depth + 1) for item in value)
+    if type(value) is dict:
+        return {key: detached_copies(item, memo, depth + 1) for key, item in value.items()}
+    if isinstance(value, Mapping) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        return _rebuilt(value, memo, depth)
+    return value
+
+
+def _rebuilt(value: Any, memo: dict[int, Any], depth: int) -> Any:
+    try:
+        rebuilt = copy.copy(value)
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                rebuilt[key] = detached_copies(item, memo, depth + 1)
+        if dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                item = detached_copies(getattr(value, field.name, None), memo, depth + 1)
+                object.__setattr__(rebuilt, field.name, item)
+    except Exception:  # immutable or uncopyable: the replay gets the original
+        return value
+    return rebuilt
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for inference tensors, which keep none.
+
+    Telling "the same tensor" from "the same tensor, changed in place since"
+    (``nn.ReLU(inplace=True)``, ``x += residual``) needs both identity and this.
+    """
+    return None if tensor.is_inference() else tensor._version

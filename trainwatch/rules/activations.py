@@ -61,6 +61,12 @@ class ConstantOutputRule(Rule):
       module where the variation dies is named, not every module after it. A
       module that never varied (a positional table read for the input's
       length, a zero-initialised branch) is structural, not a collapse.
+
+    Each floating output of a module (a dict's or a dataclass's fields) is
+    judged on its own. Only the model's primary output (the first that
+    carries gradient: its prediction) is held to the first test; its other
+    outputs (a mask, a pooled feature) are judged like a hidden module's, so
+    one that never varied is structural there too.
     """
 
     id = "constant_output"
@@ -68,7 +74,7 @@ class ConstantOutputRule(Rule):
 
     def __init__(self, config: ConstantOutputConfig) -> None:
         super().__init__(config)
-        self._states: dict[str, _State] = {}
+        self._states: dict[tuple[str, str], _State] = {}
         self._target: float | None = None
 
     def _constant(self, stats: ActivationStats, state: _State, step: int) -> bool:
@@ -77,7 +83,7 @@ class ConstantOutputRule(Rule):
         gain = spread / in_spread
         state.max_spread = max(state.max_spread, spread)
         ratio = self.config.ratio
-        if stats.module == "":
+        if _model_output(stats):
             if spread <= _EXACT * max(stats.out_rms or 0.0, 1e-30):
                 return True
             if step < self.config.warmup:
@@ -104,9 +110,10 @@ class ConstantOutputRule(Rule):
                 continue
             if not (math.isfinite(spread) and math.isfinite(in_spread)):
                 continue
-            state = self._states.get(stats.module)
+            key = (stats.module, stats.output)
+            state = self._states.get(key)
             if state is None:
-                state = self._states[stats.module] = _State()
+                state = self._states[key] = _State()
             # A constant input explains a constant output.
             bad = in_spread > _INPUT_CONSTANT and self._constant(stats, state, record.step)
             if state.due(bad, record.step, self.config.patience):
@@ -116,7 +123,9 @@ class ConstantOutputRule(Rule):
     def _alert(self, record: StepRecord, stats: ActivationStats, state: _State) -> Alert:
         spread, in_spread = stats.out_spread or 0.0, stats.in_spread or 0.0
         name = stats.module
-        if name == "" and self._target:
+        model_output = _model_output(stats)
+        field = f" ({stats.output})" if stats.output else ""
+        if model_output and self._target:
             versus = (
                 f" ({spread / self._target:.2%} of the loss target's spread, {self._target:.3g})"
             )
@@ -126,9 +135,9 @@ class ConstantOutputRule(Rule):
             )
         else:
             versus = ""
-        if name == "":
+        if model_output:
             what = (
-                f"the model's output collapsed to ~{stats.out_mean:.4g}: it varies across "
+                f"the model's output{field} collapsed to ~{stats.out_mean:.4g}: it varies across "
                 f"the batch by {spread:.3g}{versus} while its input varies by {in_spread:.3g}"
             )
             hint = (
@@ -139,7 +148,8 @@ class ConstantOutputRule(Rule):
             )
         else:
             what = (
-                f"output of {name} no longer varies across the batch: spread {spread:.3g}"
+                f"output{field} of {name or 'the model'} no longer varies across the batch: "
+                f"spread {spread:.3g}"
                 f"{versus} while its input varies by {in_spread:.3g}"
             )
             hint = (
@@ -157,12 +167,17 @@ class ConstantOutputRule(Rule):
                 "spread": spread,
                 "input_spread": in_spread,
                 "largest_spread": state.max_spread,
-                "target_spread": self._target if name == "" else None,
+                "target_spread": self._target if model_output else None,
+                "output": stats.output,
                 "value": stats.out_mean,
                 "rows": stats.rows,
                 "checks": state.count,
             },
         )
+
+
+def _model_output(stats: ActivationStats) -> bool:
+    return stats.module == "" and stats.primary
 
 
 class DeadUnitsRule(Rule):
