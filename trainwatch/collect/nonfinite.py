@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -158,12 +159,31 @@ class _CallHooks:
         return None
 
 
-def _register_global_hooks(hooks: _CallHooks) -> list[RemovableHandle]:
-    handles = [register_module_forward_pre_hook(hooks.before)]
+class _KwargsHookHandle:
+    """Removes a global forward hook registered ``with_kwargs`` completely.
+
+    PyTorch's handle forgets the hook's entry in the global ``with_kwargs``
+    table, and one stale entry there makes ``torch.compile(module)`` warn
+    about global hooks at every call, long after trainwatch has closed.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+        table = getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
+        if table is not None:
+            table.pop(self.handle.id, None)
+
+
+def _register_global_hooks(hooks: _CallHooks) -> list[Any]:
+    handles: list[Any] = [register_module_forward_pre_hook(hooks.before)]
     try:
-        handles.append(
-            register_module_forward_hook(hooks.after, with_kwargs=True, always_call=True)
-        )
+        handle = register_module_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+        handles.append(_KwargsHookHandle(handle))
     except TypeError:  # torch < 2.6: global hooks see positional arguments only
         handles.append(register_module_forward_hook(hooks.after, always_call=True))
     return handles
@@ -225,7 +245,7 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[Any] = []
         self._modules: list[weakref.ref[nn.Module]] = []
         self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
         self._checkable: set[int] = set()
