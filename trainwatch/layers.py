@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainwatch.compiled import user_name
+
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
 
@@ -35,7 +37,8 @@ class LayerMap:
         self._info: dict[int, ParamInfo] = {}
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid while mapped
         self._keep: dict[int, torch.Tensor] = {}
-        for module_name, module in model.named_modules():
+        for raw_name, module in model.named_modules():
+            module_name = user_name(raw_name)  # a compiled submodule's _orig_mod dropped
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in self._info:
                     continue

@@ -31,6 +31,7 @@ from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
 from trainwatch.collect.structure import StructureWatch
+from trainwatch.compiled import CompiledHookWarning, unwrap, user_name
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
@@ -113,7 +114,10 @@ class Monitor:
             raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
         for opt in optimizers:
             _check_optimizer(opt)
-        layers = LayerMap(model)
+        # torch.compile(model) returns a wrapper: names, hooks and checks are
+        # the wrapped model's, and the wrapper's own (eager) call stands for it.
+        root = unwrap(model)
+        layers = LayerMap(root)
         if len(layers) == 0:
             raise WatchError(
                 f"{type(model).__name__} has no parameters: there is nothing to train or "
@@ -133,6 +137,7 @@ class Monitor:
                 )
         self.config = config if config is not None else Config()
         self.model = model
+        self._root = root
         self.closed = False
         self._layers = layers
         self._memory = MemorySink()
@@ -159,22 +164,23 @@ class Monitor:
         self._tracker.attach(layers.parameters())
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
+        self._compile_warning = CompiledHookWarning()
         self._probe: NonfiniteProbe | None = None
         if self._rule_ids & NONFINITE_RULES:
             self._probe = NonfiniteProbe(
-                [name for name, _ in model.named_modules()],
+                [user_name(name) for name, _ in root.named_modules()],
                 _weak_callback(self._internal_error),
                 trace_ops=self.config.nonfinite_forward.trace_op,
                 on_the_spot=self.config.nonfinite_forward.check == "auto",
             )
-            self._probe.attach(model)
+            self._probe.attach(root)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         # Modes, loss shapes and sampled activations: only for their rules.
         self._behaviour: BehaviourWatch | None = None
         if BehaviourWatch.wanted(self._rule_ids):
             self._behaviour = BehaviourWatch(
-                model,
+                root,
                 self.config,
                 self._rule_ids,
                 _weak_getter(self, "step_count", 0),
@@ -188,6 +194,7 @@ class Monitor:
             self._handles,
             self._tracker,
             self._structure,
+            self._compile_warning,
             self._probe,
             self._behaviour,
         )
@@ -285,7 +292,14 @@ class Monitor:
             self._shut()
 
     def _shut(self) -> None:
-        _remove_handles(self._handles, self._tracker, self._structure, self._probe, self._behaviour)
+        _remove_handles(
+            self._handles,
+            self._tracker,
+            self._structure,
+            self._compile_warning,
+            self._probe,
+            self._behaviour,
+        )
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 
@@ -611,8 +625,8 @@ class Monitor:
         return self._unoptimized
 
     def _rebuild_layers(self) -> None:
-        """The model's tree changed (a module or parameter was (re)assigned)."""
-        layers = LayerMap(self.model, previous=self._layers)
+        """The model's tree changed (a module or parameter was (re)assigned or replaced)."""
+        layers = LayerMap(self._root, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
         self._layers = layers
         self._tracker.attach(fresh)

@@ -45,6 +45,7 @@ from trainwatch.collect.op_trace import (
     trace_first_nonfinite_op,
 )
 from trainwatch.collect.tensors import floating_tensors
+from trainwatch.compiled import compiling, eager, unwrap
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
@@ -124,7 +125,7 @@ class _CallHooks:
     Global, not per module: hooks stored on the modules would travel with
     ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)`` (an EMA or
     teacher copy would then report into this monitor). Every other module
-    call in the process pays one dict lookup.
+    call in the process pays one dict lookup and a type check.
     """
 
     __slots__ = ("index", "probe")
@@ -133,8 +134,20 @@ class _CallHooks:
         self.probe = weakref.ref(probe)
         self.index = index
 
-    def before(self, module: nn.Module, args: Any) -> None:
+    def _position(self, module: nn.Module) -> int | None:
         position = self.index.get(id(module))
+        if position is None:
+            # torch.compile(model)'s wrapper runs eagerly around the compiled
+            # model: it stands for the model (or submodule) it wraps.
+            inner = unwrap(module)
+            if inner is not module:
+                position = self.index.get(id(inner))
+        return position
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        if compiling():
+            return None  # inside a compiled graph: see the module from outside only
+        position = self._position(module)
         if position is None:
             return None
         probe = self.probe()
@@ -146,7 +159,9 @@ class _CallHooks:
         return None
 
     def after(self, module: nn.Module, args: Any, *rest: Any) -> None:
-        position = self.index.get(id(module))
+        if compiling():
+            return None
+        position = self._position(module)
         if position is None:
             return None
         probe = self.probe()
@@ -309,6 +324,9 @@ class NonfiniteProbe:
         self._pass_grads: list[torch.Tensor] = []
         # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
         self.bad_backward_passes: list[torch.Tensor] = []
+        # A forward pass of the model was seen this step. Not so when the model
+        # was compiled in place (model.compile()): its hooks run inside the graph.
+        self.saw_pass = False
 
     # -- passes ----------------------------------------------------------
     def before_call(self) -> None:
@@ -327,6 +345,7 @@ class NonfiniteProbe:
 
     def _new_pass(self) -> None:
         """An outermost call of the model begins (a forward pass)."""
+        self.saw_pass = True
         # Identity matches and autograd nodes only matter within one pass;
         # dropping them here keeps memory flat across many passes per step.
         self._known.clear()
@@ -352,6 +371,7 @@ class NonfiniteProbe:
 
     def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """A CPU pass ended: one sum of its output; a replay only if it is bad."""
+        module = unwrap(module)  # a replay runs the model itself, eagerly
         outs = list(floating_tensors(output))
         if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
             self._step_bad = self._output_bad = True
@@ -575,6 +595,7 @@ class NonfiniteProbe:
             grad_events=self.grad_events,
             grad_entering_bad=self.grad_entering_bad,
             output_bad=self._output_bad,
+            forward_seen=self.saw_pass,
         )
         needs_forward = any(v is None for v in self.finite) and any(
             not all(self.finite[i] is True for i in c.outputs) for c in self.calls
@@ -628,6 +649,7 @@ class _Replay:
         self._stack.enter_context(torch.random.fork_rng(devices=[]))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
+        self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
         probe._replaying = True
         probe._known.clear()
         return self
@@ -658,6 +680,8 @@ class StepWindow:
     grad_entering_bad: bool = False
     # A spot pass's output was non-finite (whether or not a replay located it).
     output_bad: bool = False
+    # Some forward pass of the model ran where the hooks see it.
+    forward_seen: bool = True
     # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

@@ -97,6 +97,10 @@ class NonfiniteJudge:
             record.skipped_backward_passes = self.trailing_skips(skipped)
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
+        if window is not None and not window.forward_seen and (bad_grads or loss_bad):
+            if not any(rule.startswith("nonfinite") for rule, _ in tallies):
+                self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
+            return
         if bad_grads and forward_clean and window is not None:
             self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -161,6 +165,21 @@ class NonfiniteJudge:
             report.cause = "parameter"
         record.nonfinite_forward = report
         return True
+
+    @staticmethod
+    def _unlocated(record: StepRecord, bad_grads: list[ParamInfo], loss_bad: bool) -> None:
+        """No hook saw this step's forward (compiled in place): say what is bad, not where.
+
+        Blaming the backward or the loss would be a guess: a NaN born in the
+        forward looks exactly the same from the gradients.
+        """
+        if loss_bad:
+            record.nonfinite_loss = NonfiniteReport(module=None, cause="unlocated")
+            return
+        first = bad_grads[0]
+        record.nonfinite_backward = NonfiniteReport(
+            module=first.owner, cause="unlocated", parameter=first.name
+        )
 
     def _backward(
         self,
