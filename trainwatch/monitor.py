@@ -190,7 +190,7 @@ class Monitor:
         registry.claim(layers.parameters(), self)
         weakref.finalize(
             self,
-            _remove_handles,
+            _collected,
             self._handles,
             self._tracker,
             self._structure,
@@ -695,6 +695,12 @@ def _remove_handles(handles: list[RemovableHandle], *parts: Any) -> None:
     for part in parts:
         if part is not None:
             part.detach()
+
+
+def _collected(handles: list[RemovableHandle], *parts: Any) -> None:
+    """A monitor garbage-collected without close(): its hooks and claims go with it."""
+    _remove_handles(handles, *parts)
+    registry.forget_collected()
 
 
 def watch(
