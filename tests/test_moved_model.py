@@ -43,6 +43,14 @@ def swap_mode() -> Iterator[None]:
     torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+@pytest.fixture
+def overwrite_mode() -> Iterator[None]:
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+
 def _reinitialise(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear):
@@ -158,6 +166,73 @@ def test_a_move_with_gradients_still_in_place_works_in_swap_mode(swap_mode, quie
     model.double()
     train_as(model, opt, 3, torch.float64, seed=1)
     assert rules_of(monitor) == []
+
+
+# -- overwrite mode: new Parameter objects -------------------------------------------------------
+
+
+def test_overwrite_mode_with_the_old_optimizer_is_not_optimized_layer_by_layer(
+    overwrite_mode, quiet_watch
+):
+    """The optimizer still updates the old Parameters; the model trains with new ones."""
+    model, opt, monitor = watched(quiet_watch)
+    train_as(model, opt, 3)
+    old = list(model.parameters())
+    model.double()
+    assert not any(a is b for a, b in zip(old, model.parameters()))
+    train_as(model, opt, 3, torch.float64, seed=1)
+    found = {(a.rule, a.module, a.step) for a in monitor.alerts if a.severity != "info"}
+    assert found == {("not_optimized", name, 3) for name in ("fc1", "fc2", "head")}
+    alert = next(a for a in monitor.alerts if a.rule == "not_optimized")
+    assert "overwrite" in alert.hint
+
+
+def test_overwrite_mode_with_a_new_optimizer_is_silent_under_the_same_names(
+    overwrite_mode, quiet_watch
+):
+    model, opt, monitor = watched(quiet_watch)
+    train_as(model, opt, 3)
+    model.double()
+    fresh = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor.add_optimizer(fresh)
+    train_as(model, fresh, 4, torch.float64, seed=1)
+    assert rules_of(monitor) == []
+    assert set(monitor.grad_norms()) == {"fc1", "fc2", "head"}
+
+
+def test_overwrite_mode_with_a_new_optimizer_still_finds_a_detached_layer(
+    overwrite_mode, quiet_watch
+):
+    model, opt, monitor = watched(quiet_watch)
+    train_as(model, opt, 3)
+    model.double()
+    fresh = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor.add_optimizer(fresh)
+    model.detach_fc1 = True
+    train_as(model, fresh, 4, torch.float64, seed=1)
+    zero = [a for a in monitor.alerts if a.rule == "zero_gradient"]
+    assert [(a.module, a.step) for a in zero] == [("fc1", 3)]
+    assert zero[0].data["parameters"] == ["fc1.weight", "fc1.bias"]
+
+
+def test_overwrite_mode_without_an_optimizer_keeps_naming_layers(overwrite_mode, quiet_watch):
+    """Hand-written updates: monitor.step() over the model's current parameters."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    monitor = quiet_watch(model)
+    model.double()
+    model.detach_fc1 = True
+    for x, y in batches(4):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+        monitor.step()
+    zero = [a for a in monitor.alerts if a.rule == "zero_gradient"]
+    assert [(a.module, a.step) for a in zero] == [("fc1", 0)]
+    assert set(monitor.grad_norms()) == {"fc2", "head"}
 
 
 # -- a real device move -----------------------------------------------------------------------

@@ -249,6 +249,8 @@ class Monitor:
         _check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
+        if self._layers.outdated():  # an optimizer built after module.to() replaced them
+            self._rebuild_layers()
         _check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
@@ -460,9 +462,10 @@ class Monitor:
     def _optimizer_params(self, index: int) -> list[torch.Tensor]:
         return [p for group in self._optimizers[index].param_groups for p in group["params"]]
 
-    def _gather(self, index: int | None) -> _Pending:
-        if self._structure.changed():
-            self._rebuild_layers()
+    def _read_gradients(
+        self, index: int | None
+    ) -> tuple[StepRecord, list[torch.Tensor], list[torch.Tensor]]:
+        """The step's record with each parameter sorted: frozen, missing, present."""
         manual = index is None
         record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
         params = self._layers.parameters() if manual else self._optimizer_params(index)
@@ -482,6 +485,19 @@ class Monitor:
             else:
                 record.present.append(info(param))
                 grads.append(grad)
+        return record, params, grads
+
+    def _gather(self, index: int | None) -> _Pending:
+        if self._structure.changed():
+            self._rebuild_layers()
+        record, params, grads = self._read_gradients(index)
+        if record.missing and self._layers.outdated():
+            # module.to() in overwrite mode swapped in new Parameter objects:
+            # name them (and see whether any optimizer still holds the old ones).
+            self._rebuild_layers()
+            record, params, grads = self._read_gradients(index)
+        manual = index is None
+        info = self._layers.info
         if record.frozen:
             for param in params:
                 if param.requires_grad:
@@ -631,6 +647,8 @@ class Monitor:
         self._layers = layers
         self._tracker.attach(fresh)
         registry.claim(fresh, self)
+        if self._probe is not None:
+            self._probe.find_device(self._root)
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:

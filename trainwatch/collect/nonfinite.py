@@ -290,8 +290,16 @@ class NonfiniteProbe:
             self._ids[id(module)] = index
             if not isinstance(module, CANNOT_ORIGINATE) or module is model:
                 self._checkable.add(index)
-        self._first_param = next(model.parameters(), None)
+        self.find_device(model)
         self._handles.extend(_register_global_hooks(_CallHooks(self, self._ids)))
+
+    def find_device(self, model: nn.Module) -> None:
+        """Keep a parameter to tell where the model runs (CPU: checks on the spot).
+
+        Called again when the parameters were replaced (``module.to()`` in
+        overwrite mode), so a model moved to a GPU stops being checked on the spot.
+        """
+        self._first_param = next(model.parameters(), None)
 
     def detach(self) -> None:
         for handle in self._handles:
