@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch import registry
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.collect import quiet
-from trainwatch.compiled import CompiledHookWarning, compiling
+from trainwatch.compiled import CompiledHookWarning, compiling, unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
@@ -270,7 +270,7 @@ class AutoWatch:
         # a bigger model, or by the script's own tw.watch / Lightning callback.
         if not params or any(registry.owner_of(p) is not None for p in params):
             return
-        name = self._unique_name(type(module).__name__)
+        name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         monitor.yields_to_explicit_watch = True
