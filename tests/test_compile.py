@@ -15,6 +15,7 @@ on a small CPU; one slow test runs inductor itself.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -314,6 +315,51 @@ def test_nan_born_in_a_module_is_located_by_an_eager_replay(style, quiet_watch):
     assert first.data["source"].endswith("test_compile.py:" + str(_line("x / self.denominator")))
 
 
+@pytest.mark.parametrize("style", WRAPPED)
+def test_nan_judged_after_the_step_names_the_model_around_the_wrapper(style, quiet_watch):
+    """The CUDA path (sums read back with the step, no replay), run on CPU: only the
+    wrapper's sums exist, so the model itself is named, at the right step."""
+    model, opt = fresh(DivideNet)
+    forward, monitor = watch_compiled(
+        model, opt, style, quiet_watch, nonfinite_forward={"check": "deferred"}
+    )
+    _train_with(forward, opt, 4, plant=_zero_denominator_at(model, 2))
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 2, "")
+
+
+class SqrtAtZero(nn.Module):
+    """Finite forward (adds 0), infinite derivative of sqrt at 0 once ``armed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x * 0.0) if self.armed else x
+
+
+class SqrtNet(DivideNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fault = SqrtAtZero()
+
+
+@pytest.mark.parametrize("style", WRAPPED)
+def test_nan_born_in_the_compiled_backward_is_located_by_an_eager_replay(style, quiet_watch):
+    model, opt = fresh(SqrtNet)
+    forward, monitor = watch_compiled(model, opt, style, quiet_watch)
+
+    def arm(step, x, y):
+        model.fault.armed = step >= 2
+        return x, y
+
+    _train_with(forward, opt, 4, plant=arm)
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_backward", 2, "fault")
+    assert first.data["op"] == "aten::sqrt"
+
+
 def test_nan_in_a_model_compiled_in_place_is_reported_unlocated(quiet_watch):
     """No eager point around model.compile(): the gradient shows it, the origin stays open."""
     model, opt = fresh(DivideNet)
@@ -500,15 +546,80 @@ def test_watching_the_model_and_its_wrapper_is_watching_twice(quiet_watch):
         tw.watch(torch.compile(model, backend="eager"), opt, console=False)
 
 
+# -- trainwatch run ------------------------------------------------------------------------
+
+SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc1(x)))
+
+torch.manual_seed(0)
+net = Net()
+model = net
+if sys.argv[1] == "wrapper":
+    model = torch.compile(net, backend="aot_eager")
+else:
+    net.compile(backend="aot_eager")
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+for step in range(6):
+    x = torch.randn(32, 8)
+    if step < 3:
+        opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()
+    opt.step()
+"""
+
+
+def _run(tmp_path, how: str) -> tuple[int, list[dict]]:
+    import json
+
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code = run_script(script, [how], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    return code, [json.loads(line) for line in lines]
+
+
+def test_trainwatch_run_finds_a_compiled_model_by_its_wrapper(tmp_path):
+    code, found = _run(tmp_path, "wrapper")
+    assert code == 0
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 3)]
+    assert found[0]["data"]["model"] == "Net"
+    assert found[0]["data"]["modules"] == ["fc1", "head"]
+
+
+def test_trainwatch_run_cannot_find_a_model_compiled_in_place_and_says_nothing(tmp_path):
+    """No eager call of the model to discover it by: the script runs unwatched, unharmed."""
+    code, found = _run(tmp_path, "in_place")
+    assert code == 0 and found == []
+
+
 @pytest.mark.slow
 def test_inductor_compiled_training_is_watched_with_no_graph_break(quiet_watch):
-    """The default backend, once: healthy steps silent, a detached layer caught."""
+    """The default backend, once: healthy steps silent, a detached layer caught.
+
+    Inductor warns about its own internals (deprecations): only warnings about
+    hooks, or from trainwatch's own files, would be trainwatch's doing.
+    """
     model, opt = fresh()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         monitor = quiet_watch(model, opt)
         forward = torch.compile(model, fullgraph=True)
         train(forward, opt, 4)
+    package = os.path.dirname(tw.__file__)
+    ours = [w for w in caught if w.filename.startswith(package) or "hook" in str(w.message)]
+    assert ours == []
     assert rules_of(monitor) == [] and graph_breaks() == 0
     model.detach_fc1 = True
     train(forward, opt, 4)
