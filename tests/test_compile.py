@@ -360,6 +360,25 @@ def test_nan_born_in_the_compiled_backward_is_located_by_an_eager_replay(style, 
     assert first.data["op"] == "aten::sqrt"
 
 
+@pytest.mark.parametrize("style", WRAPPED)
+def test_backward_nan_judged_after_the_step_names_the_first_bad_parameter(style, quiet_watch):
+    """The CUDA path around the wrapper: no module gradients inside the graph; the
+    weights it poisons are the cascade, not a second origin."""
+    model, opt = fresh(SqrtNet)
+    forward, monitor = watch_compiled(
+        model, opt, style, quiet_watch, nonfinite_forward={"check": "deferred"}
+    )
+
+    def arm(step, x, y):
+        model.fault.armed = step >= 2
+        return x, y
+
+    _train_with(forward, opt, 5, plant=arm)
+    (only,) = nonfinite(monitor)
+    assert (only.rule, only.step, only.data["cause"]) == ("nonfinite_backward", 2, "parameter")
+    assert only.module in {"fc1", "head"}
+
+
 def test_nan_in_a_model_compiled_in_place_is_reported_unlocated(quiet_watch):
     """No eager point around model.compile(): the gradient shows it, the origin stays open."""
     model, opt = fresh(DivideNet)

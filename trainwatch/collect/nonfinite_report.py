@@ -147,12 +147,17 @@ class NonfiniteJudge:
         module = modules[finding.module] if 0 <= finding.module < len(modules) else None
         bad_params: list[torch.Tensor] = []
         if finding.cause == "module" and module is not None:
+            # The model itself is named when its modules ran unseen inside a
+            # compiled graph: then any of its weights may be the cause.
+            whole = finding.module == 0
             # Seen when the module ran (on the spot), or now: unless this step's
             # own non-finite gradients have just been applied to them, which
             # leaves it open whether they were bad before (then say so only).
             if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
-                bad_params = _nonfinite_params(module)
-            elif finding.weights_nonfinite is None and _nonfinite_params(module):
+                bad_params = _nonfinite_params(module, whole)
+            elif finding.weights_nonfinite is None and _nonfinite_params(module, whole):
+                if any(rule.startswith("nonfinite") for rule, _ in tallies):
+                    return True  # weights poisoned by bad gradients already reported
                 report.cause = "parameter"
         if bad_params:
             if any(rule.startswith("nonfinite") for rule, _ in tallies):
@@ -213,5 +218,5 @@ class NonfiniteJudge:
         record.nonfinite_backward = self._report(finding)
 
 
-def _nonfinite_params(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters(recurse=False) if not bool(torch.isfinite(p).all())]
+def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
+    return [p for p in module.parameters(recurse=recurse) if not bool(torch.isfinite(p).all())]
