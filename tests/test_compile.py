@@ -427,6 +427,19 @@ def test_evaluation_in_training_mode_is_caught_around_the_wrapper(style, quiet_w
     assert monitor.alert_counts[("eval_in_train_mode", "drop")] == 2  # each pass once
 
 
+def test_compiled_code_run_eagerly_is_one_pass_not_two(quiet_watch):
+    """Forced eager (or a fallback to eager), the wrapper and the model both run as
+    Python and both are seen: each evaluation pass still counts once."""
+    model, opt = fresh(DropNet)
+    forward, monitor = watch_compiled(
+        model, opt, "watch_then_compile", quiet_watch, backend="eager"
+    )
+    with torch.compiler.set_stance("force_eager"):
+        train(forward, opt, 2)
+        _evaluate(forward)
+    assert monitor.alert_counts[("eval_in_train_mode", "drop")] == 2
+
+
 @pytest.mark.parametrize("style", WRAPPED)
 def test_training_in_eval_mode_is_caught_around_the_wrapper(style, quiet_watch):
     model, opt = fresh(DropNet)
