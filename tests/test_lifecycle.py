@@ -33,6 +33,9 @@ def hook_counts(model: nn.Module, optimizers=()) -> dict[str, int]:
         + len(module_globals._global_parameter_registration_hooks)
         + len(module_globals._global_forward_hooks)
         + len(module_globals._global_forward_pre_hooks)
+        # side tables: one stale entry makes torch.compile(module) warn at every call
+        + len(module_globals._global_forward_hooks_with_kwargs)
+        + len(module_globals._global_forward_hooks_always_called)
     )
     return counts
 

@@ -231,6 +231,14 @@ def test_backward_only_fault_names_module_step_and_op(device, traced, fault, op)
         assert first.data["op"] == op
 
 
+def test_weights_poisoned_by_a_reported_backward_nan_are_not_a_second_origin(device):
+    """The update applies the bad gradients; the next forward meets the weights: cascade."""
+    monitor = run(Net(SqrtAtZero(), "middle"), device, 4)
+    assert [(a.rule, a.step, a.module) for a in nonfinite(monitor)] == [
+        ("nonfinite_backward", 0, "fault")
+    ]
+
+
 def test_nan_loss_with_finite_output_is_nonfinite_loss(device):
     def loss_fn(pred, y):
         return nn.functional.mse_loss(pred, y) + torch.log(torch.tensor(-1.0, device=y.device))

@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch import registry
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.collect import quiet
+from trainwatch.compiled import CompiledHookWarning, compiling, unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
@@ -135,6 +136,7 @@ class AutoWatch:
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
         self._handles: list[RemovableHandle] = []
+        self._compile_warning: CompiledHookWarning | None = None
         self._backward_ends: dict[int, list[RemovableHandle]] = {}  # by id(monitor)
         self._local = threading.local()
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -155,6 +157,7 @@ class AutoWatch:
         )
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
+        self._compile_warning = CompiledHookWarning()
 
     def close(self) -> None:
         """Remove the global hooks, close every monitor, print one summary."""
@@ -165,6 +168,8 @@ class AutoWatch:
             handle.remove()
         self._handles.clear()
         self._backward_ends.clear()
+        if self._compile_warning is not None:
+            self._compile_warning.detach()
         for monitor in self.monitors:
             try:
                 monitor.close()
@@ -228,8 +233,11 @@ class AutoWatch:
 
     # -- discovery -----------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if quiet.replaying():
-            return None  # trainwatch re-running a watched model: not the script's call
+        if compiling() or quiet.replaying():
+            # Inside a compiled graph (torch.compile(model)'s wrapper, called
+            # eagerly around it, is where the model is found), or trainwatch
+            # re-running a watched model: not the script's call.
+            return None
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         if depth:
@@ -249,7 +257,7 @@ class AutoWatch:
         return None
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if quiet.replaying():
+        if compiling() or quiet.replaying():
             return None
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         return None
@@ -262,7 +270,7 @@ class AutoWatch:
         # a bigger model, or by the script's own tw.watch / Lightning callback.
         if not params or any(registry.owner_of(p) is not None for p in params):
             return
-        name = self._unique_name(type(module).__name__)
+        name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         monitor.yields_to_explicit_watch = True

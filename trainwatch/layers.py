@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from trainwatch.compiled import user_name
+
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
 
@@ -44,7 +46,10 @@ class LayerMap:
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid while mapped
         self._keep: dict[int, torch.Tensor] = {}
         index: dict[str, int] = {}
-        for module_name, module in model.named_modules():
+        # Where each parameter was found: (its module's parameter table, key).
+        self._slots: list[tuple[dict[str, nn.Parameter | None], str, nn.Parameter]] = []
+        for raw_name, module in model.named_modules():
+            module_name = user_name(raw_name)  # a compiled submodule's _orig_mod dropped
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in self._info:
                     continue
@@ -55,6 +60,7 @@ class LayerMap:
                 qualified = f"{module_name}.{short}" if module_name else short
                 self._info[id(param)] = ParamInfo(qualified, owner, index[owner])
                 self._params[id(param)] = param
+                self._slots.append((module._parameters, short, param))
         self._departed: dict[int, ParamInfo] = {}
         if previous is not None:
             # Keep the names of parameters that left the model (a replaced
@@ -75,6 +81,17 @@ class LayerMap:
         self._departed[id(param)] = found
         self._keep[id(param)] = param
         return found
+
+    def outdated(self) -> bool:
+        """Whether a parameter was replaced where no registration hook sees it.
+
+        ``module.to()``, ``.half()`` and the like put new Parameter objects
+        straight into the module's table when
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``
+        is set. One pass over the parameters: called only when a step
+        looks wrong (gradients missing, an optimizer that holds none of them).
+        """
+        return any(table.get(key) is not param for table, key, param in self._slots)
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._info

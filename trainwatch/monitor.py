@@ -32,6 +32,7 @@ from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
 from trainwatch.collect.structure import StructureWatch
+from trainwatch.compiled import CompiledHookWarning, unwrap, user_name
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
@@ -111,12 +112,16 @@ class Monitor:
         sinks: Sequence[Sink] = (),
     ) -> None:
         layers = preflight(model, optimizers)
+        # torch.compile(model) returns a wrapper: names, hooks and checks are
+        # the wrapped model's, and the wrapper's own (eager) call stands for it.
+        root = unwrap(model)
         for param in layers.parameters():
             owner = registry.owner_of(param)
             if owner is not None and owner.yields_to_explicit_watch:
                 owner.close()  # `trainwatch run`'s automatic monitor steps aside
         self.config = config if config is not None else Config()
         self.model = model
+        self._root = root
         self.closed = False
         self._layers = layers
         self._memory = MemorySink()
@@ -143,25 +148,26 @@ class Monitor:
         self._tracker.attach(layers.parameters())
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
+        self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker()
         if "zero_gradient" in self._rule_ids:
-            self._calls.track(model, layers.layers)
+            self._calls.track(root, layers.layers)
         self._probe: NonfiniteProbe | None = None
         if self._rule_ids & NONFINITE_RULES:
             self._probe = NonfiniteProbe(
-                [name for name, _ in model.named_modules()],
+                [user_name(name) for name, _ in root.named_modules()],
                 _weak_callback(self._internal_error),
                 trace_ops=self.config.nonfinite_forward.trace_op,
                 on_the_spot=self.config.nonfinite_forward.check == "auto",
             )
-            self._probe.attach(model)
+            self._probe.attach(root)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         # Modes, loss shapes and sampled activations: only for their rules.
         self._behaviour: BehaviourWatch | None = None
         if BehaviourWatch.wanted(self._rule_ids):
             self._behaviour = BehaviourWatch(
-                model,
+                root,
                 self.config,
                 self._rule_ids,
                 _weak_getter(self, "step_count", 0),
@@ -171,11 +177,12 @@ class Monitor:
         registry.claim(layers.parameters(), self)
         weakref.finalize(
             self,
-            _remove_handles,
+            _collected,
             self._handles,
             self._tracker,
             self._structure,
             self._calls,
+            self._compile_warning,
             self._probe,
             self._behaviour,
         )
@@ -230,6 +237,8 @@ class Monitor:
         _check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
+        if self._layers.outdated():  # an optimizer built after module.to() replaced them
+            self._rebuild_layers()
         _check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
@@ -278,6 +287,7 @@ class Monitor:
             self._tracker,
             self._structure,
             self._calls,
+            self._compile_warning,
             self._probe,
             self._behaviour,
         )
@@ -441,9 +451,10 @@ class Monitor:
     def _optimizer_params(self, index: int) -> list[torch.Tensor]:
         return [p for group in self._optimizers[index].param_groups for p in group["params"]]
 
-    def _gather(self, index: int | None) -> _Pending:
-        if self._structure.changed():
-            self._rebuild_layers()
+    def _read_gradients(
+        self, index: int | None
+    ) -> tuple[StepRecord, list[torch.Tensor], list[torch.Tensor]]:
+        """The step's record with each parameter sorted: frozen, missing, present."""
         manual = index is None
         record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
         params = self._layers.parameters() if manual else self._optimizer_params(index)
@@ -463,8 +474,21 @@ class Monitor:
             else:
                 record.present.append(info(param))
                 grads.append(grad)
+        return record, params, grads
+
+    def _gather(self, index: int | None) -> _Pending:
+        if self._structure.changed():
+            self._rebuild_layers()
+        record, params, grads = self._read_gradients(index)
+        if record.missing and self._layers.outdated():
+            # module.to() in overwrite mode swapped in new Parameter objects:
+            # name them (and see whether any optimizer still holds the old ones).
+            self._rebuild_layers()
+            record, params, grads = self._read_gradients(index)
         if record.missing:
             record.never_called = self._calls.never_called()
+        manual = index is None
+        info = self._layers.info
         if record.frozen:
             for param in params:
                 if param.requires_grad:
@@ -608,14 +632,16 @@ class Monitor:
         return self._unoptimized
 
     def _rebuild_layers(self) -> None:
-        """The model's tree changed (a module or parameter was (re)assigned)."""
-        layers = LayerMap(self.model, previous=self._layers)
+        """The model's tree changed (a module or parameter was (re)assigned or replaced)."""
+        layers = LayerMap(self._root, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
         if "zero_gradient" in self._rule_ids:
-            self._calls.track(self.model, set(layers.layers) - set(self._layers.layers))
+            self._calls.track(self._root, layers.layers)
         self._layers = layers
         self._tracker.attach(fresh)
         registry.claim(fresh, self)
+        if self._probe is not None:
+            self._probe.find_device(self._root)
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
@@ -639,7 +665,7 @@ def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
         raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
     for opt in optimizers:
         _check_optimizer(opt)
-    layers = LayerMap(model)
+    layers = LayerMap(unwrap(model))
     if len(layers) == 0:
         raise WatchError(
             f"{type(model).__name__} has no parameters: there is nothing to train or "
@@ -709,6 +735,12 @@ def _remove_handles(handles: list[RemovableHandle], *parts: Any) -> None:
     for part in parts:
         if part is not None:
             part.detach()
+
+
+def _collected(handles: list[RemovableHandle], *parts: Any) -> None:
+    """A monitor garbage-collected without close(): its hooks and claims go with it."""
+    _remove_handles(handles, *parts)
+    registry.forget_collected()
 
 
 def watch(

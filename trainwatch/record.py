@@ -17,7 +17,9 @@ class NonfiniteReport:
     """Where a NaN/Inf was born, with module names resolved."""
 
     module: str | None
-    cause: str  # "module", "input" (data), "loss", "parameter"
+    # "module", "input" (data), "loss", "parameter"; "unlocated" when the
+    # step's forward ran where no hook sees it (a model compiled in place)
+    cause: str
     kind: str | None = None
     count: int | None = None
     shape: tuple[int, ...] | None = None

@@ -1,4 +1,12 @@
-"""Which parameters an open monitor already watches, so no model gets hooked twice."""
+"""Which parameters an open monitor already watches, so no model gets hooked twice.
+
+Parameters are held strongly, never through a weak reference: PyTorch refuses
+to swap a tensor that has one (``torch.utils.swap_tensors``, which
+``module.to()`` uses in swap mode and for tensor subclasses), so a weak
+reference here would make a watched model impossible to move. A monitor's
+own layer map holds its parameters anyway; entries go when the monitor
+closes or is garbage-collected.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +16,15 @@ from typing import Any
 
 import torch
 
-# id(param) -> (param, owner). Weak both ways: a dropped model or a monitor
-# that was garbage-collected frees its entries.
-_WATCHED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
+# id(param) -> (param, owner), the owner held weakly.
+_WATCHED: dict[int, tuple[torch.Tensor, weakref.ref[Any]]] = {}
 
 
 def owner_of(param: torch.Tensor) -> Any | None:
     entry = _WATCHED.get(id(param))
     if entry is None:
         return None
-    tensor, owner = entry[0](), entry[1]()
+    tensor, owner = entry[0], entry[1]()
     if tensor is not param or owner is None or getattr(owner, "closed", True):
         del _WATCHED[id(param)]
         return None
@@ -27,9 +34,15 @@ def owner_of(param: torch.Tensor) -> Any | None:
 def claim(params: Iterable[torch.Tensor], owner: Any) -> None:
     ref = weakref.ref(owner)
     for param in params:
-        _WATCHED[id(param)] = (weakref.ref(param), ref)
+        _WATCHED[id(param)] = (param, ref)
 
 
 def release(owner: Any) -> None:
     for key in [k for k, (_, ref) in _WATCHED.items() if ref() is owner or ref() is None]:
+        del _WATCHED[key]
+
+
+def forget_collected() -> None:
+    """Drop the entries of monitors that were garbage-collected without closing."""
+    for key in [k for k, (_, ref) in _WATCHED.items() if ref() is None]:
         del _WATCHED[key]

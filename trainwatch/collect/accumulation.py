@@ -29,33 +29,114 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 
-class _ParamState:
-    __slots__ = ("armed", "reset", "accumulated", "grad_ref", "version", "content", "seen")
+def _never(_: object = None) -> bool:
+    return False
 
-    def __init__(self) -> None:
+
+_swap_mode = getattr(torch.__future__, "get_swap_module_params_on_conversion", _never)
+try:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _wrapper_subclass
+except ImportError:  # pragma: no cover - other torch versions
+    _wrapper_subclass = _never
+
+
+def _swappable(tensor: torch.Tensor) -> bool:
+    """Whether ``module.to()`` may swap this tensor, which fails if it has a weak reference.
+
+    It swaps every tensor in swap mode, and wrapper subclasses (DTensor) always.
+    """
+    return _swap_mode() or _wrapper_subclass(tensor)
+
+
+class _SameTensor:
+    """Recognises one gradient tensor later, without keeping it alive.
+
+    A weak reference is exact, but PyTorch refuses to swap a tensor that has
+    one (``torch.utils.swap_tensors``: ``module.to()`` in swap mode, and for
+    wrapper subclasses such as DTensor), so such tensors are recognised by
+    their id and their C++ tensor instead. Only a gradient set to ``None`` and
+    then replaced by hand with a new one that lands at both of the old
+    addresses could pass for the old one.
+    """
+
+    __slots__ = ("ref", "key")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if _swappable(tensor):
+            self.ref: weakref.ref[torch.Tensor] | None = None
+            self.key: tuple[int, int] | None = (id(tensor), tensor._cdata)
+        else:
+            self.ref, self.key = weakref.ref(tensor), None
+
+    def __call__(self, tensor: torch.Tensor | None) -> bool:
+        """Whether ``tensor`` is the tensor this was made from."""
+        if tensor is None:
+            return False
+        if self.ref is not None:
+            return self.ref() is tensor
+        return self.key == (id(tensor), tensor._cdata)
+
+
+def _rewire_hooks(param: torch.Tensor) -> None:
+    """Reconnect a swapped parameter's tensor hooks (ours and the user's).
+
+    ``torch.utils.swap_tensors`` (``module.to()`` in swap mode) keeps a
+    tensor's Python tables of hooks but not the autograd hooks that call
+    them: after the swap no hook of that parameter fires. Assigning each
+    table back to the tensor wires it to autograd again; every handle stays valid.
+    """
+    hooks = param._backward_hooks
+    if hooks is not None:
+        param._backward_hooks = hooks
+    after = getattr(param, "_post_accumulate_grad_hooks", None)
+    if after is not None:
+        param._post_accumulate_grad_hooks = after
+
+
+class _ParamState:
+    __slots__ = (
+        "param",
+        "impl",
+        "armed",
+        "reset",
+        "accumulated",
+        "grad",
+        "version",
+        "content",
+        "seen",
+    )
+
+    def __init__(self, param: torch.Tensor) -> None:
+        # Held strongly (the monitor's layer map holds it too): a weak
+        # reference would stop module.to() from swapping it.
+        self.param = param
+        self.impl = param._cdata  # changes only when the parameter is swapped
         self.seen = False  # backward reached it since the last step boundary
         self.armed = False
         self.reset = False
         self.accumulated = False
-        self.grad_ref: weakref.ref[torch.Tensor] | None = None
+        self.grad: _SameTensor | None = None  # the gradient the last step used
         self.version = -1
         self.content: torch.Tensor | None = None
+
+    def holds_used_grad(self, grad: torch.Tensor | None) -> bool:
+        return self.grad is not None and self.grad(grad)
 
 
 class _BeforeAccumulate:
     """Tensor hook: runs before backward adds the new gradient into ``.grad``."""
 
-    __slots__ = ("tracker", "param")
+    __slots__ = ("tracker", "key")
 
-    def __init__(self, tracker: GradResetTracker, param: torch.Tensor) -> None:
+    def __init__(self, tracker: GradResetTracker, key: int) -> None:
         self.tracker = weakref.ref(tracker)
-        self.param = weakref.ref(param)
+        self.key = key
 
     def __call__(self, grad: torch.Tensor) -> None:
-        tracker, param = self.tracker(), self.param()
-        if tracker is not None and param is not None and tracker.enabled:
+        tracker = self.tracker()
+        if tracker is not None and tracker.enabled:
             try:
-                tracker.before_accumulate(param)
+                tracker.before_accumulate(self.key)
             except Exception as exc:  # never break the user's backward
                 tracker.fail(exc)
         return None
@@ -91,8 +172,8 @@ class GradResetTracker:
         for param in params:
             if id(param) in self._states or not param.requires_grad:
                 continue
-            self._states[id(param)] = _ParamState()
-            self._handles.append(param.register_hook(_BeforeAccumulate(self, param)))
+            self._states[id(param)] = _ParamState(param)
+            self._handles.append(param.register_hook(_BeforeAccumulate(self, id(param))))
             self._handles.append(param.register_post_accumulate_grad_hook(_AfterAccumulate(self)))
 
     def detach(self) -> None:
@@ -106,12 +187,12 @@ class GradResetTracker:
         self._on_error("accumulation tracker", exc)
 
     # -- hooks -----------------------------------------------------------
-    def before_accumulate(self, param: torch.Tensor) -> None:
-        state = self._states.get(id(param))
+    def before_accumulate(self, key: int) -> None:
+        state = self._states.get(key)
         if state is None or not state.armed or state.reset:
             return
-        grad = param.grad
-        if grad is None or grad is not _deref(state.grad_ref) or grad._version != state.version:
+        grad = state.param.grad
+        if not state.holds_used_grad(grad) or grad._version != state.version:
             state.reset = True
             state.content = None
             return
@@ -130,7 +211,7 @@ class GradResetTracker:
             return
         grad = param.grad
         if grad is not None:
-            state.grad_ref = weakref.ref(grad)
+            state.grad = _SameTensor(grad)
             state.version = grad._version
 
     # -- step boundary ---------------------------------------------------
@@ -151,7 +232,7 @@ class GradResetTracker:
             state = self._states.get(id(param))
             if state is None or not state.armed or state.reset or not state.accumulated:
                 continue
-            if param.grad is not None and param.grad is _deref(state.grad_ref):
+            if state.holds_used_grad(param.grad):
                 found.append((param, state.content))
         return found
 
@@ -169,6 +250,11 @@ class GradResetTracker:
             state = self._states.get(id(param))
             if state is None:
                 continue
+            if param._cdata != state.impl:
+                # Swapped by module.to() since the last step: that step's
+                # backward went unseen; from the next one on it is seen again.
+                _rewire_hooks(param)
+                state.impl = param._cdata
             state.seen = False
             grad = param.grad
             state.reset = False
@@ -176,12 +262,8 @@ class GradResetTracker:
             state.content = None
             if grad is None:
                 state.armed = False
-                state.grad_ref = None
+                state.grad = None
             else:
                 state.armed = True
-                state.grad_ref = weakref.ref(grad)
+                state.grad = _SameTensor(grad)
                 state.version = grad._version
-
-
-def _deref(ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor | None:
-    return ref() if ref is not None else None

@@ -35,6 +35,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
+from trainwatch.compiled import compiling, unwrap, user_name
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
@@ -123,10 +124,14 @@ class _Hook:
         self.index = index
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if compiling():
+            return None  # inside a compiled graph: only the wrapper's output is seen
         sampler = self.sampler()
         if sampler is None or not sampler.active or quiet.replaying():
             return None
         position = self.index.get(id(module))
+        if position is None:
+            position = self.index.get(id(unwrap(module)))  # torch.compile's wrapper
         if position is not None:
             try:
                 sampler.after_forward(position, module, args, output)
@@ -157,7 +162,7 @@ class ActivationSampler:
         watched: dict[int, int] = {}
         for index, (name, module) in enumerate(model.named_modules()):
             relu = isinstance(module, RELU_FAMILY)
-            self._names.append(name)
+            self._names.append(user_name(name))
             self._relu.append(relu)
             if not self.spread and not relu:
                 continue

@@ -38,6 +38,7 @@ from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
+from trainwatch.compiled import compiling, unwrap
 from trainwatch.config import Config
 from trainwatch.guard import Guard
 from trainwatch.record import ModeReport, StepRecord
@@ -61,16 +62,13 @@ class BehaviourToken:
     piece: int
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
-
-
 class _RootHook:
     """Global hook picking out the watched root by identity.
 
     Global, so nothing is stored on the model: it saves, pickles and deep-copies
-    (an EMA copy) exactly as without trainwatch.
+    (an EMA copy) exactly as without trainwatch. ``torch.compile(model)``'s
+    wrapper stands for the model: its call runs eagerly around the compiled
+    graph, inside which this hook does nothing.
     """
 
     __slots__ = ("watch", "before", "root")
@@ -81,15 +79,19 @@ class _RootHook:
         self.root = id(root)
 
     def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
-        if id(module) != self.root or quiet.replaying():
+        if compiling():
+            return None
+        if id(module) != self.root and id(unwrap(module)) != self.root:
+            return None
+        if quiet.replaying():
             return None
         watch = self.watch()
-        if watch is None or _compiling():
+        if watch is None:
             return None
         if self.before:
-            watch.guard("behaviour checks", watch.pass_starts)
+            watch.enter_pass()
         else:
-            watch.guard("behaviour checks", watch.pass_ends, output)
+            watch.leave_pass(output)
         return None
 
 
@@ -148,8 +150,13 @@ class BehaviourWatch:
             if spread or zeros
             else None
         )
+        # The wrapper and the model both run eagerly when compiled code falls
+        # back to Python: only the outermost of them is the pass.
+        self._depth = 0
         self._handles.append(register_module_forward_pre_hook(_RootHook(self, True, model)))
-        self._handles.append(register_module_forward_hook(_RootHook(self, False, model)))
+        self._handles.append(
+            register_module_forward_hook(_RootHook(self, False, model), always_call=True)
+        )
 
     @staticmethod
     def wanted(rule_ids: set[str]) -> bool:
@@ -168,6 +175,17 @@ class BehaviourWatch:
             if step < section.first_steps or step % section.every == 0:
                 return True
         return False
+
+    def enter_pass(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self.guard("behaviour checks", self.pass_starts)
+
+    def leave_pass(self, output: Any) -> None:
+        """Always called, even when the forward raised (the depth must come back down)."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self.guard("behaviour checks", self.pass_ends, output)
 
     def pass_starts(self) -> None:
         if self._structure.changed():

@@ -3,9 +3,12 @@
 A layer that is defined but never called (an unused pooler, a head kept for
 another task) gets no gradient, exactly like a layer cut out of the graph by a
 ``.detach()``. The first is usually deliberate, the second a bug: telling them
-apart keeps ``zero_gradient`` from crying wolf on the first. One global
-pre-forward hook does it; it takes itself off as soon as every layer has been
-seen, so a model whose layers all run pays for it during the first pass only.
+apart keeps ``zero_gradient`` from crying wolf on the first.
+
+A layer counts as never called only when the module holding it *was* called:
+inside a compiled region hooks are not run, so there nothing is claimed, and
+the plain ``zero_gradient`` warning stands. One global pre-forward hook does
+the work; it takes itself off once every tracked module has been seen.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.compiled import compiling, is_wrapper, user_name
+
 
 class _SeenHook:
     """Global, not per module, so hooks never travel with a saved or copied model."""
@@ -28,28 +33,46 @@ class _SeenHook:
         self.tracker = weakref.ref(tracker)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if compiling():
+            return None
         tracker = self.tracker()
         if tracker is not None:
             tracker.seen(module)
         return None
 
 
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
 class CallTracker:
     def __init__(self) -> None:
-        self._waiting: dict[int, str] = {}  # id(module) -> qualified name
+        self._waiting: dict[int, str] = {}  # id(module) -> user name, not called yet
         self._keep: dict[int, nn.Module] = {}  # keeps the ids valid
+        self._seen_names: set[str] = set()
+        self._layers: set[str] = set()
         self._handle: RemovableHandle | None = None
         self._open = True
 
     def track(self, model: nn.Module, layers: Iterable[str]) -> None:
-        """Wait for a first call of each named layer (pass only new ones after a rebuild)."""
+        """Wait for a first call of each named layer and of the modules holding it."""
         if not self._open:
             return
-        wanted = set(layers)
-        for name, module in model.named_modules():
-            if name in wanted and id(module) not in self._waiting:
-                self._waiting[id(module)] = name
-                self._keep[id(module)] = module
+        new_layers = set(layers) - self._layers
+        self._layers |= new_layers
+        wanted = set()
+        for name in new_layers:
+            while True:
+                wanted.add(name)
+                if not name:
+                    break
+                name = _parent(name)
+        for raw, module in model.named_modules():
+            name = user_name(raw)
+            if is_wrapper(module) or name not in wanted or name in self._seen_names:
+                continue
+            self._waiting.setdefault(id(module), name)
+            self._keep[id(module)] = module
         if self._waiting and self._handle is None:
             self._handle = register_module_forward_pre_hook(_SeenHook(self))
 
@@ -58,11 +81,20 @@ class CallTracker:
         if name is None:
             return
         del self._keep[id(module)]
+        self._seen_names.add(name)
         if not self._waiting:
             self._unhook()
 
     def never_called(self) -> frozenset[str]:
-        return frozenset(self._waiting.values())
+        """Layers not called although the module holding them was."""
+        if not self._waiting:
+            return frozenset()
+        seen = self._seen_names
+        return frozenset(
+            name
+            for name in self._waiting.values()
+            if name in self._layers and name and name not in seen and _parent(name) in seen
+        )
 
     def _unhook(self) -> None:
         if self._handle is not None:

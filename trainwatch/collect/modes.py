@@ -10,6 +10,7 @@ import weakref
 
 from torch import nn
 
+from trainwatch.compiled import user_name
 from trainwatch.record import ModeReport
 
 _DROPOUT: tuple[type[nn.Module], ...] = (
@@ -63,7 +64,7 @@ class ModeWatch:
         for name, module in model.named_modules():
             kind = mode_kind(module)
             if kind is not None:
-                self._modules.append((name, kind, weakref.ref(module)))
+                self._modules.append((user_name(name), kind, weakref.ref(module)))
 
     def __len__(self) -> int:
         return len(self._modules)

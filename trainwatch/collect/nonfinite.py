@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -52,6 +53,7 @@ from trainwatch.collect.op_trace import (
     trace_first_nonfinite_op,
 )
 from trainwatch.collect.tensors import detached_copies, floating_tensors, version_of
+from trainwatch.compiled import compiling, eager, unwrap
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
@@ -141,7 +143,7 @@ class _CallHooks:
     Global, not per module: hooks stored on the modules would travel with
     ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)`` (an EMA or
     teacher copy would then report into this monitor). Every other module
-    call in the process pays one dict lookup.
+    call in the process pays one dict lookup and a type check.
     """
 
     __slots__ = ("index", "probe")
@@ -150,8 +152,20 @@ class _CallHooks:
         self.probe = weakref.ref(probe)
         self.index = index
 
-    def before(self, module: nn.Module, args: Any) -> None:
+    def _position(self, module: nn.Module) -> int | None:
         position = self.index.get(id(module))
+        if position is None:
+            # torch.compile(model)'s wrapper runs eagerly around the compiled
+            # model: it stands for the model (or submodule) it wraps.
+            inner = unwrap(module)
+            if inner is not module:
+                position = self.index.get(id(inner))
+        return position
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        if compiling():
+            return None  # inside a compiled graph: see the module from outside only
+        position = self._position(module)
         if position is None:
             return None
         probe = self.probe()
@@ -163,7 +177,9 @@ class _CallHooks:
         return None
 
     def after(self, module: nn.Module, args: Any, *rest: Any) -> None:
-        position = self.index.get(id(module))
+        if compiling():
+            return None
+        position = self._position(module)
         if position is None:
             return None
         probe = self.probe()
@@ -176,12 +192,31 @@ class _CallHooks:
         return None
 
 
-def _register_global_hooks(hooks: _CallHooks) -> list[RemovableHandle]:
-    handles = [register_module_forward_pre_hook(hooks.before)]
+class _KwargsHookHandle:
+    """Removes a global forward hook registered ``with_kwargs`` completely.
+
+    PyTorch's handle forgets the hook's entry in the global ``with_kwargs``
+    table, and one stale entry there makes ``torch.compile(module)`` warn
+    about global hooks at every call, long after trainwatch has closed.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+        table = getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
+        if table is not None:
+            table.pop(self.handle.id, None)
+
+
+def _register_global_hooks(hooks: _CallHooks) -> list[Any]:
+    handles: list[Any] = [register_module_forward_pre_hook(hooks.before)]
     try:
-        handles.append(
-            register_module_forward_hook(hooks.after, with_kwargs=True, always_call=True)
-        )
+        handle = register_module_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+        handles.append(_KwargsHookHandle(handle))
     except TypeError:  # torch < 2.6: global hooks see positional arguments only
         handles.append(register_module_forward_hook(hooks.after, always_call=True))
     return handles
@@ -243,7 +278,7 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[Any] = []
         self._modules: list[weakref.ref[nn.Module]] = []
         self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
         self._checkable: set[int] = set()
@@ -274,8 +309,16 @@ class NonfiniteProbe:
             self._ids[id(module)] = index
             if not isinstance(module, CANNOT_ORIGINATE) or module is model:
                 self._checkable.add(index)
-        self._first_param = next(model.parameters(), None)
+        self.find_device(model)
         self._handles.extend(_register_global_hooks(_CallHooks(self, self._ids)))
+
+    def find_device(self, model: nn.Module) -> None:
+        """Keep a parameter to tell where the model runs (CPU: checks on the spot).
+
+        Called again when the parameters were replaced (``module.to()`` in
+        overwrite mode), so a model moved to a GPU stops being checked on the spot.
+        """
+        self._first_param = next(model.parameters(), None)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -317,6 +360,9 @@ class NonfiniteProbe:
         self._pass_grads: list[torch.Tensor] = []
         # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
         self.bad_backward_passes: list[torch.Tensor] = []
+        # A forward pass of the model was seen this step. Not so when the model
+        # was compiled in place (model.compile()): its hooks run inside the graph.
+        self.saw_pass = False
 
     # -- passes ----------------------------------------------------------
     def before_call(self, position: int, args: Any) -> None:
@@ -354,6 +400,7 @@ class NonfiniteProbe:
 
     def _new_pass(self) -> None:
         """An outermost call of the model begins (a forward pass)."""
+        self.saw_pass = True
         # Identity matches and autograd nodes only matter within one pass;
         # dropping them here keeps memory flat across many passes per step.
         self._known.clear()
@@ -380,6 +427,7 @@ class NonfiniteProbe:
 
     def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """A CPU pass ended: one sum of its output; a replay only if it is bad."""
+        module = unwrap(module)  # a replay runs the model itself, eagerly
         outs = list(floating_tensors(output))
         if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
             self._step_bad = self._output_bad = True
@@ -640,6 +688,7 @@ class NonfiniteProbe:
             grad_events=self.grad_events,
             grad_entering_bad=self.grad_entering_bad,
             output_bad=self._output_bad,
+            forward_seen=self.saw_pass,
         )
         needs_forward = any(v is None for v in self.finite) and any(
             not all(self.finite[i] is True for i in c.outputs) for c in self.calls
@@ -723,6 +772,7 @@ class _Replay:
         self._stack.enter_context(torch.random.fork_rng(devices=[]))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
+        self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
         probe._replaying = True
         probe._known.clear()
         return self
@@ -754,6 +804,8 @@ class StepWindow:
     grad_entering_bad: bool = False
     # A spot pass's output was non-finite (whether or not a replay located it).
     output_bad: bool = False
+    # Some forward pass of the model ran where the hooks see it.
+    forward_seen: bool = True
     # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

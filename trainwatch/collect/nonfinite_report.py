@@ -97,6 +97,10 @@ class NonfiniteJudge:
             record.skipped_backward_passes = self.trailing_skips(skipped)
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
+        if window is not None and not window.forward_seen and (bad_grads or loss_bad):
+            if not any(rule.startswith("nonfinite") for rule, _ in tallies):
+                self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
+            return
         if bad_grads and forward_clean and window is not None:
             self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -143,12 +147,15 @@ class NonfiniteJudge:
         module = modules[finding.module] if 0 <= finding.module < len(modules) else None
         bad_params: list[torch.Tensor] = []
         if finding.cause == "module" and module is not None:
+            # The model itself is named when its modules ran unseen inside a
+            # compiled graph: then any of its weights may be the cause.
+            whole = finding.module == 0
             # Seen when the module ran (on the spot), or now: unless this step's
             # own non-finite gradients have just been applied to them, which
             # leaves it open whether they were bad before (then say so only).
             if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
-                bad_params = _nonfinite_params(module)
-            elif finding.weights_nonfinite is None and _nonfinite_params(module):
+                bad_params = _nonfinite_params(module, whole)
+            elif finding.weights_nonfinite is None and _nonfinite_params(module, whole):
                 # This step's own NaN gradients were just applied, so whether
                 # the weights were bad during the forward is open (an op that
                 # overflowed, or the previous update): after an earlier report
@@ -167,6 +174,21 @@ class NonfiniteJudge:
             report.cause = "parameter"
         record.nonfinite_forward = report
         return True
+
+    @staticmethod
+    def _unlocated(record: StepRecord, bad_grads: list[ParamInfo], loss_bad: bool) -> None:
+        """No hook saw this step's forward (compiled in place): say what is bad, not where.
+
+        Blaming the backward or the loss would be a guess: a NaN born in the
+        forward looks exactly the same from the gradients.
+        """
+        if loss_bad:
+            record.nonfinite_loss = NonfiniteReport(module=None, cause="unlocated")
+            return
+        first = bad_grads[0]
+        record.nonfinite_backward = NonfiniteReport(
+            module=first.owner, cause="unlocated", parameter=first.name
+        )
 
     def _backward(
         self,
@@ -200,7 +222,6 @@ class NonfiniteJudge:
         record.nonfinite_backward = self._report(finding)
 
 
-def _nonfinite_params(module: nn.Module) -> list[torch.Tensor]:
-    return [
-        p for p in module.parameters(recurse=False) if not bool(torch.isfinite(p.detach()).all())
-    ]
+def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
+    params = module.parameters(recurse=recurse)
+    return [p for p in params if not bool(torch.isfinite(p.detach()).all())]

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import detached_copies, floating_tensors
+from trainwatch.compiled import eager
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own
 # collectors (the re-run and the trace sit on the stack below the user's code).
@@ -151,6 +152,7 @@ def trace_first_nonfinite_op(
             torch.random.fork_rng(devices=sorted(set(devices))),
             torch.no_grad(),
             quiet.replay(),
+            eager(),
             tracer,
         ):
             module(*args, **kwargs)

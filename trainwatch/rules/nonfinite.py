@@ -32,6 +32,14 @@ _OP_HINTS = {
 }
 
 
+_UNLOCATED_HINT = (
+    "compile with `model = torch.compile(model)` rather than `model.compile()`: trainwatch "
+    "then sees the model's inputs and outputs around the graph and replays a bad pass "
+    "eagerly to name the module and the op; or run the steps in question eagerly "
+    "(`torch.compiler.set_stance('force_eager')`)"
+)
+
+
 def _hint(report: NonfiniteReport, default: str) -> str:
     if report.op and report.op in _OP_HINTS:
         return _OP_HINTS[report.op]
@@ -149,6 +157,18 @@ class NonfiniteBackwardRule(Rule):
         report = record.nonfinite_backward
         if report is None:
             return []
+        if report.cause == "unlocated":
+            return [
+                self.alert(
+                    record.step,
+                    report.module,
+                    f"non-finite gradient in parameter {report.parameter}, applied by the "
+                    "optimizer step; the model ran inside a graph compiled in place, which "
+                    "no hook sees, so where the NaN/Inf was born is not located",
+                    _UNLOCATED_HINT,
+                    _data(report),
+                )
+            ]
         where = (
             "in the loss's backward, before the gradient reached the model"
             if report.cause == "loss"
@@ -182,6 +202,18 @@ class NonfiniteLossRule(Rule):
         if report is None:
             return []
         value = f" ({record.loss})" if record.loss is not None else ""
+        if report.cause == "unlocated":
+            return [
+                self.alert(
+                    record.step,
+                    None,
+                    f"the loss is non-finite{value}; the model ran inside a graph compiled "
+                    "in place, which no hook sees, so whether its output was already "
+                    "non-finite is not known",
+                    _UNLOCATED_HINT,
+                    _data(report),
+                )
+            ]
         return [
             self.alert(
                 record.step,

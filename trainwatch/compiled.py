@@ -1,0 +1,139 @@
+"""How trainwatch lives with ``torch.compile``: out of the graphs, beside the model.
+
+- **Hooks step aside while dynamo traces them** (:func:`compiling`). A hook
+  traced into a graph would either break it (``.item()``, weak references,
+  Python state) or be frozen into it. So inside a compiled region every
+  trainwatch hook is a no-op: no graph break, no recompile, no per-module
+  check there.
+- **A compiled wrapper counts as the model it wraps** (:func:`unwrap`).
+  ``torch.compile(model)`` returns an ``OptimizedModule`` whose own call runs
+  eagerly around the compiled ``model.forward``: its global hooks see the
+  model's real inputs and outputs, so the model-level checks keep working.
+- **Names are the user's** (:func:`user_name`): the wrapper's ``_orig_mod.``
+  segment never reaches an alert.
+- **trainwatch's own re-runs are eager** (:func:`eager`): when a pass is
+  replayed to locate a NaN, compiled code runs as plain Python (where the
+  hooks are live) instead of the graph that hid the module that made it.
+- **One warning kept quiet** (:class:`CompiledHookWarning`): PyTorch warns at
+  every call of an ``OptimizedModule`` while any global module hook exists,
+  because that hook will also see the wrapper. trainwatch expects exactly
+  that, so the warning says nothing to its users.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _is_compiling_function() -> Any:
+    compiler = getattr(torch, "compiler", None)
+    found = getattr(compiler, "is_compiling", None)
+    if found is None:  # pragma: no cover - torch < 2.3
+        return lambda: False
+    return found
+
+
+# Bound once: dynamo recognises the function itself and folds it to True
+# while tracing; eagerly it costs about 0.2 us a call.
+compiling = _is_compiling_function()
+
+_ORIG_MOD = "_orig_mod"
+
+
+def _wrapper_class() -> type[nn.Module] | None:
+    """``OptimizedModule``, if dynamo is loaded (without dynamo there is no wrapper)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a ``torch.compile`` wrapper (the module itself when not wrapped)."""
+    wrapper = _wrapper_class()
+    while wrapper is not None and type(module) is wrapper:
+        module = module._orig_mod
+    return module
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (an ``OptimizedModule``)."""
+    wrapper = _wrapper_class()
+    return wrapper is not None and type(module) is wrapper
+
+
+def user_name(qualified: str) -> str:
+    """A qualified module or parameter name without the wrappers' ``_orig_mod`` segments.
+
+    ``encoder._orig_mod.fc1.weight`` (a submodule compiled on its own) is
+    ``encoder.fc1.weight``; ``_orig_mod`` alone is the model itself, ``""``.
+    """
+    if _ORIG_MOD not in qualified:
+        return qualified
+    return ".".join(part for part in qualified.split(".") if part != _ORIG_MOD)
+
+
+@contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled functions and modules as plain Python inside this block.
+
+    trainwatch's replays use it, so the modules of a compiled model run
+    (and are seen) one by one. A no-op when dynamo is not loaded (nothing
+    can be compiled) or on a torch without ``set_stance`` (< 2.6), where a
+    replay of a compiled model simply finds no finer location.
+    """
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if "torch._dynamo" not in sys.modules or set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+_holders = 0
+_filter_entry: Any = None
+
+
+class CompiledHookWarning:
+    """Silences PyTorch's warning about global hooks around ``torch.compile(module)``.
+
+    trainwatch's hooks are global on purpose (nothing is stored on the model,
+    so it saves, pickles and deep-copies as usual), and they recognise the
+    wrapper as the model it wraps, which is what the warning is about. The
+    filter is held while any holder is open, and only this message is
+    filtered; a user's own ``-W error`` still applies to everything else.
+    """
+
+    def __init__(self) -> None:
+        global _holders, _filter_entry
+        self._open = True
+        if _filter_entry is None or _filter_entry not in warnings.filters:
+            # First holder, or the filters were reset since (catch_warnings).
+            warnings.filterwarnings("ignore", message=_WARNING, category=UserWarning)
+            _filter_entry = warnings.filters[0]
+        _holders += 1
+
+    def detach(self) -> None:
+        global _holders, _filter_entry
+        if not self._open:
+            return
+        self._open = False
+        _holders -= 1
+        if _holders > 0:
+            return
+        try:
+            warnings.filters.remove(_filter_entry)
+        except ValueError:
+            pass  # the filters were replaced meanwhile (warnings.catch_warnings)
+        mutated = getattr(warnings, "_filters_mutated", None)
+        if mutated is not None:
+            mutated()
+        _filter_entry = None
