@@ -135,3 +135,37 @@ def test_mode_cache_follows_a_module_added_after_watching(quiet_watch):
     model.extra = nn.Dropout(0.5)  # registered after tw.watch
     _evaluate(model)
     assert [(a.rule, a.module) for a in monitor.alerts] == [("eval_in_train_mode", "extra")]
+
+
+def test_no_grad_samples_drawn_between_training_passes_every_step_are_silent(quiet_watch):
+    """A GAN's discriminator step: fakes drawn under no_grad, the generator in train mode."""
+    generator, g_opt, monitor = _setup(quiet_watch)
+    for x, y in batches(12):
+        with torch.no_grad():
+            generator(x)  # samples for the other model's step
+        g_opt.zero_grad()
+        nn.functional.mse_loss(generator(x), y).backward()
+        g_opt.step()
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_single_no_grad_pass_now_and_then_is_an_evaluation_reported_at_its_step(quiet_watch):
+    """The control: one evaluation batch every 5 steps, model.eval() forgotten."""
+    model, opt, monitor = _setup(quiet_watch)
+    for step, (x, y) in enumerate(batches(12)):
+        if step % 5 == 4:
+            _evaluate(model, passes=1)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert (alert.step, alert.module) == (4, "bn")
+
+
+def test_single_no_grad_pass_before_close_is_reported_at_close(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 3)
+    _evaluate(model, passes=1)  # the final evaluation, model.eval() forgotten
+    monitor.close()
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert (alert.step, alert.module) == (3, "bn")

@@ -269,6 +269,9 @@ class Monitor:
             return
         try:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
+            if self._behaviour is not None:
+                for record in self._behaviour.eval_passes.flush():
+                    self._dispatcher.publish(self._run_rules(record), may_halt=False)
             if self._late_loss is not None:
                 step, value = self._late_loss
                 self._late_loss = None

@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch.collect import quiet
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
+from trainwatch.collect.eval_passes import EvalPassJudge
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
@@ -133,6 +134,7 @@ class BehaviourWatch:
         self.check_train_step = "train_in_eval_mode" in rule_ids
         self.modes = ModeWatch(model) if self.check_eval_pass or self.check_train_step else None
         self.train_in_eval: ModeReport | None = None
+        self.eval_passes = EvalPassJudge()
         self.broadcast = (
             BroadcastAudit(config.broadcast.audit_steps, on_error)
             if "broadcast" in rule_ids or "constant_output" in rule_ids
@@ -208,8 +210,11 @@ class BehaviourWatch:
                 if report is not None:
                     record = StepRecord(step=self._step_of(), source="forward")
                     record.eval_in_train = report
-                    self._publish(record)
-            elif grad and self.check_train_step and self.train_in_eval is None:
+                    for due in self.eval_passes.nograd_pass(record):
+                        self._publish(due)
+            if grad:
+                self.eval_passes.training_pass()
+            if grad and self.check_train_step and self.train_in_eval is None:
                 report = self.modes.in_mode(False)
                 if report is not None:
                     for tensor in floating_tensors(output):
@@ -231,6 +236,8 @@ class BehaviourWatch:
 
     # -- step boundary --------------------------------------------------------------
     def gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+        for due in self.eval_passes.step_boundary():
+            self._publish(due)  # a single no-grad pass that did not recur: an evaluation
         try:
             return self._gather(record, pieces)
         except Exception:
