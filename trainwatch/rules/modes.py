@@ -44,8 +44,8 @@ class EvalInTrainModeRule(Rule):
                 "training mode dropout drops units and batch norm normalises with the "
                 "eval batch's statistics and overwrites its running averages with them. "
                 "Deliberate Monte-Carlo dropout: set eval_in_train_mode.mc_dropout: true. "
-                "A no-grad pass that is part of training (GAN samples, pseudo-labels) "
-                "can disable this rule.",
+                "(No-grad passes that recur between the training passes of every step, "
+                "such as GAN samples, are recognised as training and not reported.)",
                 _data(report),
             )
         ]
