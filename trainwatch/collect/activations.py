@@ -179,12 +179,10 @@ class ActivationSampler:
             zero = rows == 0
             stats[4] = zero.float().mean()
             stats[5] = zero.all(dim=0).float().mean()
-        device = rows.device
+        # new_full, not torch.tensor(nan): torch.tensor(float, device=...) keeps
+        # a few bytes alive per call, which a long run's sampled steps add up.
         row = torch.stack(
-            [
-                s.reshape(()) if isinstance(s, torch.Tensor) else torch.tensor(s, device=device)
-                for s in stats
-            ]
+            [s.reshape(()) if isinstance(s, torch.Tensor) else rows.new_full((), s) for s in stats]
         )
         self._outputs[id(out)] = (weakref.ref(out), len(self._modules))
         self._modules.append(index)
