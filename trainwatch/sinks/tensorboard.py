@@ -120,7 +120,6 @@ class TensorBoardSink(Sink):
         if alert.rule in self._halt_on:
             # Training is about to stop on this alert: make it visible now.
             self._write_group(self._rank(alert))
-            self.flush()
 
     def repeat(self, alert: Alert, count: int) -> None:
         self._add(alert, count)
@@ -223,6 +222,12 @@ class TensorBoardSink(Sink):
             payload["layers"] = group.layers
         summary = metadata.step_summary(metadata.ALERTS_TAG + suffix, payload)
         _add_summary(self.writer, summary, group.step)
+        if any(count == 1 for _, count in alerts):
+            # A new finding reaches the disk now, as its alerts.jsonl line
+            # did, not flush_secs later: a SIGKILL'd run still shows it.
+            # Repeats wait for the next flush, so a finding that recurs
+            # every step does not flush every step.
+            self.flush()
 
 
 def _add_summary(writer: Any, summary: Any, step: int) -> None:
