@@ -19,6 +19,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import TensorBoardConfig
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
 from trainwatch.tensorboard_plugin import metadata
+from trainwatch.termination import uninterrupted
 
 
 @dataclass
@@ -115,15 +116,20 @@ class TensorBoardSink(Sink):
         return cls(open_writer(log_dir, config.flush_secs), config, owns_writer=True, **kwargs)
 
     # -- Sink interface ------------------------------------------------------
+    # Each call that reaches the writer is @uninterrupted: the writer's lock
+    # must not be held by a main thread that SIGTERM's handler interrupted.
+    @uninterrupted
     def emit(self, alert: Alert) -> None:
         self._add(alert, 1)
         if alert.rule in self._halt_on:
             # Training is about to stop on this alert: make it visible now.
             self._write_group(self._rank(alert))
 
+    @uninterrupted
     def repeat(self, alert: Alert, count: int) -> None:
         self._add(alert, count)
 
+    @uninterrupted
     def on_step(self, numbers: StepNumbers) -> None:
         if self._closed:
             return
@@ -156,6 +162,7 @@ class TensorBoardSink(Sink):
                 self.writer.add_histogram(metadata.HISTOGRAM_TAG, np.asarray(finite), step)
         self._maybe_flush()
 
+    @uninterrupted
     def close(self, summary: Summary) -> None:
         if self._closed:
             return
@@ -167,6 +174,7 @@ class TensorBoardSink(Sink):
             self.writer.close()
 
     # -- writing -------------------------------------------------------------
+    @uninterrupted
     def flush(self) -> None:
         self._last_flush = time.monotonic()
         self.writer.flush()
