@@ -173,7 +173,9 @@ class AutoWatch:
                 self._internal.internal_error("monitor close", exc, monitor.step_count)
         try:
             shown, raw = self.summary(), self.summary(labelled=False)
-            self._each_sink("close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw))
+            self._each_sink(
+                "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
+            )
         finally:
             termination.release(self)
 
