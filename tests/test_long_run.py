@@ -464,6 +464,15 @@ def test_a_run_resumed_after_a_kill_mid_line_keeps_its_first_alert(tmp_path, mod
     assert [json.loads(line)["rule"] for line in rest] == ["accumulated_gradient"]
 
 
+def test_report_reads_an_alerts_file_cut_inside_a_character(tmp_path):
+    line = json.dumps({"rule": "zero_gradient", "severity": "warning", "step": 3, "module": "fc1"})
+    cut = '{"rule": "zero_gradient", "message": "caf\u00e9'.encode()[:-1]  # half of the é
+    (tmp_path / "alerts.jsonl").write_bytes(line.encode() + b"\n" + cut)
+    report = build_report(tmp_path)
+    assert [(r.rule, r.module, r.count) for r in report.rows] == [("zero_gradient", "fc1", 1)]
+    assert report.skipped_lines == 1
+
+
 @pytest.mark.slow
 def test_trainwatch_run_closes_its_files_when_the_script_gets_sigterm(tmp_path):
     log_dir = tmp_path / "log"
