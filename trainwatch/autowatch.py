@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch import registry
+from trainwatch import registry, termination
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.collect import quiet
 from trainwatch.compiled import CompiledHookWarning, compiling, unwrap
@@ -158,6 +158,7 @@ class AutoWatch:
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
         self._compile_warning = CompiledHookWarning()
+        termination.hold(self)  # a SIGTERM'd script still gets its files closed
 
     def close(self) -> None:
         """Remove the global hooks, close every monitor, print one summary."""
@@ -175,8 +176,13 @@ class AutoWatch:
                 monitor.close()
             except Exception as exc:  # a failure at close must not hide the script's result
                 self._internal.internal_error("monitor close", exc, monitor.step_count)
-        shown, raw = self.summary(), self.summary(labelled=False)
-        self._each_sink("close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw))
+        try:
+            shown, raw = self.summary(), self.summary(labelled=False)
+            self._each_sink(
+                "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
+            )
+        finally:
+            termination.release(self)
 
     @property
     def steps(self) -> int:

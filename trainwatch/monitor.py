@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch import registry
+from trainwatch import registry, termination
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
@@ -282,7 +282,10 @@ class Monitor:
         finally:
             self.closed = True
             _OPEN.discard(self)
-            self._shut()
+            try:
+                self._shut()
+            finally:
+                termination.release(self)
 
     def _shut(self) -> None:
         _remove_handles(
@@ -777,12 +780,9 @@ def watch(
             f"console: expected True, False or a text stream, got {type(console).__name__}"
         )
     preflight(model, optimizers)
+    # Files before the console: an alert is on disk before it is printed, and
+    # a shutdown that stalls on the console has closed the files already.
     sinks: list[Sink] = []
-    if console is not False:
-        stream = None if console is True else console
-        sinks.append(
-            ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
-        )
     if log_dir is not None:
         try:
             sinks.append(JsonlSink(Path(log_dir)))
@@ -790,7 +790,17 @@ def watch(
             raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
         if cfg.tensorboard.enabled:
             sinks.append(_tensorboard_sink(Path(log_dir), cfg))
-    return Monitor(model, optimizers, config=cfg, sinks=sinks)
+    if console is not False:
+        stream = None if console is True else console
+        sinks.append(
+            ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
+        )
+    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks)
+    # A plain loop owns its process: SIGTERM closes the monitor before the
+    # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
+    # handler of their own (Lightning) keep theirs.
+    termination.hold(monitor)
+    return monitor
 
 
 def _tensorboard_sink(log_dir: Path, cfg: Config) -> Sink:

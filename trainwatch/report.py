@@ -84,7 +84,8 @@ def _records(source: Path) -> tuple[list[dict[str, Any] | None], bool]:
     """
     if source.is_file():
         records: list[dict[str, Any] | None] = []
-        for line in source.read_text(encoding="utf-8").splitlines():
+        # errors="replace": bytes cut mid-character by a kill spoil only their own line.
+        for line in source.read_text(encoding="utf-8", errors="replace").splitlines():
             if not line.strip():
                 continue
             try:

@@ -256,12 +256,13 @@ class ActivationSampler:
             zero = rows == 0
             stats[4] = zero.float().mean()
             stats[5] = zero.all(dim=0).float().mean()
-        device = rows.device
+        # new_full, not torch.tensor(nan): torch.tensor(float, device=...) keeps
+        # a few bytes alive per call, which a long run's sampled steps add up.
         row = torch.stack(
             [
-                s.reshape(()).to(device)
+                s.reshape(()).to(rows.device)
                 if isinstance(s, torch.Tensor)
-                else torch.tensor(s, device=device)
+                else rows.new_full((), s)
                 for s in stats
             ]
         )

@@ -411,7 +411,8 @@ class NonfiniteProbe:
             self._note_pass(flag)
             self._pass_grads = []
         elif self._pass_backward:
-            self._note_pass(torch.tensor(float(self._pass_bad)))
+            # torch.full, not torch.tensor(float): the latter keeps a few bytes per call.
+            self._note_pass(torch.full((), float(self._pass_bad)))
         self._pass_backward = self._pass_bad = False
         self._last_call = None
         self._grad_entering = []

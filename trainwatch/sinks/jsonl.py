@@ -22,6 +22,11 @@ class JsonlSink(Sink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run keeps what the earlier part of it wrote.
         self._file = self.path.open("a", encoding="utf-8")
+        if _ends_mid_line(self.path):
+            # The earlier part was killed mid-line: end that line, or this
+            # run's first alert would be glued onto it and lost with it.
+            self._file.write("\n")
+            self._file.flush()
 
     def emit(self, alert: Alert) -> None:
         if self._file.closed:
@@ -48,3 +53,11 @@ class JsonlSink(Sink):
             partial = path.with_name(COUNTS_FILE + ".partial")
             partial.write_text(json.dumps({"steps": summary.steps, "counts": counts}, indent=1))
             partial.replace(path)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with path.open("rb") as file:
+        if file.seek(0, 2) == 0:
+            return False
+        file.seek(-1, 2)
+        return file.read(1) != b"\n"

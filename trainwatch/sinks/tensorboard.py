@@ -19,6 +19,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import TensorBoardConfig
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
 from trainwatch.tensorboard_plugin import metadata
+from trainwatch.termination import uninterrupted
 
 
 @dataclass
@@ -115,16 +116,20 @@ class TensorBoardSink(Sink):
         return cls(open_writer(log_dir, config.flush_secs), config, owns_writer=True, **kwargs)
 
     # -- Sink interface ------------------------------------------------------
+    # Each call that reaches the writer is @uninterrupted: the writer's lock
+    # must not be held by a main thread that SIGTERM's handler interrupted.
+    @uninterrupted
     def emit(self, alert: Alert) -> None:
         self._add(alert, 1)
         if alert.rule in self._halt_on:
             # Training is about to stop on this alert: make it visible now.
             self._write_group(self._rank(alert))
-            self.flush()
 
+    @uninterrupted
     def repeat(self, alert: Alert, count: int) -> None:
         self._add(alert, count)
 
+    @uninterrupted
     def on_step(self, numbers: StepNumbers) -> None:
         if self._closed:
             return
@@ -157,6 +162,7 @@ class TensorBoardSink(Sink):
                 self.writer.add_histogram(metadata.HISTOGRAM_TAG, np.asarray(finite), step)
         self._maybe_flush()
 
+    @uninterrupted
     def close(self, summary: Summary) -> None:
         if self._closed:
             return
@@ -168,6 +174,7 @@ class TensorBoardSink(Sink):
             self.writer.close()
 
     # -- writing -------------------------------------------------------------
+    @uninterrupted
     def flush(self) -> None:
         self._last_flush = time.monotonic()
         self.writer.flush()
@@ -223,6 +230,12 @@ class TensorBoardSink(Sink):
             payload["layers"] = group.layers
         summary = metadata.step_summary(metadata.ALERTS_TAG + suffix, payload)
         _add_summary(self.writer, summary, group.step)
+        if any(count == 1 for _, count in alerts):
+            # A new finding reaches the disk now, as its alerts.jsonl line
+            # did, not flush_secs later: a SIGKILL'd run still shows it.
+            # Repeats wait for the next flush, so a finding that recurs
+            # every step does not flush every step.
+            self.flush()
 
 
 def _add_summary(writer: Any, summary: Any, step: int) -> None:
