@@ -345,6 +345,7 @@ class NonfiniteProbe:
         self._grad_fns: dict[int, Any] = {}
         # Exact verdicts of CPU sums, index-aligned with self.sums (None: not checked).
         self.finite: list[bool | None] = []
+        self.maskable: list[bool] = []
         self.forward_origin: NonfiniteFinding | None = None
         self.grad_sums: list[torch.Tensor] = []
         self.grad_events: list[tuple[ForwardCall, str]] = []
@@ -498,11 +499,7 @@ class NonfiniteProbe:
         sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
         """
         on_the_spot = self.on_the_spot and tensor.device.type == "cpu"
-        total = tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
-        if not tensor.requires_grad:
-            # A sum of -inf means -inf entries and no NaN or +inf: a mask.
-            total = total.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0)
-        return total
+        return tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
 
     def _sum_index(self, tensor: torch.Tensor) -> int:
         known = self._known.get(id(tensor))
@@ -512,6 +509,9 @@ class NonfiniteProbe:
         index = len(self.sums)
         self.sums.append(self._reduce(tensor))
         self.finite.append(None)
+        # Outside autograd, a sum of -inf (-inf entries, no NaN, no +inf) is a
+        # mask built on purpose: judged finite (see _finite_or_mask).
+        self.maskable.append(not tensor.requires_grad)
         self._known[id(tensor)] = (weakref.ref(tensor), index, version)
         return index
 
@@ -524,7 +524,8 @@ class NonfiniteProbe:
         """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow."""
         verdict = self.finite[index]
         if verdict is None:
-            verdict = math.isfinite(float(self.sums[index]))
+            value = float(self.sums[index])
+            verdict = math.isfinite(value) or (value == -math.inf and self.maskable[index])
             if not verdict and tensor is not None:
                 verdict = _finite_or_mask(tensor)
             self.finite[index] = verdict
@@ -684,6 +685,7 @@ class NonfiniteProbe:
         window = StepWindow(
             calls=self.calls,
             finite=self.finite,
+            maskable=self.maskable,
             forward_origin=self.forward_origin,
             backward_origin=self.backward_origin,
             grad_events=self.grad_events,
@@ -715,7 +717,7 @@ class NonfiniteProbe:
         return window
 
 
-FINITE, INF, NAN = 0.0, 1.0, 2.0
+FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0
 
 
 def _inside_backward() -> bool:
@@ -790,6 +792,7 @@ def _codes(sums: list[torch.Tensor]) -> torch.Tensor:
     """Sums as finite/Inf/NaN codes: they survive the fp32 readback unchanged."""
     stacked = torch.stack([s.to(device=sums[0].device, dtype=torch.float64) for s in sums])
     inf = torch.isinf(stacked).to(torch.float32) * INF
+    inf = torch.where(stacked == -math.inf, torch.full_like(inf, NEG_INF), inf)
     return torch.where(torch.isnan(stacked), torch.full_like(inf, NAN), inf)
 
 
@@ -802,12 +805,14 @@ class StepWindow:
     forward_origin: NonfiniteFinding | None
     backward_origin: NonfiniteFinding | None
     grad_events: list[tuple[ForwardCall, str]]
+    # Per sum: the tensor was outside autograd, so a sum of -inf is a mask.
+    maskable: list[bool] = field(default_factory=list)
     grad_entering_bad: bool = False
     # A spot pass's output was non-finite (whether or not a replay located it).
     output_bad: bool = False
     # Some forward pass of the model ran where the hooks see it.
     forward_seen: bool = True
-    # Codes (FINITE / INF / NAN) of the sums, when they must be read back.
+    # Codes (FINITE / INF / NAN / NEG_INF) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
@@ -860,7 +865,7 @@ def _kind(indices: list[int], codes: list[float] | None) -> str | None:
     values = [codes[i] for i in indices if i < len(codes)]
     if NAN in values:
         return "nan_or_inf"
-    return "inf" if INF in values else None
+    return "inf" if INF in values or NEG_INF in values else None
 
 
 def locate_backward(

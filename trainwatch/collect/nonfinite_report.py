@@ -16,6 +16,7 @@ from torch import nn
 
 from trainwatch.collect.nonfinite import (
     FINITE,
+    NEG_INF,
     NonfiniteFinding,
     StepWindow,
     locate_backward,
@@ -127,7 +128,13 @@ class NonfiniteJudge:
         """Report the forward origin, if any; True when the forward had any NaN/Inf."""
         # Verdicts taken on the spot (CPU) where known, else the read-back sums.
         finite = [
-            known if known is not None else (sums is None or sums[i] == FINITE)
+            known
+            if known is not None
+            else (
+                sums is None
+                or sums[i] == FINITE
+                or (sums[i] == NEG_INF and i < len(window.maskable) and window.maskable[i])
+            )
             for i, known in enumerate(window.finite)
         ]
         located = locate_forward(window.calls, finite, sums)
