@@ -302,3 +302,16 @@ def test_browser_shows_the_planted_alert_row_and_the_nan_in_the_heatmap(tensorbo
             assert errors == []
         finally:
             browser.close()
+
+
+def test_repeats_stored_as_counts_get_their_findings_words_in_the_tab():
+    from trainwatch.tensorboard_plugin.plugin import _fill_repeats
+
+    first = {"run": "r", "rule": "zero_gradient", "module": "fc1", "step": 0, "count": 1}
+    first.update(message="fc1.weight got no gradient", hint="look for a .detach()", data={})
+    repeat = {"run": "r", "rule": "zero_gradient", "module": "fc1", "step": 5, "count": 6}
+    other_run = {"run": "s", "rule": "zero_gradient", "module": "fc1", "step": 5, "count": 2}
+    alerts = [first, repeat, other_run]
+    _fill_repeats(alerts)
+    assert repeat["message"] == first["message"] and repeat["hint"] == first["hint"]
+    assert "message" not in other_run  # never another run's words

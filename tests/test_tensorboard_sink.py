@@ -104,6 +104,22 @@ def test_a_step_with_alerts_gets_one_tensor_and_one_markdown_table(model, tmp_pa
     assert "| error | accumulated_gradient |" in text and "zero_grad" in text
 
 
+def test_a_recurring_finding_is_written_in_full_once_then_as_counts(model, tmp_path, quiet_watch):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, log_dir=tmp_path)
+    train(model, opt, 30, zero_grad_until=2)  # accumulated_gradient every step from 2
+    monitor.close()
+    events = _read(tmp_path)
+    payloads = _payloads(events)
+    (first,) = payloads[2]["alerts"]
+    assert "zero_grad" in first["message"] and first["hint"]
+    repeat = payloads[29]["alerts"][0]
+    assert (repeat["rule"], repeat["count"]) == ("accumulated_gradient", 28)
+    assert "message" not in repeat and "data" not in repeat  # a few bytes, not a kilobyte
+    tables = [t for t in events.Tags()["tensors"] if t.startswith(metadata.TABLE_TAG)]
+    assert [e.step for t in tables for e in events.Tensors(t)] == [2]  # new findings only
+
+
 def test_clean_loop_writes_no_alerts_only_the_layer_order(model, tmp_path, quiet_watch):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt, log_dir=tmp_path)

@@ -90,6 +90,7 @@ class TrainwatchPlugin(base_plugin.TBPlugin):
                     if payload.get("layers") and run_name not in layers:
                         layers[run_name] = payload["layers"]
         alerts.sort(key=lambda a: (a["run"], a["step"], a.get("rank", 0), a["rule"]))
+        _fill_repeats(alerts)
         return {"alerts": alerts, "marks": marks, "layers": layers}
 
     def norms(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
@@ -153,3 +154,15 @@ class TrainwatchPlugin(base_plugin.TBPlugin):
 def _json(request: wrappers.Request, body: dict[str, Any]) -> wrappers.Response:
     text = json.dumps(body, allow_nan=False, default=str)
     return http_util.Respond(request, text, "application/json")
+
+
+def _fill_repeats(alerts: list[dict[str, Any]]) -> None:
+    """Repeats are stored as key, step and count: give them their finding's words."""
+    first: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for alert in alerts:
+        key = (alert["run"], alert.get("rank", 0), alert["rule"], alert.get("module"))
+        if "message" in alert:
+            first.setdefault(key, alert)
+        elif key in first:
+            for field in ("message", "hint", "data"):
+                alert.setdefault(field, first[key].get(field))
