@@ -229,9 +229,8 @@ class WithSpareHead(nn.Module):
         return self.body(x)
 
 
-def test_module_defined_but_never_called_is_a_note_not_a_warning():
+def _train_six_steps(model: nn.Module) -> tw.Monitor:
     torch.manual_seed(0)
-    model = WithSpareHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with strictly_watched(model, opt) as monitor:
         for _ in range(6):
@@ -239,6 +238,12 @@ def test_module_defined_but_never_called_is_a_note_not_a_warning():
             opt.zero_grad()
             nn.functional.mse_loss(model(x), x[:, :1]).backward()
             opt.step()
+    return monitor
+
+
+def test_module_defined_but_never_called_is_a_note_not_a_warning():
+    torch.manual_seed(0)
+    monitor = _train_six_steps(WithSpareHead())
     assert warnings_and_errors(monitor) == []
     (note,) = monitor.alerts
     assert (note.rule, note.module, note.severity) == ("zero_gradient", "spare_head", "info")
@@ -254,14 +259,7 @@ def test_called_module_cut_from_the_graph_is_still_a_warning():
             return self.body(x) + self.spare_head(self.body(x)).detach().sum(1, keepdim=True)
 
     torch.manual_seed(0)
-    model = CutHead()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with strictly_watched(model, opt) as monitor:
-        for _ in range(6):
-            x = torch.randn(16, 4)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :1]).backward()
-            opt.step()
+    monitor = _train_six_steps(CutHead())
     (alert,) = monitor.alerts
     assert (alert.rule, alert.module, alert.severity) == ("zero_gradient", "spare_head", "warning")
     assert alert.data["kind"] == "none"

@@ -175,10 +175,8 @@ class Monitor:
                 _weak_callback(self._internal_error),
             )
         registry.claim(layers.parameters(), self)
-        weakref.finalize(
-            self,
-            _collected,
-            self._handles,
+        # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
+        self._parts = (
             self._tracker,
             self._structure,
             self._calls,
@@ -186,6 +184,7 @@ class Monitor:
             self._probe,
             self._behaviour,
         )
+        weakref.finalize(self, _collected, self._handles, *self._parts)
         _OPEN.add(self)
         for opt in optimizers:
             self.add_optimizer(opt)
@@ -288,15 +287,7 @@ class Monitor:
                 termination.release(self)
 
     def _shut(self) -> None:
-        _remove_handles(
-            self._handles,
-            self._tracker,
-            self._structure,
-            self._calls,
-            self._compile_warning,
-            self._probe,
-            self._behaviour,
-        )
+        _remove_handles(self._handles, *self._parts)
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 
