@@ -348,7 +348,9 @@ class NonfiniteProbe:
         self.maskable: list[bool] = []
         self.forward_origin: NonfiniteFinding | None = None
         self.grad_sums: list[torch.Tensor] = []
-        self.grad_events: list[tuple[ForwardCall, str]] = []
+        self.grad_events: list[tuple[ForwardCall, str, int]] = []
+        self._grad_ok: list[bool | None] = []
+        self._grad_known: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.backward_origin: NonfiniteFinding | None = None
         self._out_bad: set[int] = set()
         # Calls whose output gradient arrived: only those can be an origin (a
@@ -405,6 +407,7 @@ class NonfiniteProbe:
         # Identity matches and autograd nodes only matter within one pass;
         # dropping them here keeps memory flat across many passes per step.
         self._known.clear()
+        self._grad_known.clear()
         self._grad_fns.clear()
         self._calls_in_progress.clear()
         if self._pass_grads:  # device passes: one flag per backward, read later
@@ -635,20 +638,17 @@ class NonfiniteProbe:
     def on_grad(self, call: ForwardCall, side: str, grad: torch.Tensor) -> None:
         if not grad.is_floating_point() or grad.layout != torch.strided:
             return
-        if len(self.grad_sums) > _MAX_SUMS:
+        index = self._grad_index(grad)
+        if index is None:
             return
-        total = self._reduce(grad)
-        self.grad_sums.append(total)
-        if not self._replaying:
-            self._pass_grads.append(total)
-        self.grad_events.append((call, side))
+        self.grad_events.append((call, side, index))
         if side == "out":
             self._out_seen.add(id(call))
         on_the_spot = self.on_the_spot and grad.device.type == "cpu"
         if not on_the_spot or self.backward_origin is not None:
             self._immediate_grads = self._immediate_grads and on_the_spot
             return
-        if math.isfinite(float(total)) or bool(torch.isfinite(grad).all()):
+        if self._grad_finite(index, grad):
             return
         self._any_bad_grad = True
         if side == "out":
@@ -670,6 +670,35 @@ class NonfiniteProbe:
         if op is not None:
             finding.op, finding.op_basis = op, "autograd graph"
         self.backward_origin = finding
+
+    def _grad_index(self, grad: torch.Tensor) -> int | None:
+        """The sum of this gradient: one module's output is the next one's input,
+        so the same gradient reaches two hooks and is summed once."""
+        known = self._grad_known.get(id(grad))
+        version = version_of(grad)
+        # Autograd may accumulate into a gradient buffer it already handed to a
+        # hook: the same tensor, new values, a new version.
+        if known is not None and known[0]() is grad and known[2] == version:
+            return known[1]
+        if len(self.grad_sums) > _MAX_SUMS:
+            return None
+        total = self._reduce(grad)
+        index = len(self.grad_sums)
+        self.grad_sums.append(total)
+        self._grad_ok.append(None)
+        if not self._replaying:
+            self._pass_grads.append(total)
+        self._grad_known[id(grad)] = (weakref.ref(grad), index, version)
+        return index
+
+    def _grad_finite(self, index: int, grad: torch.Tensor) -> bool:
+        verdict = self._grad_ok[index]
+        if verdict is None:
+            verdict = math.isfinite(float(self.grad_sums[index])) or bool(
+                torch.isfinite(grad).all()
+            )
+            self._grad_ok[index] = verdict
+        return verdict
 
     # -- step boundary -----------------------------------------------------
     @property
@@ -804,7 +833,8 @@ class StepWindow:
     finite: list[bool | None]
     forward_origin: NonfiniteFinding | None
     backward_origin: NonfiniteFinding | None
-    grad_events: list[tuple[ForwardCall, str]]
+    # (call, "out" or "in", index of the gradient's sum)
+    grad_events: list[tuple[ForwardCall, str, int]]
     # Per sum: the tensor was outside autograd, so a sum of -inf is a mask.
     maskable: list[bool] = field(default_factory=list)
     grad_entering_bad: bool = False
@@ -869,7 +899,9 @@ def _kind(indices: list[int], codes: list[float] | None) -> str | None:
 
 
 def locate_backward(
-    events: list[tuple[ForwardCall, str]], finite: list[bool], codes: list[float] | None = None
+    events: list[tuple[ForwardCall, str, int]],
+    finite: list[bool],
+    codes: list[float] | None = None,
 ) -> NonfiniteFinding | None:
     """The first module whose input gradient went bad while its output gradient was fine.
 
@@ -879,10 +911,10 @@ def locate_backward(
     out_bad: set[int] = set()
     out_seen: set[int] = set()
     first_bad: ForwardCall | None = None
-    for position, ((call, side), ok) in enumerate(zip(events, finite)):
+    for call, side, index in events:
         if side == "out":
             out_seen.add(id(call))
-        if ok:
+        if index >= len(finite) or finite[index]:
             continue
         if first_bad is None:
             first_bad = call
@@ -893,7 +925,7 @@ def locate_backward(
                 call.module,
                 "backward",
                 "module",
-                kind=_kind([position], codes),
+                kind=_kind([index], codes),
                 device=call.device,
             )
     if first_bad is not None:
