@@ -20,15 +20,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # noqa: E402
+import overhead
 
-import trainwatch as tw  # noqa: E402
+import trainwatch as tw
 
 FAMILIES: dict[str, dict] = {
     "all on": {},
-    "without NaN localisation": {
+    # Every non-finite rule off: only then is the per-module probe not attached.
+    "without NaN checks": {
         "nonfinite_forward": False,
         "nonfinite_backward": False,
+        "nonfinite_loss": False,
+        "nonfinite_parameter": False,
         "amp_skipped_steps": False,
     },
     "without behaviour checks": {
