@@ -17,6 +17,7 @@ Each planted bug sits beside the same moved model trained healthily.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,30 +26,36 @@ from torch import nn
 from tests.conftest import TinyNet, batches, rules_of
 
 
+@contextmanager
+def _future(flag: str, value: bool) -> Iterator[None]:
+    """One of torch.__future__'s conversion flags, set for a while, then put back."""
+    get = getattr(torch.__future__, f"get_{flag}_module_params_on_conversion")
+    put = getattr(torch.__future__, f"set_{flag}_module_params_on_conversion")
+    before = get()
+    put(value)
+    try:
+        yield
+    finally:
+        put(before)
+
+
 @pytest.fixture(params=["default", "swap"])
 def conversion(request) -> Iterator[str]:
     """PyTorch's conversion mode, switched on for the whole test (as a script would)."""
-    swap = request.param == "swap"
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(swap)
-    yield request.param
-    torch.__future__.set_swap_module_params_on_conversion(before)
+    with _future("swap", request.param == "swap"):
+        yield request.param
 
 
 @pytest.fixture
 def swap_mode() -> Iterator[None]:
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
+    with _future("swap", True):
+        yield
 
 
 @pytest.fixture
 def overwrite_mode() -> Iterator[None]:
-    before = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_overwrite_module_params_on_conversion(before)
+    with _future("overwrite", True):
+        yield
 
 
 def _reinitialise(model: nn.Module) -> None:

@@ -47,10 +47,19 @@ compiling = _is_compiling_function()
 _ORIG_MOD = "_orig_mod"
 
 
+_wrapper: type[nn.Module] | None = None
+
+
 def _wrapper_class() -> type[nn.Module] | None:
-    """``OptimizedModule``, if dynamo is loaded (without dynamo there is no wrapper)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", None)
+    """``OptimizedModule``, if dynamo is loaded (without dynamo there is no wrapper).
+
+    Asked on every module call the global hooks see: found once, then kept.
+    """
+    global _wrapper
+    if _wrapper is None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        _wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return _wrapper
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -52,7 +52,12 @@ from trainwatch.collect.op_trace import (
     swapped_buffers,
     trace_first_nonfinite_op,
 )
-from trainwatch.collect.tensors import detached_copies, floating_tensors, version_of
+from trainwatch.collect.tensors import (
+    detached_copies,
+    floating_tensors,
+    only_negative_inf,
+    version_of,
+)
 from trainwatch.compiled import compiling, eager, unwrap
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
@@ -778,12 +783,9 @@ def _finite_or_mask(tensor: torch.Tensor) -> bool:
     """
     # Detached: inside a checkpoint's recomputation, any op that saves a
     # tensor for backward (isfinite's abs does) breaks the recompute's match.
-    values = tensor.detach()
-    if bool(torch.isfinite(values).all()):
+    if bool(torch.isfinite(tensor.detach()).all()):
         return True
-    if tensor.requires_grad:
-        return False
-    return not bool((torch.isnan(values) | torch.isposinf(values)).any())
+    return not tensor.requires_grad and only_negative_inf(tensor)
 
 
 class _Replay:

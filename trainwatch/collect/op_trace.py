@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import detached_copies, floating_tensors
+from trainwatch.collect.tensors import detached_copies, floating_tensors, only_negative_inf
 from trainwatch.compiled import eager
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own
@@ -59,8 +59,7 @@ def _user_line() -> str | None:
 
 
 def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
-    """Non-finite entries all -inf: what a mask is made of (``full(-inf)``, ``masked_fill``)."""
-    return not any(bool((torch.isnan(t) | torch.isposinf(t)).any()) for t in tensors)
+    return all(only_negative_inf(t) for t in tensors)
 
 
 def _judge_inputs(args: Any, kwargs: Any) -> tuple[bool, bool]:

@@ -115,3 +115,10 @@ def version_of(tensor: torch.Tensor) -> int | None:
     (``nn.ReLU(inplace=True)``, ``x += residual``) needs both identity and this.
     """
     return None if tensor.is_inference() else tensor._version
+
+
+def only_negative_inf(tensor: torch.Tensor) -> bool:
+    """No NaN and no +inf: whatever is not finite is -inf, what a mask is made of
+    (``torch.full(..., -inf)``, ``masked_fill``)."""
+    values = tensor.detach()
+    return not bool((torch.isnan(values) | torch.isposinf(values)).any())

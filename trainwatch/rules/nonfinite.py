@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from trainwatch.alert import Alert
@@ -83,92 +84,85 @@ def _what(report: NonfiniteReport) -> str:
     return f"{count}{shape}{op}{line}"
 
 
-class NonfiniteForwardRule(Rule):
-    id = "nonfinite_forward"
+class _ReportRule(Rule):
+    """One alert per report: each rule only chooses its words for the report's cause."""
+
+    def report(self, record: StepRecord) -> NonfiniteReport | None:
+        raise NotImplementedError
+
+    def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
+        """The message and the hint."""
+        raise NotImplementedError
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
-        report = record.nonfinite_forward
+        report = self.report(record)
         if report is None:
             return []
+        message, hint = self.words(record, report)
+        return [self.alert(record.step, report.module, message, hint, _data(report))]
+
+
+class NonfiniteForwardRule(_ReportRule):
+    id = "nonfinite_forward"
+
+    def report(self, record: StepRecord) -> NonfiniteReport | None:
+        return record.nonfinite_forward
+
+    def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         spread = f"; it spread to {len(report.spread)} modules" if len(report.spread) > 1 else ""
         if report.cause == "input":
-            return [
-                self.alert(
-                    record.step,
-                    report.module,
-                    f"the input to `{report.module or '<model>'}` is already non-finite "
-                    f"before any module computed on it{spread}",
-                    "the data is bad: check the batch for NaN/Inf (a corrupt sample, a "
-                    "division in preprocessing, an uninitialised buffer), or a functional "
-                    "op in the training loop between the data and the model",
-                    _data(report),
-                )
-            ]
+            return (
+                f"the input to `{report.module or '<model>'}` is already non-finite "
+                f"before any module computed on it{spread}",
+                "the data is bad: check the batch for NaN/Inf (a corrupt sample, a "
+                "division in preprocessing, an uninitialised buffer), or a functional "
+                "op in the training loop between the data and the model",
+            )
         if report.cause == "parameter":
-            return [
-                self.alert(
-                    record.step,
-                    report.module,
-                    f"first non-finite value of the forward pass, from `{report.module}` whose "
-                    f"own weights are non-finite{spread}",
-                    "an optimizer update blew these weights up: lower the learning rate or "
-                    "clip gradients; set nonfinite_parameter.check_every: 1 to be told at the "
-                    "update itself",
-                    _data(report),
-                )
-            ]
+            return (
+                f"first non-finite value of the forward pass, from `{report.module}` whose "
+                f"own weights are non-finite{spread}",
+                "an optimizer update blew these weights up: lower the learning rate or "
+                "clip gradients; set nonfinite_parameter.check_every: 1 to be told at the "
+                "update itself",
+            )
         if report.cause == "module_or_parameter":
-            return [
-                self.alert(
-                    record.step,
-                    report.module,
-                    f"first non-finite value of the forward pass: {_what(report)} from "
-                    f"`{report.module}`, whose weights are non-finite after this step's "
-                    f"update{spread}",
-                    "either an op in this module made it (a log/sqrt/division at the edge "
-                    "of its domain, an exp past the dtype's range) or the previous update "
-                    "blew its weights up (learning rate too high); "
-                    "nonfinite_parameter.check_every: 1 tells the two apart",
-                    _data(report),
-                )
-            ]
+            return (
+                f"first non-finite value of the forward pass: {_what(report)} from "
+                f"`{report.module}`, whose weights are non-finite after this step's "
+                f"update{spread}",
+                "either an op in this module made it (a log/sqrt/division at the edge "
+                "of its domain, an exp past the dtype's range) or the previous update "
+                "blew its weights up (learning rate too high); "
+                "nonfinite_parameter.check_every: 1 tells the two apart",
+            )
         inputs = ""
         if report.input_min is not None:
             inputs = f" from finite inputs in [{report.input_min:.4g}, {report.input_max:.4g}]"
-        return [
-            self.alert(
-                record.step,
-                report.module,
-                f"first non-finite value of the forward pass: {_what(report)}{inputs}{spread}",
-                _hint(
-                    report,
-                    "look for a log/sqrt/division of values at the edge of their domain, "
-                    "an exp that overflowed, or a value past fp16's range",
-                ),
-                _data(report),
-            )
-        ]
+        return (
+            f"first non-finite value of the forward pass: {_what(report)}{inputs}{spread}",
+            _hint(
+                report,
+                "look for a log/sqrt/division of values at the edge of their domain, "
+                "an exp that overflowed, or a value past fp16's range",
+            ),
+        )
 
 
-class NonfiniteBackwardRule(Rule):
+class NonfiniteBackwardRule(_ReportRule):
     id = "nonfinite_backward"
 
-    def evaluate(self, record: StepRecord) -> list[Alert]:
-        report = record.nonfinite_backward
-        if report is None:
-            return []
+    def report(self, record: StepRecord) -> NonfiniteReport | None:
+        return record.nonfinite_backward
+
+    def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         if report.cause == "unlocated":
-            return [
-                self.alert(
-                    record.step,
-                    report.module,
-                    f"non-finite gradient in parameter {report.parameter}, applied by the "
-                    "optimizer step; the model ran inside a graph compiled in place, which "
-                    "no hook sees, so where the NaN/Inf was born is not located",
-                    _UNLOCATED_HINT,
-                    _data(report),
-                )
-            ]
+            return (
+                f"non-finite gradient in parameter {report.parameter}, applied by the "
+                "optimizer step; the model ran inside a graph compiled in place, which "
+                "no hook sees, so where the NaN/Inf was born is not located",
+                _UNLOCATED_HINT,
+            )
         where = (
             "in the loss's backward, before the gradient reached the model"
             if report.cause == "loss"
@@ -178,56 +172,45 @@ class NonfiniteBackwardRule(Rule):
                 else "while its output gradient was finite"
             )
         )
-        return [
-            self.alert(
-                record.step,
-                report.module,
-                f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
-                "the optimizer step applied it",
-                _hint(
-                    report,
-                    "a derivative that is infinite at the edge of its domain (sqrt or a norm "
-                    "at 0, log at 0, division by 0): add an epsilon",
-                ),
-                _data(report),
-            )
-        ]
+        return (
+            f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
+            "the optimizer step applied it",
+            _hint(
+                report,
+                "a derivative that is infinite at the edge of its domain (sqrt or a norm "
+                "at 0, log at 0, division by 0): add an epsilon",
+            ),
+        )
 
 
-class NonfiniteLossRule(Rule):
+class NonfiniteLossRule(_ReportRule):
     id = "nonfinite_loss"
 
-    def evaluate(self, record: StepRecord) -> list[Alert]:
+    def report(self, record: StepRecord) -> NonfiniteReport | None:
         report = record.nonfinite_loss
-        if report is None:
-            return []
+        if report is not None and report.module is not None:
+            # The loss is never a module's: the alert's module is None.
+            report = dataclasses.replace(report, module=None)
+        return report
+
+    def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         value = f" ({record.loss})" if record.loss is not None else ""
         if report.cause == "unlocated":
-            return [
-                self.alert(
-                    record.step,
-                    None,
-                    f"the loss is non-finite{value}; the model ran inside a graph compiled "
-                    "in place, which no hook sees, so whether its output was already "
-                    "non-finite is not known",
-                    _UNLOCATED_HINT,
-                    _data(report),
-                )
-            ]
-        return [
-            self.alert(
-                record.step,
-                None,
-                f"the loss is non-finite{value} while the model's output was finite",
-                _hint(
-                    report,
-                    "the loss function made it: a log of a probability that reached 0 "
-                    "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, or "
-                    "a division by a zero count (an empty mask)",
-                ),
-                _data(report),
+            return (
+                f"the loss is non-finite{value}; the model ran inside a graph compiled "
+                "in place, which no hook sees, so whether its output was already "
+                "non-finite is not known",
+                _UNLOCATED_HINT,
             )
-        ]
+        return (
+            f"the loss is non-finite{value} while the model's output was finite",
+            _hint(
+                report,
+                "the loss function made it: a log of a probability that reached 0 "
+                "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, or "
+                "a division by a zero count (an empty mask)",
+            ),
+        )
 
 
 class NonfiniteParameterRule(Rule):
