@@ -4,11 +4,21 @@ Two identical copies of each model train side by side; blocks of steps
 alternate between the plain copy and the watched one so that drift (thermal,
 other load) hits both alike. The headline ratio is fastest watched block over
 fastest plain block (the least disturbed of each); the median of per-round
-ratios and its range are printed beside it. Times are never asserted anywhere.
+ratios and its range are printed beside it, and the plain and watched
+milliseconds per step beside that, since a ratio alone hides whether a step is
+launch-bound or compute-bound. Times are never asserted anywhere.
 
-    python benchmarks/overhead.py                 # MLP, CNN, transformer on CPU
+The workloads span where a per-module or per-parameter cost shows: a small MLP,
+CNN and transformer; "deep", a residual stack of 32 tiny blocks (the stack
+``opcount.py`` counts ops on), where per-module costs dominate; and "gpt2", a
+GPT-2-small-sized language model (124M parameters, bf16 autocast, batch 8 x
+1024 tokens), where they should vanish beside the compute. gpt2 runs by default
+only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tiny).
+
+    python benchmarks/overhead.py                 # mlp, cnn, transformer, deep on CPU
     python benchmarks/overhead.py --quick         # seconds; a smoke run
-    python benchmarks/overhead.py --device cuda --config configs/strict.yaml
+    python benchmarks/overhead.py --workloads deep gpt2 --quick
+    python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +38,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from opcount import BATCH, WIDTH, residual_stack
+
 import trainwatch as tw
 
 
@@ -37,6 +51,7 @@ class Workload:
     make_batch: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
     steps_per_round: int
     rounds: int
+    autocast: torch.dtype | None = None  # e.g. bf16: forward and loss under autocast
 
 
 def _mlp(quick: bool) -> Workload:
@@ -113,7 +128,70 @@ def _transformer(quick: bool) -> Workload:
     )
 
 
-WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+def _deep(quick: bool) -> Workload:
+    depth = 8 if quick else 32
+    return Workload(
+        "deep",
+        lambda: residual_stack(depth),
+        lambda d: (torch.randn(BATCH, WIDTH, device=d), torch.randn(BATCH, 1, device=d)),
+        steps_per_round=3 if quick else 20,
+        rounds=3 if quick else 11,
+    )
+
+
+class _GPT(nn.Module):
+    """GPT-2's shape from plain torch modules: pre-norm blocks, causal, tied head."""
+
+    def __init__(self, vocab: int, context: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Embedding(context, d)
+        self.drop = nn.Dropout(0.1)
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tokens.weight  # tied, as in GPT-2 (124M with it)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tokens(tokens) + self.positions(positions))
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=tokens.device)
+        # is_causal with a causal mask lets attention take the fused causal kernel.
+        x = self.blocks(x, mask=mask, is_causal=True)
+        return self.head(self.norm(x)).flatten(0, 1)
+
+
+def _gpt2(quick: bool) -> Workload:
+    # GPT-2 small: vocab 50257, context 1024, d 768, 12 layers, 12 heads.
+    vocab, seq, d, layers, heads, batch = (
+        (512, 64, 64, 2, 4, 4) if quick else (50257, 1024, 768, 12, 12, 8)
+    )
+    return Workload(
+        "gpt2",
+        lambda: _GPT(vocab, seq, d, layers, heads),
+        lambda dev: (
+            torch.randint(0, vocab, (batch, seq), device=dev),
+            torch.randint(0, vocab, (batch * seq,), device=dev),
+        ),
+        steps_per_round=2 if quick else 4,
+        rounds=3 if quick else 7,
+        autocast=torch.bfloat16,
+    )
+
+
+# Small enough for any device (profile_step.py runs all of these by default).
+WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer, "deep": _deep}
+# Run by default only on CUDA: on CPU a step takes seconds (name them to run them).
+CUDA_WORKLOADS = {"gpt2": _gpt2}
+ALL_WORKLOADS = {**WORKLOADS, **CUDA_WORKLOADS}
+
+
+def default_workloads(device: torch.device) -> list[str]:
+    return list(ALL_WORKLOADS) if device.type == "cuda" else list(WORKLOADS)
 
 
 def _sync(device: torch.device) -> None:
@@ -127,14 +205,29 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter() if device.type == "cuda" else time.process_time()
 
 
-def _time_block(model, opt, batch, steps: int, device: torch.device) -> float:
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Class labels (integer targets) take cross-entropy; float targets take MSE."""
+    if target.is_floating_point():
+        return nn.functional.mse_loss(output, target)
+    return nn.functional.cross_entropy(output, target)
+
+
+def _time_block(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+    device: torch.device,
+    autocast: torch.dtype | None = None,
+) -> float:
     x, y = batch
-    loss_fn = nn.functional.cross_entropy
     _sync(device)
     start = _clock(device)
     for _ in range(steps):
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        with torch.autocast(device.type, dtype=autocast) if autocast else nullcontext():
+            loss = _loss(model(x), y)
+        loss.backward()
         opt.step()
     _sync(device)
     return _clock(device) - start
@@ -150,14 +243,16 @@ def measure(workload: Workload, device: torch.device, config: str | None) -> dic
     ratios, plain_times, watched_times = [], [], []
     with tw.watch(watched, opt_watched, config=config, console=False):
         for model, opt in ((plain, opt_plain), (watched, opt_watched)):
-            _time_block(model, opt, batch, 2, device)  # warm-up
+            _time_block(model, opt, batch, 2, device, workload.autocast)  # warm-up
         for round_index in range(workload.rounds):
             pair = [(plain, opt_plain), (watched, opt_watched)]
             if round_index % 2:
                 pair.reverse()
             times = {}
             for model, opt in pair:
-                times[id(model)] = _time_block(model, opt, batch, workload.steps_per_round, device)
+                times[id(model)] = _time_block(
+                    model, opt, batch, workload.steps_per_round, device, workload.autocast
+                )
             ratios.append(times[id(watched)] / times[id(plain)])
             plain_times.append(times[id(plain)] / workload.steps_per_round)
             watched_times.append(times[id(watched)] / workload.steps_per_round)
@@ -169,7 +264,23 @@ def measure(workload: Workload, device: torch.device, config: str | None) -> dic
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "plain_ms_per_step": 1000 * min(plain_times),
+        "watched_ms_per_step": 1000 * min(watched_times),
     }
+
+
+def _header() -> str:
+    return (
+        f"{'workload':<12} {'plain ms/step':>14} {'watched ms/step':>16} {'ratio':>7} "
+        f"{'median':>7} {'min':>6} {'max':>6}"
+    )
+
+
+def _row(name: str, result: dict[str, float]) -> str:
+    return (
+        f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['watched_ms_per_step']:>16.2f} "
+        f"{result['ratio']:>7.3f} {result['ratio_median']:>7.3f} {result['ratio_min']:>6.3f} "
+        f"{result['ratio_max']:>6.3f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default=None, help="a trainwatch config (default: defaults)")
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps (smoke run)")
-    parser.add_argument("--only", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        "--only",
+        nargs="+",
+        choices=list(ALL_WORKLOADS),
+        default=None,
+        help=f"default: {' '.join(WORKLOADS)}; on CUDA also {' '.join(CUDA_WORKLOADS)}",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (FACTS.md: 1)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
@@ -186,22 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    names = args.workloads or default_workloads(device)
     results = {}
     print(f"trainwatch overhead on {device} (config: {args.config or 'default'})")
-    print(
-        f"{'workload':<12} {'plain ms/step':>14} {'ratio':>7} {'median':>7} {'min':>6} {'max':>6}"
-    )
-    for name in args.only:
-        workload = WORKLOADS[name](args.quick)
+    skipped = [name for name in ALL_WORKLOADS if name not in names]
+    if skipped and args.workloads is None:
+        print(f"(not run on {device.type} by default: {', '.join(skipped)}; see --workloads)")
+    print(_header())
+    for name in names:
+        workload = ALL_WORKLOADS[name](args.quick)
         workload.rounds = max(3, round(workload.rounds * args.rounds))
-        result = measure(workload, device, args.config)
-        results[name] = result
-        print(
-            f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['ratio']:>7.3f} "
-            f"{result['ratio_median']:>7.3f} {result['ratio_min']:>6.3f} "
-            f"{result['ratio_max']:>6.3f}",
-            flush=True,
-        )
+        results[name] = measure(workload, device, args.config)
+        print(_row(name, results[name]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

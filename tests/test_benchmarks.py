@@ -25,8 +25,36 @@ def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())
-    assert set(results) == {"mlp", "cnn", "transformer"}
+    # gpt2 runs by default only on CUDA; the default device is the CPU.
+    assert set(results) == {"mlp", "cnn", "transformer", "deep"}
     assert all(r["ratio"] > 0 for r in results.values())
+    assert all(r["plain_ms_per_step"] > 0 for r in results.values())
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
+    out = tmp_path / "overhead.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/overhead.py",
+            "--quick",
+            "--device",
+            "cpu",
+            "--workloads",
+            "gpt2",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert set(results) == {"gpt2"}
+    assert results["gpt2"]["ratio"] > 0
 
 
 @pytest.mark.skipif(
