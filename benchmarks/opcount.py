@@ -1,0 +1,142 @@
+"""What trainwatch adds to one healthy training step, counted instead of timed.
+
+Counts are deterministic, so they are a gate a test can assert (times are
+not): the aten ops a step dispatches (a ``TorchDispatchMode``, forward,
+backward and the optimizer alike) and the Python function calls that
+``sys.setprofile`` sees in the ``trainwatch`` package. Both are taken on the
+same step of two identical copies of a model, one plain and one watched,
+past the first-steps audits and off the sampled steps, at two depths of a
+residual stack of ``Linear(64, 64) + LayerNorm + GELU`` blocks (batch 32).
+A healthy step should cost the same at any depth.
+
+    python benchmarks/opcount.py                    # depth 4 and 64, default config
+    python benchmarks/opcount.py --depths 4 16 64 --json counts.json
+    python benchmarks/opcount.py --config configs/strict.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import trainwatch as tw
+
+_PACKAGE = str(Path(tw.__file__).resolve().parent)
+WIDTH, BATCH = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.norm(self.fc(x)))
+
+
+def residual_stack(depth: int) -> nn.Module:
+    """``depth`` blocks and a head: per-module costs dominate such a step."""
+    return nn.Sequential(*(Block() for _ in range(depth)), nn.Linear(WIDTH, 1))
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Counts:
+    depth: int
+    plain_ops: int
+    added_ops: int
+    python_calls: int
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+
+
+def _count_ops(step: Callable[[], None]) -> int:
+    counter = _OpCounter()
+    with counter:
+        step()
+    return counter.count
+
+
+def _count_calls(step: Callable[[], None]) -> int:
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def count(depth: int, config: Any = None, warm_steps: int = 41) -> Counts:
+    """Counts for one healthy step at ``depth``, taken at step ``warm_steps``.
+
+    The default (41) is past the broadcast audit and the first sampled
+    steps, and not a multiple of the sampling interval.
+    """
+    torch.manual_seed(0)
+    plain = residual_stack(depth)
+    watched = copy.deepcopy(plain)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    watched_opt = torch.optim.Adam(watched.parameters(), lr=1e-3)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, 1)
+    with tw.watch(watched, watched_opt, config=config, console=False):
+        for _ in range(warm_steps):
+            _train_step(plain, plain_opt, x, y)
+            _train_step(watched, watched_opt, x, y)
+        plain_ops = _count_ops(lambda: _train_step(plain, plain_opt, x, y))
+        watched_ops = _count_ops(lambda: _train_step(watched, watched_opt, x, y))
+        calls = _count_calls(lambda: _train_step(watched, watched_opt, x, y))
+    return Counts(depth, plain_ops, watched_ops - plain_ops, calls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 64])
+    parser.add_argument("--config", default=None, help="a YAML preset (default: the defaults)")
+    parser.add_argument("--json", default=None, help="also write the counts to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = [count(depth, args.config) for depth in args.depths]
+    print(f"{'depth':>6} {'plain ops':>10} {'ops added':>10} {'python calls':>13}")
+    for c in results:
+        print(f"{c.depth:>6} {c.plain_ops:>10} {c.added_ops:>+10} {c.python_calls:>13}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(c) for c in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
