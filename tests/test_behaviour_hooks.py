@@ -19,28 +19,36 @@ BEHAVIOUR_OFF = {
 
 
 def _module_hooks(model: nn.Module) -> int:
-    """Hooks stored on the modules (always none: they would travel with a saved model)
-    plus the global forward hooks, which trainwatch uses instead."""
+    """Hooks on the modules (only the model's own pass hooks, left out of any copy)
+    plus global module hooks (none between passes: they cost every module call)."""
     from torch.nn.modules import module as module_globals
 
-    on_modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert on_modules == 0
-    return len(module_globals._global_forward_hooks) + len(module_globals._global_forward_pre_hooks)
+    inner = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    inner -= len(model._forward_hooks) + len(model._forward_pre_hooks)
+    assert inner == 0
+    assert len(model._forward_hooks) + len(model._forward_pre_hooks) <= 2
+    return (
+        len(model._forward_hooks)
+        + len(model._forward_pre_hooks)
+        + len(module_globals._global_forward_hooks)
+        + len(module_globals._global_forward_pre_hooks)
+    )
 
 
-def test_disabled_behaviour_rules_install_nothing(quiet_watch):
+def test_behaviour_rules_add_no_hook_of_their_own(quiet_watch):
+    """They share the model's two pass hooks; the sampling hook exists only in sampled passes."""
     model = TinyNet()
     baseline = quiet_watch(model, **BEHAVIOUR_OFF)
     hooks_without = _module_hooks(model)
     assert baseline._behaviour is None
     baseline.close()
+    assert _module_hooks(model) == 0
     monitor = quiet_watch(model)
     assert monitor._behaviour is not None
-    # Two root hooks plus one (global, idle) sampling hook for constant_output.
-    assert _module_hooks(model) == hooks_without + 3
+    assert _module_hooks(model) == hooks_without == 2
 
 
-def test_modes_only_add_two_root_hooks(quiet_watch):
+def test_modes_add_no_hook_of_their_own(quiet_watch):
     model = TinyNet()
     off = dict(BEHAVIOUR_OFF)
     baseline = quiet_watch(model, **off)
@@ -48,7 +56,7 @@ def test_modes_only_add_two_root_hooks(quiet_watch):
     baseline.close()
     del off["eval_in_train_mode"]
     quiet_watch(model, **off)
-    assert _module_hooks(model) == hooks_without + 2
+    assert _module_hooks(model) == hooks_without
 
 
 def test_a_failing_check_is_reported_once_and_training_goes_on(quiet_watch, monkeypatch):

@@ -59,10 +59,10 @@ def test_failing_rule_is_reported_once_and_training_goes_on(model, monkeypatch):
 def test_failing_hook_inside_backward_does_not_break_backward(model, monkeypatch):
     from trainwatch.collect.accumulation import GradResetTracker
 
-    def broken(self, param):
+    def broken(self):
         raise ValueError("hook failure")
 
-    monkeypatch.setattr(GradResetTracker, "after_accumulate", broken, raising=True)
+    monkeypatch.setattr(GradResetTracker, "backward_starts", broken, raising=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses_plain = None
     with tw.watch(model, opt, console=False) as monitor:

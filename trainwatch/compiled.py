@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from collections.abc import Iterator
@@ -74,6 +75,23 @@ def is_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is a ``torch.compile`` wrapper (an ``OptimizedModule``)."""
     wrapper = _wrapper_class()
     return wrapper is not None and type(module) is wrapper
+
+
+def wrappers_of(module: nn.Module) -> list[nn.Module]:
+    """The live ``torch.compile`` wrappers around ``module`` (one scan of live objects).
+
+    For a model compiled after it was watched: its passes run inside the
+    wrapper's eager call. Only asked when a step had gradients but no pass
+    was seen, so a healthy step never pays for it.
+    """
+    wrapper = _wrapper_class()
+    if wrapper is None:
+        return []
+    return [
+        obj
+        for obj in gc.get_objects()
+        if type(obj) is wrapper and unwrap(obj) is module  # type: ignore[arg-type]
+    ]
 
 
 def user_name(qualified: str) -> str:

@@ -31,8 +31,9 @@ from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
+from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
-from trainwatch.compiled import CompiledHookWarning, unwrap, user_name
+from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
@@ -44,6 +45,9 @@ from trainwatch.rules import build_rules
 from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
+# Steps with gradients but no pass seen after which the search for a
+# torch.compile wrapper made after watching (around which the passes run) stops.
+_WRAPPER_SEARCHES = 3
 
 
 @dataclass
@@ -144,14 +148,22 @@ class Monitor:
         self._unoptimized: list[nn.Parameter] = []
         # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
         # need them to know what backward reached: always attached.
+        # The model's passes, seen from its outermost call only (a compile
+        # wrapper watched in its place stands for it).
+        self._passes = ModelPasses(_weak_callback(self._internal_error))
+        self._passes.hook(model if is_wrapper(model) else root)
+        self._wrapper_search = _WRAPPER_SEARCHES
+        self._passes_at_step = 0
         self._tracker = GradResetTracker(_weak_callback(self._internal_error))
         self._tracker.attach(layers.parameters())
+        self._passes.subscribe("accumulation tracker", self._tracker)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
-        self._calls = CallTracker()
+        self._calls = CallTracker(_weak_getter(self, "step_count", 0))
         if "zero_gradient" in self._rule_ids:
             self._calls.track(root, layers.layers)
+            self._passes.subscribe("call tracker", self._calls)
         self._probe: NonfiniteProbe | None = None
         if self._rule_ids & NONFINITE_RULES:
             self._probe = NonfiniteProbe(
@@ -162,6 +174,7 @@ class Monitor:
             )
             self._probe.attach(root)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
+            self._passes.subscribe("non-finite probe", self._probe)
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         # Modes, loss shapes and sampled activations: only for their rules.
         self._behaviour: BehaviourWatch | None = None
@@ -174,9 +187,11 @@ class Monitor:
                 _weak_callback(self._publish_pass),
                 _weak_callback(self._internal_error),
             )
+            self._passes.subscribe("behaviour checks", self._behaviour)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
+            self._passes,
             self._tracker,
             self._structure,
             self._calls,
@@ -477,6 +492,15 @@ class Monitor:
         if self._structure.changed():
             self._rebuild_layers()
         record, params, grads = self._read_gradients(index)
+        if grads and self._passes.passes == self._passes_at_step and self._wrapper_search:
+            # Gradients without a pass seen: compiled after watching, perhaps.
+            self._wrapper_search -= 1
+            wrappers = wrappers_of(self._root)
+            for wrapper in wrappers:
+                self._passes.hook(wrapper)
+            if not wrappers:
+                self._passes.widen()  # parts of the model called on their own
+        self._passes_at_step = self._passes.passes
         if record.missing and self._layers.outdated():
             # module.to() in overwrite mode swapped in new Parameter objects:
             # name them (and see whether any optimizer still holds the old ones).

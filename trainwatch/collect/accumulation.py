@@ -26,7 +26,18 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
+
+from trainwatch.collect.tensors import floating_tensors
+
+
+def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """max|g| of each gradient, fp32, in one batched kernel per device."""
+    try:
+        return list(torch._foreach_norm(grads, math.inf, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # older torch, mixed devices
+        return [torch.linalg.vector_norm(g.float(), ord=math.inf) for g in grads]
 
 
 def _never(_: object = None) -> bool:
@@ -40,45 +51,8 @@ except ImportError:  # pragma: no cover - other torch versions
     _wrapper_subclass = _never
 
 
-def _swappable(tensor: torch.Tensor) -> bool:
-    """Whether ``module.to()`` may swap this tensor, which fails if it has a weak reference.
-
-    It swaps every tensor in swap mode, and wrapper subclasses (DTensor) always.
-    """
-    return _swap_mode() or _wrapper_subclass(tensor)
-
-
-class _SameTensor:
-    """Recognises one gradient tensor later, without keeping it alive.
-
-    A weak reference is exact, but PyTorch refuses to swap a tensor that has
-    one (``torch.utils.swap_tensors``: ``module.to()`` in swap mode, and for
-    wrapper subclasses such as DTensor), so such tensors are recognised by
-    their id and their C++ tensor instead. Only a gradient set to ``None`` and
-    then replaced by hand with a new one that lands at both of the old
-    addresses could pass for the old one.
-    """
-
-    __slots__ = ("ref", "key")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        if _swappable(tensor):
-            self.ref: weakref.ref[torch.Tensor] | None = None
-            self.key: tuple[int, int] | None = (id(tensor), tensor._cdata)
-        else:
-            self.ref, self.key = weakref.ref(tensor), None
-
-    def __call__(self, tensor: torch.Tensor | None) -> bool:
-        """Whether ``tensor`` is the tensor this was made from."""
-        if tensor is None:
-            return False
-        if self.ref is not None:
-            return self.ref() is tensor
-        return self.key == (id(tensor), tensor._cdata)
-
-
 def _rewire_hooks(param: torch.Tensor) -> None:
-    """Reconnect a swapped parameter's tensor hooks (ours and the user's).
+    """Reconnect a swapped parameter's tensor hooks (trainwatch's and the user's).
 
     ``torch.utils.swap_tensors`` (``module.to()`` in swap mode) keeps a
     tensor's Python tables of hooks but not the autograd hooks that call
@@ -94,13 +68,25 @@ def _rewire_hooks(param: torch.Tensor) -> None:
 
 
 class _ParamState:
+    """One parameter, and the gradient tensor the last step used, recognised later.
+
+    That gradient is kept as a weak reference, which is exact; but PyTorch
+    refuses to swap a tensor that has one (``torch.utils.swap_tensors``:
+    ``module.to()`` in swap mode, and wrapper subclasses such as DTensor
+    always), so those are recognised by their id and their C++ tensor
+    instead (``grad_key``). Only a gradient set to ``None`` and then replaced
+    by hand with a new one that lands at both of the old addresses could pass
+    for the old one.
+    """
+
     __slots__ = (
         "param",
         "impl",
         "armed",
         "reset",
         "accumulated",
-        "grad",
+        "grad_ref",
+        "grad_key",
         "version",
         "content",
         "seen",
@@ -115,44 +101,48 @@ class _ParamState:
         self.armed = False
         self.reset = False
         self.accumulated = False
-        self.grad: _SameTensor | None = None  # the gradient the last step used
+        self.grad_ref: weakref.ref[torch.Tensor] | None = None
+        self.grad_key: tuple[int, int] | None = None
         self.version = -1
         self.content: torch.Tensor | None = None
 
-    def holds_used_grad(self, grad: torch.Tensor | None) -> bool:
-        return self.grad is not None and self.grad(grad)
+
+# Written out in each loop over the parameters instead of called (a call per
+# parameter per step is what the loops exist to avoid):
+#   same = grad is not None and (
+#       (state.grad_ref is not None and state.grad_ref() is grad)
+#       or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)))
 
 
-class _BeforeAccumulate:
-    """Tensor hook: runs before backward adds the new gradient into ``.grad``."""
+class _BackwardStarts:
+    """Tensor hook on the model's output: a backward pass has reached the model."""
 
-    __slots__ = ("tracker", "key")
-
-    def __init__(self, tracker: GradResetTracker, key: int) -> None:
-        self.tracker = weakref.ref(tracker)
-        self.key = key
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        tracker = self.tracker()
-        if tracker is not None and tracker.enabled:
-            try:
-                tracker.before_accumulate(self.key)
-            except Exception as exc:  # never break the user's backward
-                tracker.fail(exc)
-        return None
-
-
-class _AfterAccumulate:
     __slots__ = ("tracker",)
 
     def __init__(self, tracker: GradResetTracker) -> None:
         self.tracker = weakref.ref(tracker)
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def __call__(self, grad: torch.Tensor) -> None:
         tracker = self.tracker()
         if tracker is not None and tracker.enabled:
             try:
-                tracker.after_accumulate(param)
+                tracker.backward_starts()
+            except Exception as exc:  # never break the user's backward
+                tracker.fail(exc)
+        return None
+
+
+class _BackwardEnds:
+    __slots__ = ("tracker",)
+
+    def __init__(self, tracker: GradResetTracker) -> None:
+        self.tracker = weakref.ref(tracker)
+
+    def __call__(self) -> None:
+        tracker = self.tracker()
+        if tracker is not None and tracker.enabled:
+            try:
+                tracker.backward_ends()
             except Exception as exc:
                 tracker.fail(exc)
 
@@ -160,12 +150,14 @@ class _AfterAccumulate:
 class GradResetTracker:
     def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
         self._states: dict[int, _ParamState] = {}
-        self._handles: list[RemovableHandle] = []
         self._on_error = on_error
         self.enabled = True
-        # Set by any accumulation; the monitor uses it to attribute a loss to
-        # the step that is being built rather than the one just finished.
+        # Set by any backward that reached the model; the monitor uses it to
+        # attribute a loss to the step that is being built rather than the one
+        # just finished.
         self.backward_seen = False
+        self._in_backward = False
+        self._fallback: RemovableHandle | None = None
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -173,46 +165,88 @@ class GradResetTracker:
             if id(param) in self._states or not param.requires_grad:
                 continue
             self._states[id(param)] = _ParamState(param)
-            self._handles.append(param.register_hook(_BeforeAccumulate(self, id(param))))
-            self._handles.append(param.register_post_accumulate_grad_hook(_AfterAccumulate(self)))
+        if self._fallback is None and self._states:
+            # One tensor hook on one parameter, for backward passes that do not
+            # come through a pass the hooks see (a model compiled in place): the
+            # last parameter's gradient (the head's) is usually made first.
+            last = next(reversed(self._states.values())).param
+            self._fallback = last.register_hook(_BackwardStarts(self))
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._fallback is not None:
+            self._fallback.remove()
+            self._fallback = None
         self._states.clear()
 
     def fail(self, exc: BaseException) -> None:
         self.enabled = False
         self._on_error("accumulation tracker", exc)
 
-    # -- hooks -----------------------------------------------------------
-    def before_accumulate(self, key: int) -> None:
-        state = self._states.get(key)
-        if state is None or not state.armed or state.reset:
-            return
-        grad = state.param.grad
-        if not state.holds_used_grad(grad) or grad._version != state.version:
-            state.reset = True
-            state.content = None
-            return
-        if not state.accumulated:
-            state.accumulated = True
-            if grad.layout == torch.strided and grad.numel() > 0:
-                state.content = torch.linalg.vector_norm(grad.detach().float(), ord=math.inf)
+    # -- the model's passes (ModelPasses) ----------------------------------
+    def pass_starts(self, module: object) -> None:
+        return None
 
-    def after_accumulate(self, param: torch.Tensor) -> None:
+    def pass_ends(self, module: object, args: object, kwargs: object, output: object) -> None:
+        """One tensor hook on the pass's output: backward reaching the model starts there."""
+        if not self.enabled or not torch.is_grad_enabled():
+            return
+        for tensor in floating_tensors(output):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(_BackwardStarts(self))
+                return
+
+    # -- backward ----------------------------------------------------------
+    def backward_starts(self) -> None:
+        """Before any parameter of the model accumulates: were last step's gradients reset?
+
+        Once per backward pass (the first output hook to fire), one loop over
+        the parameters in one call instead of a hook per parameter; the
+        gradients' content is read only for suspects, in one batched kernel.
+        """
         self.backward_seen = True
-        state = self._states.get(id(param))
-        if state is None:
-            return
-        state.seen = True
-        if not state.armed or state.reset:
-            return
-        grad = param.grad
-        if grad is not None:
-            state.grad = _SameTensor(grad)
-            state.version = grad._version
+        if self._in_backward:
+            return  # a second output of the same backward: parameters may have moved
+        self._in_backward = True
+        Variable._execution_engine.queue_callback(_BackwardEnds(self))
+        suspects: list[_ParamState] = []
+        for state in self._states.values():
+            if not state.armed or state.reset:
+                continue
+            grad = state.param.grad
+            same = grad is not None and (
+                (state.grad_ref is not None and state.grad_ref() is grad)
+                or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
+            )
+            if not same or grad._version != state.version:
+                state.reset = True
+                state.content = None
+                continue
+            if not state.accumulated:
+                state.accumulated = True
+                if grad.layout == torch.strided and grad.numel() > 0:
+                    suspects.append(state)
+        if suspects:
+            grads = [state.param.grad.detach() for state in suspects]
+            for state, norm in zip(suspects, _max_abs(grads)):
+                state.content = norm
+
+    def backward_ends(self) -> None:
+        """What this backward reached, and the versions its accumulations left."""
+        self._in_backward = False
+        for state in self._states.values():
+            grad = state.param.grad
+            if grad is None:
+                continue
+            if state.armed and not state.reset:
+                same = (state.grad_ref is not None and state.grad_ref() is grad) or (
+                    state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
+                )
+                if same:
+                    if grad._version != state.version:
+                        state.seen = True
+                        state.version = grad._version  # the next backward compares with this
+                    continue
+            state.seen = True
 
     # -- step boundary ---------------------------------------------------
     def suspects(
@@ -228,11 +262,16 @@ class GradResetTracker:
         if not self.enabled:
             return []
         found = []
+        states = self._states
         for param in params:
-            state = self._states.get(id(param))
+            state = states.get(id(param))
             if state is None or not state.armed or state.reset or not state.accumulated:
                 continue
-            if state.holds_used_grad(param.grad):
+            grad = param.grad
+            if grad is not None and (
+                (state.grad_ref is not None and state.grad_ref() is grad)
+                or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
+            ):
                 found.append((param, state.content))
         return found
 
@@ -246,24 +285,29 @@ class GradResetTracker:
         self.backward_seen = False
         if not self.enabled:
             return
+        swap = _swap_mode()
+        states = self._states
         for param in params:
-            state = self._states.get(id(param))
+            state = states.get(id(param))
             if state is None:
                 continue
             if param._cdata != state.impl:
-                # Swapped by module.to() since the last step: that step's
-                # backward went unseen; from the next one on it is seen again.
+                # Swapped by module.to() since the last step: its hooks are
+                # wired to autograd again (the user's too).
                 _rewire_hooks(param)
                 state.impl = param._cdata
             state.seen = False
-            grad = param.grad
             state.reset = False
             state.accumulated = False
             state.content = None
+            grad = param.grad
             if grad is None:
                 state.armed = False
-                state.grad = None
+                state.grad_ref = state.grad_key = None
+                continue
+            state.armed = True
+            state.version = grad._version
+            if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
+                state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
             else:
-                state.armed = True
-                state.grad = _SameTensor(grad)
-                state.version = grad._version
+                state.grad_ref, state.grad_key = weakref.ref(grad), None

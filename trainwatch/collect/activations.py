@@ -5,8 +5,9 @@ a training step (FACTS.md), so it is taken only on sampled steps (the first
 few, then every N), on the forward passes with gradients of those steps, on
 at most ``rows`` rows of the batch and at most ``_MAX_FEATURES`` positions
 (a strided view): the cost per module is bounded whatever the layer's size.
-On other steps each hook returns after one attribute test. The numbers stay
-on the device and join the step's single readback.
+On other passes no module is hooked at all: the hook is installed when a
+sampled pass begins and removed when it ends. The numbers stay on the
+device and join the step's single readback.
 
 Which values: the floating tensors of a module's output (whatever structure
 holds them: a dict, a dataclass, a named tuple) that have the batch axis of
@@ -147,8 +148,9 @@ class ActivationSampler:
         self.rows = rows
         self.spread = spread  # constant_output wants spreads
         self.zeros = zeros  # dead_units wants zero fractions
-        self.active = False  # this pass is sampled
+        self._active = False  # this pass is sampled
         self.enabled = True
+        self._watched: dict[int, int] = {}
         self._on_error = on_error
         self._handles: list[Any] = []
         self._names: list[str] = []
@@ -167,13 +169,44 @@ class ActivationSampler:
             if not self.spread and not relu:
                 continue
             watched[id(module)] = index
-        self._handles.append(register_module_forward_hook(_Hook(self, watched)))
+        self._watched = watched
 
-    def detach(self) -> None:
+    @property
+    def active(self) -> bool:
+        """Whether this pass is sampled."""
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        if not value and self._handles:
+            self._unhook()
+
+    def start_pass(self, sampled: bool, hook_modules: bool) -> None:
+        """A pass begins; a sampled one hooks every module, for its duration only.
+
+        Not around a compiled graph (no module is seen inside it, and a global
+        hook that comes and goes would make dynamo recompile): there the
+        model's own output is measured when the pass ends.
+        """
+        self.active = sampled
+        if sampled and hook_modules and not self._handles:
+            self._handles.append(register_module_forward_hook(_Hook(self, self._watched)))
+
+    def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._active and not self._handles:
+            self.after_forward(0, module, args, output)  # the model, around its compiled graph
+        self._outputs.clear()
+        self.active = False
+
+    def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def detach(self) -> None:
         self.active = False
+        self._unhook()
 
     def fail(self, exc: BaseException) -> None:
         self.enabled = False
@@ -189,9 +222,6 @@ class ActivationSampler:
         # had: a container that returns its child's tensor is not measured
         # twice; one changed in place since is.
         self._outputs: dict[int, _Measured] = {}
-
-    def end_pass(self) -> None:
-        self._outputs.clear()
 
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():

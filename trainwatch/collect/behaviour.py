@@ -26,20 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.collect import quiet
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.eval_passes import EvalPassJudge
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
-from trainwatch.compiled import compiling, unwrap
+from trainwatch.compiled import is_wrapper, unwrap
 from trainwatch.config import Config
 from trainwatch.guard import Guard
 from trainwatch.record import ModeReport, StepRecord
@@ -61,39 +56,6 @@ class BehaviourToken:
 
     names: list[RowKey]
     piece: int
-
-
-class _RootHook:
-    """Global hook picking out the watched root by identity.
-
-    Global, so nothing is stored on the model: it saves, pickles and deep-copies
-    (an EMA copy) exactly as without trainwatch. ``torch.compile(model)``'s
-    wrapper stands for the model: its call runs eagerly around the compiled
-    graph, inside which this hook does nothing.
-    """
-
-    __slots__ = ("watch", "before", "root")
-
-    def __init__(self, watch: BehaviourWatch, before: bool, root: nn.Module) -> None:
-        self.watch = weakref.ref(watch)
-        self.before = before
-        self.root = id(root)
-
-    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
-        if compiling():
-            return None
-        if id(module) != self.root and id(unwrap(module)) != self.root:
-            return None
-        if quiet.replaying():
-            return None
-        watch = self.watch()
-        if watch is None:
-            return None
-        if self.before:
-            watch.enter_pass()
-        else:
-            watch.leave_pass(output)
-        return None
 
 
 class _BackwardSeen:
@@ -134,6 +96,7 @@ class BehaviourWatch:
         self.check_train_step = "train_in_eval_mode" in rule_ids
         self.modes = ModeWatch(model) if self.check_eval_pass or self.check_train_step else None
         self.train_in_eval: ModeReport | None = None
+        self._model_passes = 0  # since the last step boundary
         self.eval_passes = EvalPassJudge()
         self.broadcast = (
             BroadcastAudit(config.broadcast.audit_steps, on_error)
@@ -151,13 +114,6 @@ class BehaviourWatch:
             )
             if spread or zeros
             else None
-        )
-        # The wrapper and the model both run eagerly when compiled code falls
-        # back to Python: only the outermost of them is the pass.
-        self._depth = 0
-        self._handles.append(register_module_forward_pre_hook(_RootHook(self, True, model)))
-        self._handles.append(
-            register_module_forward_hook(_RootHook(self, False, model), always_call=True)
         )
 
     @staticmethod
@@ -178,30 +134,30 @@ class BehaviourWatch:
                 return True
         return False
 
-    def enter_pass(self) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self.guard("behaviour checks", self.pass_starts)
+    def _is_model(self, module: nn.Module) -> bool:
+        """Passes of the whole model only (not of a part called on its own)."""
+        return unwrap(module) is self._model()
 
-    def leave_pass(self, output: Any) -> None:
-        """Always called, even when the forward raised (the depth must come back down)."""
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0:
-            self.guard("behaviour checks", self.pass_ends, output)
-
-    def pass_starts(self) -> None:
+    def pass_starts(self, module: nn.Module) -> None:
+        """A forward pass of the whole model begins (called by ``ModelPasses``)."""
+        if not self._is_model(module):
+            return
+        self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
         if self.broadcast is not None:
             self.broadcast.stop()  # a new pass: the previous loss is done
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
-            sampler.active = torch.is_grad_enabled() and self._due(self._step_of())
+            sampled = torch.is_grad_enabled() and self._due(self._step_of())
+            sampler.start_pass(sampled, hook_modules=not is_wrapper(module))
 
-    def pass_ends(self, output: Any) -> None:
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._is_model(module):
+            return
         grad = torch.is_grad_enabled()
         if self.sampler is not None:
-            self.sampler.end_pass()
+            self.sampler.end_pass(module, args, output)
         if self.modes is not None:
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
@@ -246,6 +202,17 @@ class BehaviourWatch:
 
     def _gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
         record.train_in_eval, self.train_in_eval = self.train_in_eval, None
+        if (
+            record.train_in_eval is None
+            and self.check_train_step
+            and self.modes is not None
+            and not self._model_passes
+            and record.present
+        ):
+            # Gradients, but no pass of the model seen (compiled after watching,
+            # before its wrapper was found): the modes now are the pass's.
+            record.train_in_eval = self.modes.in_mode(False)
+        self._model_passes = 0
         if self.broadcast is not None:
             record.broadcasts = self.broadcast.step_boundary()
         token = None

@@ -8,20 +8,22 @@ apart keeps ``zero_gradient`` from crying wolf on the first.
 A layer counts as never called only when the module holding it *was* called:
 inside a compiled region hooks are not run, so there nothing is claimed, and
 the plain ``zero_gradient`` warning stands. One global pre-forward hook does
-the work; it takes itself off once every tracked module has been seen.
+the work, on the passes of sampled steps only (the first few, then every
+``_EVERY``-th): a hook on every module call costs every call in the process.
+It is not installed at all once every tracked module has been seen.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.compiled import compiling, is_wrapper, user_name
+from trainwatch.compiled import compiling, is_wrapper, unwrap, user_name
 
 
 class _SeenHook:
@@ -45,8 +47,13 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+_FIRST_STEPS = 5
+_EVERY = 25
+
+
 class CallTracker:
-    def __init__(self) -> None:
+    def __init__(self, step_of: Callable[[], int] = lambda: 0) -> None:
+        self._step_of = step_of
         self._waiting: dict[int, str] = {}  # id(module) -> user name, not called yet
         self._keep: dict[int, nn.Module] = {}  # keeps the ids valid
         self._seen_names: set[str] = set()
@@ -73,8 +80,20 @@ class CallTracker:
                 continue
             self._waiting.setdefault(id(module), name)
             self._keep[id(module)] = module
-        if self._waiting and self._handle is None:
+
+    # -- the model's passes (ModelPasses) ----------------------------------
+    def pass_starts(self, module: nn.Module) -> None:
+        if not self._waiting or self._handle is not None:
+            return
+        step = self._step_of()
+        if (step >= _FIRST_STEPS and step % _EVERY) or is_wrapper(module):
+            return  # inside a compiled graph no call is seen (and a hook would recompile)
+        self.seen(unwrap(module))  # its own hooks are already running
+        if self._waiting:
             self._handle = register_module_forward_pre_hook(_SeenHook(self))
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._unhook()
 
     def seen(self, module: nn.Module) -> None:
         name = self._waiting.pop(id(module), None)

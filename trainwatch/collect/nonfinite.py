@@ -315,7 +315,26 @@ class NonfiniteProbe:
             if not isinstance(module, CANNOT_ORIGINATE) or module is model:
                 self._checkable.add(index)
         self.find_device(model)
-        self._handles.extend(_register_global_hooks(_CallHooks(self, self._ids)))
+
+    def module_hooks(self) -> list[Any]:
+        """Hooks on every module call: always in deferred mode, else only for a replay."""
+        return _register_global_hooks(_CallHooks(self, self._ids))
+
+    # -- the model's passes (ModelPasses), where modules are not hooked -------
+    def pass_starts(self, module: nn.Module) -> None:
+        if self._handles or self._replaying or not self.enabled or self.suspended:
+            return  # the module hooks see the pass
+        # Gradient checkpointing of the whole model re-runs it inside backward:
+        # that is no new pass.
+        self._recomputing = _inside_backward()
+        if not self._recomputing:
+            self._new_pass()
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._handles or self._replaying or not self.enabled or self.suspended:
+            return
+        if self._spot and not self._recomputing:
+            self._end_spot_pass(module, args, kwargs, output)
 
     def find_device(self, model: nn.Module) -> None:
         """Keep a parameter to tell where the model runs (CPU: checks on the spot).
@@ -324,6 +343,15 @@ class NonfiniteProbe:
         overwrite mode), so a model moved to a GPU stops being checked on the spot.
         """
         self._first_param = next(model.parameters(), None)
+        first = self._first_param
+        # Deferred (no-sync) mode, and devices whose sums are read after the
+        # step: every module's sums, every step. On CPU, only the model's output.
+        wanted = not self.on_the_spot or (first is not None and first.device.type != "cpu")
+        if wanted and not self._handles:
+            self._handles.extend(self.module_hooks())
+        elif not wanted and self._handles:
+            _remove_all(self._handles)
+            self._handles.clear()
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -493,9 +521,7 @@ class NonfiniteProbe:
             pairs = [(o, g) for o, g in zip(outs, self._grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]
             if pairs and params:
-                torch.autograd.grad(
-                    [o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True
-                )
+                _backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
         return True
 
     # -- forward ---------------------------------------------------------
@@ -807,6 +833,10 @@ class _Replay:
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
+        if not probe._handles:
+            # Module hooks only for the replay: healthy passes run without them.
+            handles = probe.module_hooks()
+            self._stack.callback(_remove_all, handles)
         probe._replaying = True
         probe._known.clear()
         return self
@@ -817,6 +847,37 @@ class _Replay:
         self.probe._calls_in_progress.clear()
         self._stack.close()
         return True  # a replay that fails only means no finer location
+
+
+def _backward_leaving_grads(
+    outputs: list[torch.Tensor], params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
+    """Backward from ``outputs`` with the parameters' real ``.grad`` left as they are.
+
+    ``torch.autograd.grad`` never touches ``.grad``; a reentrant checkpoint
+    refuses it, so there the gradients are set aside around a plain backward
+    and put back (the replay only happens once a step's gradients were bad).
+    """
+    try:
+        # The graph is kept for the second try: the refusal comes mid-way.
+        torch.autograd.grad(outputs, params, grads, allow_unused=True, retain_graph=True)
+        return
+    except RuntimeError as exc:
+        if "checkpoint" not in str(exc):
+            raise
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        torch.autograd.backward(outputs, grads)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _codes(sums: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""The watched model's forward passes, seen from its outermost call alone.
+
+A global module hook runs on every ``nn.Module.__call__`` in the process and
+takes every call off PyTorch's fast path (``Module._call_impl`` returns
+``forward(*args)`` directly only while no hook of any kind exists), so a
+healthy step would cost more with every layer. Healthy steps therefore see
+the model from two hooks on the model alone: a forward pre-hook and an
+always-called forward hook on the root module, and on a ``torch.compile``
+wrapper of it (whose own call runs eagerly around the compiled graph). Every
+collector that needs a pass (its start, its output, its inputs) subscribes
+here; per-module hooks are installed only on the steps that need them.
+
+Hooks on an instance live in the module's own hook tables, which ``pickle``,
+``torch.save`` and ``copy.deepcopy`` would carry along (an EMA copy would
+report into this monitor; ``torch.load(weights_only=True)`` would refuse
+trainwatch's classes). A reduction registered with ``copyreg`` for the
+model's class leaves trainwatch's hooks out of every copy: the copy is what
+it would be without trainwatch. A class whose reduction the user registered
+already keeps the user's.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+
+from trainwatch.collect import quiet
+from trainwatch.compiled import compiling, unwrap
+
+# Per-instance hook tables of nn.Module: the hooks themselves, and the tables
+# keyed by a hook's id that say how to call it.
+_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+class PassListener(Protocol):
+    """A collector that wants the model's forward passes."""
+
+    def pass_starts(self, module: nn.Module) -> None: ...
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None: ...
+
+
+class _PassHook:
+    __slots__ = ("passes", "before")
+
+    def __init__(self, passes: ModelPasses, before: bool) -> None:
+        self.passes = weakref.ref(passes)
+        self.before = before
+
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        if compiling():
+            return None  # traced into a graph (the wrapper's eager call stands for it)
+        passes = self.passes()
+        if passes is None or quiet.replaying():
+            return None
+        if self.before:
+            passes.enter(module)
+        else:
+            kwargs, output = rest
+            passes.leave(module, args, kwargs, output)
+        return None
+
+
+def _without_trainwatch_hooks(obj: nn.Module) -> Any:
+    """``obj``'s ordinary reduction, with trainwatch's hooks left out of its hook tables."""
+    reduced = object.__reduce_ex__(obj, 4)
+    state = reduced[2] if len(reduced) > 2 else None
+    if not isinstance(state, dict):
+        return reduced
+    ours = {
+        key
+        for key, hook in {
+            **state.get("_forward_pre_hooks", {}),
+            **state.get("_forward_hooks", {}),
+        }.items()
+        if isinstance(hook, _PassHook)
+    }
+    if not ours:
+        return reduced
+    state = dict(state)
+    for table in _HOOK_TABLES:
+        found = state.get(table)
+        if found is not None:
+            state[table] = type(found)((k, v) for k, v in found.items() if k not in ours)
+    return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+# Classes given the reduction above, with how many hooked instances need it.
+_reduced_classes: dict[type, int] = {}
+
+
+def _hide_hooks_of(cls: type) -> bool:
+    if cls in _reduced_classes:
+        _reduced_classes[cls] += 1
+        return True
+    if cls in copyreg.dispatch_table:
+        return False  # the user's own reduction stays
+    copyreg.pickle(cls, _without_trainwatch_hooks)
+    _reduced_classes[cls] = 1
+    return True
+
+
+def _release_class(cls: type) -> None:
+    count = _reduced_classes.get(cls, 0) - 1
+    if count > 0:
+        _reduced_classes[cls] = count
+        return
+    _reduced_classes.pop(cls, None)
+    if copyreg.dispatch_table.get(cls) is _without_trainwatch_hooks:
+        del copyreg.dispatch_table[cls]
+
+
+class ModelPasses:
+    """Start and end of each outermost forward pass of one model, for its collectors."""
+
+    def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
+        self._on_error = on_error
+        self._listeners: list[tuple[str, PassListener]] = []
+        self._hooked: list[tuple[weakref.ref[nn.Module], list[Any], type | None]] = []
+        # The wrapper and the model both run eagerly when compiled code falls
+        # back to Python: only the outermost of them is the pass.
+        self._depth = 0
+        self.passes = 0  # outermost passes seen so far
+
+    def hook(self, module: nn.Module) -> None:
+        """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper)."""
+        if any(ref() is module for ref, _, _ in self._hooked):
+            return
+        handles = [
+            module.register_forward_pre_hook(_PassHook(self, True)),
+            module.register_forward_hook(
+                _PassHook(self, False), with_kwargs=True, always_call=True
+            ),
+        ]
+        cls = type(module) if _hide_hooks_of(type(module)) else None
+        self._hooked.append((weakref.ref(module), handles, cls))
+
+    def widen(self) -> int:
+        """Also watch the children (with parameters) of every module watched so far.
+
+        For loops that call parts of the model (``gan.generator(z)``,
+        ``model.encoder(x)``) and never the model itself: each outermost call
+        of a part is then a pass. Returns how many modules were added.
+        """
+        added = 0
+        for ref, _, _ in list(self._hooked):
+            module = ref()
+            if module is None:
+                continue
+            for child in unwrap(module).children():
+                if not self.hooks(child) and next(child.parameters(), None) is not None:
+                    self.hook(child)
+                    added += 1
+        return added
+
+    def hooks(self, module: nn.Module) -> bool:
+        return any(ref() is module for ref, _, _ in self._hooked)
+
+    def subscribe(self, name: str, listener: PassListener) -> None:
+        self._listeners.append((name, listener))
+
+    def unsubscribe(self, listener: PassListener) -> None:
+        self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
+
+    def enter(self, module: nn.Module) -> None:
+        self._depth += 1
+        if self._depth != 1:
+            return
+        self.passes += 1
+        for name, listener in list(self._listeners):
+            try:
+                listener.pass_starts(module)
+            except Exception as exc:  # never break the user's forward
+                self._fail(name, listener, exc)
+
+    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Always called, even when the forward raised (the depth must come back down)."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth != 0:
+            return
+        for name, listener in list(self._listeners):
+            try:
+                listener.pass_ends(module, args, kwargs, output)
+            except Exception as exc:
+                self._fail(name, listener, exc)
+
+    def _fail(self, name: str, listener: PassListener, exc: BaseException) -> None:
+        self.unsubscribe(listener)
+        self._on_error(name, exc)
+
+    def detach(self) -> None:
+        for _, handles, cls in self._hooked:
+            for handle in handles:
+                handle.remove()
+            if cls is not None:
+                _release_class(cls)
+        self._hooked.clear()
+        self._listeners.clear()
+        self._depth = 0
