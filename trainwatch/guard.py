@@ -27,6 +27,10 @@ class Guard:
         except TrainingHealthError:
             raise
         except Exception as exc:
-            self.disabled.add(component)
-            self.on_error(component, exc)
+            self.fail(component, exc)
             return None
+
+    def fail(self, component: str, exc: BaseException) -> None:
+        """``component`` failed: switch it off and report it."""
+        self.disabled.add(component)
+        self.on_error(component, exc)

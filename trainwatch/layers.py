@@ -102,6 +102,11 @@ class LayerMap:
     def parameters(self) -> list[nn.Parameter]:
         return list(self._params.values())
 
+    def known(self) -> dict[int, ParamInfo]:
+        """The model's own parameters' names by ``id``: for loops over every parameter
+        of a step, where a call of :meth:`info` per parameter would cost more."""
+        return self._info
+
     def info(self, param: torch.Tensor) -> ParamInfo:
         """Names a parameter; one the model does not own gets a stable placeholder."""
         found = self._info.get(id(param)) or self._departed.get(id(param))

@@ -471,21 +471,22 @@ class Monitor:
         record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
         params = self._layers.parameters() if manual else self._optimizer_params(index)
         info = self._layers.info
+        known = self._layers.known()
+        present = record.present
         grads: list[torch.Tensor] = []
         for param in params:
-            if not param.requires_grad:
+            grad = param.grad
+            if grad is not None and param.requires_grad:  # the usual case, without a call
+                found = known.get(id(param))
+                present.append(found if found is not None else info(param))
+                grads.append(grad)
+            elif not param.requires_grad:
                 if not manual:
                     record.frozen.append(info(param))
-                continue
-            grad = param.grad
-            if grad is None:
-                # Without an optimizer, gradients may be reset before
-                # monitor.step(): what backward reached still counts.
-                if not (manual and self._tracker.reached(param)):
-                    record.missing.append(info(param))
-            else:
-                record.present.append(info(param))
-                grads.append(grad)
+            # Without an optimizer, gradients may be reset before
+            # monitor.step(): what backward reached still counts.
+            elif not (manual and self._tracker.reached(param)):
+                record.missing.append(info(param))
         return record, params, grads
 
     def _gather(self, index: int | None) -> _Pending:
@@ -619,9 +620,18 @@ class Monitor:
 
     def _run_rules(self, record: StepRecord) -> list[Alert]:
         alerts: list[Alert] = []
+        disabled = self._disabled
         for rule in self._rules:
-            component = f"rule {rule.id}"
-            found = self._guarded(component, rule.evaluate, record)
+            component = rule.component
+            if component in disabled:
+                continue
+            try:  # the guard written out: this runs for every rule at every step
+                found = rule.evaluate(record)
+            except TrainingHealthError:
+                raise
+            except Exception as exc:
+                self._guard.fail(component, exc)
+                continue
             if found:
                 alerts.extend(found)
         return alerts

@@ -33,12 +33,15 @@ def gradient_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not grads:
         return []
+    strided = torch.strided
+    # Gradients are plain strided tensors outside autograd: taken as they are
+    # (a detach per gradient would be one more op per parameter per step).
+    dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
+    if len({g.device for g in dense}) == 1:
+        return [torch.stack(_foreach_norm_fp32(dense))]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(_dense(grad))
-    if len(by_device) == 1:
-        (group,) = by_device.values()
-        return [torch.stack(_foreach_norm_fp32(group))]
+    for grad in dense:
+        by_device.setdefault(grad.device, []).append(grad)
     # Several devices (model parallel): keep input order across device groups.
     order: list[tuple[torch.device, int]] = []
     counters: dict[torch.device, int] = {}

@@ -395,7 +395,7 @@ class NonfiniteProbe:
         self._output_bad = False
         self._pass_grads: list[torch.Tensor] = []
         # One device flag per backward pass since the step: "its gradients had a NaN/Inf".
-        self.bad_backward_passes: list[torch.Tensor] = []
+        self.bad_backward_passes: list[torch.Tensor | float] = []
         # A forward pass of the model was seen this step. Not so when the model
         # was compiled in place (model.compile()): its hooks run inside the graph.
         self.saw_pass = False
@@ -448,8 +448,9 @@ class NonfiniteProbe:
             self._note_pass(flag)
             self._pass_grads = []
         elif self._pass_backward:
-            # torch.full, not torch.tensor(float): the latter keeps a few bytes per call.
-            self._note_pass(torch.full((), float(self._pass_bad)))
+            # A backward no step used since (GradScaler skipped it, or gradient
+            # accumulation): only then is what entered the model summed.
+            self._note_pass(float(self._entering_bad()))
         self._pass_backward = self._pass_bad = False
         self._last_call = None
         self._grad_entering = []
@@ -458,7 +459,7 @@ class NonfiniteProbe:
         if self.on_new_pass is not None:
             self.on_new_pass()
 
-    def _note_pass(self, flag: torch.Tensor) -> None:
+    def _note_pass(self, flag: torch.Tensor | float) -> None:
         self.bad_backward_passes.append(flag)
         if len(self.bad_backward_passes) > 64:
             del self.bad_backward_passes[0]
@@ -481,12 +482,20 @@ class NonfiniteProbe:
                 tensor.register_hook(_GradOutHook(self, position))
 
     def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
+        """Kept, not summed: the step's gradient norms show whether anything is off."""
         self._pass_backward = True
         if position < len(self._grad_entering):
             self._grad_entering[position] = grad
-        if grad.is_floating_point() and not _finite_exact(grad):
-            self.grad_entering_bad = True
-            self._pass_bad = True
+
+    def _entering_bad(self) -> bool:
+        """Whether the gradient that entered the model in the last backward was non-finite."""
+        if not self._pass_bad:
+            self._pass_bad = any(
+                g is not None and g.is_floating_point() and not _finite_exact(g)
+                for g in self._grad_entering
+            )
+            self.grad_entering_bad = self.grad_entering_bad or self._pass_bad
+        return self._pass_bad
 
     def _replaying_context(self, grad: bool) -> Any:
         return _Replay(self, grad)
@@ -508,6 +517,7 @@ class NonfiniteProbe:
         """
         if self._last_call is None or self.backward_origin is not None:
             return False
+        self._entering_bad()
         self._step_bad = True
         if self._bad_streak >= _REPLAY_STREAK:
             return False  # still broken: what follows is the cascade, already reported
@@ -769,10 +779,12 @@ class NonfiniteProbe:
         self._pass_backward = self._pass_bad = False
         self._last_call = None
         self._grad_entering = []
-        if self.bad_backward_passes:
-            window.skipped = torch.stack(
-                [f.to(self.bad_backward_passes[0].device) for f in self.bad_backward_passes]
-            )
+        flags = self.bad_backward_passes
+        if any(isinstance(f, torch.Tensor) for f in flags):
+            device = next(f.device for f in flags if isinstance(f, torch.Tensor))
+            window.skipped = torch.stack([torch.as_tensor(f, device=device) for f in flags])
+        else:
+            window.skipped_host = list(flags)
         self.reset()
         return window
 
@@ -909,6 +921,8 @@ class StepWindow:
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
+    # The same flags where they are known on the host already (checked on the spot).
+    skipped_host: list[float] = field(default_factory=list)
 
 
 def locate_forward(

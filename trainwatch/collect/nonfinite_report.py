@@ -85,15 +85,16 @@ class NonfiniteJudge:
         tallies: dict[tuple[str, str | None], Any],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
+        isfinite = math.isfinite
         bad_grads = [
-            param for param, norm in zip(record.present, record.param_norms) if not _finite(norm)
+            param for param, norm in zip(record.present, record.param_norms) if not isfinite(norm)
         ]
         forward_bad = False
         if window is not None:
             forward_bad = self._forward(
                 record, window, values.get("sums"), modules, tallies, info, not bad_grads
             )
-            skipped = values.get("skipped", [])
+            skipped = values.get("skipped") or window.skipped_host
             self.passes_per_step = len(skipped) + 1 if not any(skipped) else self.passes_per_step
             record.skipped_backward_passes = self.trailing_skips(skipped)
         forward_clean = not forward_bad

@@ -19,6 +19,7 @@ class Rule:
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config
+        self.component = f"rule {self.id}"  # its name when it fails (internal_error)
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         raise NotImplementedError
