@@ -95,16 +95,16 @@ def test_norms_of_two_optimizers_merge_into_one_view(quiet_watch):
 
 def test_one_readback_per_step_not_one_per_parameter(model, quiet_watch, monkeypatch):
     """A step's numbers reach the host in one staged transfer, whatever the layer count."""
-    from trainwatch import monitor as monitor_module
+    from trainwatch.frame import StepFrame
 
     staged = []
-    real = monitor_module.Staged
+    real = StepFrame.read
 
-    def counting(pieces, non_blocking):
-        staged.append(len(pieces))
-        return real(pieces, non_blocking)
+    def counting(frame, non_blocking=False):
+        staged.append(len(frame))
+        return real(frame, non_blocking)
 
-    monkeypatch.setattr(monitor_module, "Staged", counting)
+    monkeypatch.setattr(StepFrame, "read", counting)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     quiet_watch(model, opt)
     for x, y in batches(4):

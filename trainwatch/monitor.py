@@ -37,9 +37,9 @@ from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_na
 from trainwatch.config import Config, load_config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
+from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.layers import LayerMap, ParamInfo
-from trainwatch.readback import Staged, wants_lag
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
@@ -52,20 +52,23 @@ _WRAPPER_SEARCHES = 3
 
 @dataclass
 class _Pending:
-    """A step gathered at its start, waiting for its readback."""
+    """A step gathered at its start, waiting for its readback.
+
+    Each device number it needs is a handle on the step's frame.
+    """
 
     record: StepRecord
-    pieces: list[torch.Tensor] = field(default_factory=list)
-    norm_piece: int | None = None
+    frame: StepFrame = field(default_factory=StepFrame)
+    norms: Slot | None = None
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
-    suspect_piece: int | None = None
-    loss_piece: int | None = None
-    late_loss: tuple[int, float | None, int | None] | None = None  # step, value, piece
-    staged: Staged | None = None
+    suspect_flags: Slot | None = None
+    loss: Slot | None = None
+    # A loss handed over after its step: (that step, its value or its handle).
+    late_loss: tuple[int, float | Slot | None] | None = None
     window: StepWindow | None = None
-    window_pieces: dict[str, int] = field(default_factory=dict)
+    window_slots: dict[str, Slot] = field(default_factory=dict)
     checked_params: list[ParamInfo] = field(default_factory=list)
-    param_piece: int | None = None
+    param_norms: Slot | None = None
     behaviour: BehaviourToken | None = None
 
 
@@ -406,8 +409,7 @@ class Monitor:
         if not trainable:
             return
         pending.checked_params = [self._layers.info(p) for p in trainable]
-        pending.param_piece = len(pending.pieces)
-        pending.pieces.extend(gradient_norms([p.detach() for p in trainable]))
+        pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
 
     def _on_new_pass(self) -> None:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""
@@ -436,11 +438,10 @@ class Monitor:
         if pending is None:
             return
         pending.record.step = step
-        lag = wants_lag(self.config.readback, pending.pieces)
-        staged = self._guarded("step collector", Staged, pending.pieces, lag)
-        if staged is None:
+        lag = pending.frame.wants_lag(self.config.readback)
+        self._guarded("step collector", pending.frame.read, lag)
+        if "step collector" in self._disabled:
             return
-        pending.staged = staged
         previous, self._in_flight = self._in_flight, None
         if lag:
             self._in_flight = pending
@@ -523,10 +524,11 @@ class Monitor:
                 if p.requires_grad and p.grad is not None
             ]
         pending = _Pending(record)
+        frame = pending.frame
         if grads:
-            pending.norm_piece = len(pending.pieces)
-            pending.pieces.extend(gradient_norms(grads))
-            self._replay_if_gradients_bad(pending.pieces[-1])
+            norms = gradient_norms(grads)
+            pending.norms = frame.add(norms)
+            self._replay_if_gradients_bad(norms)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             flags = []
@@ -537,54 +539,49 @@ class Monitor:
                     flags.append(content.reshape(1))
                 pending.suspects.append((info(param), slot))
             if flags:
-                pending.suspect_piece = len(pending.pieces)
-                pending.pieces.append(torch.cat([f.to(flags[0].device) for f in flags]))
+                pending.suspect_flags = frame.add(torch.cat([f.to(flags[0].device) for f in flags]))
         if self._probe is not None and self._probe.enabled:
             window = self._probe.take()
             pending.window = window
             for name in ("sums", "grad_sums", "skipped"):
                 tensor = getattr(window, name)
                 if tensor is not None:
-                    pending.window_pieces[name] = len(pending.pieces)
-                    pending.pieces.append(tensor)
+                    pending.window_slots[name] = frame.add(tensor)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
-                "behaviour checks", self._behaviour.gather, record, pending.pieces
+                "behaviour checks", self._behaviour.gather, record, frame
             )
         if isinstance(self._loss, torch.Tensor):
-            pending.loss_piece = len(pending.pieces)
-            pending.pieces.append(self._loss.reshape(-1)[:1])
+            pending.loss = frame.add(self._loss.reshape(-1)[:1])
         elif self._loss is not None:
             record.loss = self._loss
         self._loss = None
         if self._late_loss is not None:
             late_step, value = self._late_loss
             if isinstance(value, torch.Tensor):
-                pending.late_loss = (late_step, None, len(pending.pieces))
-                pending.pieces.append(value.reshape(-1)[:1])
+                pending.late_loss = (late_step, frame.add(value.reshape(-1)[:1]))
             else:
-                pending.late_loss = (late_step, value, None)
+                pending.late_loss = (late_step, value)
             self._late_loss = None
         return pending
 
     def _evaluate(self, pending: _Pending) -> list[Alert]:
         record = pending.record
-        values = pending.staged.values() if pending.staged is not None else []
-        if pending.norm_piece is not None:
-            record.param_norms = values[pending.norm_piece]
+        if pending.norms is not None:
+            record.param_norms = pending.norms.values()
             per_layer, total = layer_norms(record.present, record.param_norms, self._layers.layers)
             record.layer_norms, record.total_norm = per_layer, total
             self._latest_by_source[record.optimizer] = per_layer
             self._total_norm = total
-        if pending.loss_piece is not None:
-            record.loss = values[pending.loss_piece][0]
-        if pending.window is not None or pending.param_piece is not None:
+        if pending.loss is not None:
+            record.loss = pending.loss.value()
+        if pending.window is not None or pending.param_norms is not None:
             self._judge.judge(
                 record,
                 pending.window,
-                {name: values[slot] for name, slot in pending.window_pieces.items()},
+                {name: slot.values() for name, slot in pending.window_slots.items()},
                 pending.checked_params,
-                values[pending.param_piece] if pending.param_piece is not None else [],
+                pending.param_norms.values() if pending.param_norms is not None else [],
                 self._probe.modules() if self._probe is not None else [],
                 self._dispatcher.tallies,
                 self._layers.info,
@@ -592,10 +589,8 @@ class Monitor:
         elif record.loss is not None:
             self._judge.judge(record, None, {}, [], [], [], self._dispatcher.tallies)
         if self._behaviour is not None and pending.behaviour is not None:
-            self._guarded(
-                "behaviour checks", self._behaviour.land, record, pending.behaviour, values
-            )
-        flags = values[pending.suspect_piece] if pending.suspect_piece is not None else []
+            self._guarded("behaviour checks", self._behaviour.land, record, pending.behaviour)
+        flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
         ]
@@ -604,8 +599,9 @@ class Monitor:
         )
         alerts = self._run_rules(record)
         if pending.late_loss is not None:
-            late_step, value, slot = pending.late_loss
-            alerts.extend(self._late_loss_alerts(late_step, values[slot][0] if slot else value))
+            late_step, value = pending.late_loss
+            number = value.value() if isinstance(value, Slot) else value
+            alerts.extend(self._late_loss_alerts(late_step, number))
         return alerts
 
     def _late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:

@@ -36,6 +36,7 @@ from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
 from trainwatch.compiled import is_wrapper, unwrap
 from trainwatch.config import Config
+from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.record import ModeReport, StepRecord
 
@@ -55,7 +56,7 @@ class BehaviourToken:
     """What a step's record still needs from its readback."""
 
     names: list[RowKey]
-    piece: int
+    stats: Slot
 
 
 class _BackwardSeen:
@@ -191,16 +192,16 @@ class BehaviourWatch:
             self.sampler.attach(model)
 
     # -- step boundary --------------------------------------------------------------
-    def gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+    def gather(self, record: StepRecord, frame: StepFrame) -> BehaviourToken | None:
         for due in self.eval_passes.step_boundary():
             self._publish(due)  # a single no-grad pass that did not recur: an evaluation
         try:
-            return self._gather(record, pieces)
+            return self._gather(record, frame)
         except Exception:
             self.detach()  # the monitor reports it once; nothing of ours stays behind
             raise
 
-    def _gather(self, record: StepRecord, pieces: list[torch.Tensor]) -> BehaviourToken | None:
+    def _gather(self, record: StepRecord, frame: StepFrame) -> BehaviourToken | None:
         record.train_in_eval, self.train_in_eval = self.train_in_eval, None
         if (
             record.train_in_eval is None
@@ -226,12 +227,11 @@ class BehaviourWatch:
                 row[0] = target
                 stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
             if stats is not None:
-                token = BehaviourToken(names, len(pieces))
-                pieces.append(stats.reshape(-1))
+                token = BehaviourToken(names, frame.add(stats))
         return token
 
-    def land(self, record: StepRecord, token: BehaviourToken, values: list[list[float]]) -> None:
-        record.activations = ActivationSampler.unpack(token.names, values[token.piece])
+    def land(self, record: StepRecord, token: BehaviourToken) -> None:
+        record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
         for handle in self._handles:

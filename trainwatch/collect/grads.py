@@ -26,30 +26,28 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.detach().coalesce().values()  # sparse gradients (nn.Embedding(sparse=True))
 
 
-def gradient_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """L2 norm of each gradient as fp32, one 1-D tensor per device, in input order.
+def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each gradient as fp32, one 1-D tensor in input order.
 
     fp32 so that fp16 gradients cannot overflow inside the norm itself.
     """
     if not grads:
-        return []
+        return torch.zeros(0)
     strided = torch.strided
     # Gradients are plain strided tensors outside autograd: taken as they are
     # (a detach per gradient would be one more op per parameter per step).
     dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
     if len({g.device for g in dense}) == 1:
-        return [torch.stack(_foreach_norm_fp32(dense))]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in dense:
-        by_device.setdefault(grad.device, []).append(grad)
+        return torch.stack(_foreach_norm_fp32(dense))
     # Several devices (model parallel): keep input order across device groups.
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     order: list[tuple[torch.device, int]] = []
-    counters: dict[torch.device, int] = {}
-    for grad in grads:
-        order.append((grad.device, counters.get(grad.device, 0)))
-        counters[grad.device] = counters.get(grad.device, 0) + 1
+    for grad in dense:
+        group = by_device.setdefault(grad.device, [])
+        order.append((grad.device, len(group)))
+        group.append(grad)
     stacked = {dev: torch.stack(_foreach_norm_fp32(g)).cpu() for dev, g in by_device.items()}
-    return [torch.stack([stacked[dev][i] for dev, i in order])]
+    return torch.stack([stacked[dev][i] for dev, i in order])
 
 
 def layer_norms(
