@@ -104,10 +104,11 @@ def rules_of(monitor: tw.Monitor, severities=("warning", "error")) -> list[str]:
 
 
 # How NaN/Inf are looked for: "auto" checks CPU tensors on the spot (one sum
-# of the model's output, a replay to locate); "deferred" sums every module's
-# output for the step's readback, the path CUDA takes, on CPU; "cuda" is that
+# of the model's output, a replay to locate); "step" takes that verdict at the
+# step boundary, the path a GPU takes by default, on CPU; "deferred" sums every
+# module's output for the step's readback (no sync); "cuda" is the default
 # path on a GPU (only where there is one).
-CHECK_MODES = ("auto", "deferred") + (
+CHECK_MODES = ("auto", "step", "deferred") + (
     (pytest.param("cuda", marks=pytest.mark.cuda),) if torch.cuda.is_available() else ()
 )
 
@@ -119,7 +120,7 @@ def device_of(check: str) -> torch.device:
 def every_check(check: str = "auto") -> dict:
     """tw.watch overrides: every rule on, and every sampled check made every step."""
     return {
-        "nonfinite_forward": {"check": "deferred" if check == "deferred" else "auto"},
+        "nonfinite_forward": {"check": check if check in ("step", "deferred") else "auto"},
         "nonfinite_parameter": {"check_every": 1},
         "constant_output": {"every": 1},
         "dead_units": {"every": 1},

@@ -10,9 +10,10 @@ from torch import nn
 
 import trainwatch as tw
 
-# "cpu-deferred" runs the CPU through the path CUDA takes (judged after the
-# step's readback, no op trace), so that path is tested on every machine.
-MODES = ["cpu", "cpu-deferred"] + (
+# "cpu-step" runs the CPU through the path a GPU takes by default (one scalar
+# read at the step boundary, then a replay); "cpu-deferred" the no-sync path
+# (judged after the step's readback, no op trace): both tested on every machine.
+MODES = ["cpu", "cpu-step", "cpu-deferred"] + (
     [pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []
 )
 
@@ -26,26 +27,27 @@ def _seeded():
 
 @pytest.fixture(params=MODES)
 def mode(request, monkeypatch) -> str:
-    if request.param == "cpu-deferred":
+    if request.param in ("cpu-deferred", "cpu-step"):
         original = tw.watch
+        check = request.param.removeprefix("cpu-")
 
-        def deferred_watch(*args, **kwargs):
-            kwargs.setdefault("nonfinite_forward", {"check": "deferred"})
+        def checked_watch(*args, **kwargs):
+            kwargs.setdefault("nonfinite_forward", {"check": check})
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(tw, "watch", deferred_watch)
+        monkeypatch.setattr(tw, "watch", checked_watch)
     return request.param
 
 
 @pytest.fixture
 def device(mode) -> torch.device:
-    return torch.device(mode.removesuffix("-deferred"))
+    return torch.device(mode.split("-")[0])
 
 
 @pytest.fixture
 def traced(mode) -> bool:
-    """Whether the op and line are named: tensors checked on the spot (CPU)."""
-    return mode == "cpu"
+    """Whether the op and line are named: a replay located it (not the no-sync path)."""
+    return not mode.endswith("-deferred")
 
 
 class Divide(nn.Module):

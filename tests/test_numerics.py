@@ -82,9 +82,10 @@ def _train_with(config: dict | None, fault_step: int | None, log_dir=None, steps
     [
         {},
         EVERY_CHECK_EVERY_STEP,
+        {**EVERY_CHECK_EVERY_STEP, "nonfinite_forward": {"check": "step"}},
         {**EVERY_CHECK_EVERY_STEP, "nonfinite_forward": {"check": "deferred"}},
     ],
-    ids=["default", "every-check-every-step", "deferred"],
+    ids=["default", "every-check-every-step", "step", "deferred"],
 )
 def test_losses_weights_and_rng_are_bit_identical_with_and_without_trainwatch(
     config, fault_step, tmp_path

@@ -109,7 +109,7 @@ def test_cell_called_many_times_per_step_trains_silently():
     assert set(monitor.grad_norms()) == {"cell", "head"}
 
 
-@pytest.mark.parametrize("check", ["auto", "deferred"])
+@pytest.mark.parametrize("check", ["auto", "step", "deferred"])
 def test_nan_fed_into_one_call_of_a_looped_cell_is_named_at_its_step(check):
     monitor = _train_rnn(LoopedCell(), poison_step=5, nonfinite_forward={"check": check})
     first = next(a for a in monitor.alerts if a.rule.startswith("nonfinite"))

@@ -80,10 +80,16 @@ class NonfiniteForwardConfig(RuleConfig):
     # Re-run the origin module under a dispatch trace to name the op and line
     # (only after a detection, on CPU tensors; costs nothing on healthy steps).
     trace_op: bool = True
-    # "auto": CPU tensors are checked as they are made (reading a CPU scalar
-    # costs no device sync), device tensors after the step's one readback.
-    # "deferred": everything after the readback (no op trace), as on CUDA.
-    check: Literal["auto", "deferred"] = "auto"
+    # Trigger, then diagnose: one sum of the model's output per pass and the
+    # step's gradient norms; only when one is off is the pass replayed module
+    # by module (module, op, source line, before the optimizer applies it).
+    # "auto": on CPU the sum is read as the pass ends; on a GPU at the step
+    # boundary, with one scalar read back per step (one sync).
+    # "step": at the step boundary on every device (what a GPU does, on CPU).
+    # "deferred" (no sync): every module's output and gradient summed on the
+    # device and read back one step later; module and step exact, no op
+    # traced, halt_on one step late; for loops that must never sync.
+    check: Literal["auto", "step", "deferred"] = "auto"
 
 
 @dataclass

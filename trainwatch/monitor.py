@@ -173,7 +173,7 @@ class Monitor:
                 [user_name(name) for name, _ in root.named_modules()],
                 _weak_callback(self._internal_error),
                 trace_ops=self.config.nonfinite_forward.trace_op,
-                on_the_spot=self.config.nonfinite_forward.check == "auto",
+                mode=self.config.nonfinite_forward.check,
             )
             self._probe.attach(root)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
@@ -382,16 +382,22 @@ class Monitor:
             )
         self._finish(step, pending)
 
-    def _replay_if_gradients_bad(self, norms: torch.Tensor) -> None:
-        """On CPU the norms are already on the host: bad ones get located now.
+    def _locate_if_off(self, norms: torch.Tensor | None) -> None:
+        """Trigger, then diagnose: bad gradients (or, on a device, a bad output) get
+        located now, before the optimizer applies the step.
 
-        The backward replay must not look like training to the accumulation
-        tracker, so it is paused meanwhile.
+        On CPU the norms are read on the host for free; on a device the probe
+        reads one scalar (``settle``). The backward replay must not look like
+        training to the accumulation tracker, so it is paused meanwhile.
         """
         probe = self._probe
-        if probe is None or not probe.spot or norms.device.type != "cpu":
+        if probe is None or not probe.spot:
             return
-        if all(map(math.isfinite, norms.tolist())):
+        if probe.at_step:
+            bad_grads = probe.settle(norms)
+        else:
+            bad_grads = norms is not None and not all(map(math.isfinite, norms.tolist()))
+        if not bad_grads:
             return
         paused, self._tracker.enabled = self._tracker.enabled, False
         try:
@@ -525,10 +531,10 @@ class Monitor:
             ]
         pending = _Pending(record)
         frame = pending.frame
-        if grads:
-            norms = gradient_norms(grads)
+        norms = gradient_norms(grads) if grads else None
+        if norms is not None:
             pending.norms = frame.add(norms)
-            self._replay_if_gradients_bad(norms)
+        self._locate_if_off(norms)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             flags = []

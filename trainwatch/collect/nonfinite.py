@@ -62,6 +62,9 @@ from trainwatch.compiled import compiling, eager, unwrap
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
+# Passes whose verdict may wait for the step boundary; past it (a long
+# evaluation between steps) they are read at once.
+_MAX_WAITING = 16
 
 # Modules that cannot turn finite inputs into NaN/Inf, forward or backward:
 # left unhooked, they cost nothing, and the next checked module still sees
@@ -107,6 +110,17 @@ class ForwardCall:
     device: str
     # Checked on the spot (CPU) only when an output was bad; None: use the sums.
     inputs_finite: bool | None = None
+
+
+@dataclass
+class _WaitingPass:
+    """A pass whose output sums wait for the step boundary, with what a replay needs."""
+
+    module: nn.Module
+    args: Any
+    kwargs: Any
+    codes: torch.Tensor  # fp64 sum of each floating output (device)
+    masks: list[bool]  # per output: outside autograd, so a -inf sum is a mask
 
 
 @dataclass
@@ -272,12 +286,20 @@ class _GradHook:
 
 class NonfiniteProbe:
     def __init__(
-        self, names: list[str], on_error: Any, trace_ops: bool = True, on_the_spot: bool = True
+        self, names: list[str], on_error: Any, trace_ops: bool = True, mode: str = "auto"
     ) -> None:
         self.names = names
-        # Check CPU tensors as they are made (exact, with the op traced); when
-        # False, every device is judged after the step's readback, as on CUDA.
-        self.on_the_spot = on_the_spot
+        # "auto" / "step": trigger, then diagnose (one sum of the model's
+        # output per pass, a replay module by module when it or a gradient is
+        # off); the verdict is taken as the pass ends on CPU ("auto") and at
+        # the step boundary on other devices, or always there ("step").
+        # "deferred": every module's sums, read back with the step, no sync.
+        self.mode = mode
+        self.on_the_spot = mode != "deferred"
+        # The current passes' verdicts wait for the step boundary.
+        self.at_step = mode == "step"
+        # Passes whose output sums wait for the step boundary (step verdicts).
+        self._waiting: list[_WaitingPass] = []
         self.enabled = True
         self.suspended = False
         self.trace_ops = trace_ops
@@ -293,7 +315,6 @@ class NonfiniteProbe:
         # "spot" passes (CPU) check only the outermost output and replay the
         # pass module by module when something is off; other passes sum every
         # module's output for the step's readback.
-        self._spot = on_the_spot
         self._replaying = False
         self._recomputing = False
         self._last_call: tuple[nn.Module, Any, Any] | None = None
@@ -333,7 +354,7 @@ class NonfiniteProbe:
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:
             return
-        if self._spot and not self._recomputing:
+        if self.on_the_spot and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
 
     def find_device(self, model: nn.Module) -> None:
@@ -344,14 +365,23 @@ class NonfiniteProbe:
         """
         self._first_param = next(model.parameters(), None)
         first = self._first_param
-        # Deferred (no-sync) mode, and devices whose sums are read after the
-        # step: every module's sums, every step. On CPU, only the model's output.
-        wanted = not self.on_the_spot or (first is not None and first.device.type != "cpu")
+        on_cpu = first is None or first.device.type == "cpu"
+        self.at_step = self.mode == "step" or (self.mode == "auto" and not on_cpu)
+        # Deferred (no-sync) mode: every module's sums, every step. Otherwise
+        # only the model's output, and the modules only in a replay.
+        wanted = not self.on_the_spot
         if wanted and not self._handles:
             self._handles.extend(self.module_hooks())
         elif not wanted and self._handles:
             _remove_all(self._handles)
             self._handles.clear()
+
+    def cuda_devices(self) -> list[int]:
+        """The CUDA devices the model runs on (whose RNG a replay forks)."""
+        first = self._first_param
+        if first is None or first.device.type != "cuda":
+            return []
+        return [first.device.index if first.device.index is not None else 0]
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -424,7 +454,7 @@ class NonfiniteProbe:
         self._depth = max(0, self._depth - 1)
         if self._checks_each_module() and position in self._checkable:
             self.after_forward(position, module, args, kwargs, output)
-        if self._depth == 0 and self._spot and not self._replaying and not self._recomputing:
+        if self._depth == 0 and self.on_the_spot and not self._replaying and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
 
     def _checks_each_module(self) -> bool:
@@ -432,7 +462,7 @@ class NonfiniteProbe:
         even on the spot: a reentrant checkpoint's recomputed tensors are the ones
         its backward flows through, and a replay cannot re-enter it (it refuses
         torch.autograd.grad)."""
-        return self._replaying or not self._spot or self._recomputing
+        return self._replaying or not self.on_the_spot or self._recomputing
 
     def _new_pass(self) -> None:
         """An outermost call of the model begins (a forward pass)."""
@@ -450,12 +480,10 @@ class NonfiniteProbe:
         elif self._pass_backward:
             # A backward no step used since (GradScaler skipped it, or gradient
             # accumulation): only then is what entered the model summed.
-            self._note_pass(float(self._entering_bad()))
+            self._note_pass(self._entering_flag())
         self._pass_backward = self._pass_bad = False
         self._last_call = None
         self._grad_entering = []
-        first = self._first_param
-        self._spot = self.on_the_spot and (first is None or first.device.type == "cpu")
         if self.on_new_pass is not None:
             self.on_new_pass()
 
@@ -465,13 +493,22 @@ class NonfiniteProbe:
             del self.bad_backward_passes[0]
 
     def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """A CPU pass ended: one sum of its output; a replay only if it is bad."""
+        """A pass ended: one sum of its output; a replay only if it is bad.
+
+        On CPU the sum is read at once (no device to wait for); otherwise it
+        waits, with references to the pass's inputs, for the step boundary.
+        """
         module = unwrap(module)  # a replay runs the model itself, eagerly
         outs = list(floating_tensors(output))
-        if self.forward_origin is None and any(not _finite_exact(o) for o in outs):
-            self._step_bad = self._output_bad = True
-            if self._bad_streak < _REPLAY_STREAK:
-                self._replay_forward(module, args, kwargs)
+        if self.at_step:
+            if self.forward_origin is None and outs:
+                codes = torch.stack([o.detach().sum(dtype=torch.float64) for o in outs])
+                masks = [not o.requires_grad for o in outs]
+                self._waiting.append(_WaitingPass(module, args, kwargs, codes, masks))
+                if len(self._waiting) >= _MAX_WAITING:
+                    self.settle(None)  # a long evaluation between two steps
+        elif self.forward_origin is None and any(not _finite_exact(o) for o in outs):
+            self._forward_bad(module, args, kwargs)
         needs_grad = [o for o in outs if _non_leaf(o)]
         if needs_grad and torch.is_grad_enabled():
             # References to the batch (not copies) until the next pass: what a
@@ -481,11 +518,49 @@ class NonfiniteProbe:
             for position, tensor in enumerate(needs_grad):
                 tensor.register_hook(_GradOutHook(self, position))
 
+    def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._step_bad = self._output_bad = True
+        if self._bad_streak < _REPLAY_STREAK:
+            self._replay_forward(module, args, kwargs)
+
+    def settle(self, norms: torch.Tensor | None) -> bool:
+        """Step verdicts: one scalar read back says whether a pass or a gradient was off.
+
+        Only then are the waiting passes read one by one and the bad one
+        replayed, before the optimizer applies the step. Returns whether the
+        gradient norms were non-finite (the caller replays the backward).
+        """
+        waiting, self._waiting = self._waiting, []
+        parts = [w.codes.sum() for w in waiting]
+        if norms is not None and norms.numel():
+            parts.append(norms.double().sum())
+        if not parts:
+            return False
+        total = torch.stack([p.to(parts[0].device) for p in parts]).sum()
+        if math.isfinite(float(total)):  # the step's one sync
+            return False
+        for w in waiting:
+            for value, mask in zip(w.codes.tolist(), w.masks):
+                if not (math.isfinite(value) or (value == -math.inf and mask)):
+                    if self.forward_origin is None:
+                        self._forward_bad(w.module, w.args, w.kwargs)
+                    break
+        return norms is not None and not math.isfinite(float(norms.double().sum()))
+
     def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off."""
         self._pass_backward = True
         if position < len(self._grad_entering):
             self._grad_entering[position] = grad
+
+    def _entering_flag(self) -> torch.Tensor | float:
+        """Whether the gradient that entered the model in the last backward was non-finite:
+        a device flag when verdicts wait for the step, else a host float."""
+        grads = [g for g in self._grad_entering if g is not None and g.is_floating_point()]
+        if self.at_step and grads:
+            sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
+            return sums.isfinite().all().logical_not().float()
+        return float(self._entering_bad())
 
     def _entering_bad(self) -> bool:
         """Whether the gradient that entered the model in the last backward was non-finite."""
@@ -504,6 +579,9 @@ class NonfiniteProbe:
         """Run the pass again module by module to find where its NaN/Inf was born."""
         # Grad mode as in the pass itself, so masks and real values are told
         # apart the same way (requires_grad) in the replay.
+        module = replay_target(module)
+        if module is None:
+            return
         with self._replaying_context(grad=torch.is_grad_enabled()):
             args, kwargs = detached_copies((args, kwargs))
             module(*args, **kwargs)
@@ -524,6 +602,9 @@ class NonfiniteProbe:
         if self.forward_origin is not None or self.grad_entering_bad:
             return False
         module, args, kwargs = self._last_call
+        module = replay_target(module)
+        if module is None:
+            return False
         with self._replaying_context(grad=True):
             args, kwargs = detached_copies((args, kwargs))
             output = module(*args, **kwargs)
@@ -542,8 +623,15 @@ class NonfiniteProbe:
         exact check that follows. Judged later there is no exact check, so the
         sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
         """
-        on_the_spot = self.on_the_spot and tensor.device.type == "cpu"
-        return tensor.detach().sum(dtype=torch.float32 if on_the_spot else torch.float64)
+        exact = self._reads_now(tensor)
+        return tensor.detach().sum(dtype=torch.float32 if exact else torch.float64)
+
+    def _reads_now(self, tensor: torch.Tensor) -> bool:
+        """Whether a value may be read on the host now: in a replay (it runs only once
+        something is off), and on CPU when verdicts are taken as passes end."""
+        if not self.on_the_spot:
+            return False
+        return self._replaying or (not self.at_step and tensor.device.type == "cpu")
 
     def _sum_index(self, tensor: torch.Tensor) -> int:
         known = self._known.get(id(tensor))
@@ -589,7 +677,7 @@ class NonfiniteProbe:
         ins += kw_ins
         in_ids += [self._sum_index(t) for t in kw_ins]
         first = outs[0]
-        immediate = self.on_the_spot and first.device.type == "cpu"
+        immediate = self._reads_now(first)
         out_ids = [self._sum_index(t) for t in outs]
         call = ForwardCall(
             index, in_ids, out_ids, tuple(first.shape), str(first.dtype), str(first.device)
@@ -685,7 +773,7 @@ class NonfiniteProbe:
         self.grad_events.append((call, side, index))
         if side == "out":
             self._out_seen.add(id(call))
-        on_the_spot = self.on_the_spot and grad.device.type == "cpu"
+        on_the_spot = self._reads_now(grad)
         if not on_the_spot or self.backward_origin is not None:
             self._immediate_grads = self._immediate_grads and on_the_spot
             return
@@ -745,7 +833,7 @@ class NonfiniteProbe:
     @property
     def spot(self) -> bool:
         """Whether the current passes are checked on the spot (CPU)."""
-        return self._spot
+        return self.on_the_spot
 
     def modules(self) -> list[nn.Module | None]:
         return [ref() for ref in self._modules]
@@ -790,6 +878,23 @@ class NonfiniteProbe:
 
 
 FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0
+
+
+def replay_target(module: nn.Module) -> nn.Module | None:
+    """What a one-rank replay may run: never anything that issues a collective.
+
+    ``DistributedDataParallel`` syncs buffers and reduces gradients with the
+    other ranks: its ``.module`` is replayed instead. ``SyncBatchNorm`` and
+    FSDP-sharded modules talk to the other ranks inside their own forward:
+    they are not replayed at all (None), and the origin stays unlocated.
+    """
+    inner = getattr(module, "module", None)
+    if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
+        module = inner
+    for part in module.modules():
+        if isinstance(part, nn.SyncBatchNorm) or type(part).__name__.startswith("FSDP"):
+            return None
+    return module
 
 
 def _inside_backward() -> bool:
@@ -841,7 +946,8 @@ class _Replay:
         self._stack = ExitStack()
         root = probe._modules[0]() if probe._modules else None
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
-        self._stack.enter_context(torch.random.fork_rng(devices=[]))
+        # The CUDA generators too: a replay's dropout must not move training's RNG.
+        self._stack.enter_context(torch.random.fork_rng(devices=probe.cuda_devices()))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
