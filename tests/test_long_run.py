@@ -30,9 +30,8 @@ import trainwatch as tw
 from tests.conftest import TinyNet, train
 from trainwatch import termination
 from trainwatch.cli import main as cli_main
-from trainwatch.config import RULE_IDS
 from trainwatch.report import build_report
-from trainwatch.rules import RULE_CLASSES
+from trainwatch.rules import RULE_CLASSES, RULE_IDS
 from trainwatch.tensorboard_plugin import metadata
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,8 @@ import trainwatch as tw
 from tests.conftest import CHECK_MODES, device_of, every_check
 from tests.output_types import KINDS, LMOutput, Pair, unwrap, wrap
 from trainwatch.collect.tensors import floating_tensors, tensor_leaves
-from trainwatch.config import RULE_IDS, load_config
+from trainwatch.config import load_config
+from trainwatch.rules import RULE_IDS
 
 pytestmark = pytest.mark.usefixtures("warnings_are_errors")
 

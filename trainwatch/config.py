@@ -16,27 +16,6 @@ from typing import Any, Literal, Union
 
 from trainwatch.errors import ConfigError
 
-RULE_IDS: tuple[str, ...] = (
-    "nonfinite_forward",
-    "nonfinite_backward",
-    "nonfinite_loss",
-    "nonfinite_parameter",
-    "zero_gradient",
-    "accumulated_gradient",
-    "constant_output",
-    "eval_in_train_mode",
-    "train_in_eval_mode",
-    "broadcast",
-    "frozen_in_optimizer",
-    "not_optimized",
-    "unused_parameter",
-    "exploding_gradient",
-    "vanishing_gradient",
-    "dead_units",
-    "amp_skipped_steps",
-    "internal_error",
-)
-
 SeverityName = Literal["info", "warning", "error"]
 
 
@@ -261,6 +240,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
+        from trainwatch.rules import RULE_IDS  # the rules import this module
+
         config = _build(cls, values, "")
         unknown = [rule for rule in config.halt_on if rule not in RULE_IDS]
         if unknown:

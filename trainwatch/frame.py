@@ -50,7 +50,9 @@ class StepFrame:
         """Read ``tensor`` (any shape, flattened) back with the step."""
         if self._lists is not None or self._host is not None:
             raise RuntimeError("this step's frame was already read back")
-        flat = tensor.detach().reshape(-1)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
         self._pieces.append(flat)
         self._sizes.append(int(flat.numel()))
         return Slot(self, len(self._pieces) - 1)
@@ -61,7 +63,7 @@ class StepFrame:
             return False
         if mode == "lagged":
             return True
-        return any(p.device.type == "cuda" for p in self._pieces)
+        return "cuda" in {p.device.type for p in self._pieces}
 
     def read(self, non_blocking: bool = False) -> None:
         """Start the one transfer; ``non_blocking`` on CUDA lets the values land later."""

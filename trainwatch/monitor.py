@@ -30,7 +30,7 @@ from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
-from trainwatch.collect.nonfinite_report import NONFINITE_RULES, NonfiniteJudge
+from trainwatch.collect.nonfinite_report import NonfiniteJudge
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
@@ -135,6 +135,8 @@ class Monitor:
         self._dispatcher = Dispatcher([self._memory, *sinks], self.config.halt_on)
         self._rules = build_rules(self.config)
         self._rule_ids = {rule.id for rule in self._rules}
+        # The collectors the enabled rules need: nothing else is attached.
+        needs = frozenset().union(*(rule.needs for rule in self._rules))
         self._handles: list[RemovableHandle] = []
         self._optimizers: list[Optimizer] = []
         self._step = 0
@@ -157,18 +159,22 @@ class Monitor:
         self._passes.hook(model if is_wrapper(model) else root)
         self._wrapper_search = _WRAPPER_SEARCHES
         self._passes_at_step = 0
-        self._tracker = GradResetTracker(_weak_callback(self._internal_error))
+        # Always there (what backward reached: manual steps, a late loss); it
+        # checks for stale gradients only for accumulated_gradient.
+        self._tracker = GradResetTracker(
+            _weak_callback(self._internal_error), "accumulation_tracker" in needs
+        )
         self._tracker.attach(layers.parameters())
         self._passes.subscribe("accumulation tracker", self._tracker)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker(_weak_getter(self, "step_count", 0))
-        if "zero_gradient" in self._rule_ids:
+        if "call_tracker" in needs:
             self._calls.track(root, layers.layers)
             self._passes.subscribe("call tracker", self._calls)
         self._probe: NonfiniteProbe | None = None
-        if self._rule_ids & NONFINITE_RULES:
+        if "nonfinite_probe" in needs:
             self._probe = NonfiniteProbe(
                 [user_name(name) for name, _ in root.named_modules()],
                 _weak_callback(self._internal_error),
@@ -181,7 +187,7 @@ class Monitor:
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         # Modes, loss shapes and sampled activations: only for their rules.
         self._behaviour: BehaviourWatch | None = None
-        if BehaviourWatch.wanted(self._rule_ids):
+        if needs & {"modes", "broadcast_audit", "activation_sampler"}:
             self._behaviour = BehaviourWatch(
                 root,
                 self.config,
@@ -624,6 +630,9 @@ class Monitor:
         alerts: list[Alert] = []
         disabled = self._disabled
         for rule in self._rules:
+            field = rule.reads
+            if field is not None and not getattr(record, field):
+                continue  # nothing for it in this record
             component = rule.component
             if component in disabled:
                 continue
@@ -668,7 +677,7 @@ class Monitor:
         """The model's tree changed (a module or parameter was (re)assigned or replaced)."""
         layers = LayerMap(self._root, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
-        if "zero_gradient" in self._rule_ids:
+        if "call tracker" in self._passes.listener_names():
             self._calls.track(self._root, layers.layers)
         self._layers = layers
         self._tracker.attach(fresh)

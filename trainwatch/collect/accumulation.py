@@ -29,7 +29,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.collect.tensors import floating_tensors
+from trainwatch.collect.tensors import floating_list
 
 
 def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -148,7 +148,11 @@ class _BackwardEnds:
 
 
 class GradResetTracker:
-    def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
+    def __init__(
+        self, on_error: Callable[[str, BaseException], None], check_resets: bool = True
+    ) -> None:
+        # False: only what backward reached is followed (no stale-gradient check).
+        self.check_resets = check_resets
         self._states: dict[int, _ParamState] = {}
         self._on_error = on_error
         self.enabled = True
@@ -158,6 +162,9 @@ class GradResetTracker:
         self.backward_seen = False
         self._in_backward = False
         self._fallback: RemovableHandle | None = None
+        # One of each hook object, reused every pass.
+        self._starts = _BackwardStarts(self)
+        self._ends = _BackwardEnds(self)
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -170,7 +177,7 @@ class GradResetTracker:
             # come through a pass the hooks see (a model compiled in place): the
             # last parameter's gradient (the head's) is usually made first.
             last = next(reversed(self._states.values())).param
-            self._fallback = last.register_hook(_BackwardStarts(self))
+            self._fallback = last.register_hook(self._starts)
 
     def detach(self) -> None:
         if self._fallback is not None:
@@ -190,9 +197,9 @@ class GradResetTracker:
         """One tensor hook on the pass's output: backward reaching the model starts there."""
         if not self.enabled or not torch.is_grad_enabled():
             return
-        for tensor in floating_tensors(output):
+        for tensor in floating_list(output):
             if tensor.requires_grad and tensor.grad_fn is not None:
-                tensor.register_hook(_BackwardStarts(self))
+                tensor.register_hook(self._starts)
                 return
 
     # -- backward ----------------------------------------------------------
@@ -207,7 +214,9 @@ class GradResetTracker:
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
         self._in_backward = True
-        Variable._execution_engine.queue_callback(_BackwardEnds(self))
+        Variable._execution_engine.queue_callback(self._ends)
+        if not self.check_resets:
+            return
         suspects: list[_ParamState] = []
         for state in self._states.values():
             if not state.armed or state.reset:

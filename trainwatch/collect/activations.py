@@ -148,7 +148,7 @@ class ActivationSampler:
         self.rows = rows
         self.spread = spread  # constant_output wants spreads
         self.zeros = zeros  # dead_units wants zero fractions
-        self._active = False  # this pass is sampled
+        self.active = False  # this pass is sampled
         self.enabled = True
         self._watched: dict[int, int] = {}
         self._on_error = on_error
@@ -171,17 +171,6 @@ class ActivationSampler:
             watched[id(module)] = index
         self._watched = watched
 
-    @property
-    def active(self) -> bool:
-        """Whether this pass is sampled."""
-        return self._active
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._active = value
-        if not value and self._handles:
-            self._unhook()
-
     def start_pass(self, sampled: bool, hook_modules: bool) -> None:
         """A pass begins; a sampled one hooks every module, for its duration only.
 
@@ -194,10 +183,12 @@ class ActivationSampler:
             self._handles.append(register_module_forward_hook(_Hook(self, self._watched)))
 
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._active and not self._handles:
+        if self.active and not self._handles:
             self.after_forward(0, module, args, output)  # the model, around its compiled graph
         self._outputs.clear()
         self.active = False
+        if self._handles:
+            self._unhook()
 
     def _unhook(self) -> None:
         for handle in self._handles:
@@ -211,6 +202,7 @@ class ActivationSampler:
     def fail(self, exc: BaseException) -> None:
         self.enabled = False
         self.active = False
+        self._unhook()
         self._reset()
         self._on_error("activation sampler", exc)
 
@@ -302,6 +294,8 @@ class ActivationSampler:
 
     def take(self) -> tuple[list[RowKey], torch.Tensor | None]:
         """Hand over this step's samples (whose each row is, one (M, 6) device tensor)."""
+        if not self._keys and not self._done:
+            return [], None  # not a sampled step
         keys = [RowKey(self._names[i], path, primary) for i, path, primary in self._keys]
         stats = torch.stack(self._stats) if self._stats else None
         self._reset()

@@ -39,16 +39,7 @@ from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.record import ModeReport, StepRecord
-
-BEHAVIOUR_RULES = frozenset(
-    {
-        "eval_in_train_mode",
-        "train_in_eval_mode",
-        "broadcast",
-        "constant_output",
-        "dead_units",
-    }
-)
+from trainwatch.rules import rules_needing
 
 
 @dataclass
@@ -101,7 +92,7 @@ class BehaviourWatch:
         self.eval_passes = EvalPassJudge()
         self.broadcast = (
             BroadcastAudit(config.broadcast.audit_steps, on_error)
-            if "broadcast" in rule_ids or "constant_output" in rule_ids
+            if rule_ids & rules_needing("broadcast_audit")
             else None
         )
         spread, zeros = "constant_output" in rule_ids, "dead_units" in rule_ids
@@ -116,10 +107,6 @@ class BehaviourWatch:
             if spread or zeros
             else None
         )
-
-    @staticmethod
-    def wanted(rule_ids: set[str]) -> bool:
-        return bool(rule_ids & BEHAVIOUR_RULES)
 
     # -- failure containment -----------------------------------------------------
     def guard(self, component: str, fn: Any, *args: Any) -> Any:
@@ -137,7 +124,8 @@ class BehaviourWatch:
 
     def _is_model(self, module: nn.Module) -> bool:
         """Passes of the whole model only (not of a part called on its own)."""
-        return unwrap(module) is self._model()
+        model = self._model()
+        return module is model or unwrap(module) is model
 
     def pass_starts(self, module: nn.Module) -> None:
         """A forward pass of the whole model begins (called by ``ModelPasses``)."""

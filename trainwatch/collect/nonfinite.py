@@ -54,6 +54,7 @@ from trainwatch.collect.op_trace import (
 )
 from trainwatch.collect.tensors import (
     detached_copies,
+    floating_list,
     floating_tensors,
     only_negative_inf,
     version_of,
@@ -499,7 +500,7 @@ class NonfiniteProbe:
         waits, with references to the pass's inputs, for the step boundary.
         """
         module = unwrap(module)  # a replay runs the model itself, eagerly
-        outs = list(floating_tensors(output))
+        outs = floating_list(output)
         if self.at_step:
             if self.forward_origin is None and outs:
                 codes = torch.stack([o.detach().sum(dtype=torch.float64) for o in outs])
@@ -507,8 +508,11 @@ class NonfiniteProbe:
                 self._waiting.append(_WaitingPass(module, args, kwargs, codes, masks))
                 if len(self._waiting) >= _MAX_WAITING:
                     self.settle(None)  # a long evaluation between two steps
-        elif self.forward_origin is None and any(not _finite_exact(o) for o in outs):
-            self._forward_bad(module, args, kwargs)
+        elif self.forward_origin is None:
+            for out in outs:
+                if not _finite_exact(out):
+                    self._forward_bad(module, args, kwargs)
+                    break
         needs_grad = [o for o in outs if _non_leaf(o)]
         if needs_grad and torch.is_grad_enabled():
             # References to the batch (not copies) until the next pass: what a
@@ -851,8 +855,10 @@ class NonfiniteProbe:
             output_bad=self._output_bad,
             forward_seen=self.saw_pass,
         )
-        needs_forward = any(v is None for v in self.finite) and any(
-            not all(self.finite[i] is True for i in c.outputs) for c in self.calls
+        needs_forward = (
+            bool(self.finite)
+            and any(v is None for v in self.finite)
+            and any(not all(self.finite[i] is True for i in c.outputs) for c in self.calls)
         )
         if needs_forward:
             window.sums = _codes(self.sums)

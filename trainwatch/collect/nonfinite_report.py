@@ -25,16 +25,6 @@ from trainwatch.collect.nonfinite import (
 from trainwatch.layers import ParamInfo
 from trainwatch.record import NonfiniteReport, StepRecord
 
-NONFINITE_RULES = frozenset(
-    {
-        "nonfinite_forward",
-        "nonfinite_backward",
-        "nonfinite_loss",
-        "nonfinite_parameter",
-        "amp_skipped_steps",
-    }
-)
-
 
 def _finite(value: float) -> bool:
     return math.isfinite(value)
@@ -86,6 +76,20 @@ class NonfiniteJudge:
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
         isfinite = math.isfinite
+        if (
+            window is not None
+            and window.forward_origin is None
+            and window.backward_origin is None
+            and not window.output_bad
+            and not window.grad_entering_bad
+            and not values
+            and not window.skipped_host
+            and window.forward_seen
+            and (record.loss is None or isfinite(record.loss))
+            and isfinite(sum(record.param_norms))
+            and isfinite(sum(param_norms))
+        ):
+            return  # the usual step: nothing anywhere is non-finite
         bad_grads = [
             param for param, norm in zip(record.present, record.param_norms) if not isfinite(norm)
         ]

@@ -169,6 +169,9 @@ class ModelPasses:
     def subscribe(self, name: str, listener: PassListener) -> None:
         self._listeners.append((name, listener))
 
+    def listener_names(self) -> list[str]:
+        return [name for name, _ in self._listeners]
+
     def unsubscribe(self, listener: PassListener) -> None:
         self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
 

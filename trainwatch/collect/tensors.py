@@ -54,6 +54,13 @@ def is_checkable_float(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.layout == torch.strided and tensor.numel() > 0
 
 
+def floating_list(value: Any) -> list[torch.Tensor]:
+    """``floating_tensors`` as a list, with no walk for the usual plain tensor output."""
+    if type(value) is torch.Tensor:
+        return [value] if is_checkable_float(value) else []
+    return list(floating_tensors(value))
+
+
 def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     """The real floating tensors with values in ``value``, in the structure's order."""
     for _, tensor in tensor_leaves(value):

@@ -41,6 +41,25 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
 )
 
 
+# The one list of rule ids: every rule's, and trainwatch's own failures.
+RULE_IDS: tuple[str, ...] = (*(cls.id for cls in RULE_CLASSES), "internal_error")
+
+# What each collector of the model serves (the rules that need it).
+COLLECTORS = (
+    "nonfinite_probe",
+    "accumulation_tracker",
+    "call_tracker",
+    "modes",
+    "broadcast_audit",
+    "activation_sampler",
+)
+
+
+def rules_needing(*collectors: str) -> frozenset[str]:
+    """The ids of the rules that need any of ``collectors``."""
+    return frozenset(cls.id for cls in RULE_CLASSES if cls.needs & set(collectors))
+
+
 def build_rules(config: Config) -> list[Rule]:
     """The enabled rules, each with its own section of the config."""
     rules = []
@@ -51,4 +70,4 @@ def build_rules(config: Config) -> list[Rule]:
     return rules
 
 
-__all__ = ["Rule", "build_rules", "RULE_CLASSES"]
+__all__ = ["COLLECTORS", "RULE_CLASSES", "RULE_IDS", "Rule", "build_rules", "rules_needing"]

@@ -15,6 +15,8 @@ _HINT = (
 
 class AccumulatedGradientRule(Rule):
     id = "accumulated_gradient"
+    needs = frozenset({"accumulation_tracker"})
+    reads = "accumulated"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.accumulated:

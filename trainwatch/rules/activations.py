@@ -70,6 +70,8 @@ class ConstantOutputRule(Rule):
     """
 
     id = "constant_output"
+    needs = frozenset({"activation_sampler", "broadcast_audit"})
+    reads = "activations"
     config: ConstantOutputConfig
 
     def __init__(self, config: ConstantOutputConfig) -> None:
@@ -182,6 +184,8 @@ def _model_output(stats: ActivationStats) -> bool:
 
 class DeadUnitsRule(Rule):
     id = "dead_units"
+    needs = frozenset({"activation_sampler"})
+    reads = "activations"
     config: DeadUnitsConfig
 
     def __init__(self, config: DeadUnitsConfig) -> None:

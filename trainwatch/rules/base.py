@@ -16,6 +16,12 @@ class Rule:
     """A pure decision over step records; owns whatever state it needs."""
 
     id: ClassVar[str]
+    # The collectors it needs; the Monitor attaches the union of the enabled
+    # rules' needs, so a rule switched off costs nothing.
+    needs: ClassVar[frozenset[str]] = frozenset()
+    # The record field without which this rule has nothing to say (an empty
+    # one is skipped without a call); None: it sees every record (streaks).
+    reads: ClassVar[str | None] = None
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config

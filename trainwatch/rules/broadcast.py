@@ -14,6 +14,8 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 class BroadcastRule(Rule):
     id = "broadcast"
+    needs = frozenset({"broadcast_audit"})
+    reads = "broadcasts"
     config: BroadcastConfig
 
     def evaluate(self, record: StepRecord) -> list[Alert]:

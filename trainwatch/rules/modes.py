@@ -27,6 +27,8 @@ def _data(report: ModeReport) -> dict[str, object]:
 
 class EvalInTrainModeRule(Rule):
     id = "eval_in_train_mode"
+    needs = frozenset({"modes"})
+    reads = "eval_in_train"
     config: EvalInTrainModeConfig
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
@@ -55,6 +57,8 @@ class TrainInEvalModeRule(Rule):
     """Whole-model eval during training is the bug; frozen batch norm alone is an idiom."""
 
     id = "train_in_eval_mode"
+    needs = frozenset({"modes"})
+    reads = "train_in_eval"
     config: TrainInEvalModeConfig
 
     def __init__(self, config: TrainInEvalModeConfig) -> None:

@@ -104,6 +104,8 @@ class _ReportRule(Rule):
 
 class NonfiniteForwardRule(_ReportRule):
     id = "nonfinite_forward"
+    needs = frozenset({"nonfinite_probe"})
+    reads = "nonfinite_forward"
 
     def report(self, record: StepRecord) -> NonfiniteReport | None:
         return record.nonfinite_forward
@@ -151,6 +153,8 @@ class NonfiniteForwardRule(_ReportRule):
 
 class NonfiniteBackwardRule(_ReportRule):
     id = "nonfinite_backward"
+    needs = frozenset({"nonfinite_probe"})
+    reads = "nonfinite_backward"
 
     def report(self, record: StepRecord) -> NonfiniteReport | None:
         return record.nonfinite_backward
@@ -185,6 +189,8 @@ class NonfiniteBackwardRule(_ReportRule):
 
 class NonfiniteLossRule(_ReportRule):
     id = "nonfinite_loss"
+    needs = frozenset({"nonfinite_probe"})
+    reads = "nonfinite_loss"
 
     def report(self, record: StepRecord) -> NonfiniteReport | None:
         report = record.nonfinite_loss
@@ -215,6 +221,8 @@ class NonfiniteLossRule(_ReportRule):
 
 class NonfiniteParameterRule(Rule):
     id = "nonfinite_parameter"
+    needs = frozenset({"nonfinite_probe"})
+    reads = "nonfinite_params"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         step = record.nonfinite_params_step
@@ -237,6 +245,8 @@ class SkippedStepsRule(Rule):
     """GradScaler skips steps with Inf/NaN gradients; only a long run of them is news."""
 
     id = "amp_skipped_steps"
+    needs = frozenset({"nonfinite_probe"})
+    reads = "skipped_backward_passes"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.skipped_backward_passes < self.config.patience:  # type: ignore[attr-defined]

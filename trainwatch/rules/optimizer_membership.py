@@ -27,6 +27,7 @@ class _ReportOnce(Rule):
 
 class FrozenInOptimizerRule(_ReportOnce):
     id = "frozen_in_optimizer"
+    reads = "frozen"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         alerts = []
@@ -56,6 +57,7 @@ class FrozenInOptimizerRule(_ReportOnce):
 
 class NotOptimizedRule(_ReportOnce):
     id = "not_optimized"
+    reads = "not_optimized"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         return [

@@ -40,6 +40,7 @@ class _Streak:
 
 class ZeroGradientRule(Rule):
     id = "zero_gradient"
+    needs = frozenset({"call_tracker"})
     config: ZeroGradientConfig
 
     def __init__(self, config: ZeroGradientConfig) -> None:

@@ -1,0 +1,70 @@
+"""A healthy step costs the same at any depth: counted ops and calls, never timed.
+
+``benchmarks/opcount.py`` counts the aten ops trainwatch adds to one healthy
+step (past the first-steps audits, off the sampled steps) and the Python
+calls into the ``trainwatch`` package, on a residual stack 4 and 64 blocks
+deep. Counting is deterministic, so it can gate CI where a time could not.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from opcount import count
+
+# Slack for a constant or two that depends on the step's shape, never on depth.
+SAME = 2
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return count(4), count(64)
+
+
+def test_ops_trainwatch_adds_do_not_grow_with_depth(counts):
+    shallow, deep = counts
+    assert deep.plain_ops > 10 * shallow.plain_ops / 2  # the deep model does much more
+    assert abs(deep.added_ops - shallow.added_ops) <= SAME
+    assert deep.added_ops < 10
+
+
+def test_python_calls_into_trainwatch_do_not_grow_with_depth(counts):
+    shallow, deep = counts
+    assert abs(deep.python_calls - shallow.python_calls) <= SAME
+    assert deep.python_calls < 150
+
+
+def test_default_config_counts_are_what_the_benchmark_prints(capsys):
+    from opcount import main
+
+    assert main(["--depths", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ops added" in out and "python calls" in out
+
+
+@pytest.mark.parametrize(
+    "disabled",
+    [
+        {"accumulated_gradient": False},
+        {"constant_output": False, "dead_units": False},
+        {"broadcast": False, "constant_output": False},
+        {
+            "nonfinite_forward": False,
+            "nonfinite_backward": False,
+            "nonfinite_loss": False,
+            "nonfinite_parameter": False,
+            "amp_skipped_steps": False,
+        },
+    ],
+    ids=["accumulation", "activations", "broadcast", "nonfinite"],
+)
+def test_a_disabled_rule_costs_nothing(counts, disabled):
+    """Switching rules off never adds ops or calls to a healthy step."""
+    default = counts[0]
+    off = count(4, disabled)
+    assert off.added_ops <= default.added_ops
+    assert off.python_calls <= default.python_calls
