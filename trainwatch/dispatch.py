@@ -21,6 +21,7 @@ class Dispatcher:
         self.halt_on = frozenset(halt_on)
         self.tallies: dict[tuple[str, str | None], AlertTally] = {}
         self._internal_reported: set[str] = set()
+        self.held: Alert | None = None  # a halt waiting for a step boundary
 
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
@@ -41,7 +42,19 @@ class Dispatcher:
                 tally.last_step = alert.step
                 count = tally.count
                 self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
-        if halt is not None and may_halt:
+        if halt is not None:
+            if not may_halt:
+                # Found while a property was read: raised at the next step
+                # boundary or flush(), never from a read.
+                self.held = self.held or halt
+                return
+            self.held = None
+            raise TrainingHealthError(halt)
+
+    def raise_held(self) -> None:
+        """Apply a halt that was found where raising was not allowed."""
+        halt, self.held = self.held, None
+        if halt is not None:
             raise TrainingHealthError(halt)
 
     def numbers(self, numbers: StepNumbers) -> None:

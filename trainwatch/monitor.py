@@ -217,13 +217,13 @@ class Monitor:
     @property
     def alerts(self) -> list[Alert]:
         """Every alert so far, oldest first (repeats of a (rule, module) are counted)."""
-        self._land_in_flight()
+        self._land_in_flight(may_halt=False)
         return list(self._memory.alerts)
 
     @property
     def alert_counts(self) -> dict[tuple[str, str | None], int]:
         """How often each (rule, module) fired, repeats included."""
-        self._land_in_flight()
+        self._land_in_flight(may_halt=False)
         return {key: tally.count for key, tally in self._dispatcher.tallies.items()}
 
     @property
@@ -237,7 +237,7 @@ class Monitor:
 
     def grad_norms(self) -> dict[str, float]:
         """Per-layer gradient L2 norms of the latest step, by qualified module name."""
-        self._land_in_flight()
+        self._land_in_flight(may_halt=False)
         return self._latest_norms
 
     @property
@@ -251,7 +251,7 @@ class Monitor:
     @property
     def total_grad_norm(self) -> float | None:
         """L2 norm over every gradient of the latest step."""
-        self._land_in_flight()
+        self._land_in_flight(may_halt=False)
         return self._total_norm
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
@@ -268,6 +268,16 @@ class Monitor:
         self._handles.append(optimizer.register_step_pre_hook(_OptimizerHook(self, index, True)))
         self._handles.append(optimizer.register_step_post_hook(_OptimizerHook(self, index, False)))
         self._guarded("optimizer audit", self._audit_optimizer, index)
+
+    def flush(self) -> None:
+        """Land a step still on its way to the host (lagged readback) and apply ``halt_on``.
+
+        Reading ``alerts`` or ``grad_norms()`` lands it too, but never halts:
+        a halt found that way is raised here or at the next step boundary.
+        """
+        self._ensure_open()
+        self._land_in_flight()
+        self._dispatcher.raise_held()
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Mark a step boundary when no optimizer is watched; pass the loss in any mode."""
@@ -342,14 +352,23 @@ class Monitor:
                 return
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs: the step count and which (rule, module) already fired."""
+        """What a resumed run needs: the step count, which (rule, module) already
+        fired, and each rule's own state (streaks, gradient history)."""
         self._land_in_flight(may_halt=False)
-        return {"step": self._step, "tallies": self._dispatcher.state_dict()}
+        return {
+            "step": self._step,
+            "tallies": self._dispatcher.state_dict(),
+            "rules": {rule.id: rule.state_dict() for rule in self._rules},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
         self._step = int(state.get("step", self._step))
         self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
+        saved = state.get("rules", {})
+        for rule in self._rules:
+            if rule.id in saved:
+                self._guarded(rule.component, rule.load_state_dict, saved[rule.id])
 
     # -- step lifecycle ------------------------------------------------------
     def _before_optimizer_step(self, index: int, args: Any, kwargs: Any) -> None:
@@ -447,6 +466,7 @@ class Monitor:
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
+        self._dispatcher.raise_held()  # a halt found by reading a property: now
         if pending is None:
             return
         pending.record.step = step

@@ -10,6 +10,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
+from trainwatch.rules.state import plain, rebuilt
 
 
 class Rule:
@@ -29,6 +30,21 @@ class Rule:
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         raise NotImplementedError
+
+    # -- checkpoints ------------------------------------------------------------
+    _NOT_STATE: ClassVar[frozenset[str]] = frozenset({"config", "component"})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whatever the rule learnt so far (streaks, averages), as plain data."""
+        return {
+            key: plain(value) for key, value in vars(self).items() if key not in self._NOT_STATE
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        module = type(self).__module__
+        for key, value in state.items():
+            if key in vars(self) and key not in self._NOT_STATE:
+                setattr(self, key, rebuilt(value, module))
 
     def alert(
         self,
