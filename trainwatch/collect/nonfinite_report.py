@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainwatch.collect.nonfinite import (
+from trainwatch.collect.nonfinite_locate import (
     FINITE,
     NEG_INF,
     NonfiniteFinding,

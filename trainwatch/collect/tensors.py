@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -129,3 +130,31 @@ def only_negative_inf(tensor: torch.Tensor) -> bool:
     (``torch.full(..., -inf)``, ``masked_fill``)."""
     values = tensor.detach()
     return not bool((torch.isnan(values) | torch.isposinf(values)).any())
+
+
+def non_leaf(tensor: torch.Tensor) -> bool:
+    """Made by autograd in this pass: a tensor hook on it goes when the graph goes."""
+    return tensor.requires_grad and tensor.grad_fn is not None
+
+
+def finite_exact(tensor: torch.Tensor) -> bool:
+    """One fp32 sum; only when it is not finite, the exact elementwise check."""
+    if math.isfinite(float(tensor.detach().sum(dtype=torch.float32))):
+        return True
+    return finite_or_mask(tensor)
+
+
+def finite_or_mask(tensor: torch.Tensor) -> bool:
+    """Finite, or a deliberate mask: outside autograd, its only non-finite entries -inf.
+
+    Causal and padding masks are built with -inf on purpose (``torch.full``,
+    ``masked_fill``) and never require grad; a -inf that training made does
+    (it came from the weights), and NaN or +inf is never a mask. Under
+    ``no_grad`` (evaluation) nothing requires grad, so a -inf alone is let
+    pass there: the NaN it turns into downstream is still caught.
+    """
+    # Detached: inside a checkpoint's recomputation, any op that saves a
+    # tensor for backward (isfinite's abs does) breaks the recompute's match.
+    if bool(torch.isfinite(tensor.detach()).all()):
+        return True
+    return not tensor.requires_grad and only_negative_inf(tensor)

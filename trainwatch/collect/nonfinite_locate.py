@@ -1,0 +1,218 @@
+"""Where a step's first NaN/Inf was born, from sums already read back: pure functions.
+
+The probe records every module call of a pass (which sums are its inputs and
+which its outputs) and every gradient that reached a module; once the sums
+are known finite or not, the origin is the first call with bad outputs and
+finite inputs (forward), or the first module whose input gradient went bad
+while its output gradient was fine (backward). Pure, so the device path and
+the tests share them, and a hand-built window can be judged.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardCall:
+    """One module call: which sums are its inputs and its outputs."""
+
+    module: int
+    inputs: list[int]
+    outputs: list[int]
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    # Checked on the spot (CPU) only when an output was bad; None: use the sums.
+    inputs_finite: bool | None = None
+
+
+@dataclass
+class NonfiniteFinding:
+    """What the rules need to name an origin."""
+
+    module: int
+    direction: str  # "forward" or "backward"
+    cause: str  # "module": born here; "input": the model's input was already bad;
+    # "loss": gradient non-finite where it enters the model (the loss's backward)
+    kind: str | None = None  # "nan" / "inf" when known exactly
+    count: int | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    input_min: float | None = None
+    input_max: float | None = None
+    op: str | None = None
+    source: str | None = None
+    op_basis: str | None = None
+    spread: list[int] = field(default_factory=list)
+    # Whether the module's own weights were non-finite when it ran (None: not seen).
+    weights_nonfinite: bool | None = None
+
+
+FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0
+
+
+def sums_as_codes(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Sums as finite/Inf/NaN codes: they survive the fp32 readback unchanged."""
+    stacked = torch.stack([s.to(device=sums[0].device, dtype=torch.float64) for s in sums])
+    inf = torch.isinf(stacked).to(torch.float32) * INF
+    inf = torch.where(stacked == -math.inf, torch.full_like(inf, NEG_INF), inf)
+    return torch.where(torch.isnan(stacked), torch.full_like(inf, NAN), inf)
+
+
+@dataclass
+class StepWindow:
+    """Everything the probe saw between two step boundaries."""
+
+    calls: list[ForwardCall]
+    finite: list[bool | None]
+    forward_origin: NonfiniteFinding | None
+    backward_origin: NonfiniteFinding | None
+    # (call, "out" or "in", index of the gradient's sum)
+    grad_events: list[tuple[ForwardCall, str, int]]
+    # Per sum: the tensor was outside autograd, so a sum of -inf is a mask.
+    maskable: list[bool] = field(default_factory=list)
+    grad_entering_bad: bool = False
+    # A spot pass's output was non-finite (whether or not a replay located it).
+    output_bad: bool = False
+    # Some forward pass of the model ran where the hooks see it.
+    forward_seen: bool = True
+    # Codes (FINITE / INF / NAN / NEG_INF) of the sums, when they must be read back.
+    sums: torch.Tensor | None = None
+    grad_sums: torch.Tensor | None = None
+    skipped: torch.Tensor | None = None
+    # The same flags where they are known on the host already (checked on the spot).
+    skipped_host: list[float] = field(default_factory=list)
+
+
+def locate_forward(
+    calls: Iterable[ForwardCall], finite: list[bool], codes: list[float] | None = None
+) -> NonfiniteFinding | None:
+    """The first call (in completion order) with bad outputs and finite inputs.
+
+    With none such but bad outputs somewhere, the model's input was bad.
+    Pure, so the device path and the tests share it.
+    """
+    calls = list(calls)
+    bad_calls = [c for c in calls if not all(finite[i] for i in c.outputs)]
+    if not bad_calls:
+        return None
+    spread = sorted({c.module for c in bad_calls})
+    for call in bad_calls:
+        inputs_ok = call.inputs_finite
+        if inputs_ok is None:
+            inputs_ok = all(finite[i] for i in call.inputs)
+        if inputs_ok:
+            return NonfiniteFinding(
+                call.module,
+                "forward",
+                "module",
+                kind=_kind(call.outputs, codes),
+                shape=call.shape,
+                dtype=call.dtype,
+                device=call.device,
+                spread=spread,
+            )
+    first = bad_calls[0]
+    return NonfiniteFinding(
+        first.module,
+        "forward",
+        "input",
+        shape=first.shape,
+        dtype=first.dtype,
+        device=first.device,
+        spread=spread,
+    )
+
+
+def _kind(indices: list[int], codes: list[float] | None) -> str | None:
+    """From a sum alone: Inf for sure, or NaN (which +Inf and -Inf together also give)."""
+    if not codes:
+        return None
+    values = [codes[i] for i in indices if i < len(codes)]
+    if NAN in values:
+        return "nan_or_inf"
+    return "inf" if INF in values or NEG_INF in values else None
+
+
+def locate_backward(
+    events: list[tuple[ForwardCall, str, int]],
+    finite: list[bool],
+    codes: list[float] | None = None,
+) -> NonfiniteFinding | None:
+    """The first module whose input gradient went bad while its output gradient was fine.
+
+    With none such, the gradient was already bad where it entered the model:
+    the loss's backward made it.
+    """
+    out_bad: set[int] = set()
+    out_seen: set[int] = set()
+    first_bad: ForwardCall | None = None
+    for call, side, index in events:
+        if side == "out":
+            out_seen.add(id(call))
+        if index >= len(finite) or finite[index]:
+            continue
+        if first_bad is None:
+            first_bad = call
+        if side == "out":
+            out_bad.add(id(call))
+        elif id(call) not in out_bad and id(call) in out_seen:
+            return NonfiniteFinding(
+                call.module,
+                "backward",
+                "module",
+                kind=_kind([index], codes),
+                device=call.device,
+            )
+    if first_bad is not None:
+        return NonfiniteFinding(first_bad.module, "backward", "loss", device=first_bad.device)
+    return None
+
+
+_DOMAIN_EDGE = re.compile(
+    r"^(Sqrt|Rsqrt|Pow|Div|Log|Log2|Log10|Log1p|Reciprocal|LinalgVectorNorm|Norm|Acos|Asin|"
+    r"Atanh|Acosh|Cdist|Std|Var|Tan|Exp|Erfinv|Lgamma|Digamma|Polygamma)Backward\d*$"
+)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def backward_op(grad_fn: Any, stop: set[int], limit: int = 64) -> str | None:
+    """The op inside a module whose backward most likely made the NaN/Inf.
+
+    Autograd keeps no values to test, so this names the first op (walking from
+    the module's output towards its inputs) whose derivative is known to blow
+    up at the edge of its domain (sqrt at 0, the norm of a zero vector, log at
+    0, division by 0), or else the output's own op.
+    """
+    if grad_fn is None:
+        return None
+    seen: set[int] = set()
+    queue = [grad_fn]
+    first_name: str | None = None
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue
+        if first_name is None:
+            first_name = name
+        if _DOMAIN_EDGE.match(name):
+            return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
+        queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    if first_name is None:
+        return None
+    return "aten::" + _snake(re.sub(r"Backward\d*$", "", first_name))

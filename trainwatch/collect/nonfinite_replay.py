@@ -1,0 +1,106 @@
+"""Re-running a pass module by module, once a cheap trigger said something is off.
+
+A replay must not change training: the global RNG (CPU and CUDA) is forked,
+buffers are swapped for copies, the real ``.grad`` is left alone, compiled
+code runs eagerly so its modules are seen, and the module hooks that check
+every module exist only for the replay's duration. It never issues a
+collective: a DDP wrapper's ``.module`` is replayed, and models holding
+SyncBatchNorm or FSDP-sharded modules are not replayed on one rank at all.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainwatch.collect import quiet
+from trainwatch.collect.op_trace import _null, swapped_buffers
+from trainwatch.compiled import eager
+
+if TYPE_CHECKING:
+    from trainwatch.collect.nonfinite import NonfiniteProbe
+
+
+def replay_target(module: nn.Module) -> nn.Module | None:
+    """What a one-rank replay may run: never anything that issues a collective.
+
+    ``DistributedDataParallel`` syncs buffers and reduces gradients with the
+    other ranks: its ``.module`` is replayed instead. ``SyncBatchNorm`` and
+    FSDP-sharded modules talk to the other ranks inside their own forward:
+    they are not replayed at all (None), and the origin stays unlocated.
+    """
+    inner = getattr(module, "module", None)
+    if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
+        module = inner
+    for part in module.modules():
+        if isinstance(part, nn.SyncBatchNorm) or type(part).__name__.startswith("FSDP"):
+            return None
+    return module
+
+
+class Replay:
+    """Re-running a pass must not change training: RNG forked, buffers swapped."""
+
+    def __init__(self, probe: NonfiniteProbe, grad: bool) -> None:
+        self.probe = probe
+        self.grad = grad
+        self._stack: Any = None
+
+    def __enter__(self) -> Replay:
+        probe = self.probe
+        self._stack = ExitStack()
+        root = probe._modules[0]() if probe._modules else None
+        self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
+        # The CUDA generators too: a replay's dropout must not move training's RNG.
+        self._stack.enter_context(torch.random.fork_rng(devices=probe.cuda_devices()))
+        self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
+        self._stack.enter_context(quiet.replay())
+        self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
+        if not probe._handles:
+            # Module hooks only for the replay: healthy passes run without them.
+            handles = probe.module_hooks()
+            self._stack.callback(remove_all, handles)
+        probe._replaying = True
+        probe._this_pass.known.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.probe._replaying = False
+        self.probe._this_pass.known.clear()
+        self.probe._this_pass.calls_in_progress.clear()
+        self._stack.close()
+        return True  # a replay that fails only means no finer location
+
+
+def backward_leaving_grads(
+    outputs: list[torch.Tensor], params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
+    """Backward from ``outputs`` with the parameters' real ``.grad`` left as they are.
+
+    ``torch.autograd.grad`` never touches ``.grad``; a reentrant checkpoint
+    refuses it, so there the gradients are set aside around a plain backward
+    and put back (the replay only happens once a step's gradients were bad).
+    """
+    try:
+        # The graph is kept for the second try: the refusal comes mid-way.
+        torch.autograd.grad(outputs, params, grads, allow_unused=True, retain_graph=True)
+        return
+    except RuntimeError as exc:
+        if "checkpoint" not in str(exc):
+            raise
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        torch.autograd.backward(outputs, grads)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
+def remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
