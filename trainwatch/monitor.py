@@ -21,7 +21,6 @@ from typing import IO, Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from trainwatch import registry, termination
 from trainwatch.alert import Alert
@@ -39,6 +38,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
+from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
@@ -70,33 +70,6 @@ class _Pending:
     checked_params: list[ParamInfo] = field(default_factory=list)
     param_norms: Slot | None = None
     behaviour: BehaviourToken | None = None
-
-
-class _OptimizerHook:
-    """Optimizer step hook that holds the monitor weakly (no reference cycle)."""
-
-    __slots__ = ("monitor", "index", "before")
-
-    def __init__(self, monitor: Monitor, index: int, before: bool) -> None:
-        self.monitor = weakref.ref(monitor)
-        self.index = index
-        self.before = before
-
-    def __call__(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        monitor = self.monitor()
-        if monitor is None or monitor.closed:
-            return None
-        try:
-            if self.before:
-                monitor._before_optimizer_step(self.index, args, kwargs)
-            else:
-                monitor._after_optimizer_step(self.index)
-        except TrainingHealthError:
-            raise
-        except Exception as exc:  # never break the user's optimizer step
-            monitor._disabled.add("step collector")
-            monitor._internal_error("step hooks", exc)
-        return None
 
 
 class Monitor:
@@ -137,7 +110,7 @@ class Monitor:
         self._rule_ids = {rule.id for rule in self._rules}
         # The collectors the enabled rules need: nothing else is attached.
         needs = frozenset().union(*(rule.needs for rule in self._rules))
-        self._handles: list[RemovableHandle] = []
+        self._handles = HookGroup()
         self._optimizers: list[Optimizer] = []
         self._step = 0
         self._pending: dict[int, _Pending] = {}
@@ -265,8 +238,12 @@ class Monitor:
         _check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
-        self._handles.append(optimizer.register_step_pre_hook(_OptimizerHook(self, index, True)))
-        self._handles.append(optimizer.register_step_post_hook(_OptimizerHook(self, index, False)))
+        self._handles.add(
+            optimizer.register_step_pre_hook(WeakHook(self, "_before_optimizer_step", index))
+        )
+        self._handles.add(
+            optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
+        )
         self._guarded("optimizer audit", self._audit_optimizer, index)
 
     def flush(self) -> None:
@@ -371,7 +348,16 @@ class Monitor:
                 self._guarded(rule.component, rule.load_state_dict, saved[rule.id])
 
     # -- step lifecycle ------------------------------------------------------
-    def _before_optimizer_step(self, index: int, args: Any, kwargs: Any) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """An optimizer step hook failed: the step collector goes off, training goes on."""
+        self._disabled.add("step collector")
+        self._internal_error("step hooks", exc)
+
+    def _before_optimizer_step(
+        self, index: int, optimizer: Optimizer, args: Any, kwargs: Any
+    ) -> None:
+        if self.closed:
+            return
         # The step hooks see step()'s own arguments: (optimizer, closure?).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
@@ -383,7 +369,11 @@ class Monitor:
     def _gather_into_pending(self, index: int) -> None:
         self._pending[index] = self._gather(index)
 
-    def _after_optimizer_step(self, index: int) -> None:
+    def _after_optimizer_step(
+        self, index: int, optimizer: Optimizer | None = None, args: Any = (), kwargs: Any = None
+    ) -> None:
+        if self.closed:
+            return
         step = self._advance()
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
@@ -790,16 +780,14 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
-def _remove_handles(handles: list[RemovableHandle], *parts: Any) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+def _remove_handles(handles: HookGroup, *parts: Any) -> None:
+    handles.remove()
     for part in parts:
         if part is not None:
             part.detach()
 
 
-def _collected(handles: list[RemovableHandle], *parts: Any) -> None:
+def _collected(handles: HookGroup, *parts: Any) -> None:
     """A monitor garbage-collected without close(): its hooks and claims go with it."""
     _remove_handles(handles, *parts)
     registry.forget_collected()

@@ -30,6 +30,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.tensors import floating_list
+from trainwatch.hooks import WeakHook
 
 
 def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,39 +115,6 @@ class _ParamState:
 #       or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)))
 
 
-class _BackwardStarts:
-    """Tensor hook on the model's output: a backward pass has reached the model."""
-
-    __slots__ = ("tracker",)
-
-    def __init__(self, tracker: GradResetTracker) -> None:
-        self.tracker = weakref.ref(tracker)
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        tracker = self.tracker()
-        if tracker is not None and tracker.enabled:
-            try:
-                tracker.backward_starts()
-            except Exception as exc:  # never break the user's backward
-                tracker.fail(exc)
-        return None
-
-
-class _BackwardEnds:
-    __slots__ = ("tracker",)
-
-    def __init__(self, tracker: GradResetTracker) -> None:
-        self.tracker = weakref.ref(tracker)
-
-    def __call__(self) -> None:
-        tracker = self.tracker()
-        if tracker is not None and tracker.enabled:
-            try:
-                tracker.backward_ends()
-            except Exception as exc:
-                tracker.fail(exc)
-
-
 class GradResetTracker:
     def __init__(
         self, on_error: Callable[[str, BaseException], None], check_resets: bool = True
@@ -163,8 +131,8 @@ class GradResetTracker:
         self._in_backward = False
         self._fallback: RemovableHandle | None = None
         # One of each hook object, reused every pass.
-        self._starts = _BackwardStarts(self)
-        self._ends = _BackwardEnds(self)
+        self._starts = WeakHook(self, "backward_starts")
+        self._ends = WeakHook(self, "backward_ends")
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -203,13 +171,15 @@ class GradResetTracker:
                 return
 
     # -- backward ----------------------------------------------------------
-    def backward_starts(self) -> None:
+    def backward_starts(self, grad: torch.Tensor | None = None) -> None:
         """Before any parameter of the model accumulates: were last step's gradients reset?
 
         Once per backward pass (the first output hook to fire), one loop over
         the parameters in one call instead of a hook per parameter; the
         gradients' content is read only for suspects, in one batched kernel.
         """
+        if not self.enabled:
+            return
         self.backward_seen = True
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
@@ -242,6 +212,8 @@ class GradResetTracker:
     def backward_ends(self) -> None:
         """What this backward reached, and the versions its accumulations left."""
         self._in_backward = False
+        if not self.enabled:
+            return
         for state in self._states.values():
             grad = state.param.grad
             if grad is None:

@@ -36,7 +36,8 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
-from trainwatch.compiled import compiling, unwrap, user_name
+from trainwatch.compiled import unwrap, user_name
+from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
@@ -111,36 +112,6 @@ def _spread(rows: torch.Tensor) -> torch.Tensor:
     return (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
 
 
-class _Hook:
-    """One global forward hook for the sampled modules, picked out by identity.
-
-    Global, so nothing is stored on the modules: the model saves, pickles and
-    deep-copies exactly as without trainwatch.
-    """
-
-    __slots__ = ("index", "sampler")
-
-    def __init__(self, sampler: ActivationSampler, index: dict[int, int]) -> None:
-        self.sampler = weakref.ref(sampler)
-        self.index = index
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if compiling():
-            return None  # inside a compiled graph: only the wrapper's output is seen
-        sampler = self.sampler()
-        if sampler is None or not sampler.active or quiet.replaying():
-            return None
-        position = self.index.get(id(module))
-        if position is None:
-            position = self.index.get(id(unwrap(module)))  # torch.compile's wrapper
-        if position is not None:
-            try:
-                sampler.after_forward(position, module, args, output)
-            except Exception as exc:  # never break the user's forward
-                sampler.fail(exc)
-        return None
-
-
 class ActivationSampler:
     def __init__(
         self, model: nn.Module, rows: int, spread: bool, zeros: bool, on_error: Any
@@ -152,7 +123,7 @@ class ActivationSampler:
         self.enabled = True
         self._watched: dict[int, int] = {}
         self._on_error = on_error
-        self._handles: list[Any] = []
+        self._handles = HookGroup()
         self._names: list[str] = []
         self._relu: list[bool] = []
         self.attach(model)
@@ -180,7 +151,21 @@ class ActivationSampler:
         """
         self.active = sampled
         if sampled and hook_modules and not self._handles:
-            self._handles.append(register_module_forward_hook(_Hook(self, self._watched)))
+            self._handles.add(register_module_forward_hook(WeakHook(self, "module_called")))
+
+    def module_called(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The global hook of a sampled pass: the watched modules, picked out by identity.
+
+        Global, so nothing is stored on the modules: the model saves, pickles
+        and deep-copies exactly as without trainwatch.
+        """
+        if not self.active or quiet.replaying():
+            return
+        position = self._watched.get(id(module))
+        if position is None:
+            position = self._watched.get(id(unwrap(module)))  # torch.compile's wrapper
+        if position is not None:
+            self.after_forward(position, module, args, output)
 
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active and not self._handles:
@@ -191,9 +176,7 @@ class ActivationSampler:
             self._unhook()
 
     def _unhook(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
 
     def detach(self) -> None:
         self.active = False

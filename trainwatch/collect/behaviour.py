@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
@@ -38,6 +37,7 @@ from trainwatch.compiled import is_wrapper, unwrap
 from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
+from trainwatch.hooks import WeakHook
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules import rules_needing
 
@@ -48,22 +48,6 @@ class BehaviourToken:
 
     names: list[RowKey]
     stats: Slot
-
-
-class _BackwardSeen:
-    """Tensor hook on a pass's output: backward ran through an eval-mode pass."""
-
-    __slots__ = ("watch", "report")
-
-    def __init__(self, watch: BehaviourWatch, report: ModeReport) -> None:
-        self.watch = weakref.ref(watch)
-        self.report = report
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        watch = self.watch()
-        if watch is not None and watch.train_in_eval is None:
-            watch.train_in_eval = self.report
-        return None
 
 
 class BehaviourWatch:
@@ -82,7 +66,6 @@ class BehaviourWatch:
         self._publish = publish
         self._on_error = on_error
         self._guard = Guard(on_error)
-        self._handles: list[RemovableHandle] = []
         self._structure = StructureWatch()
         self.check_eval_pass = "eval_in_train_mode" in rule_ids
         self.check_train_step = "train_in_eval_mode" in rule_ids
@@ -107,6 +90,14 @@ class BehaviourWatch:
             if spread or zeros
             else None
         )
+
+    def backward_seen(self, report: ModeReport, grad: torch.Tensor) -> None:
+        """Backward ran through an eval-mode pass: it was a training step."""
+        if self.train_in_eval is None:
+            self.train_in_eval = report
+
+    def fail(self, exc: BaseException) -> None:
+        self._on_error("behaviour checks", exc)
 
     # -- failure containment -----------------------------------------------------
     def guard(self, component: str, fn: Any, *args: Any) -> Any:
@@ -165,7 +156,7 @@ class BehaviourWatch:
                     for tensor in floating_tensors(output):
                         # Not on a leaf (a returned parameter): the hook would stay on it.
                         if tensor.requires_grad and tensor.grad_fn is not None:
-                            tensor.register_hook(_BackwardSeen(self, report))
+                            tensor.register_hook(WeakHook(self, "backward_seen", report))
                             break
         if grad and self.broadcast is not None and self.broadcast.live:
             self.broadcast.start(output)
@@ -222,9 +213,6 @@ class BehaviourWatch:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         if self.broadcast is not None:
             self.broadcast.detach()
         if self.sampler is not None:

@@ -15,7 +15,6 @@ It is not installed at all once every tracked module has been seen.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,24 +22,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.compiled import compiling, is_wrapper, unwrap, user_name
-
-
-class _SeenHook:
-    """Global, not per module, so hooks never travel with a saved or copied model."""
-
-    __slots__ = ("tracker",)
-
-    def __init__(self, tracker: CallTracker) -> None:
-        self.tracker = weakref.ref(tracker)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if compiling():
-            return None
-        tracker = self.tracker()
-        if tracker is not None:
-            tracker.seen(module)
-        return None
+from trainwatch.compiled import is_wrapper, unwrap, user_name
+from trainwatch.hooks import WeakHook
 
 
 def _parent(name: str) -> str:
@@ -90,12 +73,12 @@ class CallTracker:
             return  # inside a compiled graph no call is seen (and a hook would recompile)
         self.seen(unwrap(module))  # its own hooks are already running
         if self._waiting:
-            self._handle = register_module_forward_pre_hook(_SeenHook(self))
+            self._handle = register_module_forward_pre_hook(WeakHook(self, "seen"))
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self._unhook()
 
-    def seen(self, module: nn.Module) -> None:
+    def seen(self, module: nn.Module, args: Any = None) -> None:
         name = self._waiting.pop(id(module), None)
         if name is None:
             return
@@ -103,6 +86,10 @@ class CallTracker:
         self._seen_names.add(name)
         if not self._waiting:
             self._unhook()
+
+    def fail(self, exc: BaseException) -> None:
+        """Knowing nothing, it claims nothing: every layer counts as called."""
+        self.detach()
 
     def never_called(self) -> frozenset[str]:
         """Layers not called although the module holding them was."""

@@ -40,12 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainwatch.collect.nonfinite_hooks import (
-    CallHooks,
-    GradHook,
-    GradOutHook,
-    register_global_hooks,
-)
+from trainwatch.collect.nonfinite_hooks import register_global_hooks
 from trainwatch.collect.nonfinite_locate import (
     FINITE,
     INF,
@@ -62,7 +57,6 @@ from trainwatch.collect.nonfinite_locate import (
 from trainwatch.collect.nonfinite_replay import (
     Replay,
     backward_leaving_grads,
-    remove_all,
     replay_target,
 )
 from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
@@ -76,6 +70,7 @@ from trainwatch.collect.tensors import (
     version_of,
 )
 from trainwatch.compiled import unwrap
+from trainwatch.hooks import HookGroup, WeakHook
 
 __all__ = [
     "FINITE",
@@ -223,7 +218,7 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
-        self._handles: list[Any] = []
+        self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
         self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
         self._checkable: set[int] = set()
@@ -250,7 +245,7 @@ class NonfiniteProbe:
 
     def module_hooks(self) -> list[Any]:
         """Hooks on every module call: always in deferred mode, else only for a replay."""
-        return register_global_hooks(CallHooks(self, self._ids))
+        return register_global_hooks(self)
 
     # -- the model's passes (ModelPasses), where modules are not hooked -------
     def pass_starts(self, module: nn.Module) -> None:
@@ -284,8 +279,7 @@ class NonfiniteProbe:
         if wanted and not self._handles:
             self._handles.extend(self.module_hooks())
         elif not wanted and self._handles:
-            remove_all(self._handles)
-            self._handles.clear()
+            self._handles.remove()
 
     def cuda_devices(self) -> list[int]:
         """The CUDA devices the model runs on (whose RNG a replay forks)."""
@@ -295,9 +289,7 @@ class NonfiniteProbe:
         return [first.device.index if first.device.index is not None else 0]
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._handles.remove()
         self.reset()
 
     def fail(self, exc: BaseException) -> None:
@@ -311,6 +303,28 @@ class NonfiniteProbe:
         self._this_pass = _PassState()
 
     # -- passes ----------------------------------------------------------
+    # -- every module call (global hooks: deferred mode and replays) ----------
+    def _position(self, module: nn.Module) -> int | None:
+        position = self._ids.get(id(module))
+        if position is None:
+            # torch.compile(model)'s wrapper runs eagerly around the compiled
+            # model: it stands for the model (or submodule) it wraps.
+            inner = unwrap(module)
+            if inner is not module:
+                position = self._ids.get(id(inner))
+        return position
+
+    def module_starts(self, module: nn.Module, args: Any) -> None:
+        position = self._position(module)
+        if position is not None and self.enabled and not self.suspended:
+            self.before_call(position, args)
+
+    def module_ends(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        position = self._position(module)
+        if position is not None and self.enabled and not self.suspended:
+            kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
+            self.after_call(position, module, args, kwargs, output)
+
     def before_call(self, position: int, args: Any) -> None:
         if self._depth == 0 and not self._replaying:
             # Gradient checkpointing re-runs blocks inside backward: that is
@@ -392,7 +406,7 @@ class NonfiniteProbe:
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
             for position, tensor in enumerate(needs_grad):
-                tensor.register_hook(GradOutHook(self, position))
+                tensor.register_hook(WeakHook(self, "on_grad_entering", position))
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
@@ -425,6 +439,8 @@ class NonfiniteProbe:
 
     def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off."""
+        if not self.enabled or self.suspended:
+            return
         self._this_pass.backward = True
         if position < len(self._this_pass.grad_entering):
             self._this_pass.grad_entering[position] = grad
@@ -637,16 +653,18 @@ class NonfiniteProbe:
         # the step's gradient norms check parameters anyway.
         for tensor in outs:
             if non_leaf(tensor):
-                tensor.register_hook(GradHook(self, call, "out"))
+                tensor.register_hook(WeakHook(self, "on_grad", call, "out"))
                 stop = {id(t.grad_fn) for t in ins if t.grad_fn is not None}
                 self._this_pass.grad_fns[id(call)] = (tensor.grad_fn, stop)
                 break
         for tensor in ins:
             if non_leaf(tensor):
-                tensor.register_hook(GradHook(self, call, "in"))
+                tensor.register_hook(WeakHook(self, "on_grad", call, "in"))
 
     # -- backward ----------------------------------------------------------
     def on_grad(self, call: ForwardCall, side: str, grad: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         if not grad.is_floating_point() or grad.layout != torch.strided:
             return
         index = self._grad_index(grad)

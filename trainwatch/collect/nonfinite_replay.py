@@ -19,6 +19,7 @@ from torch import nn
 from trainwatch.collect import quiet
 from trainwatch.collect.op_trace import _null, swapped_buffers
 from trainwatch.compiled import eager
+from trainwatch.hooks import HookGroup
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
@@ -61,8 +62,9 @@ class Replay:
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
         if not probe._handles:
             # Module hooks only for the replay: healthy passes run without them.
-            handles = probe.module_hooks()
-            self._stack.callback(remove_all, handles)
+            handles = HookGroup()
+            handles.extend(probe.module_hooks())
+            self._stack.callback(handles.remove)
         probe._replaying = True
         probe._this_pass.known.clear()
         return self
@@ -99,8 +101,3 @@ def backward_leaving_grads(
     finally:
         for p, grad in zip(params, saved):
             p.grad = grad
-
-
-def remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 from torch import nn
 
 from trainwatch.collect import quiet
-from trainwatch.compiled import compiling, unwrap
+from trainwatch.compiled import unwrap
+from trainwatch.hooks import WeakHook
 
 # Per-instance hook tables of nn.Module: the hooks themselves, and the tables
 # keyed by a hook's id that say how to call it.
@@ -50,27 +51,6 @@ class PassListener(Protocol):
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None: ...
 
 
-class _PassHook:
-    __slots__ = ("passes", "before")
-
-    def __init__(self, passes: ModelPasses, before: bool) -> None:
-        self.passes = weakref.ref(passes)
-        self.before = before
-
-    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
-        if compiling():
-            return None  # traced into a graph (the wrapper's eager call stands for it)
-        passes = self.passes()
-        if passes is None or quiet.replaying():
-            return None
-        if self.before:
-            passes.enter(module)
-        else:
-            kwargs, output = rest
-            passes.leave(module, args, kwargs, output)
-        return None
-
-
 def _without_trainwatch_hooks(obj: nn.Module) -> Any:
     """``obj``'s ordinary reduction, with trainwatch's hooks left out of its hook tables."""
     reduced = object.__reduce_ex__(obj, 4)
@@ -83,7 +63,7 @@ def _without_trainwatch_hooks(obj: nn.Module) -> Any:
             **state.get("_forward_pre_hooks", {}),
             **state.get("_forward_hooks", {}),
         }.items()
-        if isinstance(hook, _PassHook)
+        if isinstance(hook, WeakHook)
     }
     if not ours:
         return reduced
@@ -137,9 +117,9 @@ class ModelPasses:
         if any(ref() is module for ref, _, _ in self._hooked):
             return
         handles = [
-            module.register_forward_pre_hook(_PassHook(self, True)),
+            module.register_forward_pre_hook(WeakHook(self, "enter")),
             module.register_forward_hook(
-                _PassHook(self, False), with_kwargs=True, always_call=True
+                WeakHook(self, "leave"), with_kwargs=True, always_call=True
             ),
         ]
         cls = type(module) if _hide_hooks_of(type(module)) else None
@@ -175,7 +155,9 @@ class ModelPasses:
     def unsubscribe(self, listener: PassListener) -> None:
         self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
 
-    def enter(self, module: nn.Module) -> None:
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if quiet.replaying():
+            return  # trainwatch's own re-run of the model
         self._depth += 1
         if self._depth != 1:
             return
@@ -188,6 +170,8 @@ class ModelPasses:
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Always called, even when the forward raised (the depth must come back down)."""
+        if quiet.replaying():
+            return
         self._depth = max(0, self._depth - 1)
         if self._depth != 0:
             return
@@ -196,6 +180,11 @@ class ModelPasses:
                 listener.pass_ends(module, args, kwargs, output)
             except Exception as exc:
                 self._fail(name, listener, exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """The pass hooks themselves failed: they come off, the rest carries on."""
+        self.detach()
+        self._on_error("model passes", exc)
 
     def _fail(self, name: str, listener: PassListener, exc: BaseException) -> None:
         self.unsubscribe(listener)
