@@ -233,7 +233,10 @@ def _time_block(
     return _clock(device) - start
 
 
-def measure(workload: Workload, device: torch.device, config: str | None) -> dict[str, float]:
+def measure(
+    workload: Workload, device: torch.device, config: str | None, from_step: int = 0
+) -> dict[str, float]:
+    """Interleaved rounds; ``from_step`` untimed steps first (past the first-steps audits)."""
     torch.manual_seed(0)
     plain = workload.make_model().to(device)
     watched = copy.deepcopy(plain)
@@ -243,7 +246,7 @@ def measure(workload: Workload, device: torch.device, config: str | None) -> dic
     ratios, plain_times, watched_times = [], [], []
     with tw.watch(watched, opt_watched, config=config, console=False):
         for model, opt in ((plain, opt_plain), (watched, opt_watched)):
-            _time_block(model, opt, batch, 2, device, workload.autocast)  # warm-up
+            _time_block(model, opt, batch, max(2, from_step), device, workload.autocast)
         for round_index in range(workload.rounds):
             pair = [(plain, opt_plain), (watched, opt_watched)]
             if round_index % 2:
@@ -301,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=float, default=1.0, help="multiply every workload's rounds (steadier)"
     )
+    parser.add_argument(
+        "--from-step",
+        type=int,
+        default=0,
+        help="untimed steps before the rounds (e.g. 50: past the first-steps audits)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         workload = ALL_WORKLOADS[name](args.quick)
         workload.rounds = max(3, round(workload.rounds * args.rounds))
-        results[name] = measure(workload, device, args.config)
+        results[name] = measure(workload, device, args.config, args.from_step)
         print(_row(name, results[name]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

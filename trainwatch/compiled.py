@@ -7,8 +7,9 @@
   check there.
 - **A compiled wrapper counts as the model it wraps** (:func:`unwrap`).
   ``torch.compile(model)`` returns an ``OptimizedModule`` whose own call runs
-  eagerly around the compiled ``model.forward``: its global hooks see the
-  model's real inputs and outputs, so the model-level checks keep working.
+  eagerly around the compiled ``model.forward``: hooks on that call see the
+  model's real inputs and outputs, so the model-level checks keep working
+  (:func:`wrappers_of` finds a wrapper made after the model was watched).
 - **Names are the user's** (:func:`user_name`): the wrapper's ``_orig_mod.``
   segment never reaches an alert.
 - **trainwatch's own re-runs are eager** (:func:`eager`): when a pass is

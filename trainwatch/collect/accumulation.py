@@ -17,6 +17,12 @@ Legacy code that zeroes through ``p.grad.data.zero_()`` leaves no version
 trace, so each suspect also gets one device-side max|g| taken just before the
 accumulation: stale *and* non-zero is the bug. It runs only for suspects,
 so healthy training pays nothing for it.
+
+No hook per parameter (a Python call per parameter per backward): the look
+happens once per backward pass, when the gradient first reaches the model's
+output (one tensor hook there; one hook on one parameter for backward passes
+that come another way), as one loop over the parameters; and once when that
+backward ends, to note what it reached.
 """
 
 from __future__ import annotations

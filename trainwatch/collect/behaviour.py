@@ -1,10 +1,11 @@
 """Behaviour checks around the model's forward pass: modes, loss shapes, activations.
 
-One object, created only when one of its rules is enabled, installs two hooks
-on the root module (start and end of each forward pass of the whole model)
-plus, for the activation rules, one idle forward hook per module. At the step
-boundary it hands what it saw to the step record; device numbers join the
-step's single readback.
+One object, created only when one of its rules is enabled, listens to the
+model's passes (``collect/passes.py``: the start and end of each forward pass
+of the whole model) and installs no hook of its own on a healthy step; the
+activation rules hook every module for the duration of a sampled pass only.
+At the step boundary it hands what it saw to the step record; device numbers
+join the step's single readback.
 
 - Modes (pure Python on ``.training`` flags): a forward pass without
   gradients with dropout/batch norm in training mode is published at once,
