@@ -15,7 +15,6 @@ import os
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -42,7 +41,7 @@ from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
-from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
+from trainwatch.sinks import MemorySink, Sink, StepNumbers, default_sinks
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
 # Steps with gradients but no pass seen after which the search for a
@@ -824,34 +823,16 @@ def watch(
             f"console: expected True, False or a text stream, got {type(console).__name__}"
         )
     preflight(model, optimizers)
-    # Files before the console: an alert is on disk before it is printed, and
-    # a shutdown that stalls on the console has closed the files already.
-    sinks: list[Sink] = []
-    if log_dir is not None:
-        try:
-            sinks.append(JsonlSink(Path(log_dir)))
-        except OSError as exc:
-            raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
-        if cfg.tensorboard.enabled:
-            sinks.append(_tensorboard_sink(Path(log_dir), cfg))
-    if console is not False:
-        stream = None if console is True else console
-        sinks.append(
-            ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
-        )
+    try:
+        sinks = default_sinks(log_dir, cfg, console=console)
+    except OSError as exc:
+        raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
     monitor = Monitor(model, optimizers, config=cfg, sinks=sinks)
     # A plain loop owns its process: SIGTERM closes the monitor before the
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.
     termination.hold(monitor)
     return monitor
-
-
-def _tensorboard_sink(log_dir: Path, cfg: Config) -> Sink:
-    """Event files next to alerts.jsonl; imported here so plain imports stay light."""
-    from trainwatch.sinks.tensorboard import TensorBoardSink
-
-    return TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=cfg.halt_on)
 
 
 @atexit.register
