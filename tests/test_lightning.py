@@ -141,6 +141,34 @@ def test_alerts_go_to_the_loggers_tensorboard_and_its_log_dir(tmp_path):
     assert steps == [0]
 
 
+class _DiskWitness(io.StringIO):
+    """A console stream that notes, at each print, what the log dir already holds."""
+
+    def __init__(self, log_dir) -> None:
+        super().__init__()
+        self.log_dir = log_dir
+        self.seen: list[tuple[str, list[str], bool]] = []
+
+    def write(self, text: str) -> int:
+        alerts = self.log_dir / "alerts.jsonl"
+        lines = alerts.read_text().splitlines() if alerts.exists() else []
+        rules = [json.loads(line)["rule"] for line in lines]
+        self.seen.append((text, rules, (self.log_dir / "alert_counts.json").exists()))
+        return super().write(text)
+
+
+def test_an_alert_is_on_disk_before_the_console_prints_it(tmp_path):
+    log_dir = tmp_path / "tw"
+    out = _DiskWitness(log_dir)
+    callback = TrainWatchCallback(console=out, log_dir=log_dir)
+    _trainer(tmp_path, callback).fit(BoringNet(freeze_fc1=True))
+    (printed,) = [rules for text, rules, _ in out.seen if "frozen_in_optimizer [fc1]" in text]
+    assert printed == ["frozen_in_optimizer"]
+    # At close the files are done (the counts written) before the summary prints.
+    (closed,) = [counts for text, _, counts in out.seen if "4 steps watched" in text]
+    assert closed
+
+
 def test_resuming_from_a_checkpoint_continues_steps_and_does_not_repeat_alerts(tmp_path):
     out = io.StringIO()
     first = TrainWatchCallback(console=out)

@@ -10,7 +10,9 @@ import torch
 import trainwatch as tw
 from tests.conftest import train
 from trainwatch.alert import Alert
-from trainwatch.sinks import AlertTally, ConsoleSink, Summary
+from trainwatch.config import Config, load_config
+from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Summary, default_sinks
+from trainwatch.sinks.tensorboard import TensorBoardSink
 
 
 def _alert(**kw) -> Alert:
@@ -126,3 +128,37 @@ def test_unwritable_log_dir_is_a_clear_error_and_attaches_nothing(model, tmp_pat
         raise AssertionError("expected WatchError")
     with tw.watch(model, console=False):
         pass
+
+
+def test_default_sinks_put_the_files_before_the_console(tmp_path):
+    sinks = default_sinks(tmp_path, Config(), console=io.StringIO())
+    assert [type(s) for s in sinks] == [JsonlSink, TensorBoardSink, ConsoleSink]
+    for sink in sinks:
+        sink.close(Summary(steps=0, tallies=[], latest_norms={}))
+
+
+def test_default_sinks_write_through_a_writer_they_are_handed_and_leave_it_open(tmp_path):
+    class Writer:
+        closed = False
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    writer = Writer()
+    sinks = default_sinks(None, Config(), console=False, writer=writer)
+    assert [type(s) for s in sinks] == [TensorBoardSink] and sinks[0].writer is writer
+    sinks[0].close(Summary(steps=0, tallies=[], latest_norms={}))
+    assert not writer.closed  # its owner (the Lightning logger) closes it
+
+
+def test_default_sinks_without_a_log_dir_or_tensorboard(tmp_path):
+    assert [type(s) for s in default_sinks(None, Config())] == [ConsoleSink]
+    assert default_sinks(None, Config(), console=False) == []
+    no_tensorboard = load_config({"tensorboard": {"enabled": False}})
+    sinks = default_sinks(tmp_path, no_tensorboard, console=False)
+    assert [type(s) for s in sinks] == [JsonlSink]
+    assert not list(tmp_path.glob("events.out.tfevents*"))
+    sinks[0].close(Summary(steps=0, tallies=[], latest_norms={}))

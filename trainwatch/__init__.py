@@ -3,7 +3,8 @@
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
 from trainwatch.errors import ConfigError, TrainingHealthError, WatchError
-from trainwatch.monitor import Monitor, watch
+from trainwatch.monitor import Monitor
+from trainwatch.watching import watch
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,6 @@ import io
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import IO, Any
 
 import lightning.pytorch as pl
@@ -37,7 +36,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
 from trainwatch.monitor import Monitor
 from trainwatch.relay import Reporter, gather_to_zero
-from trainwatch.sinks import ConsoleSink, JsonlSink, Sink
+from trainwatch.sinks import ConsoleSink, Sink, default_sinks
 
 Phase = str  # "sanity_check" | "train" | "validate" | "test" | "predict"
 
@@ -158,25 +157,12 @@ class TrainWatchCallback(Callback):
             _quietly(monitor.add_optimizer, _unwrap(optimizer))
 
     def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
-        sinks: list[Sink] = []
-        cfg = self.config
-        if self.console is not False:
-            stream = sys.stderr if self.console is True else self.console
-            sinks.append(
-                ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
-            )
-        if log_dir is not None:
-            sinks.append(JsonlSink(Path(log_dir)))
-        if cfg.tensorboard.enabled:
-            from trainwatch.sinks.tensorboard import TensorBoardSink
-
-            halt_on = cfg.halt_on
+        """The default sinks; TensorBoard writes through the logger's writer when there is one."""
+        writer = None
+        if self.config.tensorboard.enabled:
             logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-            if logger is not None:
-                sinks.append(TensorBoardSink(logger.experiment, cfg.tensorboard, halt_on=halt_on))
-            elif log_dir is not None:
-                sinks.append(TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=halt_on))
-        return sinks
+            writer = logger.experiment if logger is not None else None
+        return default_sinks(log_dir, self.config, console=self.console, writer=writer)
 
     def _stop(self, *, gather: bool) -> None:
         monitor, reporter = self._monitor, self._reporter

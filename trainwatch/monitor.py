@@ -1,22 +1,20 @@
-"""``tw.watch`` and the Monitor: wires collectors, rules and sinks, owns the step.
+"""The Monitor: wires collectors, rules and sinks, owns the step.
 
 One step, as data: the optimizer's pre-step hook gathers the gradients it is
 about to apply and launches their norms on the device; the post-step hook
 reads everything back in one transfer, runs the rules and hands their alerts
-to the sinks. Plain loops, the Lightning callback and ``trainwatch run``
-drive this same object.
+to the sinks. Plain loops (through ``tw.watch``, in trainwatch/watching.py),
+the Lightning callback and ``trainwatch run`` drive this same object.
 """
 
 from __future__ import annotations
 
 import atexit
 import math
-import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,16 +31,17 @@ from trainwatch.collect.nonfinite_report import NonfiniteJudge
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
-from trainwatch.config import Config, load_config
+from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
+from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
-from trainwatch.sinks import ConsoleSink, JsonlSink, MemorySink, Sink, StepNumbers
+from trainwatch.sinks import MemorySink, Sink, StepNumbers
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
 # Steps with gradients but no pass seen after which the search for a
@@ -230,12 +229,12 @@ class Monitor:
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """Watch one more optimizer (one created after ``tw.watch``, a GAN's second)."""
         self._ensure_open()
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
         if self._layers.outdated():  # an optimizer built after module.to() replaced them
             self._rebuild_layers()
-        _check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
+        check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
         self._handles.add(
@@ -707,49 +706,6 @@ class Monitor:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
 
 
-def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
-    """Every check that can refuse a watch, made before anything is created or attached.
-
-    Run by ``watch`` before it opens any file, and again by the Monitor: a
-    refused watch leaves no hook, no alerts file and no event file behind.
-    """
-    if not isinstance(model, nn.Module):
-        raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
-    for opt in optimizers:
-        _check_optimizer(opt)
-    layers = LayerMap(unwrap(model))
-    if len(layers) == 0:
-        raise WatchError(
-            f"{type(model).__name__} has no parameters: there is nothing to train or "
-            "watch (pass the model that holds the weights)"
-        )
-    for index, opt in enumerate(optimizers):
-        _check_optimizer_matches(opt, layers, index)
-    for param in layers.parameters():
-        owner = registry.owner_of(param)
-        if owner is not None and not owner.yields_to_explicit_watch:
-            raise WatchError(
-                f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
-                "already watched by an open trainwatch monitor; close that one first "
-                "(monitor.close()) or keep using it"
-            )
-    return layers
-
-
-def _check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:
-    """An optimizer none of whose parameters the model holds is the wrong optimizer.
-
-    A few extra parameters (learnable loss weights) are fine: they are named
-    as outside the model.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and not any(p in layers for p in params):
-        raise WatchError(
-            f"optimizer {index} ({type(optimizer).__name__}) holds {len(params)} parameters "
-            "and none of them belongs to the watched model: was it built for another model?"
-        )
-
-
 def _weak_callback(method: Any) -> Any:
     """A bound method that does not keep its object alive (for the finalizer)."""
     ref = weakref.WeakMethod(method)
@@ -773,13 +729,6 @@ def _weak_getter(target: Any, name: str, default: Any) -> Any:
     return get
 
 
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, Optimizer):
-        raise WatchError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-
-
 def _remove_handles(handles: HookGroup, *parts: Any) -> None:
     handles.remove()
     for part in parts:
@@ -793,67 +742,6 @@ def _collected(handles: HookGroup, *parts: Any) -> None:
     registry.forget_collected()
 
 
-def watch(
-    model: nn.Module,
-    optimizer: Optimizer | Iterable[Optimizer] | None = None,
-    *,
-    log_dir: str | os.PathLike[str] | None = None,
-    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
-    console: bool | IO[str] = True,
-    **overrides: Any,
-) -> Monitor:
-    """Attach trainwatch to a model (and its optimizers) now; returns the Monitor.
-
-    ``console`` may also be a text stream to write the console view to.
-    """
-    cfg = load_config(config, overrides)
-    if optimizer is None:
-        optimizers: list[Optimizer] = []
-    elif isinstance(optimizer, Optimizer):
-        optimizers = [optimizer]
-    elif isinstance(optimizer, Iterable) and not isinstance(optimizer, (str, bytes)):
-        optimizers = list(optimizer)
-    else:
-        optimizers = [optimizer]  # refused by preflight, naming its type
-    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-        raise WatchError(
-            f"log_dir: expected a path (str or os.PathLike), got {type(log_dir).__name__}"
-        )
-    if not (isinstance(console, bool) or hasattr(console, "write")):
-        raise WatchError(
-            f"console: expected True, False or a text stream, got {type(console).__name__}"
-        )
-    preflight(model, optimizers)
-    # Files before the console: an alert is on disk before it is printed, and
-    # a shutdown that stalls on the console has closed the files already.
-    sinks: list[Sink] = []
-    if log_dir is not None:
-        try:
-            sinks.append(JsonlSink(Path(log_dir)))
-        except OSError as exc:
-            raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
-        if cfg.tensorboard.enabled:
-            sinks.append(_tensorboard_sink(Path(log_dir), cfg))
-    if console is not False:
-        stream = None if console is True else console
-        sinks.append(
-            ConsoleSink(stream, summary=cfg.console.summary, top_layers=cfg.console.top_layers)
-        )
-    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks)
-    # A plain loop owns its process: SIGTERM closes the monitor before the
-    # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
-    # handler of their own (Lightning) keep theirs.
-    termination.hold(monitor)
-    return monitor
-
-
-def _tensorboard_sink(log_dir: Path, cfg: Config) -> Sink:
-    """Event files next to alerts.jsonl; imported here so plain imports stay light."""
-    from trainwatch.sinks.tensorboard import TensorBoardSink
-
-    return TensorBoardSink.in_dir(log_dir, cfg.tensorboard, halt_on=cfg.halt_on)
-
-
 @atexit.register
 def _close_open_monitors() -> None:
     for monitor in list(_OPEN):
@@ -861,3 +749,12 @@ def _close_open_monitors() -> None:
             monitor.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def __getattr__(name: str) -> Any:
+    """Keeps ``trainwatch.monitor.watch`` working; imported on use (watching imports us)."""
+    if name == "watch":
+        from trainwatch.watching import watch
+
+        return watch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from rich.console import Console
 from trainwatch.alert import SEVERITIES, severity_rank
 from trainwatch.autowatch import AutoWatch, StopRun
 from trainwatch.config import Config, load_config
-from trainwatch.sinks import ALERTS_FILE, ConsoleSink, JsonlSink, Sink
+from trainwatch.sinks import ALERTS_FILE, default_sinks
 
 FAIL_ON = ("never", *SEVERITIES[1:])  # never, warning, error
 EXIT_ALERTS = 3  # --fail-on: an alert at or above the level was raised
@@ -64,16 +64,10 @@ def run_script(
     cfg = load_config(config)
     out = Path(log_dir) if log_dir is not None else default_log_dir()
     try:
-        sinks: list[Sink] = [JsonlSink(out)]
+        sinks = default_sinks(out, cfg, console=console)
     except OSError as exc:
         note.print(f"trainwatch run: --log-dir: cannot write alerts into {str(out)!r}: {exc}")
         return EXIT_USAGE
-    if cfg.tensorboard.enabled:
-        from trainwatch.sinks.tensorboard import TensorBoardSink
-
-        sinks.append(TensorBoardSink.in_dir(out, cfg.tensorboard, halt_on=cfg.halt_on))
-    if console:
-        sinks.append(ConsoleSink(summary=cfg.console.summary, top_layers=cfg.console.top_layers))
     watcher = AutoWatch(config=cfg, sinks=sinks, max_steps=max_steps)
     if console:
         note.print(f"[dim]trainwatch run: watching {path}; alerts go to {out / ALERTS_FILE}[/]")

@@ -2,6 +2,7 @@
 
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 from trainwatch.sinks.console import ConsoleSink
+from trainwatch.sinks.defaults import default_sinks
 from trainwatch.sinks.jsonl import ALERTS_FILE, COUNTS_FILE, JsonlSink
 from trainwatch.sinks.memory import MemorySink
 
@@ -15,4 +16,5 @@ __all__ = [
     "Sink",
     "StepNumbers",
     "Summary",
+    "default_sinks",
 ]

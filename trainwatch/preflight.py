@@ -1,0 +1,68 @@
+"""The checks that can refuse a watch, made before anything is created or attached.
+
+``tw.watch`` runs them before it opens any file, the Monitor again when it is
+built, and ``Monitor.add_optimizer`` for each optimizer it is handed: a
+refused watch leaves no hook, no alerts file and no event file behind. They
+read the model and the optimizers only, so they sit apart from the Monitor
+(and from ``watch``, which builds one) without an import cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from trainwatch import registry
+from trainwatch.compiled import unwrap
+from trainwatch.errors import WatchError
+from trainwatch.layers import LayerMap
+
+
+def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
+    """Refuse a model or optimizers that cannot be watched; returns the model's layers."""
+    if not isinstance(model, nn.Module):
+        raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
+    for opt in optimizers:
+        check_optimizer(opt)
+    layers = LayerMap(unwrap(model))
+    if len(layers) == 0:
+        raise WatchError(
+            f"{type(model).__name__} has no parameters: there is nothing to train or "
+            "watch (pass the model that holds the weights)"
+        )
+    for index, opt in enumerate(optimizers):
+        check_optimizer_matches(opt, layers, index)
+    for param in layers.parameters():
+        owner = registry.owner_of(param)
+        if owner is not None and not owner.yields_to_explicit_watch:
+            raise WatchError(
+                f"{type(model).__name__} (parameter {layers.info(param).name!r}) is "
+                "already watched by an open trainwatch monitor; close that one first "
+                "(monitor.close()) or keep using it"
+            )
+    return layers
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Anything but a torch optimizer is refused, naming what it was."""
+    if not isinstance(optimizer, Optimizer):
+        raise WatchError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:
+    """An optimizer none of whose parameters the model holds is the wrong optimizer.
+
+    A few extra parameters (learnable loss weights) are fine: they are named
+    as outside the model.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(p in layers for p in params):
+        raise WatchError(
+            f"optimizer {index} ({type(optimizer).__name__}) holds {len(params)} parameters "
+            "and none of them belongs to the watched model: was it built for another model?"
+        )

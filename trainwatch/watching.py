@@ -1,0 +1,66 @@
+"""``tw.watch``: the plain loop's way in.
+
+It checks its arguments and the model before anything is opened, opens the
+default sinks, builds the Monitor and has SIGTERM close it. The Lightning
+callback and ``trainwatch run`` build their Monitors themselves; what they
+share with this (the checks, the sinks) lives in modules of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import IO, Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from trainwatch import termination
+from trainwatch.config import Config, load_config
+from trainwatch.errors import WatchError
+from trainwatch.monitor import Monitor
+from trainwatch.preflight import preflight
+from trainwatch.sinks import default_sinks
+
+
+def watch(
+    model: nn.Module,
+    optimizer: Optimizer | Iterable[Optimizer] | None = None,
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+    config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
+    console: bool | IO[str] = True,
+    **overrides: Any,
+) -> Monitor:
+    """Attach trainwatch to a model (and its optimizers) now; returns the Monitor.
+
+    ``console`` may also be a text stream to write the console view to.
+    """
+    cfg = load_config(config, overrides)
+    if optimizer is None:
+        optimizers: list[Optimizer] = []
+    elif isinstance(optimizer, Optimizer):
+        optimizers = [optimizer]
+    elif isinstance(optimizer, Iterable) and not isinstance(optimizer, (str, bytes)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]  # refused by preflight, naming its type
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise WatchError(
+            f"log_dir: expected a path (str or os.PathLike), got {type(log_dir).__name__}"
+        )
+    if not (isinstance(console, bool) or hasattr(console, "write")):
+        raise WatchError(
+            f"console: expected True, False or a text stream, got {type(console).__name__}"
+        )
+    preflight(model, optimizers)
+    try:
+        sinks = default_sinks(log_dir, cfg, console=console)
+    except OSError as exc:
+        raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
+    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks)
+    # A plain loop owns its process: SIGTERM closes the monitor before the
+    # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
+    # handler of their own (Lightning) keep theirs.
+    termination.hold(monitor)
+    return monitor
