@@ -193,6 +193,7 @@ class ActivationSampler:
         self._stats: list[torch.Tensor] = []
         self._keys: list[tuple[int, str, bool]] = []  # (module index, output path, primary)
         self._done: set[int] = set()
+        self._with_spread: set[int] = set()  # rows whose spread was measured
         # Output tensors measured in this pass, weakly, with the version they
         # had: a container that returns its child's tensor is not measured
         # twice; one changed in place since is.
@@ -230,8 +231,20 @@ class ActivationSampler:
                     # Changed its own input in place: that input was measured before.
                     in_spread = self._stats[seen.slot][0]
                 else:
-                    in_spread = _spread(_rows(inp, self.rows))
+                    in_spread = self._measured_spread(inp)
+                    if in_spread is None:
+                        in_spread = _spread(_rows(inp, self.rows))
             self._measure(index, path, is_primary, out, in_spread if spread else None, zeros)
+
+    def _measured_spread(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The spread already taken of ``tensor`` as an earlier module's output, unchanged
+        since (in a chain, each module's input is the one before's output)."""
+        if tensor is None:
+            return None
+        seen = self._outputs.get(id(tensor))
+        if seen is None or seen.ref() is not tensor or seen.version != version_of(tensor):
+            return None
+        return self._stats[seen.slot][0] if seen.slot in self._with_spread else None
 
     def _adopt_as_model_output(self, slot: int, path: str, inp: torch.Tensor | None) -> None:
         """The root returns a child's tensor: its row is reported as the model's output."""
@@ -271,6 +284,8 @@ class ActivationSampler:
                 for s in stats
             ]
         )
+        if in_spread is not None:
+            self._with_spread.add(len(self._keys))
         self._outputs[id(out)] = _Measured(weakref.ref(out), len(self._keys), version_of(out))
         self._keys.append((index, path, primary))
         self._stats.append(row)
