@@ -570,3 +570,43 @@ def test_a_nan_made_in_the_first_forward_is_found_there(tmp_path):
     assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
     first = alerts(tmp_path / "log")[0]
     assert (first["rule"], first["module"], first["step"]) == ("nonfinite_forward", "", 0)
+
+
+def test_global_forward_hooks_come_off_once_models_train_and_a_later_model_is_still_found(
+    tmp_path, capsys
+):
+    """Global forward hooks cost every module call: on only until every model found
+    steps with an optimizer, and again when an optimizer of an unknown model steps."""
+    script = write(
+        tmp_path,
+        "phases.py",
+        NET
+        + """
+import sys
+from torch.nn.modules import module as hooks
+
+def hooked():
+    return len(hooks._global_forward_hooks) + len(hooks._global_forward_pre_hooks)
+
+def train(model, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1)).backward()
+        opt.step()
+
+torch.manual_seed(0)
+train(Net(), 6)
+settled = hooked()
+second = Net()
+second.detach_fc1 = True  # a bug in the model of the second phase only
+train(second, 6)
+print("hooked after settling:", settled)
+""",
+    )
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    assert "hooked after settling: 0" in capsys.readouterr().out
+    alerts = [json.loads(line) for line in (tmp_path / "log" / "alerts.jsonl").open()]
+    assert [(a["rule"], a["module"], a["data"]["model"]) for a in alerts] == [
+        ("zero_gradient", "fc1", "Net#2")
+    ]

@@ -41,6 +41,10 @@ from trainwatch.errors import TrainingHealthError
 from trainwatch.monitor import Monitor
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
 
+# Steps after which, every model found training with an optimizer, the global
+# forward hooks come off.
+_SETTLED_AFTER = 2
+
 
 class StopRun(BaseException):
     """Raised from a hook when ``max_steps`` is reached; the runner catches it.
@@ -136,6 +140,7 @@ class AutoWatch:
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
         self._handles: list[RemovableHandle] = []
+        self._forward_handles: list[RemovableHandle] = []
         self._compile_warning: CompiledHookWarning | None = None
         self._backward_ends: dict[int, list[RemovableHandle]] = {}  # by id(monitor)
         self._local = threading.local()
@@ -150,21 +155,40 @@ class AutoWatch:
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
-        mod = nn.modules.module
-        self._handles.append(mod.register_module_forward_pre_hook(self._before_forward))
-        self._handles.append(
-            mod.register_module_forward_hook(self._after_forward, always_call=True)
-        )
+        self._hook_forwards()
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
         self._compile_warning = CompiledHookWarning()
         termination.hold(self)  # a SIGTERM'd script still gets its files closed
+
+    def _hook_forwards(self) -> None:
+        """Global forward hooks: every module call in the process, to find new models.
+
+        They cost every module call of every model, so they are on only while
+        a model may still appear: until every model found trains with an
+        optimizer for two steps, and again from the first step of an
+        optimizer whose parameters no model of ours holds.
+        """
+        if self._forward_handles or self._closed:
+            return
+        mod = nn.modules.module
+        self._forward_handles = [
+            mod.register_module_forward_pre_hook(self._before_forward),
+            mod.register_module_forward_hook(self._after_forward, always_call=True),
+        ]
+
+    def _unhook_forwards(self) -> None:
+        handles, self._forward_handles = self._forward_handles, []
+        for handle in handles:
+            handle.remove()
+        self._local.depth = 0
 
     def close(self) -> None:
         """Remove the global hooks, close every monitor, print one summary."""
         if self._closed:
             return
         self._closed = True
+        self._unhook_forwards()
         for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
             handle.remove()
         self._handles.clear()
@@ -343,6 +367,7 @@ class AutoWatch:
                     handle.remove()
         if unowned:
             self._pending.add(optimizer)
+            self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
 
@@ -364,6 +389,14 @@ class AutoWatch:
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.stopped = True
             raise StopRun
+        if (
+            self._forward_handles
+            and self.steps >= _SETTLED_AFTER
+            and not self._pending
+            and self.monitors
+            and all(m.optimizers or m.closed for m in self.monitors)
+        ):
+            self._unhook_forwards()  # every model found steps with an optimizer
         return None
 
     def _manual_step(self, monitor: Monitor) -> None:
