@@ -66,7 +66,7 @@ def _wrapper_class() -> type[nn.Module] | None:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The model inside a ``torch.compile`` wrapper (the module itself when not wrapped)."""
-    wrapper = _wrapper_class()
+    wrapper = _wrapper if _wrapper is not None else _wrapper_class()
     while wrapper is not None and type(module) is wrapper:
         module = module._orig_mod
     return module
@@ -74,7 +74,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def is_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is a ``torch.compile`` wrapper (an ``OptimizedModule``)."""
-    wrapper = _wrapper_class()
+    wrapper = _wrapper if _wrapper is not None else _wrapper_class()
     return wrapper is not None and type(module) is wrapper
 
 

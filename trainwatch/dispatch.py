@@ -58,7 +58,10 @@ class Dispatcher:
             raise TrainingHealthError(halt)
 
     def numbers(self, numbers: StepNumbers) -> None:
-        self._each_sink("on_step", lambda sink: sink.on_step(numbers))
+        """Every step: only the sinks that take numbers (not the memory or the console)."""
+        for sink in list(self.sinks):
+            if type(sink).on_step is not Sink.on_step:
+                self._each_sink("on_step", lambda sink: sink.on_step(numbers), only=sink)
 
     def close(self, summary: Summary) -> None:
         self._each_sink("close", lambda sink: sink.close(summary))
@@ -111,8 +114,8 @@ class Dispatcher:
         )
         self.publish([alert])
 
-    def _each_sink(self, what: str, call: Callable[[Sink], None]) -> None:
-        for sink in list(self.sinks):
+    def _each_sink(self, what: str, call: Callable[[Sink], None], only: Sink | None = None) -> None:
+        for sink in list(self.sinks) if only is None else [only]:
             try:
                 call(sink)
             except Exception as exc:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+_HOST = {torch.device("cpu")}
+
 
 class Slot:
     """A handle on one piece of a frame: its values once the frame is read."""
@@ -38,6 +40,7 @@ class StepFrame:
     def __init__(self) -> None:
         self._pieces: list[torch.Tensor] = []
         self._sizes: list[int] = []
+        self._devices: set[torch.device] = set()
         self._event: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
         self._lists: list[list[float]] | None = None
@@ -54,7 +57,8 @@ class StepFrame:
             tensor = tensor.detach()
         flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
         self._pieces.append(flat)
-        self._sizes.append(int(flat.numel()))
+        self._sizes.append(flat.numel())
+        self._devices.add(flat.device)
         return Slot(self, len(self._pieces) - 1)
 
     def wants_lag(self, mode: str) -> bool:
@@ -63,7 +67,10 @@ class StepFrame:
             return False
         if mode == "lagged":
             return True
-        return "cuda" in {p.device.type for p in self._pieces}
+        for device in self._devices:
+            if device.type == "cuda":
+                return True
+        return False
 
     def read(self, non_blocking: bool = False) -> None:
         """Start the one transfer; ``non_blocking`` on CUDA lets the values land later."""
@@ -71,8 +78,8 @@ class StepFrame:
         if not pieces:
             self._lists = []
             return
-        devices = {p.device for p in pieces}
-        if devices == {torch.device("cpu")}:
+        devices = self._devices
+        if devices == _HOST:
             # Already on the host: no transfer, no concatenation.
             self._lists = [p.tolist() for p in pieces]
             return

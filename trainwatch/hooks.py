@@ -55,28 +55,18 @@ class WeakHook:
         return None
 
 
-class HookGroup:
-    """The handles of one collector's hooks, removed together; removing twice is fine."""
+class HookGroup(list):
+    """The handles of one collector's hooks, removed together; removing twice is fine.
 
-    __slots__ = ("_handles",)
-
-    def __init__(self) -> None:
-        self._handles: list[Any] = []
+    A list, so asking whether it holds any costs no Python call.
+    """
 
     def add(self, handle: Any) -> Any:
-        self._handles.append(handle)
+        self.append(handle)
         return handle
 
-    def extend(self, handles: list[Any]) -> None:
-        self._handles.extend(handles)
-
-    def __bool__(self) -> bool:
-        return bool(self._handles)
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-    def remove(self) -> None:
-        handles, self._handles = self._handles, []
+    def remove_all(self) -> None:
+        handles = list(self)
+        self.clear()
         for handle in handles:
             handle.remove()

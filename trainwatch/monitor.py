@@ -57,6 +57,7 @@ class _Pending:
     """
 
     record: StepRecord
+    params: list[torch.Tensor] = field(default_factory=list)  # the optimizer's, in order
     frame: StepFrame = field(default_factory=StepFrame)
     norms: Slot | None = None
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
@@ -155,6 +156,7 @@ class Monitor:
             )
             self._probe.attach(root)
             self._probe.on_new_pass = _weak_callback(self._on_new_pass)
+            self._probe.passes_worth_a_look = self.config.amp_skipped_steps.patience
             self._passes.subscribe("non-finite probe", self._probe)
         self._judge = NonfiniteJudge(self._probe.names if self._probe else [])
         # Modes, loss shapes and sampled activations: only for their rules.
@@ -363,7 +365,14 @@ class Monitor:
             # LBFGS & co compute gradients inside step(): gather them after it.
             self._pending.pop(index, None)
             return
-        self._guarded("step collector", self._gather_into_pending, index)
+        if "step collector" in self._disabled:
+            return
+        try:  # the guard written out: this runs at every step
+            self._pending[index] = self._gather(index)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:
+            self._guard.fail("step collector", exc)
 
     def _gather_into_pending(self, index: int) -> None:
         self._pending[index] = self._gather(index)
@@ -377,12 +386,11 @@ class Monitor:
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
             pending = self._guarded("step collector", self._gather, index)
+        params = pending.params if pending is not None else self._optimizer_params(index)
         if self._tracker.enabled:
-            self._tracker.arm(self._optimizer_params(index))
+            self._tracker.arm(params)
         if pending is not None and self._parameter_check_due(step):
-            self._guarded(
-                "parameter check", self._check_parameters, pending, self._optimizer_params(index)
-            )
+            self._guarded("parameter check", self._check_parameters, pending, params)
         self._finish(step, pending)
 
     def _manual_step(self) -> None:
@@ -405,7 +413,7 @@ class Monitor:
         training to the accumulation tracker, so it is paused meanwhile.
         """
         probe = self._probe
-        if probe is None or not probe.spot:
+        if probe is None or not probe.on_the_spot:
             return
         if probe.at_step:
             bad_grads = probe.settle(norms)
@@ -460,8 +468,12 @@ class Monitor:
             return
         pending.record.step = step
         lag = pending.frame.wants_lag(self.config.readback)
-        self._guarded("step collector", pending.frame.read, lag)
         if "step collector" in self._disabled:
+            return
+        try:
+            pending.frame.read(lag)
+        except Exception as exc:
+            self._guard.fail("step collector", exc)
             return
         previous, self._in_flight = self._in_flight, None
         if lag:
@@ -477,7 +489,15 @@ class Monitor:
             self._land(previous, may_halt)
 
     def _land(self, pending: _Pending, may_halt: bool = True) -> None:
-        alerts = self._guarded("step collector", self._evaluate, pending)
+        if "step collector" in self._disabled:
+            return
+        try:
+            alerts = self._evaluate(pending)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:
+            self._guard.fail("step collector", exc)
+            return
         if alerts:
             self._dispatcher.publish(alerts, may_halt=may_halt)  # may raise TrainingHealthError
 
@@ -544,7 +564,7 @@ class Monitor:
                 for p in self._unoptimized_params()
                 if p.requires_grad and p.grad is not None
             ]
-        pending = _Pending(record)
+        pending = _Pending(record, params)
         frame = pending.frame
         norms = gradient_norms(grads) if grads else None
         if norms is not None:
@@ -603,12 +623,16 @@ class Monitor:
                 {name: slot.values() for name, slot in pending.window_slots.items()},
                 pending.checked_params,
                 pending.param_norms.values() if pending.param_norms is not None else [],
-                self._probe.modules() if self._probe is not None else [],
+                self._probe.modules if self._probe is not None else list,
                 self._dispatcher.tallies,
                 self._layers.info,
             )
         elif record.loss is not None:
-            self._judge.judge(record, None, {}, [], [], [], self._dispatcher.tallies)
+            self._judge.judge(record, None, {}, [], [], list, self._dispatcher.tallies)
+        if self._probe is not None:
+            self._probe.passes_worth_a_look = (
+                self.config.amp_skipped_steps.patience * self._judge.passes_per_step
+            )
         if self._behaviour is not None and pending.behaviour is not None:
             self._guarded("behaviour checks", self._behaviour.land, record, pending.behaviour)
         flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
@@ -670,9 +694,11 @@ class Monitor:
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
         key = tuple(
-            (id(group["params"]), len(group["params"]))
-            for opt in self._optimizers
-            for group in opt.param_groups
+            [
+                (id(group["params"]), len(group["params"]))
+                for opt in self._optimizers
+                for group in opt.param_groups
+            ]
         ) + (id(self._layers),)
         if key != self._membership_key:
             held = {
@@ -730,7 +756,7 @@ def _weak_getter(target: Any, name: str, default: Any) -> Any:
 
 
 def _remove_handles(handles: HookGroup, *parts: Any) -> None:
-    handles.remove()
+    handles.remove_all()
     for part in parts:
         if part is not None:
             part.detach()

@@ -176,7 +176,7 @@ class ActivationSampler:
             self._unhook()
 
     def _unhook(self) -> None:
-        self._handles.remove()
+        self._handles.remove_all()
 
     def detach(self) -> None:
         self.active = False

@@ -114,15 +114,11 @@ class BehaviourWatch:
                 return True
         return False
 
-    def _is_model(self, module: nn.Module) -> bool:
-        """Passes of the whole model only (not of a part called on its own)."""
-        model = self._model()
-        return module is model or unwrap(module) is model
-
     def pass_starts(self, module: nn.Module) -> None:
         """A forward pass of the whole model begins (called by ``ModelPasses``)."""
-        if not self._is_model(module):
-            return
+        model = self._model()
+        if module is not model and unwrap(module) is not model:
+            return  # a part of the model called on its own
         self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
@@ -134,7 +130,8 @@ class BehaviourWatch:
             sampler.start_pass(sampled, hook_modules=not is_wrapper(module))
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not self._is_model(module):
+        model = self._model()
+        if module is not model and unwrap(module) is not model:
             return
         grad = torch.is_grad_enabled()
         if self.sampler is not None:
@@ -208,6 +205,10 @@ class BehaviourWatch:
                 stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
             if stats is not None:
                 token = BehaviourToken(names, frame.add(stats))
+        if self.broadcast is not None and not self.broadcast.live:
+            # The audit is over and its findings handed over: nothing of it runs again.
+            self.broadcast.detach()
+            self.broadcast = None
         return token
 
     def land(self, record: StepRecord, token: BehaviourToken) -> None:

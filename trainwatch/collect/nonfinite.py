@@ -218,6 +218,8 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
+        self._entering_hooks: list[WeakHook] = []
+        self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
         self._ids: dict[int, int] = {}  # id(module) -> its index in named_modules()
@@ -253,7 +255,8 @@ class NonfiniteProbe:
             return  # the module hooks see the pass
         # Gradient checkpointing of the whole model re-runs it inside backward:
         # that is no new pass.
-        self._recomputing = _inside_backward()
+        task = _graph_task_id  # _inside_backward(), written out: once per pass
+        self._recomputing = task is not None and task() != -1
         if not self._recomputing:
             self._new_pass()
 
@@ -279,7 +282,7 @@ class NonfiniteProbe:
         if wanted and not self._handles:
             self._handles.extend(self.module_hooks())
         elif not wanted and self._handles:
-            self._handles.remove()
+            self._handles.remove_all()
 
     def cuda_devices(self) -> list[int]:
         """The CUDA devices the model runs on (whose RNG a replay forks)."""
@@ -289,7 +292,7 @@ class NonfiniteProbe:
         return [first.device.index if first.device.index is not None else 0]
 
     def detach(self) -> None:
-        self._handles.remove()
+        self._handles.remove_all()
         self.reset()
 
     def fail(self, exc: BaseException) -> None:
@@ -371,7 +374,11 @@ class NonfiniteProbe:
         # Identity matches and autograd nodes only matter within one pass:
         # a new record keeps memory flat across many passes per step.
         self._this_pass = _PassState()
-        if self.on_new_pass is not None:
+        # Told only once enough backward passes went without a step (GradScaler
+        # skipping): the monitor sets the count.
+        if self.on_new_pass is not None and (
+            len(self._this_step.bad_backward_passes) >= self.passes_worth_a_look
+        ):
             self.on_new_pass()
 
     def _note_pass(self, flag: torch.Tensor | float) -> None:
@@ -399,14 +406,14 @@ class NonfiniteProbe:
                 if not finite_exact(out):
                     self._forward_bad(module, args, kwargs)
                     break
-        needs_grad = [o for o in outs if non_leaf(o)]
+        needs_grad = [o for o in outs if o.requires_grad and o.grad_fn is not None]
         if needs_grad and torch.is_grad_enabled():
             # References to the batch (not copies) until the next pass: what a
             # backward replay needs if this step's gradients turn out bad.
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
             for position, tensor in enumerate(needs_grad):
-                tensor.register_hook(WeakHook(self, "on_grad_entering", position))
+                tensor.register_hook(self._entering_hook(position))
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
@@ -436,6 +443,13 @@ class NonfiniteProbe:
                         self._forward_bad(w.module, w.args, w.kwargs)
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
+
+    def _entering_hook(self, position: int) -> WeakHook:
+        """One hook object per output position, made once and reused every pass."""
+        hooks = self._entering_hooks
+        while len(hooks) <= position:
+            hooks.append(WeakHook(self, "on_grad_entering", len(hooks)))
+        return hooks[position]
 
     def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off."""
@@ -735,11 +749,6 @@ class NonfiniteProbe:
         """Per backward pass no step used since the last one: whether it was non-finite."""
         return self._this_step.bad_backward_passes
 
-    @property
-    def spot(self) -> bool:
-        """Whether the current passes are checked on the spot (CPU)."""
-        return self.on_the_spot
-
     def modules(self) -> list[nn.Module | None]:
         return [ref() for ref in self._modules]
 
@@ -784,7 +793,10 @@ class NonfiniteProbe:
         return window
 
 
+# The id of the backward pass running on this thread (-1: none), if torch says.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _inside_backward() -> bool:
     """Whether autograd is running a backward pass on this thread right now."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1

@@ -64,7 +64,7 @@ class Replay:
             # Module hooks only for the replay: healthy passes run without them.
             handles = HookGroup()
             handles.extend(probe.module_hooks())
-            self._stack.callback(handles.remove)
+            self._stack.callback(handles.remove_all)
         probe._replaying = True
         probe._this_pass.known.clear()
         return self

@@ -71,7 +71,7 @@ class NonfiniteJudge:
         values: dict[str, list[float]],
         checked_params: list[ParamInfo],
         param_norms: list[float],
-        modules: list[nn.Module | None],
+        modules: Callable[[], list[nn.Module | None]],
         tallies: dict[tuple[str, str | None], Any],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
@@ -125,7 +125,7 @@ class NonfiniteJudge:
         record: StepRecord,
         window: StepWindow,
         sums: list[float] | None,
-        modules: list[nn.Module | None],
+        modules: Callable[[], list[nn.Module | None]],
         tallies: dict[tuple[str, str | None], Any],
         info: Callable[[torch.Tensor], ParamInfo] | None,
         grads_finite: bool,
@@ -156,7 +156,8 @@ class NonfiniteJudge:
         if window.forward_origin is not None and located is not None:
             finding.spread = located.spread
         report = self._report(finding)
-        module = modules[finding.module] if 0 <= finding.module < len(modules) else None
+        found = modules()  # the probe's modules, looked up only when there is an origin
+        module = found[finding.module] if 0 <= finding.module < len(found) else None
         bad_params: list[torch.Tensor] = []
         if finding.cause == "module" and module is not None:
             # The model itself is named when its modules ran unseen inside a

@@ -156,7 +156,7 @@ class ModelPasses:
         self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        if quiet.replaying():
+        if getattr(quiet.state, "depth", 0):
             return  # trainwatch's own re-run of the model
         self._depth += 1
         if self._depth != 1:
@@ -170,7 +170,7 @@ class ModelPasses:
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Always called, even when the forward raised (the depth must come back down)."""
-        if quiet.replaying():
+        if getattr(quiet.state, "depth", 0):
             return
         self._depth = max(0, self._depth - 1)
         if self._depth != 0:

@@ -11,17 +11,18 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_state = threading.local()
+# Read directly on hot paths (``getattr(state, "depth", 0)``), to spare a call.
+state = threading.local()
 
 
 def replaying() -> bool:
-    return getattr(_state, "depth", 0) > 0
+    return getattr(state, "depth", 0) > 0
 
 
 @contextmanager
 def replay() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
+    state.depth = getattr(state, "depth", 0) + 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        state.depth -= 1

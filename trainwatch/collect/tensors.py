@@ -58,7 +58,10 @@ def is_checkable_float(tensor: torch.Tensor) -> bool:
 def floating_list(value: Any) -> list[torch.Tensor]:
     """``floating_tensors`` as a list, with no walk for the usual plain tensor output."""
     if type(value) is torch.Tensor:
-        return [value] if is_checkable_float(value) else []
+        checkable = (
+            value.is_floating_point() and value.layout == torch.strided and value.numel() > 0
+        )
+        return [value] if checkable else []
     return list(floating_tensors(value))
 
 
