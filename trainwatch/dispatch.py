@@ -22,6 +22,7 @@ class Dispatcher:
         self.tallies: dict[tuple[str, str | None], AlertTally] = {}
         self._internal_reported: set[str] = set()
         self.held: Alert | None = None  # a halt waiting for a step boundary
+        self.reported: set[str] = set()  # rule ids that have fired so far
 
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
@@ -34,6 +35,7 @@ class Dispatcher:
             tally = self.tallies.get(alert.key)
             if tally is None:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
+                self.reported.add(alert.rule)
                 self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
                 if halt is None and alert.rule in self.halt_on:
                     halt = alert
@@ -86,6 +88,7 @@ class Dispatcher:
             self.tallies[alert.key] = AlertTally(
                 alert, int(entry.get("count", 1)), int(entry.get("last_step", alert.step))
             )
+            self.reported.add(alert.rule)
             restored.append(alert)
         return restored
 

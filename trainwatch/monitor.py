@@ -27,7 +27,6 @@ from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
-from trainwatch.collect.nonfinite_report import NonfiniteJudge
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
@@ -41,6 +40,7 @@ from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
+from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -624,11 +624,11 @@ class Monitor:
                 pending.checked_params,
                 pending.param_norms.values() if pending.param_norms is not None else [],
                 self._probe.modules if self._probe is not None else list,
-                self._dispatcher.tallies,
+                self._dispatcher.reported,
                 self._layers.info,
             )
         elif record.loss is not None:
-            self._judge.judge(record, None, {}, [], [], list, self._dispatcher.tallies)
+            self._judge.judge(record, None, {}, [], [], list, self._dispatcher.reported)
         if self._probe is not None:
             self._probe.passes_worth_a_look = (
                 self.config.amp_skipped_steps.patience * self._judge.passes_per_step
@@ -653,7 +653,7 @@ class Monitor:
         """A loss handed over after its optimizer step, judged with the next one."""
         if value is None or math.isfinite(value):
             return []
-        if any(rule.startswith("nonfinite") for rule, _ in self._dispatcher.tallies):
+        if knock_on(self._dispatcher.reported):
             return []  # a NaN already reported upstream explains it
         record = StepRecord(step=step, source="loss", loss=value)
         record.nonfinite_loss = NonfiniteReport(module=None, cause="value")

@@ -1,15 +1,15 @@
-"""Turns what the non-finite probe gathered into origins the rules can report.
+"""Origin or knock-on effect: what the non-finite probe gathered, turned into origins.
 
 Runs when a step lands (after its readback): it decides which of forward,
-backward, loss or a parameter update is the origin, so the rules downstream
-report the cause once and never the cascade that follows from it.
+backward, loss or a parameter update is the origin, so the rules report the
+cause once and never the cascade that follows from it. Given what was
+already reported (rule ids), not the dispatcher's bookkeeping.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,17 @@ from trainwatch.collect.nonfinite_locate import (
 )
 from trainwatch.layers import ParamInfo
 from trainwatch.record import NonfiniteReport, StepRecord
+
+
+def knock_on(reported: Collection[str]) -> bool:
+    """Whether a NaN/Inf now is the knock-on effect of one already reported.
+
+    The one place this is decided: once a non-finite origin was reported,
+    what follows (weights poisoned by its update, every later loss) is its
+    cascade, never a second origin. ``reported`` holds the rule ids that
+    have fired so far.
+    """
+    return any(rule.startswith("nonfinite") for rule in reported)
 
 
 def _finite(value: float) -> bool:
@@ -72,7 +83,7 @@ class NonfiniteJudge:
         checked_params: list[ParamInfo],
         param_norms: list[float],
         modules: Callable[[], list[nn.Module | None]],
-        tallies: dict[tuple[str, str | None], Any],
+        reported: Collection[str],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
         isfinite = math.isfinite
@@ -96,7 +107,7 @@ class NonfiniteJudge:
         forward_bad = False
         if window is not None:
             forward_bad = self._forward(
-                record, window, values.get("sums"), modules, tallies, info, not bad_grads
+                record, window, values.get("sums"), modules, reported, info, not bad_grads
             )
             skipped = values.get("skipped") or window.skipped_host
             self.passes_per_step = len(skipped) + 1 if not any(skipped) else self.passes_per_step
@@ -104,7 +115,7 @@ class NonfiniteJudge:
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
         if window is not None and not window.forward_seen and (bad_grads or loss_bad):
-            if not any(rule.startswith("nonfinite") for rule, _ in tallies):
+            if not knock_on(reported):
                 self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
             return
         if bad_grads and forward_clean and window is not None:
@@ -126,7 +137,7 @@ class NonfiniteJudge:
         window: StepWindow,
         sums: list[float] | None,
         modules: Callable[[], list[nn.Module | None]],
-        tallies: dict[tuple[str, str | None], Any],
+        reported: Collection[str],
         info: Callable[[torch.Tensor], ParamInfo] | None,
         grads_finite: bool,
     ) -> bool:
@@ -147,7 +158,7 @@ class NonfiniteJudge:
         if finding is None:
             if not window.output_bad:
                 return False
-            if any(rule.startswith("nonfinite") for rule, _ in tallies):
+            if knock_on(reported):
                 return True  # still broken since an earlier report: the cascade
             # The output was bad but replaying the pass did not reproduce it
             # (randomness): name the model, unlocated.
@@ -173,11 +184,11 @@ class NonfiniteJudge:
                 # the weights were bad during the forward is open (an op that
                 # overflowed, or the previous update): after an earlier report
                 # it is the cascade; else both stories are told.
-                if any(rule.startswith("nonfinite") for rule, _ in tallies):
+                if knock_on(reported):
                     return True
                 report.cause = "module_or_parameter"
         if bad_params:
-            if any(rule.startswith("nonfinite") for rule, _ in tallies):
+            if knock_on(reported):
                 return True  # weights poisoned by an update already reported: the cascade
             if info is not None and record.step > 0:
                 # Finite gradients, non-finite weights: the last update made them.
