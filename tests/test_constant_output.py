@@ -192,3 +192,66 @@ def test_zero_initialised_branch_is_silent(quiet_watch):
     monitor = quiet_watch(model, opt, constant_output=EVERY_STEP)
     _regress(model, opt, 20)
     assert rules_of(monitor) == []
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.norm(self.fc(x)))
+
+
+def _deep(depth: int) -> nn.Sequential:
+    """A residual stack: its output varies at any depth (a plain deep tanh stack
+    collapses, truly: its output stops varying across the batch)."""
+    return nn.Sequential(nn.Linear(8, 16), *(_Block() for _ in range(depth)), nn.Linear(16, 1))
+
+
+def _deep_run(quiet_watch, collapse: bool, steps: int = 16, count=None):
+    """80 measured modules; with ``collapse``, block 15's fc outputs its bias from step 6 on."""
+    torch.manual_seed(0)
+    model = _deep(20)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt, constant_output=EVERY_STEP, zero_gradient=False)
+    for step, (x, y) in enumerate(batches(steps)):
+        if count is not None:
+            count.append(0)
+        if collapse and step == 6:
+            fc = model[16].fc
+            with torch.no_grad():
+                fc.weight.zero_()
+            fc.weight.requires_grad_(False)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return monitor
+
+
+def test_past_the_first_steps_a_sampled_pass_measures_a_bounded_number_of_modules(
+    quiet_watch, monkeypatch
+):
+    from trainwatch.collect.activations import ActivationSampler
+
+    measured: list[int] = []
+    real = ActivationSampler.after_forward
+
+    def counting(self, index, *args):
+        measured[-1] += 1
+        return real(self, index, *args)
+
+    monkeypatch.setattr(ActivationSampler, "after_forward", counting)
+    monitor = _deep_run(quiet_watch, collapse=False, steps=10, count=measured)
+    assert min(measured[:5]) > 60  # the first steps: every module
+    assert max(measured[5:]) <= 33  # then the model's output and 32 others in turn
+    assert rules_of(monitor) == []
+
+
+def test_a_collapse_deep_in_a_deep_model_is_still_found_in_turn(quiet_watch):
+    monitor = _deep_run(quiet_watch, collapse=True)
+    found = {a.module: a for a in monitor.alerts if a.rule == "constant_output"}
+    assert set(found) == {"16.fc"}  # the layers after it see a constant input: it explains them
+    assert found["16.fc"].step >= 6

@@ -42,6 +42,8 @@ from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
 _MAX_LEAVES = 8  # output tensors measured per module
+# Modules measured per sampled pass past the first steps, besides the model's output.
+_PER_PASS = 32
 _NAN = float("nan")
 # Stats per module, in this order, in one row of the step's tensor.
 FIELDS = ("out_spread", "in_spread", "out_rms", "out_mean", "zero_fraction", "dead_fraction")
@@ -122,6 +124,9 @@ class ActivationSampler:
         self.active = False  # this pass is sampled
         self.enabled = True
         self._watched: dict[int, int] = {}
+        self._order: list[int] = []
+        self._turn = 0
+        self._window: set[int] | None = None  # this pass's modules; None: all of them
         self._on_error = on_error
         self._handles = HookGroup()
         self._names: list[str] = []
@@ -141,16 +146,34 @@ class ActivationSampler:
                 continue
             watched[id(module)] = index
         self._watched = watched
+        # The modules other than the model itself, in the order they are taken in turn.
+        self._order = sorted(index for index in watched.values() if index != 0)
+        self._turn = 0
 
-    def start_pass(self, sampled: bool, hook_modules: bool) -> None:
+    def start_pass(self, sampled: bool, hook_modules: bool, every_module: bool = True) -> None:
         """A pass begins; a sampled one hooks every module, for its duration only.
 
         Not around a compiled graph (no module is seen inside it, and a global
         hook that comes and goes would make dynamo recompile): there the
         model's own output is measured when the pass ends.
+
+        Past the first steps (``every_module`` False) a sampled pass measures
+        the model's output and at most ``_PER_PASS`` other modules, the next
+        ones in turn: a sampled step then costs the same at any depth, and a
+        deep model's modules are each measured every few sampled steps.
         """
         self.active = sampled
-        if sampled and hook_modules and not self._handles:
+        if not sampled:
+            return
+        if every_module or len(self._watched) <= _PER_PASS + 1:
+            self._window = None
+        else:
+            order = self._order
+            start = self._turn % len(order)
+            chosen = (order + order)[start : start + _PER_PASS]
+            self._turn = start + _PER_PASS
+            self._window = {0, *chosen}
+        if hook_modules and not self._handles:
             self._handles.add(register_module_forward_hook(WeakHook(self, "module_called")))
 
     def module_called(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -164,7 +187,7 @@ class ActivationSampler:
         position = self._watched.get(id(module))
         if position is None:
             position = self._watched.get(id(unwrap(module)))  # torch.compile's wrapper
-        if position is not None:
+        if position is not None and (self._window is None or position in self._window):
             self.after_forward(position, module, args, output)
 
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:

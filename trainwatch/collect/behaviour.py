@@ -114,6 +114,14 @@ class BehaviourWatch:
                 return True
         return False
 
+    def _first_steps(self, step: int) -> bool:
+        """Within the first sampled steps, when every module is measured."""
+        config = self._config
+        return any(
+            section.enabled and step < section.first_steps
+            for section in (config.constant_output, config.dead_units)
+        )
+
     def pass_starts(self, module: nn.Module) -> None:
         """A forward pass of the whole model begins (called by ``ModelPasses``)."""
         model = self._model()
@@ -126,8 +134,14 @@ class BehaviourWatch:
             self.broadcast.stop()  # a new pass: the previous loss is done
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
-            sampled = torch.is_grad_enabled() and self._due(self._step_of())
-            sampler.start_pass(sampled, hook_modules=not is_wrapper(module))
+            step = self._step_of()
+            sampled = torch.is_grad_enabled() and self._due(step)
+            if sampled:
+                sampler.start_pass(
+                    True, not is_wrapper(module), every_module=self._first_steps(step)
+                )
+            else:
+                sampler.active = False
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()
