@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -169,3 +170,31 @@ def test_single_no_grad_pass_before_close_is_reported_at_close(quiet_watch):
     monitor.close()
     (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
     assert (alert.step, alert.module) == (3, "bn")
+
+
+def test_halt_on_an_evaluation_in_training_mode_stops_it_at_the_pass(quiet_watch):
+    """The finding is made where the pass ends, inside the model's own call: the
+    halt comes out of that call, and the model's hooks keep working after it."""
+    import trainwatch as tw
+
+    model, opt, monitor = _setup(quiet_watch, halt_on=["eval_in_train_mode"])
+    _train(model, opt, 3)
+    with pytest.raises(tw.TrainingHealthError) as raised:
+        _evaluate(model)
+    assert (raised.value.alert.rule, raised.value.alert.step) == ("eval_in_train_mode", 3)
+    model.eval()
+    _evaluate(model)
+    model.train()
+    _train(model, opt, 2, seed=1)
+    assert monitor.step_count == 5
+    assert monitor.alert_counts == {("eval_in_train_mode", "bn"): 1}
+
+
+def test_halt_on_an_evaluation_done_right_never_stops(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch, halt_on=["eval_in_train_mode"])
+    _train(model, opt, 3)
+    model.eval()
+    _evaluate(model)
+    model.train()
+    _train(model, opt, 2, seed=1)
+    assert monitor.alerts == []

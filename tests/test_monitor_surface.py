@@ -59,41 +59,37 @@ def test_flush_on_a_healthy_run_raises_nothing(quiet_watch):
     assert monitor.alerts == []
 
 
-def test_rule_state_survives_a_resume(quiet_watch):
-    """A zero-gradient streak two steps long at the checkpoint ends in an alert one
-    step after the resume (patience 3), not three."""
+def _resumed_after_two_cut_steps(quiet_watch, keep_rule_state: bool):
+    """fc1 cut off (.detach()) for two steps, a checkpoint, a resume, one more step."""
     torch.manual_seed(0)
     model = TinyNet()
     model.detach_fc1 = True
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = list(batches(4))
+    data = list(batches(3))
     first = quiet_watch(model, opt)
     for x, y in data[:2]:
         _step(model, opt, x, y)
     state = first.state_dict()
     first.close()
     assert first.alerts == []
+    if not keep_rule_state:
+        state = {k: v for k, v in state.items() if k != "rules"}
     resumed = quiet_watch(model, opt)
     resumed.load_state_dict(state)
     _step(model, opt, *data[2])
+    return resumed
+
+
+def test_rule_state_survives_a_resume(quiet_watch):
+    """A zero-gradient streak two steps long at the checkpoint ends in an alert one
+    step after the resume (patience 3), not three."""
+    resumed = _resumed_after_two_cut_steps(quiet_watch, keep_rule_state=True)
     # Reported at the step the streak began, before the checkpoint.
     assert [(a.rule, a.step, a.module) for a in resumed.alerts] == [("zero_gradient", 0, "fc1")]
 
 
 def test_without_the_rule_state_the_streak_starts_again(quiet_watch):
-    torch.manual_seed(0)
-    model = TinyNet()
-    model.detach_fc1 = True
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = list(batches(4))
-    first = quiet_watch(model, opt)
-    for x, y in data[:2]:
-        _step(model, opt, x, y)
-    state = first.state_dict()
-    first.close()
-    resumed = quiet_watch(model, opt)
-    resumed.load_state_dict({k: v for k, v in state.items() if k != "rules"})
-    _step(model, opt, *data[2])
+    resumed = _resumed_after_two_cut_steps(quiet_watch, keep_rule_state=False)
     assert resumed.alerts == []
 
 

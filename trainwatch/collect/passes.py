@@ -30,6 +30,7 @@ from torch import nn
 
 from trainwatch.collect import quiet
 from trainwatch.compiled import unwrap
+from trainwatch.errors import TrainingHealthError
 from trainwatch.hooks import WeakHook
 
 # Per-instance hook tables of nn.Module: the hooks themselves, and the tables
@@ -165,6 +166,8 @@ class ModelPasses:
         for name, listener in list(self._listeners):
             try:
                 listener.pass_starts(module)
+            except TrainingHealthError:
+                raise  # halt_on: trainwatch doing its job
             except Exception as exc:  # never break the user's forward
                 self._fail(name, listener, exc)
 
@@ -178,6 +181,8 @@ class ModelPasses:
         for name, listener in list(self._listeners):
             try:
                 listener.pass_ends(module, args, kwargs, output)
+            except TrainingHealthError:
+                raise
             except Exception as exc:
                 self._fail(name, listener, exc)
 
