@@ -239,6 +239,16 @@ def test_manual_sgd_without_an_optimizer_is_clean(tmp_path, capsys):
     assert "10 steps watched" in err and "no alerts" in err
 
 
+def test_a_manual_sgd_run_leaves_no_torch_function_mode_behind(tmp_path):
+    """The broadcast audit's mode is popped before the audit is let go: a mode left
+    on the stack would blind every later audit in the process."""
+    import torch
+
+    script = write(tmp_path, "manual.py", MANUAL)
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_manual_sgd_steps_come_from_backward_passes(tmp_path, capsys):
     script = write(tmp_path, "manual.py", MANUAL)
     assert run_script(script, ["detach"], log_dir=tmp_path / "log") == 0

@@ -239,6 +239,7 @@ class Monitor:
         check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
+        self._tracker.track_reached = False  # its steps say what the gradients were
         self._handles.add(
             optimizer.register_step_pre_hook(WeakHook(self, "_before_optimizer_step", index))
         )

@@ -135,6 +135,10 @@ class GradResetTracker:
         # just finished.
         self.backward_seen = False
         self._in_backward = False
+        # Stale gradients this backward is adding to (none in a healthy step).
+        self._stale: list[_ParamState] = []
+        # What each backward reached matters only to loops without an optimizer.
+        self.track_reached = True
         self._fallback: RemovableHandle | None = None
         # One of each hook object, reused every pass.
         self._starts = WeakHook(self, "backward_starts")
@@ -194,6 +198,8 @@ class GradResetTracker:
         if not self.check_resets:
             return
         suspects: list[_ParamState] = []
+        stale: list[_ParamState] = []
+        self._stale = stale
         for state in self._states.values():
             if not state.armed or state.reset:
                 continue
@@ -206,6 +212,7 @@ class GradResetTracker:
                 state.reset = True
                 state.content = None
                 continue
+            stale.append(state)
             if not state.accumulated:
                 state.accumulated = True
                 if grad.layout == torch.strided and grad.numel() > 0:
@@ -216,10 +223,21 @@ class GradResetTracker:
                 state.content = norm
 
     def backward_ends(self) -> None:
-        """What this backward reached, and the versions its accumulations left."""
+        """The versions this backward's accumulations left on stale gradients, and (for
+        loops without an optimizer) what it reached."""
         self._in_backward = False
         if not self.enabled:
             return
+        for state in self._stale:
+            grad = state.param.grad
+            if grad is not None and (
+                (state.grad_ref is not None and state.grad_ref() is grad)
+                or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
+            ):
+                state.version = grad._version  # the next backward compares with this
+        if not self.track_reached:
+            return
+        stale = {id(state) for state in self._stale}
         for state in self._states.values():
             grad = state.param.grad
             if grad is None:
@@ -228,11 +246,8 @@ class GradResetTracker:
                 same = (state.grad_ref is not None and state.grad_ref() is grad) or (
                     state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
                 )
-                if same:
-                    if grad._version != state.version:
-                        state.seen = True
-                        state.version = grad._version  # the next backward compares with this
-                    continue
+                if same and grad._version == state.version and id(state) not in stale:
+                    continue  # untouched since the step used it
             state.seen = True
 
     # -- step boundary ---------------------------------------------------

@@ -219,9 +219,10 @@ class BehaviourWatch:
                 stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
             if stats is not None:
                 token = BehaviourToken(names, frame.add(stats))
-        if self.broadcast is not None and not self.broadcast.live:
-            # The audit is over and its findings handed over: nothing of it runs again.
-            self.broadcast.detach()
+        if self.broadcast is not None and self.broadcast.finished:
+            # Over, its findings handed over and its mode off the stack (a mode
+            # entered after it may still hold it there: then it stays, and is
+            # popped at a later boundary).
             self.broadcast = None
         return token
 

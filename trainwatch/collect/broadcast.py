@@ -226,6 +226,11 @@ class BroadcastAudit:
         found, self.target_spread = self.target_spread, None
         return found
 
+    @property
+    def finished(self) -> bool:
+        """The audit is over and its mode is off the stack: nothing of it runs again."""
+        return not self.live and self._depth is None
+
     def detach(self) -> None:
         self.live = False
         self.stop()
