@@ -151,3 +151,28 @@ def test_moving_a_watched_model_to_another_dtype_trains_as_unwatched():
 
     plain, watched = run(False), run(True)
     assert all(a.dtype == torch.float64 and torch.equal(a, b) for a, b in zip(plain, watched))
+
+
+class OwnDeepcopyNet(TinyNet):
+    """A class with its own __deepcopy__ (it copies __dict__, hooks included)."""
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
+
+def test_a_copy_that_took_the_hooks_along_does_not_report_into_the_monitor():
+    torch.manual_seed(0)
+    model = OwnDeepcopyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        _step(model, opt)
+        copied = copy.deepcopy(model)
+        copied.detach_fc1 = True  # would be a zero_gradient if its passes counted
+        copy_opt = torch.optim.SGD(copied.parameters(), lr=0.01)
+        for _ in range(4):
+            _step(copied, copy_opt)
+        _step(model, opt)
+        assert monitor._passes.passes == 2  # the model's own two passes only
+        assert monitor.alerts == []

@@ -108,6 +108,7 @@ class ModelPasses:
         self._on_error = on_error
         self._listeners: list[tuple[str, PassListener]] = []
         self._hooked: list[tuple[weakref.ref[nn.Module], list[Any], type | None]] = []
+        self._hook_ids: set[int] = set()  # the hooked modules (held by _hooked's refs)
         # The wrapper and the model both run eagerly when compiled code falls
         # back to Python: only the outermost of them is the pass.
         self._depth = 0
@@ -125,6 +126,7 @@ class ModelPasses:
         ]
         cls = type(module) if _hide_hooks_of(type(module)) else None
         self._hooked.append((weakref.ref(module), handles, cls))
+        self._hook_ids.add(id(module))
 
     def widen(self) -> int:
         """Also watch the children (with parameters) of every module watched so far.
@@ -157,8 +159,10 @@ class ModelPasses:
         self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        if getattr(quiet.state, "depth", 0):
-            return  # trainwatch's own re-run of the model
+        if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
+            # trainwatch's own re-run of the model, or a copy that took the hooks
+            # along (a class whose own __deepcopy__ bypasses the reduction)
+            return
         self._depth += 1
         if self._depth != 1:
             return
@@ -173,7 +177,7 @@ class ModelPasses:
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Always called, even when the forward raised (the depth must come back down)."""
-        if getattr(quiet.state, "depth", 0):
+        if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
             return
         self._depth = max(0, self._depth - 1)
         if self._depth != 0:
@@ -202,5 +206,6 @@ class ModelPasses:
             if cls is not None:
                 _release_class(cls)
         self._hooked.clear()
+        self._hook_ids.clear()
         self._listeners.clear()
         self._depth = 0
