@@ -464,9 +464,11 @@ class Monitor:
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
+        if pending is not None:
+            self._stage_and_land(step, pending)
         self._dispatcher.raise_held()  # a halt found by reading a property: now
-        if pending is None:
-            return
+
+    def _stage_and_land(self, step: int, pending: _Pending) -> None:
         pending.record.step = step
         lag = pending.frame.wants_lag(self.config.readback)
         if "step collector" in self._disabled:
