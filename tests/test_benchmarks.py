@@ -13,18 +13,23 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
+def _overhead(tmp_path, *args: str) -> dict:
+    """Run benchmarks/overhead.py --quick with ``args``; its JSON results."""
     out = tmp_path / "overhead.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/overhead.py", "--quick", "--json", str(out)],
+        [sys.executable, "benchmarks/overhead.py", "--quick", *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
+    results = _overhead(tmp_path)
     # gpt2 runs by default only on CUDA; the default device is the CPU.
     assert set(results) == {"mlp", "cnn", "transformer", "deep"}
     assert all(r["ratio"] > 0 for r in results.values())
@@ -33,26 +38,7 @@ def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
-    out = tmp_path / "overhead.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/overhead.py",
-            "--quick",
-            "--device",
-            "cpu",
-            "--workloads",
-            "gpt2",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    results = json.loads(out.read_text())
+    results = _overhead(tmp_path, "--device", "cpu", "--workloads", "gpt2")
     assert set(results) == {"gpt2"}
     assert results["gpt2"]["ratio"] > 0
 

@@ -20,6 +20,15 @@ def _step(model, opt):
     opt.step()
 
 
+def _train_cut_off(copied, steps: int) -> None:
+    """Train a copy of the watched model with fc1 cut off (.detach()): a zero_gradient
+    bug, would it report into the original's monitor."""
+    copied.detach_fc1 = True
+    opt = torch.optim.SGD(copied.parameters(), lr=0.01)
+    for _ in range(steps):
+        _step(copied, opt)
+
+
 def test_whole_model_save_and_load_while_watched_even_weights_only(tmp_path):
     torch.manual_seed(0)
     model = TinyNet()
@@ -43,11 +52,8 @@ def test_pickle_and_deepcopy_do_not_drag_trainwatch_along():
         _step(model, opt)
         ema = copy.deepcopy(model)
         restored = pickle.loads(pickle.dumps(model))
-        ema.detach_fc1 = True  # would be a zero_gradient if the copy reported in
-        ema_opt = torch.optim.SGD(ema.parameters(), lr=0.01)
-        for _ in range(4):
-            _step(ema, ema_opt)
-            _step(restored, torch.optim.SGD(restored.parameters(), lr=0.01))
+        _train_cut_off(ema, 4)  # would be a zero_gradient if the copy reported in
+        _train_cut_off(restored, 4)
         _step(model, opt)
         assert monitor.step_count == 2
         assert monitor.alerts == []
@@ -168,11 +174,7 @@ def test_a_copy_that_took_the_hooks_along_does_not_report_into_the_monitor():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with tw.watch(model, opt, console=False) as monitor:
         _step(model, opt)
-        copied = copy.deepcopy(model)
-        copied.detach_fc1 = True  # would be a zero_gradient if its passes counted
-        copy_opt = torch.optim.SGD(copied.parameters(), lr=0.01)
-        for _ in range(4):
-            _step(copied, copy_opt)
+        _train_cut_off(copy.deepcopy(model), 4)  # its passes must not count
         _step(model, opt)
         assert monitor._passes.passes == 2  # the model's own two passes only
         assert monitor.alerts == []
