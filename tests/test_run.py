@@ -620,3 +620,28 @@ print("hooked after settling:", settled)
     assert [(a["rule"], a["module"], a["data"]["model"]) for a in alerts] == [
         ("zero_gradient", "fc1", "Net#2")
     ]
+
+
+SECOND_MODEL = """
+import torch
+from netdef import Net, batch
+
+torch.manual_seed(0)
+for phase in range(2):
+    # A second model, built after the first one trained (the watcher had settled).
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):
+        x, y = batch(step)
+        if phase == 0 or step < 5:
+            opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+"""
+
+
+def test_a_model_built_after_the_first_settled_is_counted_from_its_first_step(tmp_path):
+    script = write(tmp_path, "train.py", SECOND_MODEL)
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    found = [(a["rule"], a["step"], a["data"]["model"]) for a in alerts(tmp_path / "log")]
+    assert found == [("accumulated_gradient", 5, "Net#2")]

@@ -349,6 +349,14 @@ class AutoWatch:
         (a model first called inside the optimizer's closure) keep it pending
         until that model appears.
         """
+        unowned = [
+            p for g in optimizer.param_groups for p in g["params"] if registry.owner_of(p) is None
+        ]
+        if unowned and not self._forward_handles and not self._closed:
+            # Its model ran while the forward hooks were off (a second model,
+            # built after the first had settled): find it now, so that this
+            # step, its first, is counted.
+            self._discover_holders(unowned)
         ours = {id(m): m for m in self.monitors}
         joined: dict[int, Monitor] = {}
         unowned = False
@@ -370,6 +378,29 @@ class AutoWatch:
             self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
+
+    def _discover_holders(self, params: list[torch.Tensor]) -> None:
+        """Watch the outermost modules holding ``params`` (one heap scan).
+
+        A module holding another found module is the model, as the first
+        module called would be; a module holding none of them is left alone.
+        """
+        wanted = {id(p) for p in params}
+        try:
+            holders = [
+                obj
+                for obj in gc.get_objects()
+                if issubclass(type(obj), nn.Module)
+                and obj not in self._seen
+                and any(id(p) in wanted for p in obj.parameters())
+            ]
+            inner = {id(sub) for holder in holders for sub in holder.modules() if sub is not holder}
+            for holder in holders:
+                if id(holder) not in inner:
+                    self._seen.add(holder)
+                    self._discover(holder)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: model search", exc, self.steps)
 
     def _find_optimizers(self, monitor: Monitor) -> bool:
         """Attach live optimizers holding the monitor's parameters (one heap scan)."""

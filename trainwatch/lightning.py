@@ -190,7 +190,8 @@ class TrainWatchCallback(Callback):
     ) -> None:
         monitor = self._monitor
         if monitor is not None and not monitor.closed and monitor.optimizers:
-            _quietly(monitor.step, loss)
+            # Always before this step's backward: the loss of the step in progress.
+            _quietly(monitor.record_loss, loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

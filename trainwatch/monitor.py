@@ -231,6 +231,7 @@ class Monitor:
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """Watch one more optimizer (one created after ``tw.watch``, a GAN's second)."""
         self._ensure_open()
+        optimizer = _unwrapped_optimizer(optimizer)
         check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
@@ -274,6 +275,24 @@ class Monitor:
             self._advance()
             return
         self._guarded("step collector", self._manual_step)
+
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Hand over the loss of the step in progress, before its backward.
+
+        For adapters that know which step a loss belongs to (Lightning calls
+        back before each backward), unlike :meth:`step`, which must guess from
+        whether backward already ran. Several losses in one step (gradient
+        accumulation) add up, so a non-finite micro-batch is not overwritten
+        by a finite one after it.
+        """
+        self._ensure_open()
+        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        if self._loss is None:
+            self._loss = value
+        elif isinstance(self._loss, torch.Tensor) and isinstance(value, torch.Tensor):
+            self._loss = self._loss.reshape(-1)[:1] + value.to(self._loss.device).reshape(-1)[:1]
+        else:
+            self._loss = _as_number(self._loss) + _as_number(value)
 
     def close(self) -> None:
         """Remove every hook, flush the sinks and print the summary; idempotent."""
@@ -733,6 +752,24 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a wrapper that shares its state.
+
+    Lightning's ``LightningOptimizer`` is a dynamic subclass of the wrapped
+    optimizer's class holding a copy of its ``__dict__``: the same
+    ``param_groups``, ``state`` and hook tables. Watching both would count every
+    step twice, so the wrapped one (``_optimizer``) is the one watched.
+    """
+    inner = vars(optimizer).get("_optimizer") if hasattr(optimizer, "__dict__") else None
+    if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
+        return inner
+    return optimizer
+
+
+def _as_number(value: torch.Tensor | float) -> float:
+    return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else value
 
 
 def _weak_callback(method: Any) -> Any:
