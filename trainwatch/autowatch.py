@@ -352,6 +352,12 @@ class AutoWatch:
         unowned = [
             p for g in optimizer.param_groups for p in g["params"] if registry.owner_of(p) is None
         ]
+        if unowned:
+            # A module put into a watched model (a new head): its monitor names it now.
+            for monitor in self.monitors:
+                if not monitor.closed:
+                    monitor.refresh_layers()
+            unowned = [p for p in unowned if registry.owner_of(p) is None]
         if unowned and not self._forward_handles and not self._closed:
             # Its model ran while the forward hooks were off (a second model,
             # built after the first had settled): find it now, so that this
@@ -387,11 +393,13 @@ class AutoWatch:
         """
         wanted = {id(p) for p in params}
         try:
+            watched = {id(sub) for m in self.monitors if not m.closed for sub in m.model.modules()}
             holders = [
                 obj
                 for obj in gc.get_objects()
                 if issubclass(type(obj), nn.Module)
                 and obj not in self._seen
+                and id(obj) not in watched
                 and any(id(p) in wanted for p in obj.parameters())
             ]
             inner = {id(sub) for holder in holders for sub in holder.modules() if sub is not holder}

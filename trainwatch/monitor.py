@@ -113,6 +113,9 @@ class Monitor:
         self._handles = HookGroup()
         self._optimizers: list[Optimizer] = []
         self._step = 0
+        self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
+        # Layers whose gradient history starts over at the next step.
+        self._restarted: set[str] = set()
         self._pending: dict[int, _Pending] = {}
         self._in_flight: _Pending | None = None  # lagged readback: read at the next step
         # Per-layer norms of the latest step of each optimizer (None: manual steps).
@@ -238,6 +241,14 @@ class Monitor:
         if self._layers.outdated():  # an optimizer built after module.to() replaced them
             self._rebuild_layers()
         check_optimizer_matches(optimizer, self._layers, len(self._optimizers))
+        if self._steps_here:
+            # A new optimizer after steps taken in this process: a new phase
+            # (fine-tuning after pre-training) for the layers it trains. One
+            # added before any step (a resumed run) continues the old history.
+            info = self._layers.info
+            self._restarted.update(
+                info(p).owner for group in optimizer.param_groups for p in group["params"]
+            )
         index = len(self._optimizers)
         self._optimizers.append(optimizer)
         self._tracker.track_reached = False  # its steps say what the gradients were
@@ -248,6 +259,15 @@ class Monitor:
             optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
         )
         self._guarded("optimizer audit", self._audit_optimizer, index)
+
+    def refresh_layers(self) -> None:
+        """Name parameters put into the model since the last step (a new head) now.
+
+        The step does this itself; a caller about to ask who owns a parameter
+        (``trainwatch run`` meeting a new optimizer) calls it first.
+        """
+        if not self.closed and self._structure.changed():
+            self._guarded("layer map", self._rebuild_layers)
 
     def flush(self) -> None:
         """Land a step still on its way to the host (lagged readback) and apply ``halt_on``.
@@ -480,6 +500,7 @@ class Monitor:
     def _advance(self) -> int:
         """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
+        self._steps_here += 1
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
@@ -571,6 +592,9 @@ class Monitor:
             # name them (and see whether any optimizer still holds the old ones).
             self._rebuild_layers()
             record, params, grads = self._read_gradients(index)
+        if self._restarted:
+            record.restarted_layers = frozenset(self._restarted)
+            self._restarted.clear()
         if record.missing:
             record.never_called = self._calls.never_called()
         manual = index is None
@@ -711,6 +735,7 @@ class Monitor:
             optimizer=index,
             frozen=pending.record.frozen,
             trainable_by_module=pending.record.trainable_by_module,
+            restarted_layers=pending.record.restarted_layers,
         )
         self._dispatcher.publish(self._run_rules(record))
 
@@ -734,6 +759,11 @@ class Monitor:
         """The model's tree changed (a module or parameter was (re)assigned or replaced)."""
         layers = LayerMap(self._root, previous=self._layers)
         fresh = [p for p in layers.parameters() if p not in self._layers]
+        if fresh and self._steps_here:
+            # A head replaced (same name, new parameters) or added after steps
+            # were taken: the model computes something new, and every layer's
+            # gradients flow through it. Their history starts over.
+            self._restarted.update(layers.layers)
         if "call tracker" in self._passes.listener_names():
             self._calls.track(self._root, layers.layers)
         self._layers = layers

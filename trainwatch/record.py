@@ -105,6 +105,10 @@ class StepRecord:
     accumulated: list[ParamInfo] = field(default_factory=list)
     accumulation_method: str | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
+    # Layers whose gradient history starts over here: their parameters were
+    # replaced in this process (same name, new objects), or a new optimizer
+    # started over them (a new training phase).
+    restarted_layers: frozenset[str] = frozenset()
     total_norm: float | None = None
     loss: float | None = None
     # NaN/Inf origins (the cascade downstream of an origin is not reported).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
@@ -38,14 +39,19 @@ _VANISHING_HINT = (
 
 # How far above the median of the layers' typical norms a jump must end.
 _ABOVE_OTHERS = 10.0
+# Steps the short-term average spans: a jump is sudden against it too.
+_RECENT_WINDOW = 4
 
 
 class _LogAverage:
-    __slots__ = ("mean", "count")
+    """A layer's typical log norm (about ``window`` steps) and its recent one (a few)."""
+
+    __slots__ = ("mean", "count", "recent")
 
     def __init__(self) -> None:
         self.mean = 0.0
         self.count = 0
+        self.recent = 0.0
 
 
 class ExplodingGradientRule(Rule):
@@ -55,16 +61,25 @@ class ExplodingGradientRule(Rule):
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
         self._history: dict[str, _LogAverage] = {}
-        self._steps = 0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for history in self._history.values():
+            if not hasattr(history, "recent"):  # saved before the short-term average existed
+                history.recent = history.mean
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        for layer in record.restarted_layers:
+            # New parameters under an old name, or a new training phase: the
+            # old history says nothing about these gradients.
+            self._history.pop(layer, None)
         if record.source not in ("optimizer", "manual") or not record.layer_norms:
             return []
-        self._steps += 1
         config = self.config
         alpha = 2.0 / (config.window + 1)
         limit = math.log(config.factor)
-        judged = self._steps > config.warmup
+        sudden = limit / 2.0  # sqrt(factor) above the last few steps
+        fast = 2.0 / (_RECENT_WINDOW + 1)
         # A layer recovering from tiny gradients (a deep stack whose units
         # were nearly dead waking up) jumps by 1e3-1e4 against its own past
         # in healthy runs, but only up to the other layers' level: a jump
@@ -81,19 +96,28 @@ class ExplodingGradientRule(Rule):
                 history = self._history[layer] = _LogAverage()
             typical = math.exp(history.mean) if history.count else None
             over_bound = config.max_norm is not None and norm > config.max_norm
+            # Sudden too: a layer whose norm rose steadily for tens of steps
+            # (a deep plain stack waking up from a near-dead start) is far
+            # above its long average but not above its last few steps.
             jump = (
                 history.count > 0
                 and log_norm - history.mean > limit
+                and log_norm - history.recent > sudden
                 and norm >= _ABOVE_OTHERS * median
             )
-            if judged and (over_bound or jump):
+            # Each layer has its own warm-up: one first trained late, or
+            # restarted, is not judged on its first gradients.
+            if history.count >= config.warmup and (over_bound or jump):
                 ratio = norm / typical if typical else math.inf
                 spikes.append((ratio if jump else 0.0, layer, norm, typical))
                 continue  # a spike does not become the new normal
+            # Written out, not a method: this runs for every layer at every step.
             history.count += 1
-            history.mean = (
-                log_norm if history.count == 1 else history.mean + alpha * (log_norm - history.mean)
-            )
+            if history.count == 1:
+                history.mean = history.recent = log_norm
+            else:
+                history.mean += alpha * (log_norm - history.mean)
+                history.recent += fast * (log_norm - history.recent)
         if not spikes:
             return []
         spikes.sort(key=lambda row: (-row[0], -row[2]))
