@@ -131,7 +131,7 @@ class BehaviourWatch:
         if self._structure.changed():
             self._rebuild()
         if self.broadcast is not None:
-            self.broadcast.stop()  # a new pass: the previous loss is done
+            self.broadcast.pass_starts()  # the model's own ops are not the loss
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
             step = self._step_of()
@@ -170,8 +170,8 @@ class BehaviourWatch:
                         if tensor.requires_grad and tensor.grad_fn is not None:
                             tensor.register_hook(WeakHook(self, "backward_seen", report))
                             break
-        if grad and self.broadcast is not None and self.broadcast.live:
-            self.broadcast.start(output)
+        if self.broadcast is not None:
+            self.broadcast.pass_ends(output, grad)
 
     def _rebuild(self) -> None:
         model = self._model()
