@@ -207,9 +207,9 @@ def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 # Audits whose model is inside its forward pass right now. A model's own ops
 # are not a loss: while any watched model runs (a critic called between an
-# actor's pass and the loss), no audit follows or judges anything, so an
-# observation made from the actor's sampled action does not make the critic's
-# outputs the actor's.
+# actor's pass and the loss, perhaps on the actor's features), no audit follows
+# or judges anything, so the critic's inner ops are not taken for the actor's
+# loss.
 _IN_PASS: weakref.WeakSet[BroadcastAudit] = weakref.WeakSet()
 
 
