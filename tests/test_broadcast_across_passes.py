@@ -525,6 +525,8 @@ def test_the_textbook_bug_fails_the_gate_from_the_console_script(tmp_path, name)
         ((T, 1), (T,), (T, T)),  # a stack of batch-of-one log-probs against the returns
         ((4 * T, 1), (4 * T,), (4 * T, 4 * T)),  # four envs' steps concatenated
         ((T, 4, 1), (4,), (T, 4, 4)),  # stacked (4, 1) values against one step's (4,)
+        ((T, 1, 1), (T, 1), (T, T, 1)),  # stacked (1, 1) values against (T, 1) returns
+        ((T, 1, 1), (T,), (T, 1, T)),
         ((T, 4), (T, 4), None),  # stacked and squeezed: matching
         ((T, 4, 1), (T, 4, 1), None),
         ((T, 1), (1,), None),  # against one step's scalar return
@@ -532,3 +534,50 @@ def test_the_textbook_bug_fails_the_gate_from_the_console_script(tmp_path, name)
 )
 def test_shapes_alone_decide_whatever_the_models_batch(first, second, result):
     assert batch_broadcast(first, second) == result
+
+
+def _value_episodes(critic, opt, episodes: int, returns_shape) -> None:
+    """A critic on (1, 4) observations: each value is (1, 1), stacked (T, 1, 1)."""
+    for _ in range(episodes):
+        values = [critic(torch.randn(1, 4)) for _ in range(T)]
+        returns = torch.linspace(1.0, 0.0, T).reshape(returns_shape)
+        loss = torch.nn.functional.mse_loss(torch.stack(values), returns)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("returns_shape", "result"), [((T, 1), [T, T, 1]), ((T, 1, 1), None), ((T,), [T, 1, T])]
+)
+def test_stacked_single_values_against_returns_are_judged_past_the_trailing_feature(
+    quiet_watch, returns_shape, result
+):
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-2)
+    monitor = quiet_watch(critic, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own, for the mismatched ones
+        _value_episodes(critic, opt, 2, returns_shape)
+    found = [a.data["result"] for a in monitor.alerts if a.rule == "broadcast"]
+    assert found == ([] if result is None else [result])
+
+
+def test_a_pairwise_ranking_loss_over_one_tensors_rows_is_silent(quiet_watch):
+    """``s - s.view(-1)`` compares every score with every other on purpose."""
+    torch.manual_seed(0)
+    scorer = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(scorer.parameters(), lr=1e-2)
+    monitor = quiet_watch(scorer, opt)
+    for _ in range(3):
+        x = torch.randn(16, 4)
+        relevance = x[:, 0]
+        scores = scorer(x)  # (16, 1)
+        pairs = scores - scores.view(-1)  # (16, 16): score i minus score j
+        order = torch.sign(relevance[:, None] - relevance[None, :])
+        loss = torch.nn.functional.softplus(-order * pairs).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert rules_of(monitor) == []

@@ -126,15 +126,34 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     except RuntimeError:
         return None
     high, low = (first, second) if len(first) > len(second) else (second, first)
-    rank = len(result)
+    # A trailing axis of size 1 on both sides (stacked (1, 1) values of a
+    # value head against (T, 1) returns) is a single feature, not where the
+    # pairing happens: the axes before it are judged.
+    paired = result
+    while len(low) > 1 and high[-1] == 1 and low[-1] == 1:
+        high, low, paired = high[:-1], low[:-1], paired[:-1]
+    rank = len(paired)
     low_padded = (1,) * (rank - len(low)) + tuple(low)
-    if high[-1] != 1 or result[-1] <= 1:
+    if high[-1] != 1 or paired[-1] <= 1:
         return None
-    size = result[-1]
+    size = paired[-1]
     low_expanded = any(
-        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if result[i] > 1
+        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1
     )
     return result if low_expanded else None
+
+
+def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Both operands view one tensor: ``s - s.view(-1)`` pairs its rows on purpose.
+
+    A pairwise ranking loss written that way compares every score with every
+    other; the bug pairs a prediction with a target, two different tensors.
+    """
+    try:
+        ptr = first.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == second.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (sparse, functional): judge it
+        return False
 
 
 def _stack_is_ours_to_use() -> bool:
@@ -369,7 +388,7 @@ class BroadcastAudit:
             return
         first, second = tuple(operands[0].shape), tuple(operands[1].shape)
         result = batch_broadcast(first, second)
-        if result is None:
+        if result is None or _one_tensor(operands[0], operands[1]):
             return
         key = (name, first, second)
         if key in self._seen:
