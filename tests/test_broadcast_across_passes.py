@@ -23,12 +23,15 @@ import weakref
 from pathlib import Path
 from types import ModuleType
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
 from tests.conftest import rules_of
 from trainwatch.collect.broadcast import batch_broadcast
+from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
 CORRIDOR = '''
@@ -581,3 +584,61 @@ def test_a_pairwise_ranking_loss_over_one_tensors_rows_is_silent(quiet_watch):
         loss.backward()
         opt.step()
     assert rules_of(monitor) == []
+
+
+class _EpisodeModule(pl.LightningModule):
+    """REINFORCE in Lightning: each training step plays one episode of batch-of-one passes."""
+
+    def __init__(self, buggy: bool) -> None:
+        super().__init__()
+        self.policy = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
+        self.buggy = buggy
+        self.gen = torch.Generator().manual_seed(0)
+
+    def training_step(self, batch, batch_idx):
+        saved, rewards = [], []
+        for _ in range(T):
+            obs = torch.randn(1, 4, generator=self.gen)
+            dist = torch.distributions.Categorical(logits=self.policy(obs))
+            action = dist.sample()
+            saved.append(dist.log_prob(action))
+            rewards.append(float(action) * 2 - 1)
+        returns = torch.tensor(rewards).flip(0).cumsum(0).flip(0)
+        log_probs = torch.stack(saved) if self.buggy else torch.cat(saved)
+        return (-log_probs * returns).sum()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("buggy", [True, False])
+def test_a_lightning_module_playing_an_episode_per_step(tmp_path, buggy):
+    callback = TrainWatchCallback(console=False)
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        accelerator="cpu",
+        max_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's own notes on a tiny run
+        trainer.fit(_EpisodeModule(buggy))
+    found = [
+        (a.rule, a.step, a.data.get("result"))
+        for a in callback.alerts
+        if a.severity in ("warning", "error")
+    ]
+    # The module itself is never called, only its policy: its parts' calls
+    # count as passes once the first step's gradients showed no pass.
+    assert found == ([("broadcast", 1, [T, T])] if buggy else [])
