@@ -125,13 +125,16 @@ class BehaviourWatch:
     def pass_starts(self, module: nn.Module) -> None:
         """A forward pass of the whole model begins (called by ``ModelPasses``)."""
         model = self._model()
+        if self.broadcast is not None:
+            # The model's own ops are not the loss; a part called on its own
+            # (``self.policy(obs)`` in a LightningModule) makes outputs the loss
+            # is built from just the same.
+            self.broadcast.pass_starts()
         if module is not model and unwrap(module) is not model:
             return  # a part of the model called on its own
         self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
-        if self.broadcast is not None:
-            self.broadcast.stop()  # a new pass: the previous loss is done
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
             step = self._step_of()
@@ -145,9 +148,11 @@ class BehaviourWatch:
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()
-        if module is not model and unwrap(module) is not model:
-            return
         grad = torch.is_grad_enabled()
+        if module is not model and unwrap(module) is not model:
+            if self.broadcast is not None:
+                self.broadcast.pass_ends(output, grad)
+            return
         if self.sampler is not None:
             self.sampler.end_pass(module, args, output)
         if self.modes is not None:
@@ -170,8 +175,8 @@ class BehaviourWatch:
                         if tensor.requires_grad and tensor.grad_fn is not None:
                             tensor.register_hook(WeakHook(self, "backward_seen", report))
                             break
-        if grad and self.broadcast is not None and self.broadcast.live:
-            self.broadcast.start(output)
+        if self.broadcast is not None:
+            self.broadcast.pass_ends(output, grad)
 
     def _rebuild(self) -> None:
         model = self._model()

@@ -1,16 +1,24 @@
 """A short audit of the loss's elementwise ops for batch-against-batch broadcasting.
 
 For the first few training steps a ``TorchFunctionMode`` is active from the
-end of the model's forward pass to the step boundary: the span in which the
-loss is computed. It follows the tensors derived from the model's output
-(by identity, weakly) and looks at the shapes of each elementwise op or loss
-function that takes one of them: ``(N, 1)`` against ``(N,)`` makes ``(N, N)``
-and silently averages every prediction against every target. After the
-audit the mode is never entered again, so the check costs nothing.
+end of each forward pass of the model to the step boundary: the span in which
+the loss is computed. It follows the tensors derived from every forward pass
+of the step (by identity, weakly), so a loss built from many passes is
+followed too: a policy-gradient loop makes one pass per environment step on a
+batch of one, keeps each ``log_prob`` in a list and stacks them once per
+episode; ``torch.stack`` and ``torch.cat`` of followed tensors are followed.
+It looks at the shapes of each elementwise op or loss function that takes one
+of them: ``(T, 1)`` against ``(T,)`` makes ``(T, T)`` and silently averages
+every prediction against every target, whatever the model's own batch size.
+The mode is popped while the model itself runs, so its forward pass is never
+traced. After the audit the mode is never entered again, so the check costs
+nothing.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
-from trainwatch.collect.op_trace import _user_line
+from trainwatch.collect.op_trace import _SKIP_DIRS, _user_line
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import BroadcastReport
 
@@ -94,6 +102,11 @@ _ELEMENTWISE = frozenset(
 )
 
 
+# Loss functions warn about mismatched shapes themselves, pointing one frame
+# up: with the mode in between, that frame would be ours, not the user's.
+_WARNING_LOSSES = frozenset(name for name in _ELEMENTWISE if "loss" in name or name == "kl_div")
+
+
 def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[int, ...] | None:
     """The result shape when two operands broadcast a batch axis against another.
 
@@ -102,7 +115,9 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     higher-rank one's own axis of the same size N is what the other lacks.
     ``(N, 1)`` with ``(N,)`` gives ``(N, N)``. An explicit pairwise op
     (``a[:, None] - b[None, :]``, same ranks) or an outer product of unequal
-    sizes (``t[:, None] * freqs``) is not it.
+    sizes (``t[:, None] * freqs``) is not it. Only shapes are judged, never
+    the model's batch size: a loss over ``T`` passes on a batch of one makes
+    ``(T, 1)`` against ``(T,)`` just the same.
     """
     if len(first) == len(second) or not first or not second:
         return None
@@ -111,15 +126,34 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     except RuntimeError:
         return None
     high, low = (first, second) if len(first) > len(second) else (second, first)
-    rank = len(result)
+    # A trailing axis of size 1 on both sides (stacked (1, 1) values of a
+    # value head against (T, 1) returns) is a single feature, not where the
+    # pairing happens: the axes before it are judged.
+    paired = result
+    while len(low) > 1 and high[-1] == 1 and low[-1] == 1:
+        high, low, paired = high[:-1], low[:-1], paired[:-1]
+    rank = len(paired)
     low_padded = (1,) * (rank - len(low)) + tuple(low)
-    if high[-1] != 1 or result[-1] <= 1:
+    if high[-1] != 1 or paired[-1] <= 1:
         return None
-    size = result[-1]
+    size = paired[-1]
     low_expanded = any(
-        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if result[i] > 1
+        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1
     )
     return result if low_expanded else None
+
+
+def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Both operands view one tensor: ``s - s.view(-1)`` pairs its rows on purpose.
+
+    A pairwise ranking loss written that way compares every score with every
+    other; the bug pairs a prediction with a target, two different tensors.
+    """
+    try:
+        ptr = first.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == second.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (sparse, functional): judge it
+        return False
 
 
 def _stack_is_ours_to_use() -> bool:
@@ -128,7 +162,9 @@ def _stack_is_ours_to_use() -> bool:
     A mode the user entered around the forward pass would be exited while
     ours sits above it, and ``TorchFunctionMode.__exit__`` pops whatever is
     on top: ours instead of theirs. So the audit skips such passes; only the
-    default-device context (which restores the stack itself) may be below.
+    default-device context (which restores the stack itself) and another
+    model's audit (which pops itself only from the top, as ours does) may be
+    below: an actor's and a critic's audits are both live in the same span.
     """
     if torch._C._len_torch_function_stack() == 0:
         return True
@@ -137,7 +173,9 @@ def _stack_is_ours_to_use() -> bool:
         from torch.utils._device import DeviceContext
     except ImportError:  # pragma: no cover - other torch versions
         return False
-    return all(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+    return all(
+        isinstance(m, (DeviceContext, _AuditMode)) for m in _get_current_function_mode_stack()
+    )
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -146,8 +184,52 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
         yield tensor
 
 
+def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """Every tensor an op reads: its operands and those of a sequence argument.
+
+    ``torch.stack(saved)`` and ``torch.cat(saved)`` take a list: the result is
+    derived from the model when any tensor in it is.
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
 def _op_name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
+
+
+def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run the user's op; a loss function's own warning still names the user's line.
+
+    ``F.mse_loss`` warns with ``stacklevel=2``; called from the mode, that is
+    this file. Its warnings are caught and raised again from the first frame
+    outside PyTorch and trainwatch, under the user's own filters.
+    """
+    if _op_name(func) not in _WARNING_LOSSES:
+        return func(*args, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = func(*args, **kwargs)
+    if caught:
+        frame, level = sys._getframe(0), 1
+        while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+            frame, level = frame.f_back, level + 1
+        for found in caught:
+            warnings.warn(found.message, found.category, stacklevel=level)
+    return out
+
+
+# Audits whose model is inside its forward pass right now. A model's own ops
+# are not a loss: while any watched model runs (a critic called between an
+# actor's pass and the loss, perhaps on the actor's features), no audit follows
+# or judges anything, so the critic's inner ops are not taken for the actor's
+# loss.
+_IN_PASS: weakref.WeakSet[BroadcastAudit] = weakref.WeakSet()
 
 
 class _AuditMode(TorchFunctionMode):
@@ -157,9 +239,9 @@ class _AuditMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _call(func, args, kwargs)
         audit = self.audit()
-        if audit is not None and audit.live and not quiet.replaying():
+        if audit is not None and audit.live and not _IN_PASS and not quiet.replaying():
             try:
                 audit.after_op(func, args, kwargs, out)
             except Exception as exc:  # never break the user's loss
@@ -174,7 +256,11 @@ class BroadcastAudit:
         self._on_error = on_error
         self._mode = _AuditMode(self)
         self._depth: int | None = None  # the mode stack's depth with ours on top
-        self._tracked: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Tensors derived from the step's forward passes, by id; an entry goes
+        # when its tensor does, so nothing here outlives what the user holds.
+        self._tracked: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
         self.findings: list[BroadcastReport] = []
         self._seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
         self.audited_pass = False
@@ -184,8 +270,24 @@ class BroadcastAudit:
         self._batch: int | None = None
 
     # -- the span: from the model's output to the step boundary -------------
+    def pass_starts(self) -> None:
+        """The model's forward pass begins: no audit looks until it ends."""
+        self.stop()
+        if self.live:
+            _IN_PASS.add(self)
+
+    def pass_ends(self, output: Any, grad: bool) -> None:
+        """The pass ended (also when it raised); with gradients on, follow its output."""
+        _IN_PASS.discard(self)
+        if grad:
+            self.start(output)
+
     def start(self, output: Any) -> None:
-        """The model produced ``output`` with gradients on: follow it into the loss."""
+        """The model produced ``output`` with gradients on: follow it into the loss.
+
+        Tensors of the step's earlier passes stay followed: a loss may stack
+        the outputs of one pass per environment step.
+        """
         if not self.live or self.steps_left <= 0:
             return
         self.audited_pass = True
@@ -200,19 +302,25 @@ class BroadcastAudit:
             self._depth = torch._C._len_torch_function_stack()
 
     def stop(self) -> None:
-        """Leave the span; only pops the mode when it is still on top of the stack."""
+        """Leave the span; only pops the mode when it is still on top of the stack.
+
+        Called as each pass of the model starts (the model's own ops are not
+        the loss) and at the step boundary; what is followed is kept until
+        the step ends.
+        """
         if self._depth is None:
             return
         if torch._C._len_torch_function_stack() == self._depth:
             self._mode.__exit__(None, None, None)
             self._depth = None
-            self._tracked.clear()
         # Otherwise another mode entered after ours is still active: popping
         # now would pop it. Ours stays, inert once the audit ends, and is
         # retried at the next boundary.
 
     def step_boundary(self) -> list[BroadcastReport]:
         self.stop()
+        self._tracked.clear()
+        _IN_PASS.discard(self)
         if self.audited_pass:
             self.steps_left -= 1
             self.audited_pass = False
@@ -234,19 +342,21 @@ class BroadcastAudit:
     def detach(self) -> None:
         self.live = False
         self.stop()
+        self._tracked.clear()
+        _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
         self.live = False
+        _IN_PASS.discard(self)
         self._on_error("broadcast audit", exc)
 
     # -- inside the mode -------------------------------------------------------
     def _track(self, tensor: torch.Tensor) -> None:
         if len(self._tracked) < _MAX_TRACKED:
-            self._tracked[id(tensor)] = weakref.ref(tensor)
+            self._tracked[id(tensor)] = tensor
 
     def _derived(self, tensor: torch.Tensor) -> bool:
-        ref = self._tracked.get(id(tensor))
-        return ref is not None and ref() is tensor
+        return self._tracked.get(id(tensor)) is tensor
 
     def _measure_target(self, operands: list[torch.Tensor]) -> None:
         if len(operands) < 2 or sum(self._derived(t) for t in operands[:2]) != 1:
@@ -259,20 +369,26 @@ class BroadcastAudit:
         self.target_spread = (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
 
     def after_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        if not any(self._derived(t) for t in _inputs(args, kwargs)):
+            return
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        if not operands or not any(self._derived(t) for t in operands):
-            return
-        for tensor in _tensors(out):
-            self._track(tensor)
         name = _op_name(func)
+        for tensor in _tensors(out):
+            # Followed: what carries the model's gradient, and its detached
+            # copy (an advantage built from values). Not what was only computed
+            # from it without gradient: an action sampled from the policy, and
+            # the rewards and observations an environment makes of it, are not
+            # the model's output.
+            if tensor.requires_grad or name == "detach":
+                self._track(tensor)
         if name in _REGRESSION and self.target_spread is None:
             self._measure_target(operands)
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
         first, second = tuple(operands[0].shape), tuple(operands[1].shape)
         result = batch_broadcast(first, second)
-        if result is None:
+        if result is None or _one_tensor(operands[0], operands[1]):
             return
         key = (name, first, second)
         if key in self._seen:

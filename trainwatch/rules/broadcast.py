@@ -33,9 +33,10 @@ class BroadcastRule(Rule):
                     "other sample's value",
                     f"make the shapes equal before the op: squeeze the {_shape(high)} "
                     f"side (.squeeze(-1)) or reshape the {_shape(low)} side to match "
-                    "(.view_as(other) / .unsqueeze(-1)). A regression trained like this "
-                    "collapses to predicting the target mean; a policy gradient loses "
-                    "every per-action signal.",
+                    "(.view_as(other) / .unsqueeze(-1)); a loss stacked from per-step "
+                    "(1,) tensors: torch.cat them instead of torch.stack. A regression "
+                    "trained like this collapses to predicting the target mean; a policy "
+                    "gradient loses every per-action signal.",
                     {
                         "op": found.op,
                         "shapes": [list(s) for s in found.shapes],
