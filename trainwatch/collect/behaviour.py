@@ -7,7 +7,8 @@ activation rules hook every module for the duration of a sampled pass only.
 At the step boundary it hands what it saw to the step record; device numbers
 join the step's single readback.
 
-- Modes (pure Python on ``.training`` flags): a forward pass without
+- Modes (pure Python on ``.training`` flags, the modules kept in the order
+  the model calls them, learned from one pass): a forward pass without
   gradients with dropout/batch norm in training mode is published at once,
   from the end of that pass (an evaluation needs no optimizer step after it);
   a pass with gradients in eval mode is remembered, and counted as a training
@@ -70,7 +71,8 @@ class BehaviourWatch:
         self._structure = StructureWatch()
         self.check_eval_pass = "eval_in_train_mode" in rule_ids
         self.check_train_step = "train_in_eval_mode" in rule_ids
-        self.modes = ModeWatch(model) if self.check_eval_pass or self.check_train_step else None
+        checks_modes = self.check_eval_pass or self.check_train_step
+        self.modes = ModeWatch(model, on_error) if checks_modes else None
         self.train_in_eval: ModeReport | None = None
         self._model_passes = 0  # since the last step boundary
         self.eval_passes = EvalPassJudge()
@@ -130,6 +132,12 @@ class BehaviourWatch:
         self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
+        modes = self.modes
+        if modes is not None and not modes.ordered:
+            if is_wrapper(module):
+                modes.ordered = True  # hooks added after compiling never fire
+            else:
+                modes.start_learning()
         if self.broadcast is not None:
             self.broadcast.stop()  # a new pass: the previous loss is done
         sampler = self.sampler
@@ -151,6 +159,8 @@ class BehaviourWatch:
         if self.sampler is not None:
             self.sampler.end_pass(module, args, output)
         if self.modes is not None:
+            if self.modes.learning:
+                self.modes.stop_learning()
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
                     True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
@@ -230,6 +240,8 @@ class BehaviourWatch:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
+        if self.modes is not None:
+            self.modes.stop_learning(apply=False)
         if self.broadcast is not None:
             self.broadcast.detach()
         if self.sampler is not None:
