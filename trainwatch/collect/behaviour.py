@@ -13,6 +13,10 @@ join the step's single readback.
   from the end of that pass (an evaluation needs no optimizer step after it);
   a pass with gradients in eval mode is remembered, and counted as a training
   step only when backward runs through its output.
+  Dropout and batch norm called as functions (``F.dropout(x, p,
+  training=self.training)``) are found by a sampled look at the calls of a
+  no-grad pass made in training mode (``collect/functional_modes.py``);
+  the modules seen calling them are then checked like dropout modules.
 - Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
   also measures the loss target's spread, constant_output's reference for the
   model's own output.
@@ -32,6 +36,7 @@ from torch import nn
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.eval_passes import EvalPassJudge
+from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
@@ -74,6 +79,12 @@ class BehaviourWatch:
         checks_modes = self.check_eval_pass or self.check_train_step
         self.modes = ModeWatch(model, on_error) if checks_modes else None
         self.train_in_eval: ModeReport | None = None
+        evals = config.eval_in_train_mode
+        self.functional = (
+            FunctionalLook(evals.functional_passes, evals.functional_every, on_error)
+            if self.check_eval_pass
+            else None
+        )
         self._model_passes = 0  # since the last step boundary
         self.eval_passes = EvalPassJudge()
         self.broadcast = (
@@ -138,6 +149,9 @@ class BehaviourWatch:
                 modes.ordered = True  # hooks added after compiling never fire
             else:
                 modes.start_learning()
+        look = self.functional
+        if look is not None and not look.broken and not torch.is_grad_enabled():
+            self._look_for_functional_modes(module, look)
         if self.broadcast is not None:
             self.broadcast.stop()  # a new pass: the previous loss is done
         sampler = self.sampler
@@ -151,6 +165,16 @@ class BehaviourWatch:
             else:
                 sampler.active = False
 
+    def _look_for_functional_modes(self, module: nn.Module, look: FunctionalLook) -> None:
+        """A no-grad pass in training mode that no module type flags: maybe watch its calls."""
+        model = self._model()
+        modes = self.modes
+        if model is None or modes is None or is_wrapper(module) or not model.training:
+            return  # compiled code would not make the calls a look could see
+        skip = self._config.eval_in_train_mode.mc_dropout
+        if modes.in_mode(True, skip_dropout=skip) is None and look.due():
+            look.start(model, skip)
+
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()
         if module is not model and unwrap(module) is not model:
@@ -161,6 +185,10 @@ class BehaviourWatch:
         if self.modes is not None:
             if self.modes.learning:
                 self.modes.stop_learning()
+            if self.functional is not None and self.functional.active:
+                found = self.functional.finish()
+                if found:
+                    self.modes.learn_functional(found)
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
                     True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
@@ -242,6 +270,8 @@ class BehaviourWatch:
     def detach(self) -> None:
         if self.modes is not None:
             self.modes.stop_learning(apply=False)
+        if self.functional is not None:
+            self.functional.detach()
         if self.broadcast is not None:
             self.broadcast.detach()
         if self.sampler is not None:
