@@ -8,13 +8,20 @@ training mode, and the module that made them is named.
 
 from __future__ import annotations
 
+import io
+import json
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.utils.data import DataLoader
 
 from tests.conftest import rules_of
+from trainwatch.lightning import TrainWatchCallback
+from trainwatch.runner import run_script
 
 
 class GraphConv(nn.Module):
@@ -298,3 +305,132 @@ def test_the_looks_are_a_config_key_with_a_clear_error(quiet_watch):
 
     with pytest.raises(tw.ConfigError, match="functional_every"):
         tw.Config.from_dict({"eval_in_train_mode": {"functional_every": -1}})
+
+
+# -- the same pattern through Lightning and `trainwatch run` -------------------------
+
+
+class GraphLightning(pl.LightningModule):
+    """A GCN that scores held-out graphs at epoch end itself, where Lightning keeps train mode."""
+
+    def __init__(self, forget_eval: bool) -> None:
+        super().__init__()
+        self.net = GraphNet()
+        self.forget_eval = forget_eval
+
+    def forward(self, batch):
+        return self.net(batch)
+
+    def training_step(self, batch, batch_idx):
+        x, adj, y = batch
+        return F.mse_loss(self((x[0], adj[0])), y[0])
+
+    def validation_step(self, batch, batch_idx):  # Lightning's own loop: eval mode
+        x, adj, y = batch
+        self.log("val_loss", F.mse_loss(self((x[0], adj[0])), y[0]))
+
+    def on_train_epoch_end(self) -> None:
+        if not self.forget_eval:
+            self.eval()
+        with torch.no_grad():
+            for (x, adj), _ in _graphs(2, seed=5):
+                self((x, adj))
+        self.train()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def _loader(self, n: int, seed: int):
+        graphs = [(x, adj, y) for (x, adj), y in _graphs(n, seed)]
+        return DataLoader(graphs, batch_size=1)
+
+    def train_dataloader(self):
+        return self._loader(3, 0)
+
+    def val_dataloader(self):
+        return self._loader(2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forget_eval", [True, False], ids=["forgotten", "control"])
+def test_lightning_epoch_end_evaluation_in_training_mode_names_the_graph_layer(
+    tmp_path, forget_eval
+):
+    callback = TrainWatchCallback(console=io.StringIO())
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        accelerator="cpu",
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(GraphLightning(forget_eval))
+    found = [(a.rule, a.step, a.module) for a in callback.alerts if a.severity != "info"]
+    if forget_eval:
+        assert found == [("eval_in_train_mode", 3, "net.conv1")]
+    else:
+        assert found == []
+
+
+GCN_SCRIPT = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GraphConv(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x, adj):
+        return F.dropout(torch.relu(adj @ self.lin(x)), 0.5, training=self.training)
+
+
+class GCN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gc1 = GraphConv(8)
+        self.gc2 = GraphConv(8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x, adj):
+        return self.out(self.gc2(self.gc1(x, adj), adj))
+
+
+torch.manual_seed(0)
+model = GCN()
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+adj = torch.eye(12)
+for epoch in range(4):
+    x = torch.randn(12, 8)
+    opt.zero_grad()
+    F.mse_loss(model(x, adj), x[:, :1]).backward()
+    opt.step()
+    if sys.argv[1] == "eval":
+        model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(12, 8), adj)
+    model.train()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("mode", ["forgotten", "eval"])
+def test_trainwatch_run_names_the_graph_layer_of_an_unmodified_script(tmp_path, capsys, mode):
+    script = tmp_path / "gcn.py"
+    script.write_text(GCN_SCRIPT)
+    assert run_script(script, [mode], log_dir=tmp_path / "log") == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [(a["rule"], a["step"], a["module"]) for a in map(json.loads, lines)]
+    if mode == "forgotten":
+        assert found == [("eval_in_train_mode", 1, "gc1")]
+    else:
+        assert found == []
+    assert "done" in capsys.readouterr().out

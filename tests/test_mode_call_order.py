@@ -7,6 +7,7 @@ last in ``__init__`` runs first; a stack may run its blocks in reverse.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from tests.conftest import rules_of
+from trainwatch.runner import run_script
 
 
 class PositionalEncoding(nn.Module):
@@ -196,3 +198,68 @@ def test_learning_the_order_leaves_no_hook_behind(quiet_watch):
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules()), (
         "a hook stayed on the model"
     )
+
+
+TRANSFORMER_SCRIPT = """
+import math
+import sys
+import torch
+from torch import nn
+
+
+class PositionalEncoding(nn.Module):
+    def __init__(self, width, length=32):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+        position = torch.arange(length)[:, None]
+        scale = torch.exp(torch.arange(0, width, 2) * (-math.log(10000.0) / width))
+        table = torch.zeros(length, width)
+        table[:, 0::2] = torch.sin(position * scale)
+        table[:, 1::2] = torch.cos(position * scale)
+        self.register_buffer("table", table)
+
+    def forward(self, x):
+        return self.dropout(x + self.table[: x.shape[1]])
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.pos_encoder = PositionalEncoding(16)
+        self.classify = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.classify(self.encoder(self.pos_encoder(self.embed(tokens))).mean(dim=1))
+
+
+torch.manual_seed(0)
+model = Classifier()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(3):
+    tokens = torch.randint(0, 30, (4, 10))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(tokens), tokens[:, 0] % 3).backward()
+    opt.step()
+if sys.argv[1] == "eval":
+    model.eval()
+with torch.no_grad():
+    held_out = torch.randint(0, 30, (3, 4, 10))
+    accuracy = sum((model(t).argmax(-1) == t[:, 0] % 3).float().mean() for t in held_out)
+print("accuracy", float(accuracy) / 3)
+"""
+
+
+@pytest.mark.parametrize("mode", ["forgotten", "eval"])
+def test_trainwatch_run_names_the_positional_dropout_of_an_unmodified_script(tmp_path, mode):
+    script = tmp_path / "classify.py"
+    script.write_text(TRANSFORMER_SCRIPT)
+    assert run_script(script, [mode], log_dir=tmp_path / "log") == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [(a["rule"], a["step"], a["module"]) for a in map(json.loads, lines)]
+    if mode == "forgotten":
+        assert found == [("eval_in_train_mode", 3, "pos_encoder.dropout")]
+    else:
+        assert found == []

@@ -170,10 +170,8 @@ class FunctionalLook:
         self._skip_dropout = False
         self.found: list[Listed] = []
         self.broken = False
-
-    @property
-    def active(self) -> bool:
-        return self._depth is not None
+        # Read after every pass of the model (an attribute, not a call): a look is on.
+        self.active = False
 
     def due(self) -> bool:
         """Counts a candidate pass; whether this one is looked at."""
@@ -199,6 +197,7 @@ class FunctionalLook:
         self._stack.append(id(model))
         self._mode.__enter__()
         self._depth = torch._C._len_torch_function_stack()
+        self.active = True
 
     def finish(self) -> list[Listed]:
         """The pass is over: every hook and the mode come off; the modules seen calling."""
@@ -210,6 +209,7 @@ class FunctionalLook:
             # popped without popping it, so it stays, inert, and looks end.
             self.broken = True
         self._depth = None
+        self.active = False
         self._names = {}
         self._stack = []
         found, self.found = self.found, []
