@@ -222,6 +222,8 @@ class BehaviourWatch:
 
     # -- step boundary --------------------------------------------------------------
     def gather(self, record: StepRecord, frame: StepFrame) -> BehaviourToken | None:
+        if self.functional is not None and self.functional.pending:
+            self.functional.release()
         for due in self.eval_passes.step_boundary():
             self._publish(due)  # a single no-grad pass that did not recur: an evaluation
         try:

@@ -172,6 +172,9 @@ class FunctionalLook:
         self.broken = False
         # Read after every pass of the model (an attribute, not a call): a look is on.
         self.active = False
+        # Our mode is still on the stack under one entered after it: popped at a
+        # later step boundary, when it is on top again.
+        self.pending = False
 
     def due(self) -> bool:
         """Counts a candidate pass; whether this one is looked at."""
@@ -202,18 +205,24 @@ class FunctionalLook:
     def finish(self) -> list[Listed]:
         """The pass is over: every hook and the mode come off; the modules seen calling."""
         self._hooks.remove_all()
-        if self._depth is not None and torch._C._len_torch_function_stack() == self._depth:
-            self._mode.__exit__(None, None, None)
-        elif self._depth is not None:
-            # A mode entered inside the pass is still on top: ours cannot be
-            # popped without popping it, so it stays, inert, and looks end.
-            self.broken = True
-        self._depth = None
         self.active = False
+        self.release()
+        if self.pending:
+            # A mode entered inside the pass is still on top: popping now would
+            # pop it instead of ours. Ours stays, inert, until a step boundary
+            # finds it on top again; no look runs after that.
+            self.broken = True
         self._names = {}
         self._stack = []
         found, self.found = self.found, []
         return found
+
+    def release(self) -> None:
+        """Pop our mode if it is on top of the stack (``__exit__`` pops whatever is)."""
+        if self._depth is not None and torch._C._len_torch_function_stack() == self._depth:
+            self._mode.__exit__(None, None, None)
+            self._depth = None
+        self.pending = self._depth is not None
 
     # -- inside the pass -------------------------------------------------------
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -225,7 +234,7 @@ class FunctionalLook:
             self._stack.pop()
 
     def saw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.active or quiet.replaying():
+        if not self.active or self.broken or quiet.replaying():
             return  # trainwatch's own re-run of a module is not the user's pass
         kind, label, acts = _MODE_FUNCTIONS[func]
         if (self._skip_dropout and kind == "dropout") or not acts(args, kwargs):
@@ -237,7 +246,7 @@ class FunctionalLook:
             self.found.append(Listed(name, kind, label, ref))
 
     def fail(self, exc: BaseException) -> None:
-        """A look failed: looks end, the module-type checks go on."""
+        """A look failed: looks end (the mode comes off at the pass's end), the rest goes on."""
         self.broken = True
         self._hooks.remove_all()
         self._on_error("functional mode look", exc)
