@@ -128,6 +128,11 @@ class EvalInTrainModeConfig(RuleConfig):
     # Monte-Carlo dropout: dropout left in training mode on purpose for
     # no-grad passes. Batch norm in training mode is still reported.
     mc_dropout: bool = False
+    # Models that call F.dropout / F.batch_norm with no module of those types:
+    # the calls are looked for in this many of the first no-grad passes made in
+    # training mode, then in one such pass in functional_every (0: no more).
+    functional_passes: int = field(default=3, metadata=_range(0))
+    functional_every: int = field(default=50, metadata=_range(0))
 
 
 @dataclass

@@ -38,8 +38,8 @@ class NonfiniteReport:
 class ModeReport:
     """Mode-dependent modules (dropout, batch norm) in the wrong mode for a pass."""
 
-    modules: list[str]  # qualified names, in named_modules() order
-    kinds: list[str]  # their class names, aligned with ``modules``
+    modules: list[str]  # qualified names, in the order the model calls them
+    kinds: list[str]  # class names (or the function called), aligned with ``modules``
     # The root module itself is in that mode: the whole model was switched
     # (``model.eval()`` with no ``model.train()``), not a chosen part of it.
     whole_model: bool

@@ -7,11 +7,16 @@ activation rules hook every module for the duration of a sampled pass only.
 At the step boundary it hands what it saw to the step record; device numbers
 join the step's single readback.
 
-- Modes (pure Python on ``.training`` flags): a forward pass without
+- Modes (pure Python on ``.training`` flags, the modules kept in the order
+  the model calls them, learned from one pass): a forward pass without
   gradients with dropout/batch norm in training mode is published at once,
   from the end of that pass (an evaluation needs no optimizer step after it);
   a pass with gradients in eval mode is remembered, and counted as a training
   step only when backward runs through its output.
+  Dropout and batch norm called as functions (``F.dropout(x, p,
+  training=self.training)``) are found by a sampled look at the calls of a
+  no-grad pass made in training mode (``collect/functional_modes.py``);
+  the modules seen calling them are then checked like dropout modules.
 - Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
   also measures the loss target's spread, constant_output's reference for the
   model's own output.
@@ -31,6 +36,7 @@ from torch import nn
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.eval_passes import EvalPassJudge
+from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
@@ -70,8 +76,15 @@ class BehaviourWatch:
         self._structure = StructureWatch()
         self.check_eval_pass = "eval_in_train_mode" in rule_ids
         self.check_train_step = "train_in_eval_mode" in rule_ids
-        self.modes = ModeWatch(model) if self.check_eval_pass or self.check_train_step else None
+        checks_modes = self.check_eval_pass or self.check_train_step
+        self.modes = ModeWatch(model, on_error) if checks_modes else None
         self.train_in_eval: ModeReport | None = None
+        evals = config.eval_in_train_mode
+        self.functional = (
+            FunctionalLook(evals.functional_passes, evals.functional_every, on_error)
+            if self.check_eval_pass
+            else None
+        )
         self._model_passes = 0  # since the last step boundary
         self.eval_passes = EvalPassJudge()
         self.broadcast = (
@@ -135,6 +148,15 @@ class BehaviourWatch:
         self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
+        modes = self.modes
+        if modes is not None and not modes.ordered:
+            if is_wrapper(module):
+                modes.ordered = True  # hooks added after compiling never fire
+            else:
+                modes.start_learning()
+        look = self.functional
+        if look is not None and not look.broken and not torch.is_grad_enabled():
+            self._look_for_functional_modes(module, look)
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
             step = self._step_of()
@@ -146,6 +168,16 @@ class BehaviourWatch:
             else:
                 sampler.active = False
 
+    def _look_for_functional_modes(self, module: nn.Module, look: FunctionalLook) -> None:
+        """A no-grad pass in training mode that no module type flags: maybe watch its calls."""
+        model = self._model()
+        modes = self.modes
+        if model is None or modes is None or is_wrapper(module) or not model.training:
+            return  # compiled code would not make the calls a look could see
+        skip = self._config.eval_in_train_mode.mc_dropout
+        if modes.in_mode(True, skip_dropout=skip) is None and look.due():
+            look.start(model, skip)
+
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()
         grad = torch.is_grad_enabled()
@@ -156,6 +188,12 @@ class BehaviourWatch:
         if self.sampler is not None:
             self.sampler.end_pass(module, args, output)
         if self.modes is not None:
+            if self.modes.learning:
+                self.modes.stop_learning()
+            if self.functional is not None and self.functional.active:
+                found = self.functional.finish()
+                if found:
+                    self.modes.learn_functional(found)
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
                     True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
@@ -189,6 +227,8 @@ class BehaviourWatch:
 
     # -- step boundary --------------------------------------------------------------
     def gather(self, record: StepRecord, frame: StepFrame) -> BehaviourToken | None:
+        if self.functional is not None and self.functional.pending:
+            self.functional.release()
         for due in self.eval_passes.step_boundary():
             self._publish(due)  # a single no-grad pass that did not recur: an evaluation
         try:
@@ -235,6 +275,10 @@ class BehaviourWatch:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
+        if self.modes is not None:
+            self.modes.stop_learning(apply=False)
+        if self.functional is not None:
+            self.functional.detach()
         if self.broadcast is not None:
             self.broadcast.detach()
         if self.sampler is not None:

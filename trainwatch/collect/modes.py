@@ -2,15 +2,26 @@
 
 Pure Python over ``.training`` flags of a cached list of modules: no tensor is
 touched, so a check costs a few microseconds per forward pass of the model.
+
+The list is kept in call order, so a report names the first module that
+behaves differently, not the first one registered: a positional encoding's
+dropout defined after the encoder still runs before it. The order is learned
+once, from forward pre-hooks put on the listed modules for one pass of the
+model and taken off at its end; the model's tree changing learns it again.
+Modules the learning pass did not call keep their registration order, after
+the called ones.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from trainwatch.compiled import user_name
+from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ModeReport
 
 _DROPOUT: tuple[type[nn.Module], ...] = (
@@ -49,38 +60,119 @@ def mode_kind(module: nn.Module) -> str | None:
     return None
 
 
+class Listed(NamedTuple):
+    """One mode-dependent module, as the checks see it."""
+
+    name: str  # qualified, as in named_modules()
+    kind: str  # "dropout" or "norm"
+    label: str  # what a report calls it: the class name, or the function it calls
+    ref: weakref.ref[nn.Module]
+
+
 class ModeWatch:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self, model: nn.Module, on_error: Callable[[str, BaseException], None] | None = None
+    ) -> None:
         self._root = weakref.ref(model)
-        self._modules: list[tuple[str, str, weakref.ref[nn.Module]]] = []
+        self._on_error = on_error
+        self._modules: list[Listed] = []
+        # Modules seen calling dropout or batch norm as functions (no module type
+        # says so), kept across rebuilds of the cache.
+        self._functional: list[Listed] = []
+        # Read on every pass (an attribute, not a call): False until the call
+        # order of the listed modules has been learned.
+        self.ordered = False
+        self.learning = HookGroup()  # the one-pass pre-hooks that learn the order
+        self._calls: list[int] = []  # indices into _modules, in the order called
         self.refresh()
 
     def refresh(self) -> None:
         """Rebuild the cache (the model's tree changed)."""
+        self.stop_learning(apply=False)
         model = self._root()
         self._modules = []
+        self.ordered = False
         if model is None:
             return
+        functional = {id(item.ref()): item for item in self._functional}
         for name, module in model.named_modules():
             kind = mode_kind(module)
             if kind is not None:
-                self._modules.append((user_name(name), kind, weakref.ref(module)))
+                label = type(module).__name__
+                self._modules.append(Listed(user_name(name), kind, label, weakref.ref(module)))
+            elif id(module) in functional:
+                self._modules.append(functional[id(module)]._replace(name=user_name(name)))
+        self.ordered = not self._modules  # nothing to order
+
+    def learn_functional(self, found: list[Listed]) -> None:
+        """Add modules seen calling dropout or batch norm as functions, in the order seen."""
+        listed = {id(item.ref()) for item in self._modules}
+        added = False
+        for item in found:
+            if id(item.ref()) in listed:
+                continue
+            listed.add(id(item.ref()))
+            self._functional.append(item)
+            self._modules.append(item)
+            added = True
+        if added:
+            self.stop_learning(apply=False)
+            self.ordered = False  # learn the order again, with the new ones in it
 
     def __len__(self) -> int:
         return len(self._modules)
 
+    # -- call order ------------------------------------------------------------
+    def start_learning(self) -> None:
+        """Hook the listed modules for this pass only, to see in which order they run."""
+        if self.ordered or self.learning:
+            return
+        self._calls = []
+        seen: set[int] = set()
+        for index, item in enumerate(self._modules):
+            module = item.ref()
+            if module is None or id(module) in seen:
+                continue
+            seen.add(id(module))
+            self.learning.add(module.register_forward_pre_hook(WeakHook(self, "_called", index)))
+
+    def _called(self, index: int, module: nn.Module, args: Any) -> None:
+        if index not in self._calls:
+            self._calls.append(index)
+
+    def stop_learning(self, apply: bool = True) -> None:
+        """The pass is over: take the hooks off and put the list in call order."""
+        if not self.learning:
+            return
+        self.learning.remove_all()
+        calls, self._calls = self._calls, []
+        if not apply:
+            return
+        called = set(calls)
+        rest = [i for i in range(len(self._modules)) if i not in called]
+        self._modules = [self._modules[i] for i in [*calls, *rest]]
+        self.ordered = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Learning the order failed: registration order stays, the checks go on."""
+        self.learning.remove_all()
+        self.ordered = True
+        if self._on_error is not None:
+            self._on_error("mode call order", exc)
+
+    # -- the check -------------------------------------------------------------
     def in_mode(self, training: bool, skip_dropout: bool = False) -> ModeReport | None:
-        """The mode-dependent modules whose ``.training`` equals ``training``, if any."""
+        """The mode-dependent modules whose ``.training`` equals ``training``, in call order."""
         names: list[str] = []
         kinds: list[str] = []
-        for name, kind, ref in self._modules:
+        for name, kind, label, ref in self._modules:
             module = ref()
             if module is None or module.training != training:
                 continue
             if skip_dropout and kind == "dropout":
                 continue
             names.append(name)
-            kinds.append(type(module).__name__)
+            kinds.append(label)
         if not names:
             return None
         root = self._root()

@@ -69,7 +69,7 @@ class TrainInEvalModeRule(Rule):
         report = record.train_in_eval
         if report is None:
             return []
-        norms_only = all("Norm" in kind for kind in report.kinds)
+        norms_only = all("norm" in kind.lower() for kind in report.kinds)
         if report.whole_model or not norms_only:
             return [
                 self.alert(
