@@ -24,7 +24,7 @@ from trainwatch import registry, termination
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
-from trainwatch.collect.calls import CallTracker
+from trainwatch.collect.calls import CallTracker, runs_distributed
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
@@ -554,6 +554,8 @@ class Monitor:
             record, params, grads = self._read_gradients(index)
         if record.missing:
             record.never_called = self._calls.never_called()
+            if record.never_called:
+                record.distributed = runs_distributed(self.model)
         manual = index is None
         info = self._layers.info
         if record.frozen:
