@@ -101,6 +101,9 @@ class StepRecord:
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)
     trainable_by_module: dict[str, int] = field(default_factory=dict)
+    # Without an optimizer: parameters whose gradient was rewritten in place after
+    # backward reached them (reset by hand, clipped) before monitor.step().
+    rewritten: frozenset[str] = frozenset()
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # Parameters whose gradient still held the previous step's values when

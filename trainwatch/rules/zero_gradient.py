@@ -34,6 +34,22 @@ _HINTS = {
 }
 
 
+def _reset_by_hand(record: StepRecord) -> frozenset[str]:
+    """Gradients zeroed in place between backward and ``monitor.step()``.
+
+    Rewritten after backward and all zero: a reset (``p.grad.zero_()``), not a
+    dead signal. Clipping rewrites every gradient too, but leaves the live
+    ones non-zero, so a dead layer among them is still reported.
+    """
+    rewritten = record.rewritten
+    if not rewritten:
+        return frozenset()
+    for info, norm in zip(record.present, record.param_norms):
+        if norm != 0.0 and info.name in rewritten:
+            return frozenset()
+    return rewritten
+
+
 class _Streak:
     __slots__ = ("start", "count", "kind", "reported")
 
@@ -63,10 +79,11 @@ class ZeroGradientRule(Rule):
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
         ]
+        reset = _reset_by_hand(record)
         silent += [
             (info, "zero")
             for info, norm in zip(record.present, record.param_norms)
-            if norm == 0.0 and info.in_model
+            if norm == 0.0 and info.in_model and info.name not in reset
         ]
         silent_names = {info.name for info, _ in silent}
         for info in record.present:
