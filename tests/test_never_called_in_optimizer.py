@@ -166,7 +166,30 @@ def test_under_ddp_never_called_head_warns_at_the_first_step(wrapped):
         0,
     )
     assert alert.data["distributed"] is True and alert.data["steps"] == 1
-    assert "DDP" in alert.message
+    if wrapped:
+        assert "only because find_unused_parameters=True" in alert.message
+    else:  # the launcher's wrapper is not seen: it may lack find_unused_parameters
+        assert "next iteration fails" in alert.message
+
+
+def test_under_ddp_without_find_unused_parameters_the_warning_comes_before_the_failure():
+    """DDP's reducer fails at the second forward; the first step already said why."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    with one_process_group():
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        with tw.watch(ddp, opt, console=io.StringIO()) as monitor:
+            with pytest.raises(RuntimeError, match="find_unused_parameters"):
+                for _ in range(2):
+                    x = torch.randn(16, 8)
+                    opt.zero_grad()
+                    nn.functional.mse_loss(ddp(x), x[:, :1]).backward()
+                    opt.step()
+            assert monitor.step_count == 1
+            (alert,) = monitor.alerts
+    assert (alert.rule, alert.module, alert.step) == ("zero_gradient", "module.aux_head", 0)
+    assert "next iteration fails" in alert.message
 
 
 def test_under_ddp_every_head_called_is_clean():

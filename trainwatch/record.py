@@ -94,9 +94,9 @@ class StepRecord:
     # Layers never called in a forward pass since watching began (filled only
     # when parameters are missing): defined-but-unused, not cut off.
     never_called: frozenset[str] = frozenset()
-    # The model trains under DDP (a DistributedDataParallel model or an
-    # initialised process group); filled with ``never_called``.
-    distributed: bool = False
+    # How the model trains under DDP ("ddp"; "find_unused" for a model built
+    # with find_unused_parameters=True; "" when not); filled with ``never_called``.
+    distributed: str = ""
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)

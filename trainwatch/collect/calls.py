@@ -29,15 +29,19 @@ from trainwatch.compiled import is_wrapper, unwrap, user_name
 from trainwatch.hooks import WeakHook
 
 
-def runs_distributed(model: nn.Module) -> bool:
-    """Whether the model trains under DDP, whose reducer waits for every parameter.
+def runs_distributed(model: nn.Module) -> str:
+    """How the model trains under DDP, whose reducer waits for every parameter.
 
-    Asked only when a layer was found never called, so the usual step pays nothing.
+    ``"find_unused"``: a DistributedDataParallel model built with
+    ``find_unused_parameters=True`` (it copes with an unused layer);
+    ``"ddp"``: another DDP model, or an initialised process group (a launcher
+    wraps the model itself); ``""``: not distributed. Asked only when a layer
+    was found never called, so the usual step pays nothing.
     """
     if isinstance(model, DistributedDataParallel):
-        return True
+        return "find_unused" if model.find_unused_parameters else "ddp"
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return "ddp" if dist.is_available() and dist.is_initialized() else ""
 
 
 def _parent(name: str) -> str:

@@ -74,7 +74,7 @@ class ZeroGradientRule(Rule):
             return []
         # Under DDP the next iteration fails when a layer of the optimizer's is
         # never called: that is worth saying at once, not after `patience`.
-        at_once = record.distributed and record.source == "optimizer" and record.never_called
+        at_once = bool(record.distributed) and record.source == "optimizer" and record.never_called
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
@@ -128,13 +128,21 @@ class ZeroGradientRule(Rule):
                     # Its parameters are in an optimizer: wasted, and fatal under DDP.
                     hint = _HINTS["never_called_optimized"]
                     data["in_optimizer"] = True
-                    data["distributed"] = record.distributed
+                    data["distributed"] = bool(record.distributed)
                     message = (
                         f"{owner} is never called in forward, yet an optimizer holds "
                         f"its parameters: {message}"
                     )
-                    if record.distributed:
-                        message += " (under DDP the next iteration fails)"
+                    if record.distributed == "find_unused":
+                        message += (
+                            " (DDP runs only because find_unused_parameters=True, "
+                            "which walks the autograd graph every iteration)"
+                        )
+                    elif record.distributed:
+                        message += (
+                            " (under DDP without find_unused_parameters=True the "
+                            "next iteration fails)"
+                        )
                 else:
                     # No optimizer holds them: usually deliberate, a note.
                     hint, severity = _HINTS["never_called"], "info"
