@@ -199,8 +199,10 @@ def _run(tmp_path, body: str, *args: str) -> list[dict]:
 
 @pytest.mark.parametrize("style", STYLES)
 def test_run_cnn_hand_written_update_without_reset_fires(tmp_path, _forget_netdef, style):
+    """Each backward's end is a step: the second update (after step 1's backward)
+    re-applies step 0's gradients, and step 2's backward shows it."""
     found = _run(tmp_path, CNN, style, "missing")
-    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 1)]
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 2)]
     assert found[0]["data"]["modules"] == ["0", "3"]
 
 
@@ -221,13 +223,14 @@ def test_run_cnn_accumulation_without_reset_fires_after_the_first_update(
     tmp_path, _forget_netdef, style
 ):
     found = _run(tmp_path, CNN, style, "missing", "3")
-    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 3)]
+    # Backward passes 0-2, update, 3-5 (added onto used gradients), update, 6.
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 6)]
 
 
 @pytest.mark.parametrize("style", STYLES)
 def test_run_policy_gradient_episode_without_reset_fires(tmp_path, _forget_netdef, style):
     found = _run(tmp_path, POLICY, style, "missing")
-    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 3)]
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 6)]
 
 
 @pytest.mark.parametrize("reset", ["grad_none", "model_zero_grad"])
@@ -259,3 +262,48 @@ def test_watched_dead_layer_with_clipping_before_monitor_step_is_still_reported(
             monitor.step()
     zeros = {a.module for a in monitor.alerts if a.rule == "zero_gradient"}
     assert {"fc1", "fc2"} <= zeros  # (head.weight too: its input is all zeros)
+
+
+# A GAN trained by hand: the generator's loss adds onto the discriminator's
+# gradients after the discriminator's update; they are reset before its next one.
+GAN = """
+import sys
+import torch
+from torch import nn
+
+reset_d = sys.argv[1] == "reset"
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
+D = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+for it in range(5):
+    real = torch.randn(16, 2) + 3.0
+    fake = G(torch.randn(16, 2))
+    if reset_d:
+        for p in D.parameters():
+            p.grad = None
+    softplus = nn.functional.softplus
+    d_loss = softplus(-D(real)).mean() + softplus(D(fake.detach())).mean()
+    d_loss.backward()
+    with torch.no_grad():
+        for p in D.parameters():
+            p -= 0.01 * p.grad
+    G.zero_grad()
+    nn.functional.softplus(-D(fake)).mean().backward()
+    with torch.no_grad():
+        for p in G.parameters():
+            p -= 0.01 * p.grad
+print("done")
+"""
+
+
+def test_run_hand_written_gan_resetting_before_each_update_is_clean(tmp_path, _forget_netdef):
+    assert _run(tmp_path, GAN, "reset") == []
+
+
+def test_run_hand_written_gan_never_resetting_the_discriminator_fires(tmp_path, _forget_netdef):
+    found = _run(tmp_path, GAN, "missing")
+    # D's steps end at its own backward (0), G's backward through it (1), its own
+    # (2), G's (3): the update between 2 and 3 re-applied what step 0 had used.
+    assert [(a["rule"], a["data"]["model"], a["step"]) for a in found] == [
+        ("accumulated_gradient", "Sequential#2", 3)
+    ]

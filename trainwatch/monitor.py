@@ -85,6 +85,9 @@ class Monitor:
     # True for the monitors `trainwatch run` creates on its own: a script that
     # calls tw.watch on the same model later takes over instead of failing.
     yields_to_explicit_watch: bool = False
+    # True where `trainwatch run` ends a hand-trained model's steps at each
+    # backward's end: such a step is not proof of an update.
+    steps_end_at_backward: bool = False
 
     def __init__(
         self,
@@ -664,7 +667,7 @@ class Monitor:
             # unless the weights changed in between.
             names, slot = pending.weights
             record.accumulated = self._hand_updates.keep_moved(
-                record.accumulated, names, slot.values()
+                record.accumulated, names, slot.values(), self.steps_end_at_backward
             )
         self._dispatcher.numbers(
             StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
