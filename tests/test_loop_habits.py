@@ -241,14 +241,14 @@ def _train_six_steps(model: nn.Module) -> tw.Monitor:
     return monitor
 
 
-def test_module_defined_but_never_called_is_a_note_not_a_warning():
+def test_module_never_called_whose_parameters_the_optimizer_trains_is_a_warning():
     torch.manual_seed(0)
     monitor = _train_six_steps(WithSpareHead())
-    assert warnings_and_errors(monitor) == []
-    (note,) = monitor.alerts
-    assert (note.rule, note.module, note.severity) == ("zero_gradient", "spare_head", "info")
-    assert note.data["kind"] == "never_called"
-    assert "never called" in note.message
+    (alert,) = monitor.alerts
+    assert (alert.rule, alert.module, alert.severity) == ("zero_gradient", "spare_head", "warning")
+    assert alert.data["kind"] == "never_called"
+    assert "never called" in alert.message
+    assert "find_unused_parameters" in alert.hint
 
 
 def test_called_module_cut_from_the_graph_is_still_a_warning():

@@ -304,6 +304,7 @@ class AutoWatch:
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         monitor.yields_to_explicit_watch = True
+        monitor.steps_end_at_backward = True
         self.monitors.append(monitor)
         self.views.append(view)
         hook = _BackwardEnd(self, monitor)

@@ -24,8 +24,9 @@ from trainwatch import registry, termination
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
-from trainwatch.collect.calls import CallTracker
-from trainwatch.collect.grads import gradient_norms, layer_norms
+from trainwatch.collect.calls import CallTracker, runs_distributed
+from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
+from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
@@ -70,6 +71,8 @@ class _Pending:
     checked_params: list[ParamInfo] = field(default_factory=list)
     param_norms: Slot | None = None
     behaviour: BehaviourToken | None = None
+    # Without an optimizer: the weights' names and norms at this step boundary.
+    weights: tuple[list[str], Slot] | None = None
 
 
 class Monitor:
@@ -82,6 +85,9 @@ class Monitor:
     # True for the monitors `trainwatch run` creates on its own: a script that
     # calls tw.watch on the same model later takes over instead of failing.
     yields_to_explicit_watch: bool = False
+    # True where `trainwatch run` ends a hand-trained model's steps at each
+    # backward's end: such a step is not proof of an update.
+    steps_end_at_backward: bool = False
 
     def __init__(
         self,
@@ -143,6 +149,7 @@ class Monitor:
         self._tracker.attach(layers.parameters())
         self._passes.subscribe("accumulation tracker", self._tracker)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
+        self._hand_updates = HandUpdates()
         self._structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker(_weak_getter(self, "step_count", 0))
@@ -595,9 +602,16 @@ class Monitor:
         if self._restarted:
             record.restarted_layers = frozenset(self._restarted)
             self._restarted.clear()
+        manual = index is None
+        if manual and self._tracker.track_reached:
+            known = self._layers.known()
+            record.rewritten = frozenset(
+                known[id(p)].name for p in self._tracker.rewritten() if id(p) in known
+            )
         if record.missing:
             record.never_called = self._calls.never_called()
-        manual = index is None
+            if record.never_called:
+                record.distributed = runs_distributed(self.model)
         info = self._layers.info
         if record.frozen:
             for param in params:
@@ -612,7 +626,13 @@ class Monitor:
             ]
         pending = _Pending(record, params)
         frame = pending.frame
-        norms = gradient_norms(grads) if grads else None
+        if manual and self._check_accumulation and self._tracker.enabled:
+            # No optimizer marks the update: the weights' norms show whether one ran.
+            weights, names = self._hand_updates.watched(self._layers)
+            norms, weight_norms = norms_with_weights(grads, weights)
+            pending.weights = (names, frame.add(weight_norms))
+        else:
+            norms = gradient_norms(grads) if grads else None
         if norms is not None:
             pending.norms = frame.add(norms)
         self._locate_if_off(norms)
@@ -685,6 +705,13 @@ class Monitor:
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
         ]
+        if pending.weights is not None:
+            # Several backward passes onto the same gradients are accumulation
+            # unless the weights changed in between.
+            names, slot = pending.weights
+            record.accumulated = self._hand_updates.keep_moved(
+                record.accumulated, names, slot.values(), self.steps_end_at_backward
+            )
         self._dispatcher.numbers(
             StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
         )

@@ -94,10 +94,16 @@ class StepRecord:
     # Layers never called in a forward pass since watching began (filled only
     # when parameters are missing): defined-but-unused, not cut off.
     never_called: frozenset[str] = frozenset()
+    # How the model trains under DDP ("ddp"; "find_unused" for a model built
+    # with find_unused_parameters=True; "" when not); filled with ``never_called``.
+    distributed: str = ""
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)
     trainable_by_module: dict[str, int] = field(default_factory=dict)
+    # Without an optimizer: parameters whose gradient was rewritten in place after
+    # backward reached them (reset by hand, clipped) before monitor.step().
+    rewritten: frozenset[str] = frozenset()
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # Parameters whose gradient still held the previous step's values when

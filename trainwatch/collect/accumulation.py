@@ -97,6 +97,7 @@ class _ParamState:
         "version",
         "content",
         "seen",
+        "end_version",
     )
 
     def __init__(self, param: torch.Tensor) -> None:
@@ -105,6 +106,7 @@ class _ParamState:
         self.param = param
         self.impl = param._cdata  # changes only when the parameter is swapped
         self.seen = False  # backward reached it since the last step boundary
+        self.end_version = -1  # its gradient's version when that backward ended
         self.armed = False
         self.reset = False
         self.accumulated = False
@@ -249,6 +251,7 @@ class GradResetTracker:
                 if same and grad._version == state.version and id(state) not in stale:
                     continue  # untouched since the step used it
             state.seen = True
+            state.end_version = grad._version
 
     # -- step boundary ---------------------------------------------------
     def suspects(
@@ -275,6 +278,21 @@ class GradResetTracker:
                 or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
             ):
                 found.append((param, state.content))
+        return found
+
+    def rewritten(self) -> list[torch.Tensor]:
+        """Parameters backward reached whose gradient was changed in place after it
+        ended (zeroed by hand, clipped), before the step boundary.
+
+        Without an optimizer, ``p.grad.zero_()`` may come before ``monitor.step()``:
+        an all-zero gradient that was rewritten is a reset, not a dead signal.
+        """
+        found = []
+        for state in self._states.values():
+            if state.seen:
+                grad = state.param.grad
+                if grad is not None and grad._version != state.end_version:
+                    found.append(state.param)
         return found
 
     def reached(self, param: torch.Tensor) -> bool:

@@ -1,9 +1,10 @@
 """Which layers have never been called in a forward pass since watching began.
 
 A layer that is defined but never called (an unused pooler, a head kept for
-another task) gets no gradient, exactly like a layer cut out of the graph by a
-``.detach()``. The first is usually deliberate, the second a bug: telling them
-apart keeps ``zero_gradient`` from crying wolf on the first.
+another task, an auxiliary head whose loss was dropped) gets no gradient,
+exactly like a layer cut out of the graph by a ``.detach()``. The two need
+different advice: the first wants freezing, leaving out of the optimizer or
+calling, and breaks DDP at its second iteration; the second is a cut in the graph.
 
 A layer counts as never called only when the module holding it *was* called:
 inside a compiled region hooks are not run, so there nothing is claimed, and
@@ -18,12 +19,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.compiled import is_wrapper, unwrap, user_name
 from trainwatch.hooks import WeakHook
+
+
+def runs_distributed(model: nn.Module) -> str:
+    """How the model trains under DDP, whose reducer waits for every parameter.
+
+    ``"find_unused"``: a DistributedDataParallel model built with
+    ``find_unused_parameters=True`` (it copes with an unused layer);
+    ``"ddp"``: another DDP model, or an initialised process group (a launcher
+    wraps the model itself); ``""``: not distributed. Asked only when a layer
+    was found never called, so the usual step pays nothing.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return "find_unused" if model.find_unused_parameters else "ddp"
+    dist = torch.distributed
+    return "ddp" if dist.is_available() and dist.is_initialized() else ""
 
 
 def _parent(name: str) -> str:

@@ -60,3 +60,24 @@ def layer_norms(
     per_layer = {layers[i]: sq**0.5 for i, sq in squares.items()}
     total = sum(squares.values()) ** 0.5 if squares else 0.0
     return per_layer, total
+
+
+def norms_with_weights(
+    grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The gradients' L2 norms (None without gradients) and the weights' own norms,
+    from the same batched kernel.
+
+    Under ``no_grad`` the weights are read as they are: a detach per weight
+    would be one more op per parameter.
+    """
+    strided = torch.strided
+    dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
+    plain = [w if w.layout == strided else _dense(w) for w in weights]
+    with torch.no_grad():
+        if len({t.device for t in [*dense, *plain]}) == 1:
+            both = torch.stack(_foreach_norm_fp32([*dense, *plain]))
+            count = len(dense)
+            return (both[:count] if count else None), both[count:]
+        # Several devices (model parallel): grouped per device, in order.
+        return (gradient_norms(grads) if grads else None), gradient_norms(plain)

@@ -11,6 +11,11 @@ _HINT = (
     "backward; with gradient accumulation, after optimizer.step(). Without it "
     "every step re-applies all earlier gradients."
 )
+_HAND_HINT = (
+    "reset each gradient once the update has used it (p.grad = None, p.grad.zero_() "
+    "or model.zero_grad()); with gradient accumulation, after the update. Without "
+    "it every update re-applies all earlier gradients."
+)
 
 
 class AccumulatedGradientRule(Rule):
@@ -22,14 +27,20 @@ class AccumulatedGradientRule(Rule):
         if not record.accumulated:
             return []
         owners = by_owner(record.accumulated)
+        by_hand = record.source == "manual"
+        used = (
+            f"an update had already used (the weights changed since step {record.step - 1}, "
+            "their gradients were not reset)"
+            if by_hand
+            else f"step {record.step - 1} had already used"
+        )
         return [
             self.alert(
                 record.step,
                 None,
-                f"backward added onto the gradients step {record.step - 1} had already "
-                f"used, in {len(record.accumulated)} parameters "
-                f"({short_names(record.accumulated, 3)}): zero_grad() is missing",
-                _HINT,
+                f"backward added onto the gradients {used}, in {len(record.accumulated)} "
+                f"parameters ({short_names(record.accumulated, 3)}): zero_grad() is missing",
+                _HAND_HINT if by_hand else _HINT,
                 {
                     "parameters": len(record.accumulated),
                     "modules": list(owners),

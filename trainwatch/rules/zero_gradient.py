@@ -15,10 +15,16 @@ _HINTS = {
         "whose output does not reach the loss."
     ),
     "never_called": (
-        "the layer is defined but its forward never ran, so its parameters sit in "
-        "the optimizer untrained. Fine if deliberate (an unused head or pooler); "
-        "otherwise call it in forward(). Under DDP it needs find_unused_parameters=True, "
-        "or leave its parameters out of the optimizer."
+        "the layer is defined but its forward never ran, so its parameters get no "
+        "gradient. Fine if deliberate (an unused head or pooler); otherwise call it "
+        "in forward(). Under DDP it needs find_unused_parameters=True."
+    ),
+    "never_called_optimized": (
+        "the layer is defined but its forward never ran, yet an optimizer holds its "
+        "parameters: they and their optimizer state take memory for nothing, and "
+        "under DistributedDataParallel without find_unused_parameters=True the run "
+        "fails at its second iteration. Freeze the layer (requires_grad_(False)), "
+        "leave its parameters out of the optimizer, or call it in forward()."
     ),
     "zero": (
         "backward reached these parameters but every gradient entry is exactly "
@@ -26,6 +32,22 @@ _HINTS = {
         "is multiplied by zero, or a mask removes everything."
     ),
 }
+
+
+def _reset_by_hand(record: StepRecord) -> frozenset[str]:
+    """Gradients zeroed in place between backward and ``monitor.step()``.
+
+    Rewritten after backward and all zero: a reset (``p.grad.zero_()``), not a
+    dead signal. Clipping rewrites every gradient too, but leaves the live
+    ones non-zero, so a dead layer among them is still reported.
+    """
+    rewritten = record.rewritten
+    if not rewritten:
+        return frozenset()
+    for info, norm in zip(record.present, record.param_norms):
+        if norm != 0.0 and info.name in rewritten:
+            return frozenset()
+    return rewritten
 
 
 class _Streak:
@@ -50,14 +72,18 @@ class ZeroGradientRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
             return []
+        # Under DDP the next iteration fails when a layer of the optimizer's is
+        # never called: that is worth saying at once, not after `patience`.
+        at_once = bool(record.distributed) and record.source == "optimizer" and record.never_called
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
         ]
+        reset = _reset_by_hand(record)
         silent += [
             (info, "zero")
             for info, norm in zip(record.present, record.param_norms)
-            if norm == 0.0 and info.in_model
+            if norm == 0.0 and info.in_model and info.name not in reset
         ]
         silent_names = {info.name for info, _ in silent}
         for info in record.present:
@@ -70,7 +96,10 @@ class ZeroGradientRule(Rule):
             if streak is None:
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
             streak.count += 1
-            if streak.count >= self.config.patience and not streak.reported:
+            needed = self.config.patience
+            if at_once and kind == "none" and info.owner in record.never_called:
+                needed = 1
+            if streak.count >= needed and not streak.reported:
                 streak.reported = True
                 due.append(info)
 
@@ -86,23 +115,37 @@ class ZeroGradientRule(Rule):
                 f"step{'s' if steps != 1 else ''} since step {since}"
             )
             severity = None
+            hint = _HINTS[kind]
+            data = {
+                "kind": kind,
+                "parameters": [p.name for p in params],
+                "since_step": since,
+                "steps": steps,
+            }
             if kind == "none" and owner in record.never_called:
-                # Usually deliberate: a note, not a warning (a cut-off layer is).
-                kind, severity = "never_called", "info"
-                message = f"{owner} is never called in forward: {message}"
-            alerts.append(
-                self.alert(
-                    since,
-                    owner,
-                    message,
-                    _HINTS[kind],
-                    {
-                        "kind": kind,
-                        "parameters": [p.name for p in params],
-                        "since_step": since,
-                        "steps": steps,
-                    },
-                    severity=severity,
-                )
-            )
+                kind = data["kind"] = "never_called"
+                if record.source == "optimizer":
+                    # Its parameters are in an optimizer: wasted, and fatal under DDP.
+                    hint = _HINTS["never_called_optimized"]
+                    data["in_optimizer"] = True
+                    data["distributed"] = bool(record.distributed)
+                    message = (
+                        f"{owner} is never called in forward, yet an optimizer holds "
+                        f"its parameters: {message}"
+                    )
+                    if record.distributed == "find_unused":
+                        message += (
+                            " (DDP runs only because find_unused_parameters=True, "
+                            "which walks the autograd graph every iteration)"
+                        )
+                    elif record.distributed:
+                        message += (
+                            " (under DDP without find_unused_parameters=True the "
+                            "next iteration fails)"
+                        )
+                else:
+                    # No optimizer holds them: usually deliberate, a note.
+                    hint, severity = _HINTS["never_called"], "info"
+                    message = f"{owner} is never called in forward: {message}"
+            alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
