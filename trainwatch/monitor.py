@@ -26,6 +26,7 @@ from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.grads import gradient_norms, layer_norms
+from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
@@ -38,7 +39,7 @@ from trainwatch.guard import Guard
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
-from trainwatch.record import NonfiniteReport, StepRecord
+from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
@@ -70,6 +71,7 @@ class _Pending:
     checked_params: list[ParamInfo] = field(default_factory=list)
     param_norms: Slot | None = None
     behaviour: BehaviourToken | None = None
+    scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
 
 
 class Monitor:
@@ -90,6 +92,7 @@ class Monitor:
         *,
         config: Config | None = None,
         sinks: Sequence[Sink] = (),
+        scaler: Any = None,
     ) -> None:
         layers = preflight(model, optimizers)
         # torch.compile(model) returns a wrapper: names, hooks and checks are
@@ -101,6 +104,8 @@ class Monitor:
                 owner.close()  # `trainwatch run`'s automatic monitor steps aside
         self.config = config if config is not None else Config()
         self.model = model
+        # A torch.amp.GradScaler whose loss scale the AMP check reads (None: not visible).
+        self.scaler = scaler
         self._root = root
         self.closed = False
         self._layers = layers
@@ -451,8 +456,15 @@ class Monitor:
             return
         record = StepRecord(step=self._step, source="passes")
         record.skipped_backward_passes = self._judge.trailing_skips(probe.bad_backward_passes)
-        if record.skipped_backward_passes >= rule.patience:
-            self._dispatcher.publish(self._run_rules(record))
+        if record.skipped_backward_passes < rule.patience:
+            return
+        # Read on the host only here, past many passes without a step.
+        scale = self._guarded("loss scale", loss_scale, self.scaler)
+        if self._step == 0 and (scale is None or scale >= 1.0):
+            return  # no update applied yet: the scaler's warm-up
+        skipped = record.skipped_backward_passes if self._step > 0 else 0
+        record.amp = AmpReport(skipped, self._judge.passes_per_step, scale)
+        self._dispatcher.publish(self._run_rules(record))
 
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""
@@ -591,6 +603,10 @@ class Monitor:
                 tensor = getattr(window, name)
                 if tensor is not None:
                     pending.window_slots[name] = frame.add(tensor)
+        if self.scaler is not None:
+            scale = scale_tensor(self.scaler)
+            if scale is not None:
+                pending.scale = frame.add(scale)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame
@@ -619,6 +635,7 @@ class Monitor:
             self._total_norm = total
         if pending.loss is not None:
             record.loss = pending.loss.value()
+        scale = pending.scale.value() if pending.scale is not None else None
         if pending.window is not None or pending.param_norms is not None:
             self._judge.judge(
                 record,
@@ -632,6 +649,9 @@ class Monitor:
             )
         elif record.loss is not None:
             self._judge.judge(record, None, {}, [], [], list, self._dispatcher.reported)
+        if scale is not None and (scale < 1.0 or record.amp is not None):
+            record.amp = record.amp or AmpReport(0, self._judge.passes_per_step)
+            record.amp.scale = scale
         if self._probe is not None:
             self._probe.passes_worth_a_look = (
                 self.config.amp_skipped_steps.patience * self._judge.passes_per_step
