@@ -59,7 +59,11 @@ from trainwatch.collect.nonfinite_replay import (
     backward_leaving_grads,
     replay_target,
 )
-from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
+from trainwatch.collect.op_trace import (
+    OpFinding,
+    trace_first_nonfinite_op,
+    trace_negative_inf_maker,
+)
 from trainwatch.collect.tensors import (
     detached_copies,
     finite_exact,
@@ -86,6 +90,9 @@ __all__ = [
 ]
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
+# Calls of a replay that made -inf from finite inputs, kept to be traced if a
+# NaN/+inf follows; past it, later ones are not kept.
+_MAX_MAKERS = 16
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
@@ -135,6 +142,17 @@ class _WaitingPass:
 
 
 @dataclass
+class _NegativeInfMaker:
+    """A replayed call whose output held -inf (outside autograd) from finite inputs:
+    a mask, or arithmetic that overflowed to -inf; traced only if a NaN follows."""
+
+    call: ForwardCall
+    module: nn.Module
+    args: Any
+    kwargs: Any
+
+
+@dataclass
 class _CallStart:
     """A module call as it began: its positional inputs and their sums."""
 
@@ -178,6 +196,7 @@ class _StepState:
     finite: list[bool | None] = field(default_factory=list)
     maskable: list[bool] = field(default_factory=list)
     forward_origin: NonfiniteFinding | None = None
+    negative_inf_makers: list[_NegativeInfMaker] = field(default_factory=list)
     grad_sums: list[torch.Tensor] = field(default_factory=list)
     grad_events: list[tuple[ForwardCall, str, int]] = field(default_factory=list)
     grad_ok: list[bool | None] = field(default_factory=list)
@@ -598,6 +617,8 @@ class NonfiniteProbe:
         if immediate:
             given = start.given if start is not None and start.given is not None else args
             self._check_now(call, module, given, kwargs, ins, outs)
+            if self._replaying and self.trace_ops:
+                self._note_negative_inf(call, module, given, kwargs, ins)
         if torch.is_grad_enabled():
             self._hook_gradients(call, ins, outs)
 
@@ -629,6 +650,13 @@ class NonfiniteProbe:
         )
         if not call.inputs_finite or self._this_step.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
+        if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
+            # A -inf taken for a mask came in: if an earlier module's own
+            # arithmetic made it, that module is the origin.
+            maker = self._negative_inf_origin(call)
+            if maker is not None:
+                self._this_step.forward_origin = maker
+                return
         bad = bad_out[0].detach()
         nan = torch.isnan(bad)
         finding = NonfiniteFinding(
@@ -657,6 +685,68 @@ class NonfiniteProbe:
             if found is not None:
                 finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
         self._this_step.forward_origin = finding
+
+    def _exactly_finite(self, indices: list[int], tensors: list[torch.Tensor]) -> bool:
+        """No -inf either, masks included (read in a replay only)."""
+        for index, tensor in zip(indices, tensors):
+            if not math.isfinite(float(self._this_step.sums[index])) and not bool(
+                torch.isfinite(tensor.detach()).all()
+            ):
+                return False
+        return True
+
+    def _note_negative_inf(
+        self, call: ForwardCall, module: nn.Module, args: Any, kwargs: Any, ins: list[torch.Tensor]
+    ) -> None:
+        """Keep a replayed call that made -inf (let pass as a mask) from finite inputs."""
+        sums, maskable = self._this_step.sums, self._this_step.maskable
+        makers = self._this_step.negative_inf_makers
+        if len(makers) >= _MAX_MAKERS or not any(
+            maskable[i] and float(sums[i]) == -math.inf for i in call.outputs
+        ):
+            return
+        if self._exactly_finite(call.inputs, ins):
+            args, kwargs = detached_copies((args, kwargs))
+            makers.append(_NegativeInfMaker(call, module, args, kwargs))
+
+    def _negative_inf_origin(self, victim: ForwardCall) -> NonfiniteFinding | None:
+        """The earlier call whose own arithmetic made the -inf that ``victim`` turned
+        into a NaN/+inf, named with its op; None when only masks were made.
+
+        Calls whose output ``victim`` took in directly are tried first.
+        """
+        makers = self._this_step.negative_inf_makers
+        fed = set(victim.inputs)
+        ordered = [m for m in makers if fed & set(m.call.outputs)]
+        ordered += [m for m in makers if m not in ordered]
+        for maker in ordered:
+            self.suspended = True
+            try:
+                found = trace_negative_inf_maker(maker.module, maker.args, maker.kwargs)
+            finally:
+                self.suspended = False
+            if found is None:
+                continue
+            call = maker.call
+            given = [t for t in floating_tensors([maker.args, maker.kwargs]) if t.numel()]
+            finding = NonfiniteFinding(
+                module=call.module,
+                direction="forward",
+                cause="module",
+                kind="-inf",
+                shape=call.shape,
+                dtype=call.dtype,
+                device=call.device,
+                op=found.op,
+                source=found.source,
+                op_basis="re-run: made -inf from finite inputs",
+            )
+            finding.weights_nonfinite = False
+            if given:
+                finding.input_min = min(float(t.min()) for t in given)
+                finding.input_max = max(float(t.max()) for t in given)
+            return finding
+        return None
 
     def _hook_gradients(
         self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]

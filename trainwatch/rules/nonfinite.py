@@ -76,7 +76,7 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
 
 
 def _what(report: NonfiniteReport) -> str:
-    kind = {"nan": "NaN", "inf": "Inf"}.get(report.kind or "", "NaN/Inf")
+    kind = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf"}.get(report.kind or "", "NaN/Inf")
     count = f"{report.count} {kind}" if report.count is not None else kind
     shape = f" in a {report.dtype} tensor of shape {list(report.shape)}" if report.shape else ""
     op = f", made by {report.op}" if report.op else ""

@@ -167,7 +167,7 @@ class NonfiniteJudge:
             )
             for i, known in enumerate(window.finite)
         ]
-        located = locate_forward(window.calls, finite, sums)
+        located = locate_forward(window.calls, finite, sums, window.maskable)
         finding = window.forward_origin or located
         if finding is None:
             if not window.output_bad:
