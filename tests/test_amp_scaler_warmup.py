@@ -239,11 +239,16 @@ def _lightning_fit(tmp_path, init_scale: float, overflow_from: int | None, steps
 
 
 @pytest.mark.slow
-def test_lightning_16_mixed_warmup_is_silent(tmp_path):
-    calm = _lightning_fit(tmp_path, 2.0**40, None, 36)
+def test_lightning_16_mixed_warmup_is_silent_and_later_skipping_warns(tmp_path):
+    calm = _lightning_fit(tmp_path / "calm", 2.0**40, None, 36)
     assert calm.monitor.scaler is not None  # picked up from the precision plugin
     assert 0 < calm.monitor.step_count <= 16
     assert calm.alerts == []
+    skipping = _lightning_fit(tmp_path / "skipping", 2.0**24, 20, 36)
+    updates = skipping.monitor.step_count
+    assert updates > 5
+    (alert,) = [a for a in skipping.alerts if a.rule == "amp_skipped_steps"]
+    assert (alert.step, alert.data["skipped"]) == (updates, 10)
 
 
 @pytest.mark.slow

@@ -61,6 +61,7 @@ class _Pending:
     params: list[torch.Tensor] = field(default_factory=list)  # the optimizer's, in order
     frame: StepFrame = field(default_factory=StepFrame)
     norms: Slot | None = None
+    norm_tensor: torch.Tensor | None = None  # the norms on the device, before the readback
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
     suspect_flags: Slot | None = None
     loss: Slot | None = None
@@ -381,7 +382,34 @@ class Monitor:
             self._guard.fail("step collector", exc)
 
     def _gather_into_pending(self, index: int) -> None:
+        stale = self._pending.get(index)
+        if stale is not None and self._probe is not None:
+            self._guarded("non-finite probe", self._carry_skipped, stale)
         self._pending[index] = self._gather(index)
+
+    def _carry_skipped(self, stale: _Pending) -> None:
+        """A framework gathered a step that never came: GradScaler skipped it.
+
+        Lightning gathers before its precision plugin's GradScaler decides, so
+        the probe's record of backward passes no step used was handed to a
+        step that did not happen. It goes back to the probe, with one flag for
+        the skipped pass (its gradient norms were non-finite), and is judged
+        like a plain loop's skips.
+        """
+        probe = self._probe
+        window = stale.window
+        if probe is None or window is None:
+            return
+        flags: list[torch.Tensor | float] = list(window.skipped_host)
+        if window.skipped is not None:
+            flags = list(window.skipped.unbind())
+        norms = stale.norm_tensor
+        flags.append(
+            torch.isfinite(norms).all().logical_not().float() if norms is not None else 0.0
+        )
+        for flag in flags:
+            probe.note_skipped_pass(flag)
+        self._on_new_pass()
 
     def _after_optimizer_step(
         self, index: int, optimizer: Optimizer | None = None, args: Any = (), kwargs: Any = None
@@ -584,6 +612,7 @@ class Monitor:
         norms = gradient_norms(grads) if grads else None
         if norms is not None:
             pending.norms = frame.add(norms)
+            pending.norm_tensor = norms
         self._locate_if_off(norms)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"

@@ -405,6 +405,10 @@ class NonfiniteProbe:
         if len(self._this_step.bad_backward_passes) > 64:
             del self._this_step.bad_backward_passes[0]
 
+    def note_skipped_pass(self, flag: torch.Tensor | float) -> None:
+        """A backward pass no step used, seen by the monitor (a framework's skipped step)."""
+        self._note_pass(flag)
+
     def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """A pass ended: one sum of its output; a replay only if it is bad.
 
