@@ -96,11 +96,12 @@ def _indicator(tensor: torch.Tensor) -> bool:
 
 
 def _at_dtype_minimum(tensor: torch.Tensor) -> bool:
-    """Holds values near the dtype's lowest finite number: an additive mask written
-    with ``torch.finfo(dtype).min`` rather than -inf."""
+    """Holds values within 1% of the dtype's lowest finite number: an additive mask
+    written with ``torch.finfo(dtype).min`` rather than -inf (a score that is
+    merely large, -60000 in fp16, is not one)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return False
-    return bool((tensor.detach() <= torch.finfo(tensor.dtype).min / 2).any())
+    return bool((tensor.detach() <= torch.finfo(tensor.dtype).min * 0.99).any())
 
 
 def mask_arithmetic(args: Any, kwargs: Any) -> bool:
