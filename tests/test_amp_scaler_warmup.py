@@ -55,6 +55,7 @@ def train_fp16(
     pass_scaler: bool = True,
     check: str = "auto",
     growth_interval: int = 2000,
+    **overrides,
 ) -> tuple[tw.Monitor, int]:
     """A plain fp16 AMP loop; ``overflow(i)`` plants an overflowing loss at iteration i.
 
@@ -70,6 +71,7 @@ def train_fp16(
         console=False,
         scaler=scaler if pass_scaler else None,
         nonfinite_forward={"check": check},
+        **overrides,
     ) as monitor:
         for i in range(steps):
             x, y = _batch(family)
@@ -256,3 +258,23 @@ def test_lightning_precision_plugin_scale_below_one_warns(tmp_path):
     callback = _lightning_fit(tmp_path, 0.5, None, 4)
     (alert,) = callback.alerts
     assert (alert.rule, alert.step, alert.data["scale"]) == ("amp_skipped_steps", 0, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("section", "key"), [({"window": 1}, "window"), ({"max_fraction": 1.5}, "max_fraction")]
+)
+def test_bad_window_settings_fail_naming_the_key(section, key):
+    with pytest.raises(tw.ConfigError, match=f"amp_skipped_steps.{key}"):
+        tw.watch(MLP(), console=False, amp_skipped_steps=section)
+
+
+def test_a_smaller_window_is_honoured():
+    """Half of the last 20 steps skipped: silent with the default window, not with 20."""
+    kwargs = dict(init_scale=2.0**10, overflow=lambda i: i >= 10 and i % 2 == 0, pass_scaler=False)
+    default, _ = train_fp16("mlp", 50, **kwargs)
+    assert amp_alerts(default) == []
+    strict, _ = train_fp16(
+        "mlp", 50, **kwargs, amp_skipped_steps={"window": 20, "max_fraction": 0.4}
+    )
+    (alert,) = amp_alerts(strict)
+    assert alert.data["recent_skipped_steps"] > 8
