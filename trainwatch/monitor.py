@@ -384,7 +384,7 @@ class Monitor:
     def _gather_into_pending(self, index: int) -> None:
         stale = self._pending.get(index)
         if stale is not None and self._probe is not None:
-            self._guarded("non-finite probe", self._carry_skipped, stale)
+            self._guarded("amp skip count", self._carry_skipped, stale)
         self._pending[index] = self._gather(index)
 
     def _carry_skipped(self, stale: _Pending) -> None:
@@ -633,7 +633,7 @@ class Monitor:
                 if tensor is not None:
                     pending.window_slots[name] = frame.add(tensor)
         if self.scaler is not None:
-            scale = scale_tensor(self.scaler)
+            scale = self._guarded("loss scale", scale_tensor, self.scaler)
             if scale is not None:
                 pending.scale = frame.add(scale)
         if self._behaviour is not None:
