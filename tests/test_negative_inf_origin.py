@@ -324,3 +324,52 @@ def test_nan_after_a_mask_built_in_its_own_module_is_blamed_on_the_softmax(style
     assert (first.rule, first.step, first.module) == ("nonfinite_forward", 2, "")
     if check != "deferred":
         assert first.data["op"] == "aten::_softmax"
+
+
+# -- the -inf made by functional code in a module's own forward ----------------------
+
+
+class LogInOwnForward(nn.Module):
+    """The model takes the log itself, between no modules, before its BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.log(counts)))
+
+
+class Wrapped(nn.Module):
+    """The same body one level down, called on a rescaled copy of the counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = LogInOwnForward()
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.body(counts * 1.0)
+
+
+@pytest.mark.parametrize(("cls", "named"), [(LogInOwnForward, ""), (Wrapped, "body")])
+@pytest.mark.parametrize("check", ["auto", "step"])
+def test_negative_inf_from_functional_code_names_the_module_whose_forward_made_it(
+    cls, named, check
+):
+    """The replay re-runs the innermost module in progress that had finite inputs."""
+    for armed in (True, False):
+        model = cls()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(0)
+        with tw.watch(model, opt, console=False, nonfinite_forward={"check": check}) as monitor:
+            for step in range(5):
+                counts = features(step, LogCounts(), gen, armed)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(counts), torch.randn(16, 1, generator=gen)).backward()
+                opt.step()
+        if not armed:
+            assert monitor.alerts == []
+            continue
+        first = first_nonfinite(monitor.alerts)
+        assert (first.step, first.module, first.data["op"]) == (FAULT_STEP, named, "aten::log")

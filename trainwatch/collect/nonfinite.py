@@ -63,6 +63,7 @@ from trainwatch.collect.op_trace import (
     OpFinding,
     trace_first_nonfinite_op,
     trace_negative_inf_maker,
+    trace_negative_inf_turned_nonfinite,
 )
 from trainwatch.collect.tensors import (
     detached_copies,
@@ -657,7 +658,7 @@ class NonfiniteProbe:
         if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
             # A -inf taken for a mask came in: if an earlier module's own
             # arithmetic made it, that module is the origin.
-            maker = self._negative_inf_origin(call)
+            maker = self._negative_inf_origin(call) or self._negative_inf_around(call)
             if maker is not None:
                 self._this_step.forward_origin = maker
                 return
@@ -724,33 +725,41 @@ class NonfiniteProbe:
         ordered = [m for m in makers if fed & set(m.call.outputs)]
         ordered += [m for m in makers if m not in ordered]
         for maker in ordered:
-            self.suspended = True
-            try:
-                found = trace_negative_inf_maker(maker.module, maker.args, maker.kwargs)
-            finally:
-                self.suspended = False
-            if found is None:
-                continue
-            call = maker.call
-            given = [t for t in floating_tensors([maker.args, maker.kwargs]) if t.numel()]
-            finding = NonfiniteFinding(
-                module=call.module,
-                direction="forward",
-                cause="module",
-                kind="-inf",
-                shape=call.shape,
-                dtype=call.dtype,
-                device=call.device,
-                op=found.op,
-                source=found.source,
-                op_basis="re-run: made -inf from finite inputs",
-            )
-            finding.weights_nonfinite = False
-            if given:
-                finding.input_min = min(float(t.min()) for t in given)
-                finding.input_max = max(float(t.max()) for t in given)
-            return finding
+            found = self._traced(trace_negative_inf_maker, maker.module, maker.args, maker.kwargs)
+            if found is not None:
+                call = maker.call
+                return _made_negative_inf(call.module, call, found, [maker.args, maker.kwargs])
         return None
+
+    def _negative_inf_around(self, victim: ForwardCall) -> NonfiniteFinding | None:
+        """The -inf came from no module's output: functional code in the forward of a
+        module around ``victim`` (``torch.log(counts)`` in the model's own forward).
+
+        The innermost call in progress whose inputs were finite made it; it is
+        re-run to find the op, and named only if that op's -inf is where the
+        NaN/+inf came from.
+        """
+        for start in reversed(self._this_pass.calls_in_progress):
+            if start.given is None or not self._exactly_finite(start.sums, start.inputs):
+                continue
+            module = (
+                self._modules[start.position]() if start.position < len(self._modules) else None
+            )
+            if module is None:
+                return None
+            found = self._traced(trace_negative_inf_turned_nonfinite, module, start.given, {})
+            if found is None:
+                return None
+            return _made_negative_inf(start.position, victim, found, [start.given])
+        return None
+
+    def _traced(self, trace: Any, module: nn.Module, args: Any, kwargs: Any) -> OpFinding | None:
+        """An op trace of a re-run, unseen by the probe's own checks."""
+        self.suspended = True
+        try:
+            return trace(module, args, kwargs)
+        finally:
+            self.suspended = False
 
     def _hook_gradients(
         self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]
@@ -885,6 +894,30 @@ class NonfiniteProbe:
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
         return window
+
+
+def _made_negative_inf(
+    module: int, call: ForwardCall, found: OpFinding, given: Any
+) -> NonfiniteFinding:
+    """The origin: ``module``'s own ``found`` op made -inf from finite inputs."""
+    finding = NonfiniteFinding(
+        module=module,
+        direction="forward",
+        cause="module",
+        kind="-inf",
+        shape=call.shape if call.module == module else None,
+        dtype=call.dtype,
+        device=call.device,
+        op=found.op,
+        source=found.source,
+        op_basis="re-run: made -inf from finite inputs",
+    )
+    finding.weights_nonfinite = False
+    inputs = [t for t in floating_tensors(given) if t.numel()]
+    if inputs:
+        finding.input_min = min(float(t.min()) for t in inputs)
+        finding.input_max = max(float(t.max()) for t in inputs)
+    return finding
 
 
 # The id of the backward pass running on this thread (-1: none), if torch says.

@@ -54,6 +54,10 @@ def _mutates_an_input(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
+    if "batch_norm" in schema.name:
+        # native_batch_norm updates the running statistics in place without
+        # saying so in its schema.
+        return True
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
@@ -68,8 +72,13 @@ def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
     return all(only_negative_inf(t) for t in tensors)
 
 
-def _judge_inputs(args: Any, kwargs: Any) -> tuple[bool, bool]:
+def _judge_inputs(args: Any, kwargs: Any, func: Any = None) -> tuple[bool, bool]:
     """(all finite, finite or masks) for an op's floating inputs."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None and "batch_norm" in schema.name and len(args) > 5 and args[5] is True:
+        # Training-mode batch norm does not read its running statistics (it
+        # updates them): poisoned ones are no input of this op.
+        args, kwargs = args[:3], {}
     inputs = list(floating_tensors([args, kwargs]))
     finite = _all_finite(inputs)
     return finite, finite or _only_negative_inf(inputs)
@@ -143,13 +152,13 @@ class _FirstNonfinite(TorchDispatchMode):
         before = None
         masking = None
         if self.found is None and _mutates_an_input(func):
-            before = _judge_inputs(args, kwargs)
+            before = _judge_inputs(args, kwargs, func)
             masking = mask_arithmetic(args, kwargs)
         out = func(*args, **(kwargs or {}))
         if self.found is None:
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
-                finite, finite_or_masks = before or _judge_inputs(args, kwargs)
+                finite, finite_or_masks = before or _judge_inputs(args, kwargs, func)
                 if finite_or_masks:
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
@@ -180,6 +189,17 @@ def trace_negative_inf_maker(
     tracer = _FirstNonfinite()
     _rerun(module, args, kwargs, tracer)
     return tracer.made_negative_inf
+
+
+def trace_negative_inf_turned_nonfinite(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OpFinding | None:
+    """Re-run a module that ran on finite inputs: the op whose arithmetic made a
+    -inf that a NaN/+inf then came from, or None (no such -inf, or only masks)."""
+    tracer = _FirstNonfinite()
+    _rerun(module, args, kwargs, tracer)
+    made = tracer.made_negative_inf
+    return made if made is not None and tracer.found is made else None
 
 
 @contextmanager
