@@ -278,3 +278,32 @@ def test_a_smaller_window_is_honoured():
     )
     (alert,) = amp_alerts(strict)
     assert alert.data["recent_skipped_steps"] > 8
+
+
+def test_a_resumed_run_with_a_fresh_scaler_warms_up_again_silently():
+    """Steps continue from the checkpoint; the new GradScaler's warm-up is still a warm-up."""
+    first, _ = train_fp16("mlp", 12, init_scale=2.0**10)
+    state = first.state_dict()
+    assert state["step"] > 0
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    with tw.watch(model, opt, console=False, scaler=scaler) as monitor:
+        monitor.load_state_dict(state)
+        skipped = 0
+        for i in range(45):
+            x, y = _batch("mlp")
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            if i >= 30:
+                loss = loss * float("inf")  # and later, skipping that is news
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+    assert skipped >= 30  # over 20 of them the warm-up
+    (alert,) = amp_alerts(monitor)
+    assert alert.step == monitor.step_count and alert.data["skipped"] == 10

@@ -349,6 +349,7 @@ class Monitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
         self._step = int(state.get("step", self._step))
+        self._judge.first_step = self._step
         self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
         saved = state.get("rules", {})
         for rule in self._rules:
@@ -488,9 +489,10 @@ class Monitor:
             return
         # Read on the host only here, past many passes without a step.
         scale = self._guarded("loss scale", loss_scale, self.scaler)
-        if self._step == 0 and (scale is None or scale >= 1.0):
-            return  # no update applied yet: the scaler's warm-up
-        skipped = record.skipped_backward_passes if self._step > 0 else 0
+        warming_up = self._step == self._judge.first_step  # no update applied yet
+        if warming_up and (scale is None or scale >= 1.0):
+            return  # the scaler's warm-up
+        skipped = 0 if warming_up else record.skipped_backward_passes
         record.amp = AmpReport(skipped, self._judge.passes_per_step, scale)
         self._dispatcher.publish(self._run_rules(record))
 

@@ -49,6 +49,9 @@ class NonfiniteJudge:
         self.passes_per_step = 1
         self._recent_passes: list[int] = []  # backward passes of the last few steps
         self._judged_step = 0  # the last step that came past the usual-step shortcut
+        # The step this process began at (a resumed run's is past 0): a GradScaler
+        # warms up again before its first update here, unless its state was restored.
+        self.first_step = 0
 
     def _report(self, finding: NonfiniteFinding, cause: str | None = None) -> NonfiniteReport:
         return NonfiniteReport(
@@ -112,7 +115,7 @@ class NonfiniteJudge:
                 record, window, values.get("sums"), modules, reported, info, not bad_grads
             )
             skipped = values.get("skipped") or window.skipped_host
-            if record.step > 0 and not any(skipped):
+            if record.step > self.first_step and not any(skipped):
                 # The fewest passes of the recent clean steps: a step the scaler
                 # skipped only adds passes. The first step's may all be the
                 # scaler's warm-up (an overflow inside the model leaves its flag
@@ -123,7 +126,7 @@ class NonfiniteJudge:
                 self.passes_per_step = min(self._recent_passes)
             self._judged_step = record.step
             record.skipped_backward_passes = self.trailing_skips(skipped)
-            if record.skipped_backward_passes and record.step > 0:
+            if record.skipped_backward_passes and record.step > self.first_step:
                 # Skips before the first update are the scaler's warm-up: not handed over.
                 record.amp = AmpReport(record.skipped_backward_passes, self.passes_per_step)
         forward_clean = not forward_bad
