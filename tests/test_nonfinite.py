@@ -352,19 +352,21 @@ def test_grad_scaler_skipping_a_few_steps_is_silent(device):
     assert monitor.alerts == []
 
 
-def test_grad_scaler_that_keeps_skipping_warns_once(device):
+def test_grad_scaler_that_keeps_skipping_after_updates_began_warns_once(device):
     model = Net().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler(device.type)
     with tw.watch(model, opt, console=False) as monitor:
-        for _ in range(25):
+        for i in range(28):
             x, y = torch.randn(8, 8, device=device), torch.randn(8, 1, device=device)
             opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y) * float("inf")
+            loss = nn.functional.mse_loss(model(x), y)
+            if i >= 3:
+                loss = loss * float("inf")
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-    assert monitor.step_count == 0
+    assert monitor.step_count == 3
     (alert,) = monitor.alerts
     assert alert.rule == "amp_skipped_steps" and alert.severity == "warning"
     assert alert.data["skipped"] >= 10

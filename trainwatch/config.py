@@ -89,6 +89,10 @@ class NonfiniteParameterConfig(RuleConfig):
 class AmpSkippedStepsConfig(RuleConfig):
     # GradScaler skipping this many backward passes in a row is news; fewer is its job.
     patience: int = field(default=10, metadata=_range(2))
+    # Or skipping more than ``max_fraction`` of the last ``window`` steps. Skips
+    # before any update was applied are the scaler's warm-up and never count.
+    window: int = field(default=100, metadata=_range(2))
+    max_fraction: float = field(default=0.5, metadata=_range(0.0, 1.0))
 
 
 @dataclass

@@ -142,7 +142,11 @@ class TrainWatchCallback(Callback):
         try:
             sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
             reporter = Reporter(rank, sinks)
-            monitor = Monitor(pl_module, config=self.config, sinks=[reporter.relay()])
+            # "16-mixed" precision keeps its GradScaler on the precision plugin.
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            monitor = Monitor(
+                pl_module, config=self.config, sinks=[reporter.relay()], scaler=scaler
+            )
         except Exception as exc:  # never break training
             warnings.warn(
                 f"trainwatch could not start and is off for this run: {exc}", stacklevel=2

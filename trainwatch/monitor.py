@@ -27,6 +27,7 @@ from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker, runs_distributed
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
@@ -39,7 +40,7 @@ from trainwatch.guard import Guard
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
-from trainwatch.record import NonfiniteReport, StepRecord
+from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
@@ -61,6 +62,7 @@ class _Pending:
     params: list[torch.Tensor] = field(default_factory=list)  # the optimizer's, in order
     frame: StepFrame = field(default_factory=StepFrame)
     norms: Slot | None = None
+    norm_tensor: torch.Tensor | None = None  # the norms on the device, before the readback
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
     suspect_flags: Slot | None = None
     loss: Slot | None = None
@@ -73,6 +75,7 @@ class _Pending:
     behaviour: BehaviourToken | None = None
     # Without an optimizer: the weights' names and norms at this step boundary.
     weights: tuple[list[str], Slot] | None = None
+    scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
 
 
 class Monitor:
@@ -96,6 +99,7 @@ class Monitor:
         *,
         config: Config | None = None,
         sinks: Sequence[Sink] = (),
+        scaler: Any = None,
     ) -> None:
         layers = preflight(model, optimizers)
         # torch.compile(model) returns a wrapper: names, hooks and checks are
@@ -107,6 +111,8 @@ class Monitor:
                 owner.close()  # `trainwatch run`'s automatic monitor steps aside
         self.config = config if config is not None else Config()
         self.model = model
+        # A torch.amp.GradScaler whose loss scale the AMP check reads (None: not visible).
+        self.scaler = scaler
         self._root = root
         self.closed = False
         self._layers = layers
@@ -389,6 +395,7 @@ class Monitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
         self._step = int(state.get("step", self._step))
+        self._judge.first_step = self._step
         self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
         saved = state.get("rules", {})
         for rule in self._rules:
@@ -422,7 +429,34 @@ class Monitor:
             self._guard.fail("step collector", exc)
 
     def _gather_into_pending(self, index: int) -> None:
+        stale = self._pending.get(index)
+        if stale is not None and self._probe is not None:
+            self._guarded("amp skip count", self._carry_skipped, stale)
         self._pending[index] = self._gather(index)
+
+    def _carry_skipped(self, stale: _Pending) -> None:
+        """A framework gathered a step that never came: GradScaler skipped it.
+
+        Lightning gathers before its precision plugin's GradScaler decides, so
+        the probe's record of backward passes no step used was handed to a
+        step that did not happen. It goes back to the probe, with one flag for
+        the skipped pass (its gradient norms were non-finite), and is judged
+        like a plain loop's skips.
+        """
+        probe = self._probe
+        window = stale.window
+        if probe is None or window is None:
+            return
+        flags: list[torch.Tensor | float] = list(window.skipped_host)
+        if window.skipped is not None:
+            flags = list(window.skipped.unbind())
+        norms = stale.norm_tensor
+        flags.append(
+            torch.isfinite(norms).all().logical_not().float() if norms is not None else 0.0
+        )
+        for flag in flags:
+            probe.note_skipped_pass(flag)
+        self._on_new_pass()
 
     def _after_optimizer_step(
         self, index: int, optimizer: Optimizer | None = None, args: Any = (), kwargs: Any = None
@@ -497,8 +531,16 @@ class Monitor:
             return
         record = StepRecord(step=self._step, source="passes")
         record.skipped_backward_passes = self._judge.trailing_skips(probe.bad_backward_passes)
-        if record.skipped_backward_passes >= rule.patience:
-            self._dispatcher.publish(self._run_rules(record))
+        if record.skipped_backward_passes < rule.patience:
+            return
+        # Read on the host only here, past many passes without a step.
+        scale = self._guarded("loss scale", loss_scale, self.scaler)
+        warming_up = self._step == self._judge.first_step  # no update applied yet
+        if warming_up and (scale is None or scale >= 1.0):
+            return  # the scaler's warm-up
+        skipped = 0 if warming_up else record.skipped_backward_passes
+        record.amp = AmpReport(skipped, self._judge.passes_per_step, scale)
+        self._dispatcher.publish(self._run_rules(record))
 
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""
@@ -635,6 +677,7 @@ class Monitor:
             norms = gradient_norms(grads) if grads else None
         if norms is not None:
             pending.norms = frame.add(norms)
+            pending.norm_tensor = norms
         self._locate_if_off(norms)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
@@ -654,6 +697,10 @@ class Monitor:
                 tensor = getattr(window, name)
                 if tensor is not None:
                     pending.window_slots[name] = frame.add(tensor)
+        if self.scaler is not None:
+            scale = self._guarded("loss scale", scale_tensor, self.scaler)
+            if scale is not None:
+                pending.scale = frame.add(scale)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame
@@ -682,6 +729,7 @@ class Monitor:
             self._total_norm = total
         if pending.loss is not None:
             record.loss = pending.loss.value()
+        scale = pending.scale.value() if pending.scale is not None else None
         if pending.window is not None or pending.param_norms is not None:
             self._judge.judge(
                 record,
@@ -695,6 +743,9 @@ class Monitor:
             )
         elif record.loss is not None:
             self._judge.judge(record, None, {}, [], [], list, self._dispatcher.reported)
+        if scale is not None and (scale < 1.0 or record.amp is not None):
+            record.amp = record.amp or AmpReport(0, self._judge.passes_per_step)
+            record.amp.scale = scale
         if self._probe is not None:
             self._probe.passes_worth_a_look = (
                 self.config.amp_skipped_steps.patience * self._judge.passes_per_step

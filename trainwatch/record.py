@@ -35,6 +35,23 @@ class NonfiniteReport:
 
 
 @dataclass
+class AmpReport:
+    """What the loss scaler did up to this step, once its warm-up is over.
+
+    A GradScaler that starts high skips every step until its scale fits:
+    those skips come before any update was applied and are never reported.
+    """
+
+    # Backward passes in a row that no optimizer step used (GradScaler skipping).
+    skipped: int = 0
+    # Backward passes per optimizer step when healthy (gradient accumulation).
+    passes_per_step: int = 1
+    # The GradScaler's loss scale, where one is visible (``tw.watch(scaler=...)``,
+    # Lightning's precision plugin).
+    scale: float | None = None
+
+
+@dataclass
 class ModeReport:
     """Mode-dependent modules (dropout, batch norm) in the wrong mode for a pass."""
 
@@ -128,6 +145,8 @@ class StepRecord:
     # Backward passes with non-finite gradients that no optimizer step used
     # (GradScaler skipping) in a row, ending at this record.
     skipped_backward_passes: int = 0
+    # Set only once updates have begun to apply, or when the loss scale fell below 1.
+    amp: AmpReport | None = None
     # Behaviour checks (mode, shape and activation statistics).
     train_in_eval: ModeReport | None = None
     eval_in_train: ModeReport | None = None

@@ -30,11 +30,14 @@ def watch(
     log_dir: str | os.PathLike[str] | None = None,
     config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
     console: bool | IO[str] = True,
+    scaler: Any = None,
     **overrides: Any,
 ) -> Monitor:
     """Attach trainwatch to a model (and its optimizers) now; returns the Monitor.
 
     ``console`` may also be a text stream to write the console view to.
+    ``scaler``: the loop's ``torch.amp.GradScaler``; with it the AMP check also
+    warns when the loss scale falls below 1 (even unscaled gradients overflow).
     """
     cfg = load_config(config, overrides)
     if optimizer is None:
@@ -53,12 +56,14 @@ def watch(
         raise WatchError(
             f"console: expected True, False or a text stream, got {type(console).__name__}"
         )
+    if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+        raise WatchError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
     preflight(model, optimizers)
     try:
         sinks = default_sinks(log_dir, cfg, console=console)
     except OSError as exc:
         raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
-    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks)
+    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler)
     # A plain loop owns its process: SIGTERM closes the monitor before the
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.

@@ -59,7 +59,12 @@ from trainwatch.collect.nonfinite_replay import (
     backward_leaving_grads,
     replay_target,
 )
-from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
+from trainwatch.collect.op_trace import (
+    OpFinding,
+    trace_first_nonfinite_op,
+    trace_negative_inf_maker,
+    trace_negative_inf_turned_nonfinite,
+)
 from trainwatch.collect.tensors import (
     detached_copies,
     finite_exact,
@@ -86,6 +91,9 @@ __all__ = [
 ]
 
 _MAX_SUMS = 20000  # per step; past it, checks pause until the next step
+# Calls of a replay that made -inf from finite inputs, kept to be traced if a
+# NaN/+inf follows; past it, later ones are not kept.
+_MAX_MAKERS = 16
 _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
@@ -135,6 +143,17 @@ class _WaitingPass:
 
 
 @dataclass
+class _NegativeInfMaker:
+    """A replayed call whose output held -inf (outside autograd) from finite inputs:
+    a mask, or arithmetic that overflowed to -inf; traced only if a NaN follows."""
+
+    call: ForwardCall
+    module: nn.Module
+    args: Any
+    kwargs: Any
+
+
+@dataclass
 class _CallStart:
     """A module call as it began: its positional inputs and their sums."""
 
@@ -178,6 +197,7 @@ class _StepState:
     finite: list[bool | None] = field(default_factory=list)
     maskable: list[bool] = field(default_factory=list)
     forward_origin: NonfiniteFinding | None = None
+    negative_inf_makers: list[_NegativeInfMaker] = field(default_factory=list)
     grad_sums: list[torch.Tensor] = field(default_factory=list)
     grad_events: list[tuple[ForwardCall, str, int]] = field(default_factory=list)
     grad_ok: list[bool | None] = field(default_factory=list)
@@ -385,6 +405,10 @@ class NonfiniteProbe:
         self._this_step.bad_backward_passes.append(flag)
         if len(self._this_step.bad_backward_passes) > 64:
             del self._this_step.bad_backward_passes[0]
+
+    def note_skipped_pass(self, flag: torch.Tensor | float) -> None:
+        """A backward pass no step used, seen by the monitor (a framework's skipped step)."""
+        self._note_pass(flag)
 
     def _end_spot_pass(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """A pass ended: one sum of its output; a replay only if it is bad.
@@ -598,6 +622,8 @@ class NonfiniteProbe:
         if immediate:
             given = start.given if start is not None and start.given is not None else args
             self._check_now(call, module, given, kwargs, ins, outs)
+            if self._replaying and self.trace_ops:
+                self._note_negative_inf(call, module, given, kwargs, ins)
         if torch.is_grad_enabled():
             self._hook_gradients(call, ins, outs)
 
@@ -629,6 +655,13 @@ class NonfiniteProbe:
         )
         if not call.inputs_finite or self._this_step.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
+        if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
+            # A -inf taken for a mask came in: if an earlier module's own
+            # arithmetic made it, that module is the origin.
+            maker = self._negative_inf_origin(call) or self._negative_inf_around(call)
+            if maker is not None:
+                self._this_step.forward_origin = maker
+                return
         bad = bad_out[0].detach()
         nan = torch.isnan(bad)
         finding = NonfiniteFinding(
@@ -657,6 +690,76 @@ class NonfiniteProbe:
             if found is not None:
                 finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
         self._this_step.forward_origin = finding
+
+    def _exactly_finite(self, indices: list[int], tensors: list[torch.Tensor]) -> bool:
+        """No -inf either, masks included (read in a replay only)."""
+        for index, tensor in zip(indices, tensors):
+            if not math.isfinite(float(self._this_step.sums[index])) and not bool(
+                torch.isfinite(tensor.detach()).all()
+            ):
+                return False
+        return True
+
+    def _note_negative_inf(
+        self, call: ForwardCall, module: nn.Module, args: Any, kwargs: Any, ins: list[torch.Tensor]
+    ) -> None:
+        """Keep a replayed call that made -inf (let pass as a mask) from finite inputs."""
+        sums, maskable = self._this_step.sums, self._this_step.maskable
+        makers = self._this_step.negative_inf_makers
+        if len(makers) >= _MAX_MAKERS or not any(
+            maskable[i] and float(sums[i]) == -math.inf for i in call.outputs
+        ):
+            return
+        if self._exactly_finite(call.inputs, ins):
+            args, kwargs = detached_copies((args, kwargs))
+            makers.append(_NegativeInfMaker(call, module, args, kwargs))
+
+    def _negative_inf_origin(self, victim: ForwardCall) -> NonfiniteFinding | None:
+        """The earlier call whose own arithmetic made the -inf that ``victim`` turned
+        into a NaN/+inf, named with its op; None when only masks were made.
+
+        Calls whose output ``victim`` took in directly are tried first.
+        """
+        makers = self._this_step.negative_inf_makers
+        fed = set(victim.inputs)
+        ordered = [m for m in makers if fed & set(m.call.outputs)]
+        ordered += [m for m in makers if m not in ordered]
+        for maker in ordered:
+            found = self._traced(trace_negative_inf_maker, maker.module, maker.args, maker.kwargs)
+            if found is not None:
+                call = maker.call
+                return _made_negative_inf(call.module, call, found, [maker.args, maker.kwargs])
+        return None
+
+    def _negative_inf_around(self, victim: ForwardCall) -> NonfiniteFinding | None:
+        """The -inf came from no module's output: functional code in the forward of a
+        module around ``victim`` (``torch.log(counts)`` in the model's own forward).
+
+        The innermost call in progress whose inputs were finite made it; it is
+        re-run to find the op, and named only if that op's -inf is where the
+        NaN/+inf came from.
+        """
+        for start in reversed(self._this_pass.calls_in_progress):
+            if start.given is None or not self._exactly_finite(start.sums, start.inputs):
+                continue
+            module = (
+                self._modules[start.position]() if start.position < len(self._modules) else None
+            )
+            if module is None:
+                return None
+            found = self._traced(trace_negative_inf_turned_nonfinite, module, start.given, {})
+            if found is None:
+                return None
+            return _made_negative_inf(start.position, victim, found, [start.given])
+        return None
+
+    def _traced(self, trace: Any, module: nn.Module, args: Any, kwargs: Any) -> OpFinding | None:
+        """An op trace of a re-run, unseen by the probe's own checks."""
+        self.suspended = True
+        try:
+            return trace(module, args, kwargs)
+        finally:
+            self.suspended = False
 
     def _hook_gradients(
         self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]
@@ -791,6 +894,30 @@ class NonfiniteProbe:
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
         return window
+
+
+def _made_negative_inf(
+    module: int, call: ForwardCall, found: OpFinding, given: Any
+) -> NonfiniteFinding:
+    """The origin: ``module``'s own ``found`` op made -inf from finite inputs."""
+    finding = NonfiniteFinding(
+        module=module,
+        direction="forward",
+        cause="module",
+        kind="-inf",
+        shape=call.shape if call.module == module else None,
+        dtype=call.dtype,
+        device=call.device,
+        op=found.op,
+        source=found.source,
+        op_basis="re-run: made -inf from finite inputs",
+    )
+    finding.weights_nonfinite = False
+    inputs = [t for t in floating_tensors(given) if t.numel()]
+    if inputs:
+        finding.input_min = min(float(t.min()) for t in inputs)
+        finding.input_max = max(float(t.max()) for t in inputs)
+    return finding
 
 
 # The id of the backward pass running on this thread (-1: none), if torch says.

@@ -93,11 +93,17 @@ class StepWindow:
 
 
 def locate_forward(
-    calls: Iterable[ForwardCall], finite: list[bool], codes: list[float] | None = None
+    calls: Iterable[ForwardCall],
+    finite: list[bool],
+    codes: list[float] | None = None,
+    maskable: list[bool] | None = None,
 ) -> NonfiniteFinding | None:
     """The first call (in completion order) with bad outputs and finite inputs.
 
     With none such but bad outputs somewhere, the model's input was bad.
+    Inputs that were -inf outside autograd count as finite (masks), unless
+    the call that handed them over made that -inf from finite floating
+    inputs (``_negative_inf_maker``): then that call is the origin.
     Pure, so the device path and the tests share it.
     """
     calls = list(calls)
@@ -110,6 +116,18 @@ def locate_forward(
         if inputs_ok is None:
             inputs_ok = all(finite[i] for i in call.inputs)
         if inputs_ok:
+            maker = _negative_inf_maker(calls, call, codes, maskable)
+            if maker is not None:
+                return NonfiniteFinding(
+                    maker.module,
+                    "forward",
+                    "module",
+                    kind="-inf",
+                    shape=maker.shape,
+                    dtype=maker.dtype,
+                    device=maker.device,
+                    spread=spread,
+                )
             return NonfiniteFinding(
                 call.module,
                 "forward",
@@ -130,6 +148,43 @@ def locate_forward(
         device=first.device,
         spread=spread,
     )
+
+
+def _negative_inf_maker(
+    calls: list[ForwardCall],
+    victim: ForwardCall,
+    codes: list[float] | None,
+    maskable: list[bool] | None,
+) -> ForwardCall | None:
+    """From sums alone (no values kept): the call that handed ``victim`` a -inf it
+    made from finite floating inputs. A mask built from no floating input at
+    all (``torch.full(..., -inf)``) is not one; a mask computed from finite
+    floats cannot be told from arithmetic here (only a replay's op trace can).
+    """
+    if not codes or not maskable:
+        return None
+
+    def masked(index: int) -> bool:
+        return (
+            index < len(codes)
+            and codes[index] == NEG_INF
+            and index < len(maskable)
+            and maskable[index]
+        )
+
+    fed = {i for i in victim.inputs if masked(i)}
+    if not fed:
+        return None
+    for call in calls:
+        if call is victim:
+            return None
+        if (
+            call.inputs
+            and fed & set(call.outputs)
+            and all(i < len(codes) and codes[i] == FINITE for i in call.inputs)
+        ):
+            return call
+    return None
 
 
 def _kind(indices: list[int], codes: list[float] | None) -> str | None:

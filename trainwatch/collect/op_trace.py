@@ -10,6 +10,7 @@ inputs copied (a module that changes its input in place changes the copy).
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections.abc import Iterator
@@ -22,7 +23,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import detached_copies, floating_tensors, only_negative_inf
+from trainwatch.collect.tensors import (
+    detached_copies,
+    floating_tensors,
+    only_negative_inf,
+    tensor_leaves,
+)
 from trainwatch.compiled import eager
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own
@@ -48,6 +54,10 @@ def _mutates_an_input(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
+    if "batch_norm" in schema.name:
+        # native_batch_norm updates the running statistics in place without
+        # saying so in its schema.
+        return True
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
@@ -62,11 +72,62 @@ def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
     return all(only_negative_inf(t) for t in tensors)
 
 
-def _judge_inputs(args: Any, kwargs: Any) -> tuple[bool, bool]:
+def _judge_inputs(args: Any, kwargs: Any, func: Any = None) -> tuple[bool, bool]:
     """(all finite, finite or masks) for an op's floating inputs."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None and "batch_norm" in schema.name and len(args) > 5 and args[5] is True:
+        # Training-mode batch norm does not read its running statistics (it
+        # updates them): poisoned ones are no input of this op.
+        args, kwargs = args[:3], {}
     inputs = list(floating_tensors([args, kwargs]))
     finite = _all_finite(inputs)
     return finite, finite or _only_negative_inf(inputs)
+
+
+def _scalars(value: Any) -> Iterator[float]:
+    """The Python numbers among an op's arguments (``masked_fill``'s value, ``full``'s fill)."""
+    if isinstance(value, float):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _scalars(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _scalars(item)
+
+
+def _indicator(tensor: torch.Tensor) -> bool:
+    """Only zeros and ones: a boolean mask turned into numbers (``mask.float()``)."""
+    if tensor.numel() == 0:
+        return False
+    values = tensor.detach()
+    return bool(((values == 0) | (values == 1)).all())
+
+
+def _at_dtype_minimum(tensor: torch.Tensor) -> bool:
+    """Holds values within 1% of the dtype's lowest finite number: an additive mask
+    written with ``torch.finfo(dtype).min`` rather than -inf (a score that is
+    merely large, -60000 in fp16, is not one)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    return bool((tensor.detach() <= torch.finfo(tensor.dtype).min * 0.99).any())
+
+
+def mask_arithmetic(args: Any, kwargs: Any) -> bool:
+    """Whether an op that made -inf from finite inputs was building a mask.
+
+    Masks are -inf on purpose: a fill or select with a -inf scalar (``full``,
+    ``masked_fill``, ``where``), the log of a 0/1 indicator
+    (``log(mask.float())``), or dtype-minimum masks added together (their
+    sum overflows to -inf). A -inf made any other way (the log of a count
+    that can be 0, a division by a zero standard deviation) is arithmetic.
+    """
+    if any(not math.isfinite(value) for value in _scalars([args, kwargs])):
+        return True
+    tensors = [t for _, t in tensor_leaves([args, kwargs]) if t.layout == torch.strided]
+    if tensors and all(_indicator(t) for t in tensors if t.dtype != torch.bool):
+        return True
+    return any(_at_dtype_minimum(t) for t in tensors)
 
 
 class _FirstNonfinite(TorchDispatchMode):
@@ -74,38 +135,71 @@ class _FirstNonfinite(TorchDispatchMode):
 
     An op making only -inf is kept as the answer only when nothing worse
     follows: a module that builds a causal mask and then divides by zero is
-    named by its division, not by its mask.
+    named by its division, not by its mask. A -inf made by arithmetic from
+    finite inputs (not a mask, see ``mask_arithmetic``) that a NaN/+inf then
+    consumes is the origin: the op that made it is named, not the one where
+    it turned into a NaN (``-inf - -inf``).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.found: OpFinding | None = None
         self.masklike: OpFinding | None = None
+        self.made_negative_inf: OpFinding | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # An in-place op (sqrt_) overwrites its input: judge that input before it runs.
         before = None
+        masking = None
         if self.found is None and _mutates_an_input(func):
-            before = _judge_inputs(args, kwargs)
+            before = _judge_inputs(args, kwargs, func)
+            masking = mask_arithmetic(args, kwargs)
         out = func(*args, **(kwargs or {}))
         if self.found is None:
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
-                finite, finite_or_masks = before or _judge_inputs(args, kwargs)
+                finite, finite_or_masks = before or _judge_inputs(args, kwargs, func)
                 if finite_or_masks:
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
                     name = func._schema.name if hasattr(func, "_schema") else str(func)
                     finding = OpFinding(name, _user_line(), kind)
                     if not _only_negative_inf(results):
-                        self.found = finding
-                    elif self.masklike is None and finite:
-                        self.masklike = finding
+                        # A NaN/+inf from a -inf this re-run made by arithmetic: that op.
+                        made = self.made_negative_inf
+                        self.found = finding if finite or made is None else made
+                    elif finite:
+                        self.masklike = self.masklike or finding
+                        if masking is None:
+                            masking = mask_arithmetic(args, kwargs)
+                        if self.made_negative_inf is None and not masking:
+                            self.made_negative_inf = finding
         return out
 
     @property
     def answer(self) -> OpFinding | None:
         return self.found or self.masklike
+
+
+def trace_negative_inf_maker(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OpFinding | None:
+    """Re-run a module whose output held -inf, from finite inputs: the op whose own
+    arithmetic made it, or None when only mask building did (``mask_arithmetic``)."""
+    tracer = _FirstNonfinite()
+    _rerun(module, args, kwargs, tracer)
+    return tracer.made_negative_inf
+
+
+def trace_negative_inf_turned_nonfinite(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OpFinding | None:
+    """Re-run a module that ran on finite inputs: the op whose arithmetic made a
+    -inf that a NaN/+inf then came from, or None (no such -inf, or only masks)."""
+    tracer = _FirstNonfinite()
+    _rerun(module, args, kwargs, tracer)
+    made = tracer.made_negative_inf
+    return made if made is not None and tracer.found is made else None
 
 
 @contextmanager
@@ -137,12 +231,18 @@ def trace_first_nonfinite_op(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> OpFinding | None:
     """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf."""
+    tracer = _FirstNonfinite()
+    _rerun(module, args, kwargs, tracer)
+    return tracer.answer
+
+
+def _rerun(module: nn.Module, args: Any, kwargs: Any, tracer: _FirstNonfinite) -> None:
+    """Run ``module`` once more under ``tracer``, leaving training as it was."""
     devices = [
         t.device.index or 0
         for t in floating_tensors([list(args), kwargs])
         if t.device.type == "cuda"
     ]
-    tracer = _FirstNonfinite()
     with torch.no_grad():
         args, kwargs = detached_copies((args, kwargs))
     try:
@@ -156,5 +256,4 @@ def trace_first_nonfinite_op(
         ):
             module(*args, **kwargs)
     except Exception:
-        return tracer.answer
-    return tracer.answer
+        pass  # what the trace found before the failure still stands

@@ -5,6 +5,7 @@ from __future__ import annotations
 from trainwatch.config import Config
 from trainwatch.rules.accumulation import AccumulatedGradientRule
 from trainwatch.rules.activations import ConstantOutputRule, DeadUnitsRule
+from trainwatch.rules.amp import SkippedStepsRule
 from trainwatch.rules.base import Rule
 from trainwatch.rules.broadcast import BroadcastRule
 from trainwatch.rules.gradient_scale import ExplodingGradientRule, VanishingGradientRule
@@ -14,7 +15,6 @@ from trainwatch.rules.nonfinite import (
     NonfiniteForwardRule,
     NonfiniteLossRule,
     NonfiniteParameterRule,
-    SkippedStepsRule,
 )
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
 from trainwatch.rules.unused import UnusedParameterRule

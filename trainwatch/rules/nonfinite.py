@@ -76,7 +76,7 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
 
 
 def _what(report: NonfiniteReport) -> str:
-    kind = {"nan": "NaN", "inf": "Inf"}.get(report.kind or "", "NaN/Inf")
+    kind = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf"}.get(report.kind or "", "NaN/Inf")
     count = f"{report.count} {kind}" if report.count is not None else kind
     shape = f" in a {report.dtype} tensor of shape {list(report.shape)}" if report.shape else ""
     op = f", made by {report.op}" if report.op else ""
@@ -238,29 +238,4 @@ class NonfiniteParameterRule(Rule):
                 {"parameters": [p.name for p in params], "optimizer": record.optimizer},
             )
             for owner, params in by_owner(record.nonfinite_params).items()
-        ]
-
-
-class SkippedStepsRule(Rule):
-    """GradScaler skips steps with Inf/NaN gradients; only a long run of them is news."""
-
-    id = "amp_skipped_steps"
-    needs = frozenset({"nonfinite_probe"})
-    reads = "skipped_backward_passes"
-
-    def evaluate(self, record: StepRecord) -> list[Alert]:
-        if record.skipped_backward_passes < self.config.patience:  # type: ignore[attr-defined]
-            return []
-        return [
-            self.alert(
-                record.step,
-                None,
-                f"{record.skipped_backward_passes} backward passes in a row produced "
-                "non-finite gradients and no optimizer step ran: the GradScaler keeps "
-                "skipping and the loss scale is collapsing",
-                "the forward pass overflows even at a tiny scale: find where with "
-                "nonfinite_forward, use bf16, or keep the overflowing op in fp32 "
-                "(torch.autocast(enabled=False) around it)",
-                {"skipped": record.skipped_backward_passes},
-            )
         ]

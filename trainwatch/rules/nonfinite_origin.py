@@ -23,7 +23,7 @@ from trainwatch.collect.nonfinite_locate import (
     locate_forward,
 )
 from trainwatch.layers import ParamInfo
-from trainwatch.record import NonfiniteReport, StepRecord
+from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 
 
 def knock_on(reported: Collection[str]) -> bool:
@@ -47,6 +47,11 @@ class NonfiniteJudge:
         # Backward passes per optimizer step when healthy (gradient accumulation):
         # scales how many passes without a step count as GradScaler skipping.
         self.passes_per_step = 1
+        self._recent_passes: list[int] = []  # backward passes of the last few steps
+        self._judged_step = 0  # the last step that came past the usual-step shortcut
+        # The step this process began at (a resumed run's is past 0): a GradScaler
+        # warms up again before its first update here, unless its state was restored.
+        self.first_step = 0
 
     def _report(self, finding: NonfiniteFinding, cause: str | None = None) -> NonfiniteReport:
         return NonfiniteReport(
@@ -110,8 +115,20 @@ class NonfiniteJudge:
                 record, window, values.get("sums"), modules, reported, info, not bad_grads
             )
             skipped = values.get("skipped") or window.skipped_host
-            self.passes_per_step = len(skipped) + 1 if not any(skipped) else self.passes_per_step
+            if record.step > self.first_step and not any(skipped):
+                # The fewest passes of the recent clean steps: a step the scaler
+                # skipped only adds passes. The first step's may all be the
+                # scaler's warm-up (an overflow inside the model leaves its flag
+                # clear). Steps not judged since the last one had a single pass.
+                single = [1] if record.step - 1 > self._judged_step else []
+                recent = [*self._recent_passes, *single, len(skipped) + 1]
+                self._recent_passes = recent[-8:]
+                self.passes_per_step = min(self._recent_passes)
+            self._judged_step = record.step
             record.skipped_backward_passes = self.trailing_skips(skipped)
+            if record.skipped_backward_passes and record.step > self.first_step:
+                # Skips before the first update are the scaler's warm-up: not handed over.
+                record.amp = AmpReport(record.skipped_backward_passes, self.passes_per_step)
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
         if window is not None and not window.forward_seen and (bad_grads or loss_bad):
@@ -153,7 +170,7 @@ class NonfiniteJudge:
             )
             for i, known in enumerate(window.finite)
         ]
-        located = locate_forward(window.calls, finite, sums)
+        located = locate_forward(window.calls, finite, sums, window.maskable)
         finding = window.forward_origin or located
         if finding is None:
             if not window.output_bad:
