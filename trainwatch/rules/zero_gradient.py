@@ -74,7 +74,13 @@ class ZeroGradientRule(Rule):
             return []
         # Under DDP the next iteration fails when a layer of the optimizer's is
         # never called: that is worth saying at once, not after `patience`.
-        at_once = bool(record.distributed) and record.source == "optimizer" and record.never_called
+        # With find_unused_parameters=True DDP copes (a head or an expert not
+        # called yet is allowed there), so the usual patience applies.
+        at_once = (
+            record.distributed == "ddp"
+            and record.source == "optimizer"
+            and bool(record.never_called)
+        )
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
