@@ -85,7 +85,7 @@ class ZeroGradientRule(Rule):
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
         ]
-        reset = _reset_by_hand(record)
+        reset = _reset_by_hand(record) if record.rewritten else frozenset()
         silent += [
             (info, "zero")
             for info, norm in zip(record.present, record.param_norms)
@@ -109,6 +109,8 @@ class ZeroGradientRule(Rule):
                 streak.reported = True
                 due.append(info)
 
+        if not due:
+            return []  # the usual step: no call beyond this point
         alerts = []
         for owner, params in by_owner(due).items():
             streaks = [self._streaks[p.name] for p in params]
