@@ -8,6 +8,21 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def quiet_trainer(root, callbacks=(), **kwargs) -> pl.Trainer:
+    """A CPU Trainer that writes nothing of its own under ``root``: no progress
+    bar, model summary, checkpoint or logger, so only trainwatch's output is there."""
+    options = dict(
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=root,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **options)
+
+
 def _data(n: int = 64, seed: int = 0) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=gen)

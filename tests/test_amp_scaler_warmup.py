@@ -194,6 +194,7 @@ def _lightning_fit(tmp_path, init_scale: float, overflow_from: int | None, steps
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
+    from tests.lightning_models import quiet_trainer
     from trainwatch.lightning import TrainWatchCallback
 
     class Regressor(pl.LightningModule):
@@ -225,17 +226,7 @@ def _lightning_fit(tmp_path, init_scale: float, overflow_from: int | None, steps
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     # "16-mixed" with a GradScaler of the loop's own choosing; Lightning runs it on CPU.
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[plugin],
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=1, plugins=[plugin])
     trainer.fit(Regressor())
     return callback
 

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
 from tests.conftest import rules_of
+from tests.lightning_models import quiet_trainer
 from trainwatch.collect.broadcast import batch_broadcast
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
@@ -619,17 +620,8 @@ class _EpisodeModule(pl.LightningModule):
 @pytest.mark.parametrize("buggy", [True, False])
 def test_a_lightning_module_playing_an_episode_per_step(tmp_path, buggy):
     callback = TrainWatchCallback(console=False)
-    trainer = pl.Trainer(
-        callbacks=[callback],
-        accelerator="cpu",
-        max_steps=4,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+    trainer = quiet_trainer(
+        tmp_path, [callback], max_steps=4, limit_val_batches=0, num_sanity_val_steps=0
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's own notes on a tiny run

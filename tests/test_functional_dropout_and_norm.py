@@ -20,6 +20,7 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.data import DataLoader
 
 from tests.conftest import rules_of
+from tests.lightning_models import quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
@@ -357,17 +358,7 @@ def test_lightning_epoch_end_evaluation_in_training_mode_names_the_graph_layer(
     tmp_path, forget_eval
 ):
     callback = TrainWatchCallback(console=io.StringIO())
-    trainer = pl.Trainer(
-        callbacks=[callback],
-        accelerator="cpu",
-        max_epochs=2,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        default_root_dir=tmp_path,
-        num_sanity_val_steps=1,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2, num_sanity_val_steps=1)
     trainer.fit(GraphLightning(forget_eval))
     found = [(a.rule, a.step, a.module) for a in callback.alerts if a.severity != "info"]
     if forget_eval:

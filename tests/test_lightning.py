@@ -9,39 +9,19 @@ import pickle
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.lightning_models import BoringNet, ManualNet
+from tests.lightning_models import BoringNet, ManualNet, quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.tensorboard_plugin import metadata
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _trainer(tmp_path, callback, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        max_steps=4,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
+    options = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
     options.update(kwargs)
-    return pl.Trainer(callbacks=[callback], **options)
+    return quiet_trainer(tmp_path, [callback], **options)
 
 
 def _rules(callback) -> list[str]:

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
@@ -32,14 +31,6 @@ EXPECTED = {
     "loss_inf": "nonfinite_loss",
     "no_zero_grad": "accumulated_gradient",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _fit_with_callback(case: str, root: Path) -> tuple[list, int | None]:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
+from tests.lightning_models import quiet_trainer
 from trainwatch.collect.op_trace import trace_first_nonfinite_op, trace_negative_inf_maker
 
 CHECKS = ["auto", "step", "deferred"]
@@ -123,16 +124,7 @@ def lightning_fit(fault: str, tmp_path, armed: bool = True):
             return DataLoader(TensorDataset(x, torch.randn(48, 1, generator=gen)), batch_size=8)
 
     callback = TrainWatchCallback(console=False, log_dir=tmp_path)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(Tabular())
     return callback
 

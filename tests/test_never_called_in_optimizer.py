@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
+from tests.lightning_models import quiet_trainer
 from tests.test_run import alerts as run_alerts
 from tests.test_run import write
 from trainwatch.lightning import TrainWatchCallback
@@ -240,16 +241,7 @@ class TinyEncoder(pl.LightningModule):
 
 def _fit(model: pl.LightningModule, tmp_path) -> TrainWatchCallback:
     callback = TrainWatchCallback(console=io.StringIO())
-    pl.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        default_root_dir=tmp_path,
-        callbacks=[callback],
-    ).fit(model)
+    quiet_trainer(tmp_path, [callback], max_steps=4).fit(model)
     return callback
 
 

@@ -35,15 +35,6 @@ CHROMIUM = shutil.which("chromium") or (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",

@@ -17,15 +17,6 @@ from tests.conftest import train
 from trainwatch.tensorboard_plugin import metadata
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: more threads only contend, ~40x slower under load."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _read(log_dir) -> EventAccumulator:
     guidance = {"tensors": 0, "scalars": 0, "histograms": 0}  # 0: keep every event
     events = EventAccumulator(str(log_dir), size_guidance=guidance)

@@ -19,18 +19,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
+from tests.lightning_models import quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
 PHASES = Path(__file__).parent / "scripts" / "fine_tune_phases.py"
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _exploding(alerts) -> list[tuple[int, str | None]]:
@@ -201,16 +194,7 @@ class FineTuner(pl.LightningModule):
 
 def test_lightning_unfreezing_the_body_mid_fit_is_not_exploding(tmp_path):
     callback = TrainWatchCallback(console=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=4,
-        callbacks=[callback],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=4)
     trainer.fit(FineTuner())
     assert trainer.global_step == 128
     assert [a for a in callback.alerts if a.severity != "info"] == []
