@@ -210,6 +210,10 @@ class DistributedConfig:
     # `gather_every` training batches (one small object gather), at each
     # epoch end and when training ends; 0 keeps only the last two.
     gather_every: int = field(default=50, metadata=_range(0))
+    # With halt_on, every rank checks every `halt_check_every` steps whether any
+    # rank halted (one one-number all-reduce) and all stop together; a rank
+    # that fired keeps stepping until the next check.
+    halt_check_every: int = field(default=1, metadata=_range(1))
 
 
 @dataclass

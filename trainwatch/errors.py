@@ -18,7 +18,9 @@ class TrainingHealthError(RuntimeError):
     def __init__(self, alert: Alert) -> None:
         self.alert = alert
         where = f" in `{alert.module}`" if alert.module else ""
-        super().__init__(f"{alert.rule} at step {alert.step}{where}: {alert.message}")
+        rank = alert.data.get("rank")
+        on = f" on rank {rank}" if rank is not None else ""
+        super().__init__(f"{alert.rule} at step {alert.step}{where}{on}: {alert.message}")
 
 
 class ConfigError(ValueError):

@@ -153,6 +153,9 @@ class TrainWatchCallback(Callback):
             )
             return
         self._reporter, self._monitor = reporter, monitor
+        # A halt under DDP: every rank delivers its alerts to rank zero first.
+        monitor.relayed = True
+        monitor.before_halt.append(lambda: gather_to_zero(reporter))
         if self._restored is not None:
             # Before the optimizers: their attach audit must see what already fired.
             self._apply_state(self._restored)

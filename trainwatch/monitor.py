@@ -37,6 +37,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
+from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
@@ -125,6 +126,13 @@ class Monitor:
         self._handles = HookGroup()
         self._optimizers: list[Optimizer] = []
         self._step = 0
+        # Under torch.distributed with halt_on: the check that stops every rank
+        # together (False: not decided yet; None: not needed).
+        self.halt_sync: HaltSync | bool | None = False
+        # Run by every rank together before a distributed halt is raised; an
+        # adapter whose relay carries alerts to rank zero sets `relayed`.
+        self.before_halt: list[Any] = []
+        self.relayed = False
         self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
         # Layers whose gradient history starts over at the next step.
         self._restarted: set[str] = set()
@@ -290,6 +298,8 @@ class Monitor:
         """
         self._ensure_open()
         self._land_in_flight()
+        if isinstance(self.halt_sync, HaltSync):
+            return  # under torch.distributed every rank halts together, at a step's end
         self._dispatcher.raise_held()
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:
@@ -553,9 +563,36 @@ class Monitor:
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
-        if pending is not None:
-            self._stage_and_land(step, pending)
-        self._dispatcher.raise_held()  # a halt found by reading a property: now
+        sync = self._halt_sync_for_run()
+        if sync is None:
+            if pending is not None:
+                self._stage_and_land(step, pending)
+            self._dispatcher.raise_held()  # a halt found by reading a property: now
+            return
+        try:
+            if pending is not None:
+                self._stage_and_land(step, pending)
+            self._dispatcher.raise_held()
+        except TrainingHealthError as halt:
+            sync.hold(halt)  # every rank stops together, at the next check
+        sync.at_step(step)
+
+    def _halt_sync_for_run(self) -> HaltSync | None:
+        """The halt check across ranks, decided at the first step boundary (the
+        process group is often set up after the model is watched)."""
+        sync = self.halt_sync
+        if sync is False:
+            sync = None
+            if self.config.halt_on and running_distributed():
+                sync = HaltSync(self.config.distributed.halt_check_every)
+                sync.before_halt = self.before_halt
+                sync.report_remote = None if self.relayed else self._report_remote
+            self.halt_sync = sync
+        return sync
+
+    def _report_remote(self, alert: Alert) -> None:
+        """Another rank's halting alert, written by this rank's sinks (rank zero)."""
+        self._dispatcher.publish([alert], may_halt=False)
 
     def _stage_and_land(self, step: int, pending: _Pending) -> None:
         pending.record.step = step

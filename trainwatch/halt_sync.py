@@ -1,0 +1,80 @@
+"""Under ``torch.distributed``, a halt on one rank stops every rank at the same step.
+
+A rank that raised alone would leave the others waiting in their next
+collective (DDP's gradient all-reduce) until the process group's timeout, maybe
+half an hour later. So every rank holds its own halt and, every
+``distributed.halt_check_every`` steps, all of them reduce one flag: one small
+all-reduce, paid only when ``halt_on`` names a rule. When any rank flagged, the
+halting alert is gathered (an object gather, on that step only), the hooks
+registered in :attr:`HaltSync.before_halt` run on every rank together (the
+Lightning callback's relay delivers the other ranks' alerts to rank zero
+there), and every rank raises :class:`TrainingHealthError` with the alert of
+the first rank that halted, stamped with that rank (``data["rank"]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from trainwatch.alert import Alert
+from trainwatch.errors import TrainingHealthError
+
+
+def running_distributed() -> bool:
+    """A process group of more than one rank is up."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class HaltSync:
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.held: TrainingHealthError | None = None
+        # Run on every rank, together, before the halt is raised.
+        self.before_halt: list[Callable[[], None]] = []
+        # Hands another rank's halting alert to this rank's sinks (rank zero
+        # writes it), when no relay delivers it already.
+        self.report_remote: Callable[[Alert], None] | None = None
+
+    def hold(self, halt: TrainingHealthError) -> None:
+        if self.held is None:
+            self.held = halt
+
+    def at_step(self, step: int) -> None:
+        """Called by every rank at the end of each step (0-based ``step``)."""
+        if (step + 1) % self.every:
+            return
+        dist = torch.distributed
+        flag = torch.tensor([1 if self.held is not None else 0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return
+        mine = self.held.alert.to_dict() if self.held is not None else None
+        gathered: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rank = dist.get_rank()
+        origin = next(r for r, found in enumerate(gathered) if found is not None)
+        alert = Alert.from_dict(gathered[origin])
+        alert = dataclasses.replace(alert, data={**alert.data, "rank": origin})
+        for hook in self.before_halt:
+            hook()
+        if rank == 0 and self.report_remote is not None:
+            for other, found in enumerate(gathered):
+                if other != 0 and found is not None:
+                    remote = Alert.from_dict(found)
+                    self.report_remote(
+                        dataclasses.replace(remote, data={**remote.data, "rank": other})
+                    )
+        self.held = None
+        raise TrainingHealthError(alert)
+
+
+def _device() -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo and the others, CPU ones."""
+    dist = torch.distributed
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
