@@ -153,6 +153,54 @@ def test_clean_mlp_and_cnn_loops_never_walk_a_traceback(walks):
     assert walks == []
 
 
+def test_with_block_names_the_module_when_the_loop_calls_a_part_of_the_model():
+    """Only the part runs (``model.encoder(x)``): the block's exit reads the traceback."""
+    model = DeepMLP(wrong=True)
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as caught:
+        with tw.watch(model, console=False):
+            model.encoder(torch.randn(32, 256))
+    assert notes(caught.value) == [MLP_NOTE]
+
+
+class PaddedTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens), src_key_padding_mask=padding))
+
+
+def _lm_step(model: nn.Module, opt: torch.optim.Optimizer, pad_width: int) -> None:
+    tokens = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0))
+    padding = torch.zeros(4, pad_width, dtype=torch.bool)
+    opt.zero_grad()
+    logits = model(tokens[:, :-1], padding)
+    nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt.step()
+
+
+def test_transformer_padding_mask_of_the_wrong_length_names_the_attention_and_its_kwargs(walks):
+    model = PaddedTransformer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False):
+        _lm_step(model, opt, pad_width=8)  # the clean control: the mask fits
+        assert walks == []
+        with pytest.raises(AssertionError, match="key_padded_mask") as caught:
+            _lm_step(model, opt, pad_width=9)  # the tokens were cut, the mask was not
+    (note,) = notes(caught.value)
+    assert note.startswith(
+        "trainwatch: raised in encoder.layers.0.self_attn = MultiheadAttention((out_proj): "
+    )
+    assert note.endswith(
+        "called with (4, 8, 16) float32, (4, 8, 16) float32, (4, 8, 16) float32, "
+        "attn_mask=None, key_padding_mask=(4, 9) float32, need_weights=False, is_causal=False"
+    )
+
+
 def _user_frames(exc: BaseException) -> list[tuple[str, int]]:
     frames = traceback.extract_tb(exc.__traceback__)
     return [(f.name, f.lineno) for f in frames if f.filename == __file__]
