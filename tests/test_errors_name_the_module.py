@@ -201,6 +201,27 @@ def test_transformer_padding_mask_of_the_wrong_length_names_the_attention_and_it
     )
 
 
+class DictBatchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(batch["x"]).view(-1, 7)  # the model's own code, after fc returned
+
+
+def test_an_error_in_the_models_own_code_names_the_model_itself_and_its_dict_batch():
+    model = DictBatchNet()
+    batch = {"x": torch.randn(8, 8), "y": torch.zeros(8, dtype=torch.long)}
+    with pytest.raises(RuntimeError, match="invalid for input of size 128") as caught:
+        with tw.watch(model, console=False):
+            model(batch)
+    assert notes(caught.value) == [
+        "trainwatch: raised in the model itself = DictBatchNet((fc): Linear(in_features=8, "
+        "out_features=16, bias=True)), called with {x: (8, 8) float32, y: (8,) int64}"
+    ]
+
+
 def _user_frames(exc: BaseException) -> list[tuple[str, int]]:
     frames = traceback.extract_tb(exc.__traceback__)
     return [(f.name, f.lineno) for f in frames if f.filename == __file__]

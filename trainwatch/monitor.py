@@ -146,7 +146,7 @@ class Monitor:
         # wrapper watched in its place stands for it).
         self._passes = ModelPasses(_weak_callback(self._internal_error))
         self._passes.hook(model if is_wrapper(model) else root)
-        self._passes.on_raise = _weak_callback(self.name_the_module)
+        self._passes.on_raise = _weak_callback(self._name_the_module)
         self._wrapper_search = _WRAPPER_SEARCHES
         self._passes_at_step = 0
         # Always there (what backward reached: manual steps, a late loss); it
@@ -363,10 +363,10 @@ class Monitor:
 
     def __exit__(self, *exc_info: object) -> None:
         if len(exc_info) > 1 and isinstance(exc_info[1], Exception):
-            self._guarded("error note", self.name_the_module, exc_info[1])
+            self._guarded("error note", self._name_the_module, exc_info[1])
         self.close()
 
-    def name_the_module(self, exc: BaseException) -> None:
+    def _name_the_module(self, exc: BaseException) -> None:
         """Note on ``exc`` the module of this model it escaped from, read from its traceback."""
         note_raise(exc, [self._root])
 

@@ -133,6 +133,7 @@ def _forward_arguments(frame: FrameType) -> tuple[list[Any], dict[str, Any]]:
 
 
 def describe_value(value: Any) -> str:
+    """Tensors as shape, dtype and (off the CPU) device; containers of them item by item."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         where = "" if value.device.type == "cpu" else f" on {value.device}"
@@ -141,6 +142,10 @@ def describe_value(value: Any) -> str:
         inner = ", ".join(describe_value(item) for item in value[:_MAX_ITEMS])
         more = ", …" if len(value) > _MAX_ITEMS else ""
         return f"[{inner}{more}]" if isinstance(value, list) else f"({inner}{more})"
+    if isinstance(value, dict):  # a batch passed as one mapping
+        items = list(value.items())
+        inner = ", ".join(f"{key}: {describe_value(item)}" for key, item in items[:_MAX_ITEMS])
+        return "{" + inner + (", …" if len(items) > _MAX_ITEMS else "") + "}"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
     return type(value).__name__
