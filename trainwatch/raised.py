@@ -63,8 +63,15 @@ def note_raise(exc: BaseException, roots: Iterable[nn.Module]) -> str | None:
         f"{NOTE_PREFIX}{_display_name(names[id(module)])} = {one_line_repr(module)}, "
         f"called with {describe_call(frame)}"
     )
-    exc.add_note(note)
+    _add_note(exc, note)
     return note
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: PEP 678's attribute, which the runner prints itself
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
 def innermost_call(

@@ -147,4 +147,7 @@ def _print_traceback(exc: BaseException) -> None:
         tb = tb.tb_next
     sys.stdout.flush()
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    if sys.version_info < (3, 11):  # notes are printed with the traceback from 3.11 on
+        for note in getattr(exc, "__notes__", ()):
+            print(note, file=sys.stderr)
     sys.stderr.flush()
