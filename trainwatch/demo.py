@@ -47,11 +47,15 @@ class DemoNet(nn.Module):
         self.fc2 = UnsafeLinear(hidden, hidden)
         self.head = nn.Linear(hidden, classes)
         self.detach_fc1 = False
+        self.skip_into_fc2 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(torch.relu(self.fc1(x)))
         if self.detach_fc1:
             h = h.detach()  # the planted bug: fc1 is cut out of the graph
+        if self.skip_into_fc2:
+            # the planted bug: a skip connection concatenated in, fc2 not resized for it
+            h = torch.cat([h, h], dim=1)
         h = torch.relu(self.fc2(h))
         return self.head(h)
 
@@ -62,6 +66,7 @@ class Bug:
     description: str
     expected_rule: str
     module: str | None = None  # where the alert should point, when a module applies
+    raises: bool = False  # the run stops with an exception whose note names the module
 
 
 BUGS: dict[str, Bug] = {
@@ -97,6 +102,13 @@ BUGS: dict[str, Bug] = {
             "fc2 takes the log of its output, which can be negative",
             "nonfinite_forward",
             "fc2",
+        ),
+        Bug(
+            "shape_error",
+            "fc2 is fed a concatenation twice as wide as it takes",
+            "(error note)",
+            "fc2",
+            raises=True,
         ),
     )
 }
@@ -143,9 +155,10 @@ def run_demo(
     """Train DemoNet for ``steps`` steps, planting ``bug`` at step ``bug_at``.
 
     By default the run is healthy for its first third and goes wrong after.
-    An evaluation on held-out data runs every ``eval_every`` steps. With
-    ``log_dir``, alerts go to ``alerts.jsonl`` and the loss curve to
-    TensorBoard event files there.
+    A bug that raises (``shape_error``) stops the run with its exception, the
+    note under its traceback naming the module. An evaluation on held-out
+    data runs every ``eval_every`` steps. With ``log_dir``, alerts go to
+    ``alerts.jsonl`` and the loss curve to TensorBoard event files there.
     """
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; choose from: {', '.join(BUGS)}")
@@ -155,9 +168,9 @@ def run_demo(
     x, y = synthetic_data(samples=768)
     x, y, x_val, y_val = x[:512], y[:512], x[512:], y[512:]  # one teacher, held-out tail
     model = DemoNet()
-    if bug in ("frozen_layer", "broadcast_loss"):
-        # Both are set-up mistakes, there from the first step (the broadcast
-        # audit looks at the first steps only, where shape bugs show).
+    if bug in ("frozen_layer", "broadcast_loss", "shape_error"):
+        # Set-up mistakes, there from the first step (the broadcast audit looks
+        # at the first steps only, where shape bugs show).
         bug_at = 0
     if bug == "frozen_layer":
         for p in model.fc2.parameters():
@@ -175,6 +188,7 @@ def run_demo(
                 buggy = bug is not None and step >= bug_at
                 model.detach_fc1 = buggy and bug == "detached_layer"
                 model.fc2.log_output = buggy and bug == "nan_in_layer"
+                model.skip_into_fc2 = buggy and bug == "shape_error"
                 gen = torch.Generator().manual_seed(step)
                 batch = torch.randint(0, len(x), (64,), generator=gen)
                 if not (buggy and bug == "missing_zero_grad"):

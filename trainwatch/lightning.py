@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
 from trainwatch.monitor import Monitor
+from trainwatch.raised import note_raise
 from trainwatch.relay import Reporter, gather_to_zero
 from trainwatch.sinks import ConsoleSink, Sink, default_sinks
 
@@ -121,6 +122,8 @@ class TrainWatchCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        # Before anything else: Lightning re-raises the exception when this returns.
+        _quietly(note_raise, exception, [pl_module])
         # Other ranks may never reach another collective: report locally and stop.
         self._failed = True
         self._stop(gather=False)

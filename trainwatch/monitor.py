@@ -41,6 +41,7 @@ from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
+from trainwatch.raised import note_raise
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
@@ -153,6 +154,7 @@ class Monitor:
         # wrapper watched in its place stands for it).
         self._passes = ModelPasses(_weak_callback(self._internal_error))
         self._passes.hook(model if is_wrapper(model) else root)
+        self._passes.on_raise = _weak_callback(self._name_the_module)
         self._wrapper_search = _WRAPPER_SEARCHES
         self._passes_at_step = 0
         # Always there (what backward reached: manual steps, a late loss); it
@@ -370,7 +372,13 @@ class Monitor:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if len(exc_info) > 1 and isinstance(exc_info[1], Exception):
+            self._guarded("error note", self._name_the_module, exc_info[1])
         self.close()
+
+    def _name_the_module(self, exc: BaseException) -> None:
+        """Note on ``exc`` the module of this model it escaped from, read from its traceback."""
+        note_raise(exc, [self._root])
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

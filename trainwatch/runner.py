@@ -22,7 +22,9 @@ from rich.console import Console
 
 from trainwatch.alert import SEVERITIES, severity_rank
 from trainwatch.autowatch import AutoWatch, StopRun
+from trainwatch.compiled import unwrap
 from trainwatch.config import Config, load_config
+from trainwatch.raised import note_raise
 from trainwatch.sinks import ALERTS_FILE, default_sinks
 
 FAIL_ON = ("never", *SEVERITIES[1:])  # never, warning, error
@@ -109,6 +111,7 @@ def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
         _print_traceback(exc)
         code = EXIT_INTERRUPTED
     except BaseException as exc:
+        _name_the_module(exc, watcher)
         _print_traceback(exc)
         code = 1
     finally:
@@ -117,6 +120,14 @@ def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
     return code
+
+
+def _name_the_module(exc: BaseException, watcher: AutoWatch) -> None:
+    """The note naming the watched module the error escaped from, before the traceback prints."""
+    try:
+        note_raise(exc, [unwrap(monitor.model) for monitor in watcher.monitors])
+    except Exception as failure:  # the script's own error is what must be seen
+        print(f"trainwatch run: could not name the module: {failure!r}", file=sys.stderr)
 
 
 def _exit_status(code: object) -> int:
@@ -136,4 +147,7 @@ def _print_traceback(exc: BaseException) -> None:
         tb = tb.tb_next
     sys.stdout.flush()
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    if sys.version_info < (3, 11):  # notes are printed with the traceback from 3.11 on
+        for note in getattr(exc, "__notes__", ()):
+            print(note, file=sys.stderr)
     sys.stderr.flush()

@@ -22,6 +22,7 @@ already keeps the user's.
 from __future__ import annotations
 
 import copyreg
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -113,6 +114,8 @@ class ModelPasses:
         # back to Python: only the outermost of them is the pass.
         self._depth = 0
         self.passes = 0  # outermost passes seen so far
+        # Given the exception escaping a hooked module's forward (None: not wanted).
+        self.on_raise: Callable[[BaseException], None] | None = None
 
     def hook(self, module: nn.Module) -> None:
         """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper)."""
@@ -179,6 +182,8 @@ class ModelPasses:
         """Always called, even when the forward raised (the depth must come back down)."""
         if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
             return
+        if output is None and self.on_raise is not None:
+            self._raised(module)
         self._depth = max(0, self._depth - 1)
         if self._depth != 0:
             return
@@ -189,6 +194,22 @@ class ModelPasses:
                 raise
             except Exception as exc:
                 self._fail(name, listener, exc)
+
+    def _raised(self, module: nn.Module) -> None:
+        """The forward raised, or returned None: PyTorch calls this hook from its ``except``.
+
+        The exception being handled is this call's when its traceback starts
+        at this module's own call frame.
+        """
+        exc = sys.exc_info()[1]
+        tb = exc.__traceback__ if exc is not None else None
+        if tb is None or tb.tb_frame.f_locals.get("self") is not module:
+            return
+        try:
+            self.on_raise(exc)  # type: ignore[misc]
+        except Exception as failure:  # the user's error is what they must see
+            self.on_raise = None
+            self._on_error("error note", failure)
 
     def fail(self, exc: BaseException) -> None:
         """The pass hooks themselves failed: they come off, the rest carries on."""
