@@ -44,11 +44,19 @@ def test_a_halt_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path, check_ev
             5,
             1,
         )
-    # Rank zero wrote rank one's alert, stamped with its rank, before stopping.
+    # Rank zero wrote rank one's alert, stamped with its rank, before stopping;
+    # the NaN reached rank zero's gradients through the all-reduce, which is
+    # one info line there, not an origin of its own.
     lines = (tmp_path / "tw0" / "alerts.jsonl").read_text().splitlines()
     written = [json.loads(line) for line in lines]
-    assert ("nonfinite_forward", 5, 1) in [
-        (a["rule"], a["step"], a["data"].get("rank")) for a in written
+    assert [(a["rule"], a["severity"], a["step"], a["data"]["rank"]) for a in written] == [
+        ("nonfinite_backward", "info", 5, 0),
+        ("nonfinite_forward", "error", 5, 1),
+    ]
+    assert "arrived non-finite from another rank" in written[0]["message"]
+    # Rank one reported the origin itself, stamped with its rank.
+    assert [(a["rule"], a["module"], a["data"]["rank"]) for a in one["alerts"]] == [
+        ("nonfinite_forward", "module.0", 1)
     ]
 
 

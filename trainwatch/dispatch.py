@@ -6,6 +6,7 @@ sinks that still work; the user's training is never interrupted by it.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,8 @@ class Dispatcher:
         self._internal_reported: set[str] = set()
         self.held: Alert | None = None  # a halt waiting for a step boundary
         self.reported: set[str] = set()  # rule ids that have fired so far
+        # Under torch.distributed without a relay: this rank, stamped on each alert.
+        self.rank: int | None = None
 
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
@@ -31,6 +34,8 @@ class Dispatcher:
         error and carried on is not stopped again by the same finding.
         """
         halt: Alert | None = None
+        if self.rank is not None:
+            alerts = [_with_rank(alert, self.rank) for alert in alerts]
         for alert in alerts:
             tally = self.tallies.get(alert.key)
             if tally is None:
@@ -124,3 +129,9 @@ class Dispatcher:
             except Exception as exc:
                 self.sinks.remove(sink)
                 self.internal_error(f"{sink.name} sink ({what})", exc, step=-1)
+
+
+def _with_rank(alert: Alert, rank: int) -> Alert:
+    if "rank" in alert.data:
+        return alert
+    return dataclasses.replace(alert, data={**alert.data, "rank": rank})

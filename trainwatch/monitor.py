@@ -591,7 +591,11 @@ class Monitor:
         sync = self.halt_sync
         if sync is False:
             sync = None
-            if self.config.halt_on and running_distributed():
+            distributed = running_distributed()
+            if distributed and not self.relayed:
+                # Each rank writes its own sinks: say which rank each alert is from.
+                self._dispatcher.rank = torch.distributed.get_rank()
+            if self.config.halt_on and distributed:
                 sync = HaltSync(self.config.distributed.halt_check_every)
                 sync.before_halt = self.before_halt
                 sync.report_remote = None if self.relayed else self._report_remote

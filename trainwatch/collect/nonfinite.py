@@ -210,6 +210,8 @@ class _StepState:
     any_bad_grad: bool = False
     grad_entering_bad: bool = False
     output_bad: bool = False
+    # A backward replay of this step ran (and found what it found).
+    backward_replayed: bool = False
     # One flag per backward pass since the step: "its gradients had a NaN/Inf".
     bad_backward_passes: list[torch.Tensor | float] = field(default_factory=list)
     # A forward pass of the model was seen this step. Not so when the model
@@ -547,6 +549,7 @@ class NonfiniteProbe:
             params = [p for p in module.parameters() if p.requires_grad]
             if pairs and params:
                 backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
+                self._this_step.backward_replayed = True
         return True
 
     # -- forward ---------------------------------------------------------
@@ -867,6 +870,7 @@ class NonfiniteProbe:
             grad_entering_bad=self._this_step.grad_entering_bad,
             output_bad=self._this_step.output_bad,
             forward_seen=self._this_step.saw_pass,
+            backward_replayed=self._this_step.backward_replayed,
         )
         needs_forward = (
             bool(self._this_step.finite)

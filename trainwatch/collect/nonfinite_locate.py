@@ -84,6 +84,10 @@ class StepWindow:
     output_bad: bool = False
     # Some forward pass of the model ran where the hooks see it.
     forward_seen: bool = True
+    # This rank's own forward and backward were replayed (a backward origin,
+    # if any, came from it): under torch.distributed, a clean replay means the
+    # NaN/Inf arrived through the gradient all-reduce.
+    backward_replayed: bool = False
     # Codes (FINITE / INF / NAN / NEG_INF) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

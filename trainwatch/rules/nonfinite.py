@@ -159,6 +159,23 @@ class NonfiniteBackwardRule(_ReportRule):
     def report(self, record: StepRecord) -> NonfiniteReport | None:
         return record.nonfinite_backward
 
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        report = record.nonfinite_backward
+        if report is None or report.cause != "other_rank":
+            return super().evaluate(record)
+        return [
+            self.alert(
+                record.step,
+                None,
+                f"the gradient of {report.parameter} arrived non-finite from another rank "
+                "(through the gradient all-reduce): this rank's own forward and backward, "
+                "replayed here, are finite",
+                "the rank where the NaN/Inf was born reports its origin; look there",
+                _data(report),
+                severity="info",
+            )
+        ]
+
     def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         if report.cause == "unlocated":
             return (

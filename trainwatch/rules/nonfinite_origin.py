@@ -22,6 +22,7 @@ from trainwatch.collect.nonfinite_locate import (
     locate_backward,
     locate_forward,
 )
+from trainwatch.halt_sync import running_distributed
 from trainwatch.layers import ParamInfo
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 
@@ -248,6 +249,14 @@ class NonfiniteJudge:
             )
         if finding is None:
             first = bad_grads[0]
+            if window.backward_replayed and running_distributed():
+                # Replayed here, this rank's backward is finite: the gradient
+                # turned non-finite in the all-reduce; the rank it was born on
+                # reports the origin.
+                record.nonfinite_backward = NonfiniteReport(
+                    module=None, cause="other_rank", parameter=first.name
+                )
+                return
             record.nonfinite_backward = NonfiniteReport(
                 module=first.owner, cause="parameter", parameter=first.name
             )
