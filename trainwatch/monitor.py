@@ -692,7 +692,12 @@ class Monitor:
         if self._audits_setup:
             # Counts the step has already made: a requires_grad flip, a param
             # group or a parameter added changes them. No call on a healthy step.
-            signature = (len(params), len(record.frozen), record.frozen_count, len(self._layers))
+            signature = (
+                len(params),
+                len(record.frozen),
+                record.frozen_count,
+                len(self._layers.layers),
+            )
             if self._setup_signatures.get(index) != signature:
                 self._setup_signatures[index] = signature
                 self._setup_due = True
