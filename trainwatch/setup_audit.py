@@ -36,6 +36,9 @@ class LocationRow:
     frozen: int
     optimizers: list[int]  # the watched optimizers holding its trainable parameters
     modules: int = 1
+    # "top": a child of the model (or the model's own parameters, ""); "trainable":
+    # a module holding trainable parameters, listed when part of the model is frozen.
+    section: str = "top"
 
     @property
     def share(self) -> float:
@@ -184,6 +187,7 @@ def _locations(
         return rows, 0
     inner: dict[str, LocationRow] = {}
     members: dict[str, set[str]] = {}
+    row_of: dict[str, LocationRow] = {}  # each member module's row
     for key, param in params.items():
         if not param.requires_grad:
             continue
@@ -191,10 +195,26 @@ def _locations(
         location = claimed.get(key, owners[key])
         row_name = pattern(location)
         _add(inner, row_name, param, held.get(key, []))
+        inner[row_name].section = "trainable"
         members.setdefault(row_name, set()).add(location)
+        row_of[location] = inner[row_name]
     for row_name, row in inner.items():
         row.modules = len(members[row_name])
-    extra = list(inner.values())
+    for key, param in params.items():
+        if param.requires_grad:
+            continue
+        # A frozen weight counts under the innermost listed module holding it
+        # (an adapter's base layer under its adapter).
+        name = owners[key]
+        while True:
+            row = row_of.get(name)
+            if row is not None:
+                row.frozen += param.numel()
+                break
+            if not name:
+                break
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+    extra = [row for name, row in inner.items() if name not in top]
     return rows + extra[:MAX_ROWS], max(0, len(extra) - MAX_ROWS)
 
 

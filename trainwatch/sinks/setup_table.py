@@ -33,7 +33,12 @@ def rich_view(audit: SetupAudit) -> Group:
     table = Table(title=_title(audit), title_justify="left")
     for column in ("location", "trainable", "frozen", "trainable %", "optimizer"):
         table.add_column(column, justify="left" if column == "location" else "right")
+    section = "top"
     for row in audit.locations:
+        if row.section != section:
+            section = row.section
+            table.add_section()
+            table.add_row(Text("where the trainable ones sit:", style="dim"), "", "", "", "")
         table.add_row(
             _location_name(row.module, row.modules),
             f"{row.trainable:,}",
@@ -82,7 +87,11 @@ def markdown(audit: SetupAudit) -> str:
         "| location | trainable | frozen | trainable % | optimizer |",
         "|---|---|---|---|---|",
     ]
+    section = "top"
     for row in audit.locations:
+        if row.section != section:
+            section = row.section
+            rows.append("| *where the trainable ones sit:* | | | | |")
         rows.append(
             f"| {_cell(_location_name(row.module, row.modules))} | {row.trainable:,} | "
             f"{row.frozen:,} | {100 * row.share:.2f} | {_held(row.optimizers)} |"
