@@ -43,7 +43,7 @@ from trainwatch.preflight import check_optimizer, check_optimizer_matches, prefl
 from trainwatch.record import AmpReport, NonfiniteReport, SetupCheck, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
-from trainwatch.setup_audit import SetupAudit, build_audit, pattern
+from trainwatch.setup_audit import SetupAudit, build_audit
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -868,11 +868,9 @@ class Monitor:
         self._setup = audit
         if self.config.trainable_parameters.table:
             self._dispatcher.setup(audit)
-        owners = {
-            pattern(self._layers.info(p).owner): None
-            for p in self._layers.parameters()
-            if p.requires_grad
-        }
+        # Where the trainable ones sit (adapters at the module holding the pair).
+        inner = [row.module for row in audit.locations if row.section == "trainable"]
+        owners = inner or [row.module for row in audit.locations if row.trainable]
         record = StepRecord(step=max(step, 0), source="setup")
         record.setup = SetupCheck(
             revision, len(self._optimizers), audit.trainable, audit.unheld, list(owners)
@@ -882,7 +880,11 @@ class Monitor:
 
     def _check_reach(self, record: StepRecord) -> None:
         """First step after an audit: a backward ran, yet no trainable parameter got a gradient."""
-        if record.present or not record.missing or not self._tracker.backward_seen:
+        if record.present or not record.missing:
+            return
+        # A backward ran: it reached the model's output, or a loss was handed
+        # over (Lightning, whose module's own forward may never be called).
+        if not self._tracker.backward_seen and self._loss is None:
             return
         assert self._setup is not None
         record.setup = SetupCheck(
