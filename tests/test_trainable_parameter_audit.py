@@ -490,6 +490,22 @@ def test_the_table_can_be_turned_off_while_the_warnings_stay(tmp_path):
         tw.watch(model, opt, trainable_parameters__table="yes")
 
 
+def test_a_failing_audit_is_reported_once_and_training_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("audit broke")
+
+    monkeypatch.setattr(monitor_module, "build_audit", broken)
+    model = TinyCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        _train_images(model, opt, 3)
+        model.conv1.requires_grad_(False)  # a change: the audit is not tried again
+        _train_images(model, opt, 3)
+    failures = [a for a in monitor.alerts if a.rule == "internal_error"]
+    assert [a.data["component"] for a in failures] == ["setup audit"]
+    assert monitor.step_count == 6 and monitor.grad_norms()
+
+
 def test_real_peft_models_built_after_and_before_their_optimizer():
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")

@@ -707,7 +707,7 @@ class Monitor:
                     self._guarded("setup audit", self._audit_setup, step)
                 if index in self._reach_due:
                     self._reach_due.discard(index)
-                    self._check_reach(record)
+                    self._guarded("setup audit", self._check_reach, record)
         pending = _Pending(record, params)
         frame = pending.frame
         if manual and self._check_accumulation and self._tracker.enabled:

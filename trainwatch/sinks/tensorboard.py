@@ -187,7 +187,9 @@ class TensorBoardSink(Sink):
             return
         from trainwatch.sinks.setup_table import markdown
 
-        self.writer.add_text(metadata.SETUP_TAG, markdown(audit), max(audit.step, 0))
+        # One tag per model: TensorBoard keeps one text per tag and step.
+        tag = metadata.SETUP_TAG + (f"/{audit.model}" if audit.model else "")
+        self.writer.add_text(tag, markdown(audit), max(audit.step, 0))
         self.flush()
 
     @uninterrupted
