@@ -474,6 +474,19 @@ def test_loralib_layout_is_an_adapter_and_a_trained_factorisation_is_not():
     json.dumps(audit.to_dict())
 
 
+def test_a_long_sequential_shares_rows_between_numbered_children():
+    layers = [nn.Linear(4, 4) for _ in range(40)]
+    model = nn.Sequential(*layers, nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    audit = build_audit(model, [opt])
+    top = [(r.module, r.modules, r.trainable, r.frozen) for r in audit.locations]
+    assert top[0] == ("*", 41, 39 * 20 + 10, 20)
+    assert top[1] == ("*", 40, 39 * 20 + 10, 0)
+    assert len(audit.locations) == 2  # then where the trainable ones sit: "*" again
+    json.dumps(audit.to_dict())
+
+
 def test_the_table_can_be_turned_off_while_the_warnings_stay(tmp_path):
     model = TinyCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

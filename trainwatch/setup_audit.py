@@ -183,6 +183,8 @@ def _locations(
     for key, param in params.items():
         _add(top, _top(owners[key]), param, held.get(key, []))
     rows = list(top.values())
+    if len(rows) > MAX_ROWS:  # a long nn.Sequential: numbered children share a row
+        rows = _collapsed(rows)
     if not audit.frozen or not audit.trainable:
         return rows, 0
     inner: dict[str, LocationRow] = {}
@@ -216,6 +218,21 @@ def _locations(
             name = name.rsplit(".", 1)[0] if "." in name else ""
     extra = [row for name, row in inner.items() if name not in top]
     return rows + extra[:MAX_ROWS], max(0, len(extra) - MAX_ROWS)
+
+
+def _collapsed(rows: list[LocationRow]) -> list[LocationRow]:
+    merged: dict[str, LocationRow] = {}
+    for row in rows:
+        name = pattern(row.module)
+        into = merged.get(name)
+        if into is None:
+            merged[name] = LocationRow(name, row.trainable, row.frozen, list(row.optimizers))
+            continue
+        into.trainable += row.trainable
+        into.frozen += row.frozen
+        into.modules += 1
+        into.optimizers += [i for i in row.optimizers if i not in into.optimizers]
+    return list(merged.values())
 
 
 def _add(rows: dict[str, LocationRow], name: str, param: torch.Tensor, held: list[int]) -> None:
