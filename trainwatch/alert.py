@@ -34,9 +34,14 @@ class Alert:
     time: float = field(default_factory=time.time, compare=False)
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        """Repeats of the same (rule, module) are counted, not re-reported."""
-        return (self.rule, self.module)
+    def key(self) -> tuple[str, str | None] | tuple[str, str | None, Any]:
+        """Repeats of the same (rule, module) are counted, not re-reported.
+
+        A rule that tells findings of one (rule, module) apart (a later change
+        of the training setup) names them in ``data["finding"]``.
+        """
+        finding = self.data.get("finding")
+        return (self.rule, self.module) if finding is None else (self.rule, self.module, finding)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``alerts.jsonl`` record (API.md section 4)."""

@@ -39,6 +39,7 @@ from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
 from trainwatch.monitor import Monitor
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
 
 # Steps after which, every model found training with an optimizer, the global
@@ -77,6 +78,12 @@ class _ModelView(Sink):
         owner = self.owner()
         if owner is not None:
             owner._each_sink("on_step", lambda s: s.on_step(numbers))
+
+    def setup(self, audit: SetupAudit) -> None:
+        owner = self.owner()
+        if owner is not None:
+            tagged = dataclasses.replace(audit, model=self.model_name)
+            owner._each_sink("setup", lambda s: s.setup(tagged))
 
     def close(self, summary: Summary) -> None:
         self.summary = summary

@@ -54,6 +54,13 @@ class NotOptimizedConfig(RuleConfig):
 
 
 @dataclass
+class TrainableParametersConfig(RuleConfig):
+    # The setup table (counts by location, adapters, optimizer coverage) on the
+    # console, TensorBoard and setup.json; off: only the rule's warnings.
+    table: bool = True
+
+
+@dataclass
 class NonfiniteForwardConfig(RuleConfig):
     severity: SeverityName = "error"
     # Re-run the origin module under a dispatch trace to name the op and line
@@ -244,6 +251,9 @@ class Config:
     unused_parameter: UnusedParameterConfig = field(default_factory=UnusedParameterConfig)
     exploding_gradient: ExplodingGradientConfig = field(default_factory=ExplodingGradientConfig)
     vanishing_gradient: VanishingGradientConfig = field(default_factory=VanishingGradientConfig)
+    trainable_parameters: TrainableParametersConfig = field(
+        default_factory=TrainableParametersConfig
+    )
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -60,6 +60,56 @@ class DemoNet(nn.Module):
         return self.head(h)
 
 
+class LoraLinear(nn.Module):
+    """A LoRA adapter in PEFT's layout: ``base_layer`` frozen, ``lora_A``/``lora_B`` trained."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, base.out_features, bias=False)})
+        nn.init.zeros_(self.lora_B["default"].weight)  # the adapter starts as a no-op
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = self.lora_B["default"](self.lora_A["default"](x))
+        return self.base_layer(x) + self.scaling * delta
+
+
+class LoraDemoNet(DemoNet):
+    """DemoNet with a side projection (a feature summary for logging) beside the classifier.
+
+    The projection runs every step but its output never reaches the loss: the
+    wrong place for adapters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Linear(self.fc1.out_features, self.fc1.out_features)
+        self.feature_norm: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.fc1(x)))
+        self.feature_norm = self.side(h).norm()  # logged, never part of the loss
+        h = torch.relu(self.fc2(h))
+        return self.head(h)
+
+
+def _inputs_require_grad(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """PEFT's ``enable_input_require_grads``: lets gradients flow with a frozen first layer."""
+    output.requires_grad_(True)
+
+
+def lora_fine_tune(target: str) -> tuple[LoraDemoNet, list[nn.Parameter]]:
+    """Freeze the model and wrap ``target`` with an adapter; the parameters to train."""
+    model = LoraDemoNet()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    setattr(model, target, LoraLinear(getattr(model, target)))
+    model.fc1.register_forward_hook(_inputs_require_grad)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
 @dataclass(frozen=True)
 class Bug:
     name: str
@@ -109,6 +159,12 @@ BUGS: dict[str, Bug] = {
             "(error note)",
             "fc2",
             raises=True,
+        ),
+        Bug(
+            "lora_wrong_target",
+            "LoRA adapters wrap 'side', whose output never reaches the loss, not fc2",
+            "trainable_parameters",
+            "side",
         ),
     )
 }
@@ -168,7 +224,7 @@ def run_demo(
     x, y = synthetic_data(samples=768)
     x, y, x_val, y_val = x[:512], y[:512], x[512:], y[512:]  # one teacher, held-out tail
     model = DemoNet()
-    if bug in ("frozen_layer", "broadcast_loss", "shape_error"):
+    if bug in ("frozen_layer", "broadcast_loss", "shape_error", "lora_wrong_target"):
         # Set-up mistakes, there from the first step (the broadcast audit looks
         # at the first steps only, where shape bugs show).
         bug_at = 0
@@ -176,6 +232,9 @@ def run_demo(
         for p in model.fc2.parameters():
             p.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if bug == "lora_wrong_target":
+        model, trainable = lora_fine_tune("side")  # meant: "fc2"
+        optimizer = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
     planted = f"'{bug}' ({BUGS[bug].description}) from step {bug_at}" if bug else "no bug"
     out.print(
         f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}", soft_wrap=True
@@ -187,7 +246,8 @@ def run_demo(
             for step in range(steps):
                 buggy = bug is not None and step >= bug_at
                 model.detach_fc1 = buggy and bug == "detached_layer"
-                model.fc2.log_output = buggy and bug == "nan_in_layer"
+                if isinstance(model.fc2, UnsafeLinear):
+                    model.fc2.log_output = buggy and bug == "nan_in_layer"
                 model.skip_into_fc2 = buggy and bug == "shape_error"
                 gen = torch.Generator().manual_seed(step)
                 batch = torch.randint(0, len(x), (64,), generator=gen)
@@ -219,7 +279,7 @@ def run_demo(
     return monitor
 
 
-def _evaluate(model: DemoNet, x: torch.Tensor, y: torch.Tensor, bug: str | None) -> float:
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bug: str | None) -> float:
     """Held-out accuracy; the mode bugs are planted here, where they happen in real code."""
     if bug != "forgotten_eval":
         model.eval()

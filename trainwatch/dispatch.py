@@ -13,6 +13,7 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 
 
@@ -69,6 +70,12 @@ class Dispatcher:
         for sink in list(self.sinks):
             if type(sink).on_step is not Sink.on_step:
                 self._each_sink("on_step", lambda sink: sink.on_step(numbers), only=sink)
+
+    def setup(self, audit: SetupAudit) -> None:
+        """The setup table: only the sinks that render it."""
+        for sink in list(self.sinks):
+            if type(sink).setup is not Sink.setup:
+                self._each_sink("setup", lambda sink: sink.setup(audit), only=sink)
 
     def close(self, summary: Summary) -> None:
         self._each_sink("close", lambda sink: sink.close(summary))

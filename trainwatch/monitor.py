@@ -42,9 +42,10 @@ from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.raised import note_raise
-from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
+from trainwatch.record import AmpReport, NonfiniteReport, SetupCheck, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
+from trainwatch.setup_audit import SetupAudit, build_audit
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -148,6 +149,15 @@ class Monitor:
         self._disabled = self._guard.disabled
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
+        # The setup audit: redone when a step's parameter counts differ from the
+        # last audited ones (per optimizer; None: without one), then the first
+        # step after it checks that some trainable parameter got a gradient.
+        self._audits_setup = "trainable_parameters" in self._rule_ids
+        self._setup: SetupAudit | None = None
+        self._setup_signatures: dict[int | None, tuple[int, ...]] = {}
+        self._setup_due = False
+        self._reach_due: set[int | None] = set()
+        self._attaching = True
         # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
         # need them to know what backward reached: always attached.
         # The model's passes, seen from its outermost call only (a compile
@@ -212,6 +222,9 @@ class Monitor:
         _OPEN.add(self)
         for opt in optimizers:
             self.add_optimizer(opt)
+        self._attaching = False
+        if self._setup_due and self._optimizers:
+            self._guarded("setup audit", self._audit_setup, self._step)
 
     # -- public surface ----------------------------------------------------
     @property
@@ -234,6 +247,14 @@ class Monitor:
     @property
     def optimizers(self) -> list[Optimizer]:
         return list(self._optimizers)
+
+    @property
+    def setup_audit(self) -> SetupAudit | None:
+        """The latest setup table: trainable and frozen parameters by location,
+        adapters, and which optimizer holds what (made now if no step made one)."""
+        if self._setup is not None:
+            return self._setup
+        return self._guarded("setup audit", build_audit, self._root, self._optimizers)
 
     def grad_norms(self) -> dict[str, float]:
         """Per-layer gradient L2 norms of the latest step, by qualified module name."""
@@ -664,7 +685,9 @@ class Monitor:
                 present.append(found if found is not None else info(param))
                 grads.append(grad)
             elif not param.requires_grad:
-                if not manual:
+                if manual:
+                    record.frozen_count += 1
+                else:
                     record.frozen.append(info(param))
             # Without an optimizer, gradients may be reset before
             # monitor.step(): what backward reached still counts.
@@ -672,7 +695,7 @@ class Monitor:
                 record.missing.append(info(param))
         return record, params, grads
 
-    def _gather(self, index: int | None) -> _Pending:
+    def _gather(self, index: int | None, attach: bool = False) -> _Pending:
         if self._structure.changed():
             self._rebuild_layers()
         record, params, grads = self._read_gradients(index)
@@ -715,6 +738,25 @@ class Monitor:
                 for p in self._unoptimized_params()
                 if p.requires_grad and p.grad is not None
             ]
+        if self._audits_setup:
+            # Counts the step has already made: a requires_grad flip, a param
+            # group or a parameter added changes them. No call on a healthy step.
+            signature = (
+                len(params),
+                len(record.frozen),
+                record.frozen_count,
+                len(self._layers.layers),
+            )
+            if self._setup_signatures.get(index) != signature:
+                self._setup_signatures[index] = signature
+                self._setup_due = True
+            if not attach:
+                if self._setup_due:
+                    step = self._step - 1 if manual else self._step
+                    self._guarded("setup audit", self._audit_setup, step)
+                if index in self._reach_due:
+                    self._reach_due.discard(index)
+                    self._guarded("setup audit", self._check_reach, record)
         pending = _Pending(record, params)
         frame = pending.frame
         if manual and self._check_accumulation and self._tracker.enabled:
@@ -855,7 +897,8 @@ class Monitor:
 
     def _audit_optimizer(self, index: int) -> None:
         """Checks that need no gradients, made when an optimizer is attached."""
-        pending = self._gather(index)
+        pending = self._gather(index, attach=True)
+        self._setup_due = True  # a new optimizer: which one holds what changed
         record = StepRecord(
             step=self._step,
             source="attach",
@@ -865,6 +908,42 @@ class Monitor:
             restarted_layers=pending.record.restarted_layers,
         )
         self._dispatcher.publish(self._run_rules(record))
+
+    def _audit_setup(self, step: int) -> None:
+        """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
+        self._setup_due = False
+        revision = self._setup.revision + 1 if self._setup is not None else 0
+        audit = build_audit(self._root, self._optimizers, revision=revision, step=max(step, 0))
+        self._setup = audit
+        if self.config.trainable_parameters.table:
+            self._dispatcher.setup(audit)
+        # Where the trainable ones sit (adapters at the module holding the pair).
+        inner = [row.module for row in audit.locations if row.section == "trainable"]
+        owners = inner or [row.module for row in audit.locations if row.trainable]
+        record = StepRecord(step=max(step, 0), source="setup")
+        record.setup = SetupCheck(
+            revision, len(self._optimizers), audit.trainable, audit.unheld, list(owners)
+        )
+        self._reach_due = set(range(len(self._optimizers))) if self._optimizers else {None}
+        self._dispatcher.publish(self._run_rules(record))
+
+    def _check_reach(self, record: StepRecord) -> None:
+        """First step after an audit: a backward ran, yet no trainable parameter got a gradient."""
+        if record.present or not record.missing:
+            return
+        # A backward ran: it reached the model's output, or a loss was handed
+        # over (Lightning, whose module's own forward may never be called).
+        if not self._tracker.backward_seen and self._loss is None:
+            return
+        assert self._setup is not None
+        record.setup = SetupCheck(
+            self._setup.revision,
+            len(self._optimizers),
+            self._setup.trainable,
+            self._setup.unheld,
+            unreached=list(record.missing),
+            never_called=record.never_called,
+        )
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
         key = tuple(

@@ -97,10 +97,26 @@ class ActivationStats:
 
 
 @dataclass
+class SetupCheck:
+    """What the trainable-parameter audit hands its rule (counts in parameter elements)."""
+
+    revision: int  # which audit: 0 the first, one more for each change of the setup
+    optimizers: int  # watched optimizers
+    trainable: int
+    unheld: int  # trainable elements no watched optimizer holds
+    trainable_owners: list[str] = field(default_factory=list)
+    # First step after the audit: the trainable parameters the step should
+    # have used, when a backward ran and none of them got a gradient.
+    unreached: list[ParamInfo] = field(default_factory=list)
+    never_called: frozenset[str] = frozenset()
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
-    # "attach": the audit made when the monitor attaches (no gradients yet).
+    # "attach": the audit made when the monitor attaches (no gradients yet);
+    # "setup": the trainable-parameter audit (at attach, after a change).
     source: str = "optimizer"
     optimizer: int | None = None
     # Trainable parameters the step used, and the L2 norm of each one's gradient.
@@ -117,6 +133,8 @@ class StepRecord:
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)
+    # Without an optimizer: how many of the model's parameters are frozen.
+    frozen_count: int = 0
     trainable_by_module: dict[str, int] = field(default_factory=dict)
     # Without an optimizer: parameters whose gradient was rewritten in place after
     # backward reached them (reset by hand, clipped) before monitor.step().
@@ -153,3 +171,5 @@ class StepRecord:
     broadcasts: list[BroadcastReport] = field(default_factory=list)
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
+    # The setup audit's figures: at an audit, and on the first step after one.
+    setup: SetupCheck | None = None

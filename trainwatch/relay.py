@@ -17,6 +17,7 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.dispatch import Dispatcher
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
 from trainwatch.sinks.memory import MemorySink
 
@@ -102,6 +103,10 @@ class RelaySink(Sink):
     def on_step(self, numbers: StepNumbers) -> None:
         if not self.reporter.closed:
             self.reporter.dispatcher.numbers(numbers)
+
+    def setup(self, audit: SetupAudit) -> None:
+        if not self.reporter.closed and self.reporter.rank == 0:
+            self.reporter.dispatcher.setup(audit)
 
     def close(self, summary: Summary) -> None:
         # The reporter outlives the monitor: a last gather may still bring

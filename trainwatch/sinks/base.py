@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainwatch.alert import Alert
+from trainwatch.setup_audit import SetupAudit
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Sink:
 
     def on_step(self, numbers: StepNumbers) -> None:
         """A step finished; its figures are ready."""
+
+    def setup(self, audit: SetupAudit) -> None:
+        """The training setup was audited (at attach, after a change): not an alert."""
 
     def close(self, summary: Summary) -> None:
         """The monitor is closing; flush and release files."""

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainwatch.alert import Alert
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, Summary
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
@@ -66,6 +67,11 @@ class ConsoleSink(Sink):
         if alert.hint:
             line.append(f" | hint: {alert.hint}", style="dim")
         return line
+
+    def setup(self, audit: SetupAudit) -> None:
+        from trainwatch.sinks.setup_table import rich_view
+
+        self.console.print(rich_view(audit))
 
     def close(self, summary: Summary) -> None:
         if not self._summary or summary.steps == 0:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, Summary
 
 ALERTS_FILE = "alerts.jsonl"
 # Repeats of a (rule, module) are counted, not written as lines; the counts
 # land here when the monitor closes, for ``trainwatch report``.
 COUNTS_FILE = "alert_counts.json"
+# Every setup audit of the run (the table, not alerts), rewritten at each one.
+SETUP_FILE = "setup.json"
 
 
 class JsonlSink(Sink):
@@ -22,6 +26,7 @@ class JsonlSink(Sink):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run keeps what the earlier part of it wrote.
         self._file = self.path.open("a", encoding="utf-8")
+        self._audits: list[dict[str, Any]] = []
         if _ends_mid_line(self.path):
             # The earlier part was killed mid-line: end that line, or this
             # run's first alert would be glued onto it and lost with it.
@@ -33,6 +38,13 @@ class JsonlSink(Sink):
             return
         self._file.write(json.dumps(alert.to_dict(), default=str) + "\n")
         self._file.flush()  # readable up to the last line even after a kill
+
+    def setup(self, audit: SetupAudit) -> None:
+        self._audits.append(audit.to_dict())
+        path = self.path.with_name(SETUP_FILE)
+        partial = path.with_name(SETUP_FILE + ".partial")
+        partial.write_text(json.dumps({"audits": self._audits}, indent=1))
+        partial.replace(path)
 
     def close(self, summary: Summary) -> None:
         if not self._file.closed:

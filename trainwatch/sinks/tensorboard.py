@@ -17,6 +17,7 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.config import TensorBoardConfig
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
 from trainwatch.tensorboard_plugin import metadata
 from trainwatch.termination import uninterrupted
@@ -179,6 +180,17 @@ class TensorBoardSink(Sink):
 
                 self.writer.add_histogram(metadata.HISTOGRAM_TAG, np.asarray(finite), step)
         self._maybe_flush()
+
+    @uninterrupted
+    def setup(self, audit: SetupAudit) -> None:
+        if self._closed:
+            return
+        from trainwatch.sinks.setup_table import markdown
+
+        # One tag per model: TensorBoard keeps one text per tag and step.
+        tag = metadata.SETUP_TAG + (f"/{audit.model}" if audit.model else "")
+        self.writer.add_text(tag, markdown(audit), max(audit.step, 0))
+        self.flush()
 
     @uninterrupted
     def close(self, summary: Summary) -> None:

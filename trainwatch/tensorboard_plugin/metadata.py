@@ -17,6 +17,7 @@ VERSION = 1
 
 ALERTS_TAG = "trainwatch/alerts"  # the plugin's own tensors, one per step
 TABLE_TAG = "trainwatch/alerts_table"  # markdown for the built-in Text tab
+SETUP_TAG = "trainwatch/setup"  # the trainable-parameter audit, markdown for the Text tab
 NORM_PREFIX = "trainwatch/grad_norm/"
 TOTAL_TAG = NORM_PREFIX + "total"
 HISTOGRAM_TAG = "trainwatch/grad_norm_histogram"

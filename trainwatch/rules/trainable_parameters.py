@@ -1,0 +1,96 @@
+"""A fine-tune that cannot change the model: nothing trainable is optimized or reaches the loss."""
+
+from __future__ import annotations
+
+from trainwatch.alert import Alert
+from trainwatch.record import SetupCheck, StepRecord
+from trainwatch.rules.base import Rule, by_owner, short_names
+
+
+def common_module(names: list[str]) -> str:
+    """The innermost module holding every one of ``names`` (``""``: the root)."""
+    if not names:
+        return ""
+    parts = [name.split(".") if name else [] for name in names]
+    shared: list[str] = []
+    for pieces in zip(*parts):
+        if any(piece != pieces[0] for piece in pieces):
+            break
+        shared.append(pieces[0])
+    return ".".join(shared)
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    labels = [name or "<model>" for name in names]
+    shown = ", ".join(labels[:limit])
+    return shown + (f" and {len(labels) - limit} more" if len(labels) > limit else "")
+
+
+class TrainableParametersRule(Rule):
+    id = "trainable_parameters"
+    reads = "setup"
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        check = record.setup
+        assert check is not None
+        if check.unreached:
+            return [self._unreached(record.step, check)]
+        if record.source == "setup" and check.optimizers and check.trainable == check.unheld:
+            return [self._unheld(record.step, check)]
+        return []
+
+    def _unheld(self, step: int, check: SetupCheck) -> Alert:
+        where = _listed(check.trainable_owners)
+        if check.trainable:
+            message = (
+                f"none of the model's {check.trainable:,} trainable parameter elements "
+                f"(in {where}) sits in any of the {check.optimizers} watched "
+                f"optimizer{'s' if check.optimizers != 1 else ''}: no step can change the model"
+            )
+        else:
+            message = (
+                "every parameter of the model has requires_grad=False: the "
+                f"{check.optimizers} watched optimizer{'s' if check.optimizers != 1 else ''} "
+                "can change nothing"
+            )
+        return self.alert(
+            step,
+            "",
+            message,
+            "the optimizer was built before the model was frozen or its adapters were "
+            "added (get_peft_model after the optimizer?). Build the optimizer after the "
+            "last change, from [p for p in model.parameters() if p.requires_grad].",
+            {
+                "finding": check.revision,
+                "trainable": check.trainable,
+                "optimizers": check.optimizers,
+                "modules": check.trainable_owners,
+            },
+        )
+
+    def _unreached(self, step: int, check: SetupCheck) -> Alert:
+        owners = list(by_owner(check.unreached))
+        module = common_module(owners)
+        never = [owner for owner in owners if owner in check.never_called]
+        why = (
+            f"; {_listed(never)} never ran in a forward pass"
+            if never
+            else "; their outputs do not reach the loss"
+        )
+        return self.alert(
+            step,
+            module,
+            f"none of the {len(check.unreached)} trainable parameters the step should "
+            f"update ({short_names(check.unreached)}) got a gradient in the first step "
+            f"after the setup{why}",
+            "the trainable parameters (adapters?) sit in modules with no path to the "
+            "loss: wrong target_modules, a branch the forward never uses, or a "
+            "detach()/no_grad between them and the loss. Train the modules the loss "
+            "depends on.",
+            {
+                "finding": check.revision,
+                "parameters": [info.name for info in check.unreached][:50],
+                "modules": owners[:50],
+                "never_called": never[:50],
+            },
+        )
