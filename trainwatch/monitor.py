@@ -25,6 +25,8 @@ from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker, runs_distributed
+from trainwatch.collect.class_targets import ClassTargetLook
+from trainwatch.collect.data_order import sequential_order
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
@@ -76,6 +78,7 @@ class _Pending:
     # Without an optimizer: the weights' names and norms at this step boundary.
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
+    class_counts: Slot | None = None  # a sampled step's class targets, per class
 
 
 class Monitor:
@@ -100,6 +103,7 @@ class Monitor:
         config: Config | None = None,
         sinks: Sequence[Sink] = (),
         scaler: Any = None,
+        data: Any = None,
     ) -> None:
         layers = preflight(model, optimizers)
         # torch.compile(model) returns a wrapper: names, hooks and checks are
@@ -187,6 +191,20 @@ class Monitor:
                 _weak_callback(self._internal_error),
             )
             self._passes.subscribe("behaviour checks", self._behaviour)
+        # The loss's class targets on sampled steps, and the training loader's order.
+        self._class_targets: ClassTargetLook | None = None
+        if "class_targets" in needs:
+            section = self.config.unshuffled_data
+            self._class_targets = ClassTargetLook(
+                section.every,
+                section.max_classes,
+                _weak_getter(self, "step_count", 0),
+                _weak_callback(self._internal_error),
+            )
+            self._passes.subscribe("class_targets", self._class_targets)
+        self._data_order: str | None = None
+        if data is not None:
+            self.watch_data(data)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
@@ -197,6 +215,7 @@ class Monitor:
             self._compile_warning,
             self._probe,
             self._behaviour,
+            self._class_targets,
         )
         weakref.finalize(self, _collected, self._handles, *self._parts)
         _OPEN.add(self)
@@ -272,6 +291,14 @@ class Monitor:
             optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
         )
         self._guarded("optimizer audit", self._audit_optimizer, index)
+
+    def watch_data(self, loader: Any) -> None:
+        """The DataLoader that feeds training now (the data checks judge its sampler).
+
+        Only the training loader belongs here: a validation loader read in
+        order is normal.
+        """
+        self._data_order = self._guarded("data order", sequential_order, loader)
 
     def refresh_layers(self) -> None:
         """Name parameters put into the model since the last step (a new head) now.
@@ -701,6 +728,11 @@ class Monitor:
             scale = self._guarded("loss scale", scale_tensor, self.scaler)
             if scale is not None:
                 pending.scale = frame.add(scale)
+        record.data_order = self._data_order
+        if self._class_targets is not None:
+            counts = self._guarded("class target look", self._class_targets.take)
+            if counts is not None:
+                pending.class_counts = frame.add(counts)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame
@@ -752,6 +784,8 @@ class Monitor:
             )
         if self._behaviour is not None and pending.behaviour is not None:
             self._guarded("behaviour checks", self._behaviour.land, record, pending.behaviour)
+        if pending.class_counts is not None:
+            record.class_counts = pending.class_counts.values()
         flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0

@@ -153,3 +153,7 @@ class StepRecord:
     broadcasts: list[BroadcastReport] = field(default_factory=list)
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
+    # Sampled steps: the loss's class targets counted per class (unshuffled_data).
+    class_counts: list[float] = field(default_factory=list)
+    # How the training DataLoader reads its data in order, when it is seen to.
+    data_order: str | None = None

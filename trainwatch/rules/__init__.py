@@ -17,6 +17,7 @@ from trainwatch.rules.nonfinite import (
     NonfiniteParameterRule,
 )
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
+from trainwatch.rules.unshuffled import UnshuffledDataRule
 from trainwatch.rules.unused import UnusedParameterRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
 
@@ -38,6 +39,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     BroadcastRule,
     ConstantOutputRule,
     DeadUnitsRule,
+    UnshuffledDataRule,
 )
 
 
@@ -52,6 +54,7 @@ COLLECTORS = (
     "modes",
     "broadcast_audit",
     "activation_sampler",
+    "class_targets",
 )
 
 
