@@ -300,6 +300,11 @@ class Monitor:
         """
         self._data_order = self._guarded("data order", sequential_order, loader)
 
+    @property
+    def data_order(self) -> str | None:
+        """How the training loader reads its data in order; None: shuffled, or not seen."""
+        return self._data_order
+
     def refresh_layers(self) -> None:
         """Name parameters put into the model since the last step (a new head) now.
 
@@ -733,6 +738,7 @@ class Monitor:
             counts = self._guarded("class target look", self._class_targets.take)
             if counts is not None:
                 pending.class_counts = frame.add(counts)
+            record.targets_per_position = self._class_targets.per_position
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame

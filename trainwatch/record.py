@@ -155,5 +155,7 @@ class StepRecord:
     activations: list[ActivationStats] = field(default_factory=list)
     # Sampled steps: the loss's class targets counted per class (unshuffled_data).
     class_counts: list[float] = field(default_factory=list)
+    # A class loss over tokens or pixels was seen (a language model's stream).
+    targets_per_position: bool = False
     # How the training DataLoader reads its data in order, when it is seen to.
     data_order: str | None = None

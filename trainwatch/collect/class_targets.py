@@ -8,7 +8,9 @@ boundary, the span in which the loss is computed; the first such loss call
 with integer targets has its targets counted per class on the device
 (a ``scatter_add``, no host sync), and the counts join the step's one
 readback. Other steps never enter the mode: a healthy step pays two Python
-calls at the pass's start and end.
+calls at the pass's start and end. A class loss over tokens or pixels (a
+language model's next-token loss) marks the run as one whose targets vary
+within each sample, and the look stops for good.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def _stack_is_ours_to_use() -> bool:
     return all(isinstance(m, allowed) for m in _get_current_function_mode_stack())
 
 
+def per_position(logits: Any, target: Any, batch: int | None) -> bool:
+    """Integer targets per token or pixel: more than one per sample of the model's batch."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return False
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        return False
+    if target.dim() >= 2:
+        return True
+    return target.dim() == 1 and batch is not None and target.shape[0] > batch
+
+
 def class_counts(
     logits: Any, target: Any, max_classes: int, batch: int | None = None
 ) -> torch.Tensor | None:
@@ -91,11 +104,17 @@ class _TargetMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         look = self.look
-        if look.counts is None and getattr(func, "__name__", "") in _CLASS_LOSSES:
+        if (
+            look.counts is None
+            and not look.per_position
+            and getattr(func, "__name__", "") in _CLASS_LOSSES
+        ):
             try:
                 logits = args[0] if args else kwargs.get("input")
                 target = args[1] if len(args) > 1 else kwargs.get("target")
                 look.counts = class_counts(logits, target, look.max_classes, look.batch)
+                if look.counts is None and per_position(logits, target, look.batch):
+                    look.per_position = True
             except Exception as exc:  # never break the user's loss
                 look.fail(exc)
         return out
@@ -119,6 +138,8 @@ class ClassTargetLook:
         self._depth: int | None = None  # the mode stack's depth with ours on top
         self.counts: torch.Tensor | None = None
         self.batch: int | None = None  # the first dimension of the model's output
+        # A class loss over tokens or pixels was seen: targets vary within each sample.
+        self.per_position = False
         self.broken = False
 
     # -- the span: from a training pass's output to the step boundary --------
@@ -127,7 +148,7 @@ class ClassTargetLook:
             self._stop()  # the model's own ops are not the loss
 
     def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if self.broken or self._depth is not None or self.counts is not None:
+        if self.broken or self.per_position or self._depth is not None or self.counts is not None:
             return
         if self._step_of() % self.every or not torch.is_grad_enabled():
             return

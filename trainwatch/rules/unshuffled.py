@@ -12,7 +12,8 @@ nearly all.
 Where the training loader is visible, its sampler says the same ahead of
 the evidence: a sequential sampler alone is one ``info`` line (data may be
 stored shuffled); with the targets' deficit, or with no targets to look at,
-it is a warning.
+it is a warning. A class loss over tokens or pixels (a language model's
+contiguous stream, read in order by design) ends the check, silently.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class UnshuffledDataRule(Rule):
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if self.done:
+            return []
+        if record.targets_per_position:
+            # Tokens of a text stream or pixels of an image: the targets vary
+            # within each sample, and reading the stream in order is the design.
+            self.done = True
             return []
         if record.data_order is not None:
             self.order = record.data_order
