@@ -1,4 +1,5 @@
-"""unshuffled_data: label-sorted data read in order warns; shuffled, validation and LM streams stay silent.
+"""unshuffled_data: label-sorted data read in order warns; shuffled, validation and LM
+streams stay silent.
 
 Each planted bug (a dataset stored sorted by label, read without shuffling)
 runs in several shapes of script: a plain loop with ``tw.watch(data=loader)``,
@@ -337,9 +338,9 @@ def test_the_data_order_wrapper_comes_off_after_trainwatch_run(tmp_path):
 
 
 def test_a_bad_unshuffled_data_value_names_the_key():
-    with pytest.raises(ConfigError, match="unshuffled_data.ratio"):
+    with pytest.raises(ConfigError, match=r"unshuffled_data\.ratio"):
         load_config({"unshuffled_data": {"ratio": 2.0}})
-    with pytest.raises(ConfigError, match="unshuffled_data.every"):
+    with pytest.raises(ConfigError, match=r"unshuffled_data\.every"):
         load_config({"unshuffled_data": {"every": 0}})
 
 
@@ -347,3 +348,23 @@ def test_data_must_be_a_loader():
     model = mlp()
     with pytest.raises(tw.WatchError, match="data"):
         tw.watch(model, data=3, console=False)
+
+
+# -- cost ------------------------------------------------------------------------------------
+
+
+def test_only_sampled_steps_listen_for_class_targets_and_no_mode_is_left_behind():
+    loader = DataLoader(TensorDataset(*sorted_by_label()), batch_size=BATCH, shuffle=True)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    listening = []
+    with tw.watch(model, opt, console=io.StringIO(), data=loader) as monitor:
+        for step, (x, y) in enumerate(loader):
+            listening.append("class_targets" in monitor._passes.listener_names())
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert torch._C._len_torch_function_stack() == 0
+            if step == 11:
+                break
+    assert listening == [step % 5 == 0 for step in range(12)]

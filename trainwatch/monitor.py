@@ -42,7 +42,7 @@ from trainwatch.guard import Guard
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
-from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
+from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
@@ -201,6 +201,7 @@ class Monitor:
                 _weak_getter(self, "step_count", 0),
                 _weak_callback(self._internal_error),
             )
+            # Listens to the passes of sampled steps only (step 0 is one).
             self._passes.subscribe("class_targets", self._class_targets)
         self._data_order: str | None = None
         if data is not None:
@@ -582,6 +583,9 @@ class Monitor:
         """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
         self._steps_here += 1
+        look = self._class_targets
+        if look is not None and (self._step % look.every == 0) != look.listening:
+            self._guarded("class target look", self._listen_for_targets, look)
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
@@ -733,12 +737,12 @@ class Monitor:
             scale = self._guarded("loss scale", scale_tensor, self.scaler)
             if scale is not None:
                 pending.scale = frame.add(scale)
-        record.data_order = self._data_order
-        if self._class_targets is not None:
-            counts = self._guarded("class target look", self._class_targets.take)
+        look = self._class_targets
+        if look is not None and look.listening:  # a sampled step
+            counts = self._guarded("class target look", look.take)
             if counts is not None:
                 pending.class_counts = frame.add(counts)
-            record.targets_per_position = self._class_targets.per_position
+            record.class_targets = ClassTargets([], look.per_position, self._data_order)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame
@@ -790,8 +794,8 @@ class Monitor:
             )
         if self._behaviour is not None and pending.behaviour is not None:
             self._guarded("behaviour checks", self._behaviour.land, record, pending.behaviour)
-        if pending.class_counts is not None:
-            record.class_counts = pending.class_counts.values()
+        if pending.class_counts is not None and record.class_targets is not None:
+            record.class_targets.counts = pending.class_counts.values()
         flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
@@ -889,6 +893,15 @@ class Monitor:
         registry.claim(fresh, self)
         if self._probe is not None:
             self._probe.find_device(self._root)
+
+    def _listen_for_targets(self, look: ClassTargetLook) -> None:
+        """Only the passes of sampled steps reach the look: others pay nothing for it."""
+        due = self._step % look.every == 0 and not look.per_position and not look.broken
+        if due and not look.listening:
+            self._passes.subscribe("class_targets", look)
+        elif look.listening and not due:
+            self._passes.unsubscribe(look)
+        look.listening = due
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:

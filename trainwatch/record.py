@@ -97,6 +97,18 @@ class ActivationStats:
 
 
 @dataclass
+class ClassTargets:
+    """A sampled step's look at the loss's class targets and the training loader."""
+
+    # The targets counted per class; empty when no class loss was seen.
+    counts: list[float] = field(default_factory=list)
+    # A class loss over tokens or pixels was seen (a language model's stream).
+    per_position: bool = False
+    # How the training DataLoader reads its data in order, when it is seen to.
+    data_order: str | None = None
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -153,9 +165,5 @@ class StepRecord:
     broadcasts: list[BroadcastReport] = field(default_factory=list)
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
-    # Sampled steps: the loss's class targets counted per class (unshuffled_data).
-    class_counts: list[float] = field(default_factory=list)
-    # A class loss over tokens or pixels was seen (a language model's stream).
-    targets_per_position: bool = False
-    # How the training DataLoader reads its data in order, when it is seen to.
-    data_order: str | None = None
+    # Set on the steps the class targets are looked at (unshuffled_data).
+    class_targets: ClassTargets | None = None

@@ -140,6 +140,8 @@ class ClassTargetLook:
         self.batch: int | None = None  # the first dimension of the model's output
         # A class loss over tokens or pixels was seen: targets vary within each sample.
         self.per_position = False
+        # Subscribed to the model's passes (the monitor does it for sampled steps only).
+        self.listening = True
         self.broken = False
 
     # -- the span: from a training pass's output to the step boundary --------

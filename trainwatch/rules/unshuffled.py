@@ -38,6 +38,7 @@ class UnshuffledDataRule(Rule):
 
     id = "unshuffled_data"
     needs = frozenset({"class_targets"})
+    reads = "class_targets"  # set on sampled steps only
 
     def __init__(self, config: object) -> None:
         super().__init__(config)  # type: ignore[arg-type]
@@ -50,15 +51,18 @@ class UnshuffledDataRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if self.done:
             return []
-        if record.targets_per_position:
+        look = record.class_targets
+        if look is None:
+            return []
+        if look.per_position:
             # Tokens of a text stream or pixels of an image: the targets vary
             # within each sample, and reading the stream in order is the design.
             self.done = True
             return []
-        if record.data_order is not None:
-            self.order = record.data_order
-        if record.class_counts:
-            self._add(record.class_counts)
+        if look.data_order is not None:
+            self.order = look.data_order
+        if look.counts:
+            self._add(look.counts)
             found = self._deficit(record.step)
             if found is not None:
                 self.done = True
