@@ -201,8 +201,8 @@ class Monitor:
                 _weak_getter(self, "step_count", 0),
                 _weak_callback(self._internal_error),
             )
-            # Listens to the passes of sampled steps only (step 0 is one).
-            self._passes.subscribe("class_targets", self._class_targets)
+            # Listens to the passes of sampled steps only, from step ``every`` on:
+            # the first steps are the broadcast audit's.
         self._data_order: str | None = None
         if data is not None:
             self.watch_data(data)

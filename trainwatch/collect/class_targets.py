@@ -141,7 +141,7 @@ class ClassTargetLook:
         # A class loss over tokens or pixels was seen: targets vary within each sample.
         self.per_position = False
         # Subscribed to the model's passes (the monitor does it for sampled steps only).
-        self.listening = True
+        self.listening = False
         self.broken = False
 
     # -- the span: from a training pass's output to the step boundary --------
