@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from trainwatch.collect.broadcast import _AuditMode, _call
 from trainwatch.collect.tensors import tensor_leaves
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
@@ -35,8 +36,6 @@ def _allowed_below() -> tuple[type, ...]:
         allowed.append(DeviceContext)
     except ImportError:  # pragma: no cover - other torch versions
         pass
-    from trainwatch.collect.broadcast import _AuditMode
-
     allowed.append(_AuditMode)
     return tuple(allowed)
 
@@ -102,7 +101,7 @@ class _TargetMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _call(func, args, kwargs)  # a loss's own warnings still name the user's line
         look = self.look
         if (
             look.counts is None
