@@ -368,3 +368,60 @@ def test_only_sampled_steps_listen_for_class_targets_and_no_mode_is_left_behind(
             if step == 11:
                 break
     assert listening == [step in (5, 10) for step in range(12)]
+
+
+# -- a model that computes its own loss from labels (Hugging Face style) -------------------------
+
+
+class LabelledClassifier(nn.Module):
+    """``model(inputs, labels=y)`` returns a dict with the loss, as Hugging Face models do."""
+
+    def __init__(self, per_token: bool = False) -> None:
+        super().__init__()
+        self.per_token = per_token
+        self.body = nn.Linear(12, 32)
+        self.classifier = nn.Linear(32, CLASSES)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.classifier(torch.relu(self.body(inputs)))
+        out = {"logits": logits}
+        if labels is not None:
+            flat = logits.reshape(-1, CLASSES)
+            out["loss"] = nn.functional.cross_entropy(flat, labels.reshape(-1))
+        return out
+
+
+def _fit_labelled(model: nn.Module, loader: DataLoader) -> tw.Monitor:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO(), data=loader) as monitor:
+        for inputs, labels in loader:
+            opt.zero_grad()
+            model(inputs, labels=labels)["loss"].backward()
+            opt.step()
+    return monitor
+
+
+def test_labels_handed_to_a_model_that_computes_its_loss_are_checked():
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(*sorted_by_label()), batch_size=BATCH, shuffle=False)
+    (alert,) = found(_fit_labelled(LabelledClassifier(), loader).alerts)
+    assert alert.severity == "warning" and alert.step == 20
+
+
+def test_per_token_labels_of_a_stream_read_in_order_are_silent():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(320, 6, 12, generator=gen)
+    labels = torch.randint(0, CLASSES, (320, 6), generator=gen)
+    loader = DataLoader(TensorDataset(inputs, labels), batch_size=BATCH, shuffle=False)
+    assert found(_fit_labelled(LabelledClassifier(per_token=True), loader).alerts) == []
+
+
+def test_imbalanced_shuffled_classes_are_silent():
+    gen = torch.Generator().manual_seed(3)
+    y = torch.where(
+        torch.rand(640, generator=gen) < 0.8, 0, torch.randint(1, 10, (640,), generator=gen)
+    )
+    x = torch.randn(640, 12, generator=gen)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    assert found(fit({}, loader, mlp()).alerts) == []

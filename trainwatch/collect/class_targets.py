@@ -5,7 +5,8 @@ Nothing in the model shows it; the targets handed to ``cross_entropy`` or
 ``nll_loss`` do. On a sampled training step a ``TorchFunctionMode`` is active
 from the end of the model's forward pass (with gradients on) to the step
 boundary, the span in which the loss is computed; the first such loss call
-with integer targets has its targets counted per class on the device
+with integer targets (or the ``labels`` a model that computes its own loss is
+called with) has its targets counted per class on the device
 (a ``scatter_add``, no host sync), and the counts join the step's one
 readback. Other steps never enter the mode: a healthy step pays two Python
 calls at the pass's start and end. A class loss over tokens or pixels (a
@@ -94,6 +95,16 @@ def class_counts(
     return counts[:classes]
 
 
+def _logits_of(output: Any) -> torch.Tensor | None:
+    """The class scores of a model output: its ``logits`` field, or its first tensor of rank 2+."""
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return next((t for _, t in tensor_leaves(output) if t.dim() >= 2), None)
+
+
 class _TargetMode(TorchFunctionMode):
     def __init__(self, look: ClassTargetLook) -> None:
         super().__init__()
@@ -153,8 +164,16 @@ class ClassTargetLook:
             return
         if self._step_of() % self.every or not torch.is_grad_enabled():
             return
+        self.batch = next((t.shape[0] for _, t in tensor_leaves(output) if t.dim() > 0), None)
+        labels = kwargs.get("labels") if isinstance(kwargs, dict) else None
+        if isinstance(labels, torch.Tensor):
+            # The loss is computed inside the model (``model(ids, labels=y)``,
+            # Hugging Face style): its targets are the labels handed in.
+            logits = _logits_of(output)
+            self.counts = class_counts(logits, labels, self.max_classes, self.batch)
+            self.per_position = self.counts is None and per_position(logits, labels, self.batch)
+            return
         if _stack_is_ours_to_use():
-            self.batch = next((t.shape[0] for _, t in tensor_leaves(output) if t.dim() > 0), None)
             self._mode.__enter__()
             self._depth = torch._C._len_torch_function_stack()
 
