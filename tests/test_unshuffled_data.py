@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
 from tests.test_run import alerts as run_alerts
+from tests.test_run import cli
 from trainwatch.config import load_config
 from trainwatch.errors import ConfigError
 from trainwatch.lightning import TrainWatchCallback
@@ -324,6 +325,17 @@ def test_trainwatch_run_finds_the_unshuffled_training_loader_of_an_unmodified_sc
 
 def test_trainwatch_run_is_silent_on_a_shuffled_script_with_an_unshuffled_val_loader(tmp_path):
     assert _run(tmp_path, "shuffle") == []
+
+
+@pytest.mark.slow
+def test_trainwatch_run_in_a_subprocess_fails_on_the_unshuffled_warning(tmp_path):
+    script = tmp_path / "train_sorted.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    log = tmp_path / "log"
+    args = ("run", "--log-dir", str(log), "--fail-on", "warning", "--no-console")
+    done = cli(*args, str(script), "in-order", cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert [a["step"] for a in run_alerts(log) if a["rule"] == RULE] == [20]
 
 
 def test_the_data_order_wrapper_comes_off_after_trainwatch_run(tmp_path):
