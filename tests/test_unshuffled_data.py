@@ -437,3 +437,11 @@ def test_imbalanced_shuffled_classes_are_silent():
     x = torch.randn(640, 12, generator=gen)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     assert found(fit({}, loader, mlp()).alerts) == []
+
+
+def test_targets_all_ignored_are_skipped_without_an_internal_error():
+    x, y = sorted_by_label()
+    y = torch.full_like(y, -100)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    monitor = fit({}, loader, mlp())
+    assert not {"unshuffled_data", "internal_error"} & {a.rule for a in monitor.alerts}

@@ -86,6 +86,8 @@ class UnshuffledDataRule(Rule):
         return []
 
     def _add(self, counts: list[float]) -> None:
+        if sum(counts) < 2:
+            return  # every target ignored (ignore_index): nothing to compare
         if len(counts) != len(self.pooled):
             self.pooled = [0.0] * len(counts)  # another head: start over
             self.recent = []
