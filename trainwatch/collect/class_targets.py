@@ -8,8 +8,8 @@ boundary, the span in which the loss is computed; the first such loss call
 with integer targets (or the ``labels`` a model that computes its own loss is
 called with) has its targets counted per class on the device
 (a ``scatter_add``, no host sync), and the counts join the step's one
-readback. Other steps never enter the mode: a healthy step pays two Python
-calls at the pass's start and end. A class loss over tokens or pixels (a
+readback. The monitor subscribes the look to the model's passes on sampled
+steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
 within each sample, and the look stops for good.
 """
