@@ -29,6 +29,8 @@ def _attached(monitor) -> set[str]:
             found.add("activation_sampler")
     if monitor._tracker.check_resets:
         found.add("accumulation_tracker")
+    if monitor._class_targets is not None:
+        found.add("class_targets")
     return found
 
 
@@ -39,6 +41,7 @@ COLLECTOR_NAMES = {
     "modes": "modes",
     "broadcast_audit": "broadcast_audit",
     "activation_sampler": "activation_sampler",
+    "class_targets": "class_targets",
 }
 
 

@@ -189,7 +189,7 @@ class FineTuner(pl.LightningModule):
         return torch.optim.Adam(self.net.head.parameters(), lr=1e-2)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(X, X[:, :1].sin() * 3.0), batch_size=16)
+        return DataLoader(TensorDataset(X, X[:, :1].sin() * 3.0), batch_size=16, shuffle=True)
 
 
 def test_lightning_unfreezing_the_body_mid_fit_is_not_exploding(tmp_path):

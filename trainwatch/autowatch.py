@@ -29,6 +29,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch import registry, termination
@@ -159,6 +160,10 @@ class AutoWatch:
         self._stop_next = False
         self._closed = False
         self._tallies: dict[tuple[str, str | None, str], AlertTally] = {}
+        # The DataLoader last started with gradients on (the training one), and
+        # DataLoader.__iter__ as it was before install() with our wrapper of it.
+        self._train_loader: weakref.ref[Any] | None = None
+        self._loader_iter: Any = None
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
@@ -166,6 +171,7 @@ class AutoWatch:
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
         self._compile_warning = CompiledHookWarning()
+        self._watch_loaders()
         termination.hold(self)  # a SIGTERM'd script still gets its files closed
 
     def _hook_forwards(self) -> None:
@@ -183,6 +189,40 @@ class AutoWatch:
             mod.register_module_forward_pre_hook(self._before_forward),
             mod.register_module_forward_hook(self._after_forward, always_call=True),
         ]
+
+    def _watch_loaders(self) -> None:
+        """See each DataLoader the script iterates, for the data-order check.
+
+        A loader started while gradients are on and the watched models are in
+        training mode feeds training; one started under ``no_grad`` or with
+        the model in eval mode is a validation loader, read in order by design.
+        ``DataLoader.__iter__`` is wrapped until :meth:`close`.
+        """
+        original = DataLoader.__iter__
+        owner = weakref.ref(self)
+
+        def __iter__(loader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+            watcher = owner()
+            if watcher is not None and not watcher._closed:
+                try:
+                    watcher._loader_started(loader)
+                except Exception as exc:  # never break the script's data
+                    watcher._internal.internal_error("trainwatch run: data loader", exc, 0)
+            return original(loader, *args, **kwargs)
+
+        self._loader_iter = (original, __iter__)
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+
+    def _loader_started(self, loader: DataLoader) -> None:
+        if not torch.is_grad_enabled():
+            return
+        models = [unwrap(m.model) for m in self.monitors if not m.closed]
+        if any(not model.training for model in models):
+            return
+        self._train_loader = weakref.ref(loader)
+        for monitor in self.monitors:
+            if not monitor.closed:
+                monitor.watch_data(loader)
 
     def _unhook_forwards(self) -> None:
         handles, self._forward_handles = self._forward_handles, []
@@ -202,6 +242,11 @@ class AutoWatch:
         self._backward_ends.clear()
         if self._compile_warning is not None:
             self._compile_warning.detach()
+        if self._loader_iter is not None:
+            original, ours = self._loader_iter
+            if DataLoader.__dict__.get("__iter__") is ours:  # not wrapped again since
+                DataLoader.__iter__ = original  # type: ignore[method-assign]
+            self._loader_iter = None
         for monitor in self.monitors:
             try:
                 monitor.close()
@@ -314,6 +359,9 @@ class AutoWatch:
         monitor.steps_end_at_backward = True
         self.monitors.append(monitor)
         self.views.append(view)
+        loader = self._train_loader() if self._train_loader is not None else None
+        if loader is not None:
+            monitor.watch_data(loader)
         hook = _BackwardEnd(self, monitor)
         handles = [
             param.register_post_accumulate_grad_hook(hook)

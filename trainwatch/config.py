@@ -160,6 +160,21 @@ class BroadcastConfig(RuleConfig):
 
 
 @dataclass
+class UnshuffledDataConfig(RuleConfig):
+    # The loss's class targets are counted on every ``every``-th step (one
+    # scatter_add joining the step's readback); other steps pay nothing.
+    every: int = field(default=5, metadata=_range(1))
+    # Sampled batches compared with the run's targets, and how many it takes.
+    window: int = field(default=8, metadata=_range(2))
+    min_batches: int = field(default=4, metadata=_range(2))
+    # Batches holding at most this fraction of the classes that batches drawn
+    # at random from the run's targets would hold.
+    ratio: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    # More outputs than this are tokens or items, not classes: not counted.
+    max_classes: int = field(default=1000, metadata=_range(2))
+
+
+@dataclass
 class UnusedParameterConfig(RuleConfig):
     pass
 
@@ -254,6 +269,7 @@ class Config:
     trainable_parameters: TrainableParametersConfig = field(
         default_factory=TrainableParametersConfig
     )
+    unshuffled_data: UnshuffledDataConfig = field(default_factory=UnshuffledDataConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

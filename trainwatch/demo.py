@@ -7,6 +7,7 @@ sees trainwatch catch a bug live within seconds.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
 
@@ -166,6 +168,11 @@ BUGS: dict[str, Bug] = {
             "trainable_parameters",
             "side",
         ),
+        Bug(
+            "unshuffled",
+            "the training data is stored sorted by label and read with shuffle=False",
+            "unshuffled_data",
+        ),
     )
 }
 DEFAULT_BUG = "missing_zero_grad"
@@ -224,7 +231,7 @@ def run_demo(
     x, y = synthetic_data(samples=768)
     x, y, x_val, y_val = x[:512], y[:512], x[512:], y[512:]  # one teacher, held-out tail
     model = DemoNet()
-    if bug in ("frozen_layer", "broadcast_loss", "shape_error", "lora_wrong_target"):
+    if bug in ("frozen_layer", "broadcast_loss", "shape_error", "lora_wrong_target", "unshuffled"):
         # Set-up mistakes, there from the first step (the broadcast audit looks
         # at the first steps only, where shape bugs show).
         bug_at = 0
@@ -239,8 +246,15 @@ def run_demo(
     out.print(
         f"[bold]trainwatch demo[/]: {steps} steps of a 3-layer MLP, {planted}", soft_wrap=True
     )
+    loader = None
+    if bug == "unshuffled":
+        # Sorted by label, as a dataset gathered class by class often is, and
+        # read in order: every batch holds one class.
+        order = torch.argsort(y, stable=True)
+        loader = DataLoader(TensorDataset(x[order], y[order]), batch_size=64, shuffle=False)
+    batches = _endless(loader) if loader is not None else None
     writer = _writer(log_dir)
-    monitor = tw.watch(model, optimizer, log_dir=log_dir, console=monitor_console)
+    monitor = tw.watch(model, optimizer, log_dir=log_dir, console=monitor_console, data=loader)
     try:
         with monitor:
             for step in range(steps):
@@ -249,11 +263,15 @@ def run_demo(
                 if isinstance(model.fc2, UnsafeLinear):
                     model.fc2.log_output = buggy and bug == "nan_in_layer"
                 model.skip_into_fc2 = buggy and bug == "shape_error"
-                gen = torch.Generator().manual_seed(step)
-                batch = torch.randint(0, len(x), (64,), generator=gen)
+                if batches is not None:
+                    xb, yb = next(batches)
+                else:
+                    gen = torch.Generator().manual_seed(step)
+                    batch = torch.randint(0, len(x), (64,), generator=gen)
+                    xb, yb = x[batch], y[batch]
                 if not (buggy and bug == "missing_zero_grad"):
                     optimizer.zero_grad()
-                loss = _loss(model(x[batch]), y[batch], buggy and bug == "broadcast_loss")
+                loss = _loss(model(xb), yb, buggy and bug == "broadcast_loss")
                 loss.backward()
                 monitor.step(loss=loss)  # optional with an optimizer: lets loss rules see it
                 optimizer.step()
@@ -277,6 +295,12 @@ def run_demo(
         out.print(f"alerts written to {Path(log_dir) / 'alerts.jsonl'}", soft_wrap=True)
         out.print(f"see the run in TensorBoard: tensorboard --logdir {log_dir}", soft_wrap=True)
     return monitor
+
+
+def _endless(loader: DataLoader) -> Iterator[Any]:
+    """Epoch after epoch of ``loader``, as a loop over epochs would read it."""
+    while True:
+        yield from loader
 
 
 def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bug: str | None) -> float:

@@ -232,6 +232,13 @@ class TrainWatchCallback(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("train")
+        monitor = self._monitor
+        if monitor is not None and not monitor.closed:
+            # Loaded by now (reloaded each epoch with reload_dataloaders_every_n_epochs).
+            for loader in _loaders(trainer.train_dataloader):
+                _quietly(monitor.watch_data, loader)
+                if monitor.data_order is not None:
+                    break
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("sanity_check" if trainer.sanity_checking else "validate")
@@ -284,6 +291,17 @@ def _unwrap(optimizer: Any) -> Any:
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
     return inner if isinstance(inner, Optimizer) else optimizer
+
+
+def _loaders(value: Any) -> list[Any]:
+    """The training loaders: one, or the values of a list or dict of them."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
 
 
 def _quietly(fn: Any, *args: Any) -> None:

@@ -25,6 +25,8 @@ from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker, runs_distributed
+from trainwatch.collect.class_targets import ClassTargetLook
+from trainwatch.collect.data_order import sequential_order
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
@@ -42,7 +44,7 @@ from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.raised import note_raise
-from trainwatch.record import AmpReport, NonfiniteReport, SetupCheck, StepRecord
+from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, SetupCheck, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.setup_audit import SetupAudit, build_audit
@@ -79,6 +81,7 @@ class _Pending:
     # Without an optimizer: the weights' names and norms at this step boundary.
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
+    class_counts: Slot | None = None  # a sampled step's class targets, per class
 
 
 class Monitor:
@@ -103,6 +106,7 @@ class Monitor:
         config: Config | None = None,
         sinks: Sequence[Sink] = (),
         scaler: Any = None,
+        data: Any = None,
     ) -> None:
         layers = preflight(model, optimizers)
         # torch.compile(model) returns a wrapper: names, hooks and checks are
@@ -207,6 +211,21 @@ class Monitor:
                 _weak_callback(self._internal_error),
             )
             self._passes.subscribe("behaviour checks", self._behaviour)
+        # The loss's class targets on sampled steps, and the training loader's order.
+        self._class_targets: ClassTargetLook | None = None
+        if "class_targets" in needs:
+            section = self.config.unshuffled_data
+            self._class_targets = ClassTargetLook(
+                section.every,
+                section.max_classes,
+                _weak_getter(self, "step_count", 0),
+                _weak_callback(self._internal_error),
+            )
+            # Listens to the passes of sampled steps only, from step ``every`` on:
+            # the first steps are the broadcast audit's.
+        self._data_order: str | None = None
+        if data is not None:
+            self.watch_data(data)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
@@ -217,6 +236,7 @@ class Monitor:
             self._compile_warning,
             self._probe,
             self._behaviour,
+            self._class_targets,
         )
         weakref.finalize(self, _collected, self._handles, *self._parts)
         _OPEN.add(self)
@@ -303,6 +323,19 @@ class Monitor:
             optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
         )
         self._guarded("optimizer audit", self._audit_optimizer, index)
+
+    def watch_data(self, loader: Any) -> None:
+        """The DataLoader that feeds training now (the data checks judge its sampler).
+
+        Only the training loader belongs here: a validation loader read in
+        order is normal.
+        """
+        self._data_order = self._guarded("data order", sequential_order, loader)
+
+    @property
+    def data_order(self) -> str | None:
+        """How the training loader reads its data in order; None: shuffled, or not seen."""
+        return self._data_order
 
     def refresh_layers(self) -> None:
         """Name parameters put into the model since the last step (a new head) now.
@@ -589,6 +622,9 @@ class Monitor:
         """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
         self._steps_here += 1
+        look = self._class_targets
+        if look is not None and (self._step % look.every == 0) != look.listening:
+            self._guarded("class target look", self._listen_for_targets, look)
         return self._step - 1
 
     def _finish(self, step: int, pending: _Pending | None) -> None:
@@ -792,6 +828,12 @@ class Monitor:
             scale = self._guarded("loss scale", scale_tensor, self.scaler)
             if scale is not None:
                 pending.scale = frame.add(scale)
+        look = self._class_targets
+        if look is not None and look.listening:  # a sampled step
+            counts = self._guarded("class target look", look.take)
+            if counts is not None:
+                pending.class_counts = frame.add(counts)
+            record.class_targets = ClassTargets([], look.per_position, self._data_order)
         if self._behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self._behaviour.gather, record, frame
@@ -843,6 +885,8 @@ class Monitor:
             )
         if self._behaviour is not None and pending.behaviour is not None:
             self._guarded("behaviour checks", self._behaviour.land, record, pending.behaviour)
+        if pending.class_counts is not None and record.class_targets is not None:
+            record.class_targets.counts = pending.class_counts.values()
         flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
@@ -977,6 +1021,15 @@ class Monitor:
         registry.claim(fresh, self)
         if self._probe is not None:
             self._probe.find_device(self._root)
+
+    def _listen_for_targets(self, look: ClassTargetLook) -> None:
+        """Only the passes of sampled steps reach the look: others pay nothing for it."""
+        due = self._step % look.every == 0 and not look.per_position and not look.broken
+        if due and not look.listening:
+            self._passes.subscribe("class_targets", look)
+        elif look.listening and not due:
+            self._passes.unsubscribe(look)
+        look.listening = due
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:

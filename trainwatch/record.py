@@ -112,6 +112,18 @@ class SetupCheck:
 
 
 @dataclass
+class ClassTargets:
+    """A sampled step's look at the loss's class targets and the training loader."""
+
+    # The targets counted per class; empty when no class loss was seen.
+    counts: list[float] = field(default_factory=list)
+    # A class loss over tokens or pixels was seen (a language model's stream).
+    per_position: bool = False
+    # How the training DataLoader reads its data in order, when it is seen to.
+    data_order: str | None = None
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -173,3 +185,5 @@ class StepRecord:
     activations: list[ActivationStats] = field(default_factory=list)
     # The setup audit's figures: at an audit, and on the first step after one.
     setup: SetupCheck | None = None
+    # Set on the steps the class targets are looked at (unshuffled_data).
+    class_targets: ClassTargets | None = None

@@ -31,6 +31,7 @@ def watch(
     config: Config | dict[str, Any] | str | os.PathLike[str] | None = None,
     console: bool | IO[str] = True,
     scaler: Any = None,
+    data: Any = None,
     **overrides: Any,
 ) -> Monitor:
     """Attach trainwatch to a model (and its optimizers) now; returns the Monitor.
@@ -38,6 +39,8 @@ def watch(
     ``console`` may also be a text stream to write the console view to.
     ``scaler``: the loop's ``torch.amp.GradScaler``; with it the AMP check also
     warns when the loss scale falls below 1 (even unscaled gradients overflow).
+    ``data``: the training ``DataLoader``; with it a loader that reads its data
+    in order (``shuffle=False``) is reported.
     """
     cfg = load_config(config, overrides)
     if optimizer is None:
@@ -58,12 +61,14 @@ def watch(
         )
     if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
         raise WatchError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if data is not None and not hasattr(data, "__iter__"):
+        raise WatchError(f"data: expected the training DataLoader, got {type(data).__name__}")
     preflight(model, optimizers)
     try:
         sinks = default_sinks(log_dir, cfg, console=console)
     except OSError as exc:
         raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
-    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler)
+    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler, data=data)
     # A plain loop owns its process: SIGTERM closes the monitor before the
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.

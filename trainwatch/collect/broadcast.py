@@ -164,7 +164,8 @@ def _stack_is_ours_to_use() -> bool:
     on top: ours instead of theirs. So the audit skips such passes; only the
     default-device context (which restores the stack itself) and another
     model's audit (which pops itself only from the top, as ours does) may be
-    below: an actor's and a critic's audits are both live in the same span.
+    below: an actor's and a critic's audits are both live in the same span,
+    and so may the sampled look at class targets, which pops itself the same way.
     """
     if torch._C._len_torch_function_stack() == 0:
         return True
@@ -173,8 +174,11 @@ def _stack_is_ours_to_use() -> bool:
         from torch.utils._device import DeviceContext
     except ImportError:  # pragma: no cover - other torch versions
         return False
+    from trainwatch.collect.class_targets import _TargetMode  # imports this module
+
     return all(
-        isinstance(m, (DeviceContext, _AuditMode)) for m in _get_current_function_mode_stack()
+        isinstance(m, (DeviceContext, _AuditMode, _TargetMode))
+        for m in _get_current_function_mode_stack()
     )
 
 

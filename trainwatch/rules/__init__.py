@@ -18,6 +18,7 @@ from trainwatch.rules.nonfinite import (
 )
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
 from trainwatch.rules.trainable_parameters import TrainableParametersRule
+from trainwatch.rules.unshuffled import UnshuffledDataRule
 from trainwatch.rules.unused import UnusedParameterRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
 
@@ -40,6 +41,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     ConstantOutputRule,
     DeadUnitsRule,
     TrainableParametersRule,
+    UnshuffledDataRule,
 )
 
 
@@ -54,6 +56,7 @@ COLLECTORS = (
     "modes",
     "broadcast_audit",
     "activation_sampler",
+    "class_targets",
 )
 
 

@@ -1,0 +1,202 @@
+"""The class targets a classification loss receives, counted on sampled steps.
+
+Data sorted by label and read in order gives every batch one or two classes.
+Nothing in the model shows it; the targets handed to ``cross_entropy`` or
+``nll_loss`` do. On a sampled training step a ``TorchFunctionMode`` is active
+from the end of the model's forward pass (with gradients on) to the step
+boundary, the span in which the loss is computed; the first such loss call
+with integer targets (or the ``labels`` a model that computes its own loss is
+called with) has its targets counted per class on the device
+(a ``scatter_add``, no host sync), and the counts join the step's one
+readback. The monitor subscribes the look to the model's passes on sampled
+steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
+language model's next-token loss) marks the run as one whose targets vary
+within each sample, and the look stops for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from trainwatch.collect.broadcast import _AuditMode, _call
+from trainwatch.collect.tensors import tensor_leaves
+
+_CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
+
+
+def _allowed_below() -> tuple[type, ...]:
+    """Modes ours may sit above and still pop itself from the top later."""
+    allowed: list[type] = [_TargetMode]
+    try:
+        from torch.utils._device import DeviceContext
+
+        allowed.append(DeviceContext)
+    except ImportError:  # pragma: no cover - other torch versions
+        pass
+    allowed.append(_AuditMode)
+    return tuple(allowed)
+
+
+def _stack_is_ours_to_use() -> bool:
+    """A mode the user entered around the pass would be popped in our place: skip then."""
+    if torch._C._len_torch_function_stack() == 0:
+        return True
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    allowed = _allowed_below()
+    return all(isinstance(m, allowed) for m in _get_current_function_mode_stack())
+
+
+def per_position(logits: Any, target: Any, batch: int | None) -> bool:
+    """Integer targets per token or pixel: more than one per sample of the model's batch."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return False
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        return False
+    if target.dim() >= 2:
+        return True
+    return target.dim() == 1 and batch is not None and target.shape[0] > batch
+
+
+def class_counts(
+    logits: Any, target: Any, max_classes: int, batch: int | None = None
+) -> torch.Tensor | None:
+    """Per-class counts of ``target`` as a float vector on its device, or None.
+
+    Classes only: one integer target per sample (``(N,)``, ``N`` the model's
+    batch when known) against logits (or log-probabilities) whose axis 1
+    holds at most ``max_classes`` classes. Per-token or per-pixel targets are
+    left alone: tokens of one text and pixels of one image repeat their
+    classes by nature. Targets outside the classes (``ignore_index``) are
+    left out.
+    """
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return None
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        return None  # probabilities or soft labels: not classes
+    if logits.dim() != 2 or target.dim() != 1 or target.numel() < 2:
+        return None
+    if batch is not None and target.shape[0] != batch:
+        return None
+    classes = logits.shape[1]
+    if classes < 2 or classes > max_classes:
+        return None
+    flat = target.detach().reshape(-1).long()
+    inside = (flat >= 0) & (flat < classes)
+    index = torch.where(inside, flat, torch.full_like(flat, classes))
+    counts = torch.zeros(classes + 1, device=flat.device)
+    counts.scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:classes]
+
+
+def _logits_of(output: Any) -> torch.Tensor | None:
+    """The class scores of a model output: its ``logits`` field, or its first tensor of rank 2+."""
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return next((t for _, t in tensor_leaves(output) if t.dim() >= 2), None)
+
+
+class _TargetMode(TorchFunctionMode):
+    def __init__(self, look: ClassTargetLook) -> None:
+        super().__init__()
+        self.look = look
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = _call(func, args, kwargs)  # a loss's own warnings still name the user's line
+        look = self.look
+        if (
+            look.counts is None
+            and not look.per_position
+            and getattr(func, "__name__", "") in _CLASS_LOSSES
+        ):
+            try:
+                logits = args[0] if args else kwargs.get("input")
+                target = args[1] if len(args) > 1 else kwargs.get("target")
+                look.counts = class_counts(logits, target, look.max_classes, look.batch)
+                if look.counts is None and per_position(logits, target, look.batch):
+                    look.per_position = True
+            except Exception as exc:  # never break the user's loss
+                look.fail(exc)
+        return out
+
+
+class ClassTargetLook:
+    """Listens to the model's passes; counts a sampled step's class targets."""
+
+    def __init__(
+        self,
+        every: int,
+        max_classes: int,
+        step_of: Callable[[], int],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.every = every
+        self.max_classes = max_classes
+        self._step_of = step_of
+        self._on_error = on_error
+        self._mode = _TargetMode(self)
+        self._depth: int | None = None  # the mode stack's depth with ours on top
+        self.counts: torch.Tensor | None = None
+        self.batch: int | None = None  # the first dimension of the model's output
+        # A class loss over tokens or pixels was seen: targets vary within each sample.
+        self.per_position = False
+        # Subscribed to the model's passes (the monitor does it for sampled steps only).
+        self.listening = False
+        self.broken = False
+
+    # -- the span: from a training pass's output to the step boundary --------
+    def pass_starts(self, module: Any) -> None:
+        if self._depth is not None:
+            self._stop()  # the model's own ops are not the loss
+
+    def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if self.broken or self.per_position or self._depth is not None or self.counts is not None:
+            return
+        if self._step_of() % self.every or not torch.is_grad_enabled():
+            return
+        self.batch = next((t.shape[0] for _, t in tensor_leaves(output) if t.dim() > 0), None)
+        labels = kwargs.get("labels") if isinstance(kwargs, dict) else None
+        if isinstance(labels, torch.Tensor):
+            # The loss is computed inside the model (``model(ids, labels=y)``,
+            # Hugging Face style): its targets are the labels handed in.
+            logits = _logits_of(output)
+            self.counts = class_counts(logits, labels, self.max_classes, self.batch)
+            self.per_position = self.counts is None and per_position(logits, labels, self.batch)
+            return
+        if _stack_is_ours_to_use():
+            self._mode.__enter__()
+            self._depth = torch._C._len_torch_function_stack()
+
+    def take(self) -> torch.Tensor | None:
+        """At the step boundary: the step's counts (None when not sampled or not seen)."""
+        self._stop()
+        found, self.counts = self.counts, None
+        return found
+
+    def _stop(self) -> None:
+        if self._depth is None:
+            return
+        if torch._C._len_torch_function_stack() == self._depth:
+            self._mode.__exit__(None, None, None)
+            self._depth = None
+        # Otherwise a mode entered after ours is still active: ours stays,
+        # inert once counts are taken, and is popped at a later boundary.
+
+    def fail(self, exc: BaseException) -> None:
+        self.broken = True
+        self._on_error("class target look", exc)
+
+    def detach(self) -> None:
+        self.broken = True
+        self._stop()
+        self.counts = None
