@@ -732,6 +732,12 @@ class Monitor:
         return record, params, grads
 
     def _gather(self, index: int | None, attach: bool = False) -> _Pending:
+        look = self._class_targets
+        if look is not None and look.listening:
+            # The loss is behind us: the look's function mode comes off before
+            # the step's own reads (tensor attributes read under a function
+            # mode are dispatched through it, and cost and keep memory there).
+            self._guarded("class target look", look.end_span)
         if self._structure.changed():
             self._rebuild_layers()
         record, params, grads = self._read_gradients(index)

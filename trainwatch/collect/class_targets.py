@@ -177,6 +177,10 @@ class ClassTargetLook:
             self._mode.__enter__()
             self._depth = torch._C._len_torch_function_stack()
 
+    def end_span(self) -> None:
+        """The step boundary is reached: no loss is computed any more."""
+        self._stop()
+
     def take(self) -> torch.Tensor | None:
         """At the step boundary: the step's counts (None when not sampled or not seen)."""
         self._stop()
