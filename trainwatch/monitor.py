@@ -30,6 +30,7 @@ from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.stall import FirstBatchProbe
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
 from trainwatch.config import Config
@@ -76,6 +77,8 @@ class _Pending:
     # Without an optimizer: the weights' names and norms at this step boundary.
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
+    # stalled_training's sampled steps: the weights before the update.
+    weights_before: list[torch.Tensor] | None = None
 
 
 class Monitor:
@@ -187,6 +190,12 @@ class Monitor:
                 _weak_callback(self._internal_error),
             )
             self._passes.subscribe("behaviour checks", self._behaviour)
+        # Whether training changes the output on the first batch: its own sampled steps.
+        self._stall: FirstBatchProbe | None = None
+        if "first_batch" in needs:
+            section = self.config.stalled_training
+            self._stall = FirstBatchProbe(section.every, section.rows)
+            self._passes.subscribe("stalled training", self._stall)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
@@ -197,6 +206,7 @@ class Monitor:
             self._compile_warning,
             self._probe,
             self._behaviour,
+            self._stall,
         )
         weakref.finalize(self, _collected, self._handles, *self._parts)
         _OPEN.add(self)
@@ -472,6 +482,8 @@ class Monitor:
             self._tracker.arm(params)
         if pending is not None and self._parameter_check_due(step):
             self._guarded("parameter check", self._check_parameters, pending, params)
+        if pending is not None and pending.weights_before is not None:
+            self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
     def _manual_step(self) -> None:
@@ -483,6 +495,8 @@ class Monitor:
             self._guarded(
                 "parameter check", self._check_parameters, pending, self._layers.parameters()
             )
+        if pending.weights_before is not None:
+            self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
     def _locate_if_off(self, norms: torch.Tensor | None) -> None:
@@ -519,6 +533,20 @@ class Monitor:
             return
         pending.checked_params = [self._layers.info(p) for p in trainable]
         pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
+
+    def _measure_stall(self, step: int, pending: _Pending) -> None:
+        """A sampled step's update is applied: how far it and the phase moved the model."""
+        if self._stall is None or pending.weights_before is None:
+            return
+        report = self._stall.report(step, pending.params, pending.weights_before, self._layers)
+        pending.weights_before = None
+        report.learning_rates = [
+            float(group["lr"])
+            for opt in self._optimizers
+            for group in opt.param_groups
+            if isinstance(group.get("lr"), (int, float))
+        ]
+        pending.record.stall = report
 
     def _on_new_pass(self) -> None:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""
@@ -644,6 +672,8 @@ class Monitor:
         if self._restarted:
             record.restarted_layers = frozenset(self._restarted)
             self._restarted.clear()
+            if self._stall is not None:
+                self._stall.restart(self._step)  # a new phase, compared from its own first batch
         manual = index is None
         if manual and self._tracker.track_reached:
             known = self._layers.known()
@@ -668,6 +698,10 @@ class Monitor:
             ]
         pending = _Pending(record, params)
         frame = pending.frame
+        if self._stall is not None and self._stall.due(self._step):
+            pending.weights_before = self._guarded(
+                "stalled training", self._stall.weights_before, params
+            )
         if manual and self._check_accumulation and self._tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self._layers)
@@ -764,13 +798,22 @@ class Monitor:
                 record.accumulated, names, slot.values(), self.steps_end_at_backward
             )
         self._dispatcher.numbers(
-            StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
+            StepNumbers(
+                record.step,
+                record.layer_norms,
+                record.total_norm,
+                record.loss,
+                record.stall.update_ratios if record.stall is not None else {},
+            )
         )
-        alerts = self._run_rules(record)
+        late: tuple[int, float | None] | None = None
         if pending.late_loss is not None:
             late_step, value = pending.late_loss
-            number = value.value() if isinstance(value, Slot) else value
-            alerts.extend(self._late_loss_alerts(late_step, number))
+            late = (late_step, value.value() if isinstance(value, Slot) else value)
+            record.late_loss = late[1]
+        alerts = self._run_rules(record)
+        if late is not None:
+            alerts.extend(self._late_loss_alerts(*late))
         return alerts
 
     def _late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:

@@ -97,6 +97,22 @@ class ActivationStats:
 
 
 @dataclass
+class StallReport:
+    """How far the model's output on its phase's first batch moved, measured on a sampled step."""
+
+    steps: int  # steps taken in this phase so far
+    # RMS move of the output on the first batch over the output's own spread
+    # then; None when it could not be measured.
+    change: float | None
+    # Per layer, ||dW|| / ||W|| of this step's update.
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    trainable: int = 0  # trainable parameters (elements) of the model
+    total: int = 0
+    trainable_in: list[str] = field(default_factory=list)  # the modules holding most of them
+    learning_rates: list[float] = field(default_factory=list)  # the optimizers' own
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -134,6 +150,9 @@ class StepRecord:
     restarted_layers: frozenset[str] = frozenset()
     total_norm: float | None = None
     loss: float | None = None
+    # The previous step's loss, handed over after its optimizer step
+    # (``monitor.step(loss=loss)`` after ``optimizer.step()``).
+    late_loss: float | None = None
     # NaN/Inf origins (the cascade downstream of an origin is not reported).
     nonfinite_forward: NonfiniteReport | None = None
     nonfinite_backward: NonfiniteReport | None = None
@@ -153,3 +172,5 @@ class StepRecord:
     broadcasts: list[BroadcastReport] = field(default_factory=list)
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
+    # The first batch re-run (stalled_training): on its sampled steps only.
+    stall: StallReport | None = None

@@ -16,6 +16,7 @@ from trainwatch.rules.nonfinite import (
     NonfiniteLossRule,
     NonfiniteParameterRule,
 )
+from trainwatch.rules.stalled import StalledTrainingRule
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
 from trainwatch.rules.unused import UnusedParameterRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
@@ -38,6 +39,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     BroadcastRule,
     ConstantOutputRule,
     DeadUnitsRule,
+    StalledTrainingRule,
 )
 
 
@@ -52,6 +54,7 @@ COLLECTORS = (
     "modes",
     "broadcast_audit",
     "activation_sampler",
+    "first_batch",
 )
 
 

@@ -15,6 +15,8 @@ class StepNumbers:
     layer_norms: dict[str, float] = field(default_factory=dict)
     total_norm: float | None = None
     loss: float | None = None
+    # Per-layer ||dW|| / ||W|| of the update, on stalled_training's sampled steps only.
+    update_ratios: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -20,6 +20,8 @@ TABLE_TAG = "trainwatch/alerts_table"  # markdown for the built-in Text tab
 NORM_PREFIX = "trainwatch/grad_norm/"
 TOTAL_TAG = NORM_PREFIX + "total"
 HISTOGRAM_TAG = "trainwatch/grad_norm_histogram"
+# Per-layer ||dW|| / ||W|| of an update, written on stalled_training's sampled steps.
+UPDATE_RATIO_PREFIX = "trainwatch/update_ratio/"
 ROOT_LABEL = "<model>"
 
 
