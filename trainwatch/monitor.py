@@ -194,8 +194,10 @@ class Monitor:
         self._stall: FirstBatchProbe | None = None
         if "first_batch" in needs:
             section = self.config.stalled_training
-            self._stall = FirstBatchProbe(section.every, section.rows)
-            self._passes.subscribe("stalled training", self._stall)
+            self._stall = FirstBatchProbe(
+                self._passes, section.every, section.rows, section.loss_window
+            )
+            self._stall.restart(0)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
@@ -406,6 +408,8 @@ class Monitor:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
         self._step = int(state.get("step", self._step))
         self._judge.first_step = self._step
+        if self._stall is not None:
+            self._stall.restart(self._step)  # the resumed run compares from its own first batch
         self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
         saved = state.get("rules", {})
         for rule in self._rules:
@@ -534,12 +538,28 @@ class Monitor:
         pending.checked_params = [self._layers.info(p) for p in trainable]
         pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
 
+    def _sample_stall(self, pending: _Pending) -> None:
+        """The rule sees this step's loss; before a re-run, the weights are copied."""
+        stall = self._stall
+        if stall is None:
+            return
+        pending.record.stall_phase = stall.phase
+        if self._step > stall.due:
+            stall.passed(self._step - 1)  # steps counted elsewhere (a resumed run)
+        if self._step != stall.due:
+            return
+        if stall.ready:
+            pending.weights_before = stall.weights_before(pending.params)
+        else:
+            stall.passed(self._step)  # no batch kept (yet): the next stretch
+
     def _measure_stall(self, step: int, pending: _Pending) -> None:
         """A sampled step's update is applied: how far it and the phase moved the model."""
         if self._stall is None or pending.weights_before is None:
             return
-        report = self._stall.report(step, pending.params, pending.weights_before, self._layers)
-        pending.weights_before = None
+        before, pending.weights_before = pending.weights_before, None
+        self._stall.passed(step)
+        report = self._stall.report(step, pending.params, before, self._layers)
         report.learning_rates = [
             float(group["lr"])
             for opt in self._optimizers
@@ -698,10 +718,11 @@ class Monitor:
             ]
         pending = _Pending(record, params)
         frame = pending.frame
-        if self._stall is not None and self._stall.due(self._step):
-            pending.weights_before = self._guarded(
-                "stalled training", self._stall.weights_before, params
-            )
+        stall = self._stall
+        step = self._step
+        if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
+            # One of its sampled steps (plain attributes: no call on the others).
+            self._guarded("stalled training", self._sample_stall, pending)
         if manual and self._check_accumulation and self._tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self._layers)
@@ -804,6 +825,7 @@ class Monitor:
                 record.total_norm,
                 record.loss,
                 record.stall.update_ratios if record.stall is not None else {},
+                record.stall.change if record.stall is not None else None,
             )
         )
         late: tuple[int, float | None] | None = None

@@ -172,5 +172,7 @@ class StepRecord:
     broadcasts: list[BroadcastReport] = field(default_factory=list)
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
-    # The first batch re-run (stalled_training): on its sampled steps only.
+    # stalled_training's sampled steps: the phase (from 1) whose losses it
+    # keeps (0 on other steps), and the re-run of the first batch.
+    stall_phase: int = 0
     stall: StallReport | None = None

@@ -30,6 +30,7 @@ from torch import nn
 from trainwatch.collect import quiet
 from trainwatch.collect.grads import layer_norms
 from trainwatch.collect.op_trace import swapped_buffers
+from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
 from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
@@ -39,12 +40,25 @@ _NORM_STATS = nn.modules.batchnorm._NormBase
 
 
 class FirstBatchProbe:
-    """Keeps a phase's first batch (a few rows) and measures how far the output moved on it."""
+    """Keeps a phase's first batch (a few rows) and measures how far the output moved on it.
 
-    def __init__(self, every: int, rows: int) -> None:
+    Healthy steps must not pay for it: it listens to the passes only until it
+    has its batch, and the monitor reads the sampled steps off plain
+    attributes (``loss_until``, ``loss_from``, ``due``) without a call.
+    """
+
+    def __init__(self, passes: ModelPasses, every: int, rows: int, loss_window: int) -> None:
         self.every = every
         self.rows = rows
+        self.loss_window = loss_window
+        self._passes = passes
+        self.phase = 0  # counts the training phases, from 1
         self._phase_start = 0  # the first step of the current phase
+        # The sampled steps: the first ``loss_window`` of the phase, the
+        # ``loss_window`` before each re-run, and the step the re-run follows.
+        self.loss_until = 0
+        self.due = 0
+        self.loss_from = 0
         self._kept = False  # a batch is kept, or the attempt gave up for this phase
         self._module: weakref.ref[nn.Module] | None = None
         self._args: Any = None
@@ -61,24 +75,39 @@ class FirstBatchProbe:
         if self._kept or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
         self._kept = True  # one try per phase, whatever happens below
+        self._passes.unsubscribe(self)  # the passes that follow cost nothing
         self._keep(module, args, kwargs)
 
     def restart(self, step: int) -> None:
-        """A new training phase (a new optimizer, a replaced module): a new first batch."""
+        """A new training phase (the first, a new optimizer, a replaced module): a new first batch."""
+        self.phase += 1
         self._phase_start = step
+        self.loss_until = step + self.loss_window
+        self._schedule(step + self.every - 1)
         self._kept = False
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
+        if not self._passes.listens(self):
+            self._passes.subscribe("stalled training", self)
+
+    def passed(self, step: int) -> None:
+        """The re-run at ``step`` is over (or was not possible): the next one."""
+        self._schedule(step + self.every)
+
+    def _schedule(self, due: int) -> None:
+        self.due = due
+        self.loss_from = due - self.loss_window + 1
 
     def detach(self) -> None:
-        self.restart(self._phase_start)
+        self._passes.unsubscribe(self)
         self._kept = True
+        self._module = self._args = self._kwargs = self._reference = None
+        self._stats = []
 
     # -- the sampled steps -------------------------------------------------------
-    def due(self, step: int) -> bool:
-        """Whether the step about to be taken ends a stretch of ``every`` steps of the phase."""
-        taken = step - self._phase_start + 1
-        return taken > 0 and taken % self.every == 0 and self._reference is not None
+    @property
+    def ready(self) -> bool:
+        return self._reference is not None
 
     def weights_before(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():

@@ -36,6 +36,8 @@ _NOISE = 3.0
 class StalledTrainingRule(Rule):
     id = "stalled_training"
     needs = frozenset({"first_batch"})
+    # Only the sampled steps (a phase's first losses, those before each re-run).
+    reads = "stall_phase"
     config: StalledTrainingConfig
 
     def __init__(self, config: StalledTrainingConfig) -> None:
@@ -43,10 +45,11 @@ class StalledTrainingRule(Rule):
         self._first_losses: list[float] = []
         self._latest_losses: deque[float] = deque(maxlen=config.loss_window)
         self._fired = False  # once per phase
+        self._phase = 0
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
-        if record.restarted_layers:
-            self._restart()  # a new phase: its own first losses
+        if record.stall_phase != self._phase:
+            self._restart(record.stall_phase)  # a new phase: its own first losses
         loss = record.loss if record.loss is not None else record.late_loss
         if loss is not None and math.isfinite(loss):
             if len(self._first_losses) < self.config.loss_window:
@@ -64,7 +67,8 @@ class StalledTrainingRule(Rule):
         self._fired = True
         return [self._alert(record.step, report)]
 
-    def _restart(self) -> None:
+    def _restart(self, phase: int) -> None:
+        self._phase = phase
         self._first_losses = []
         self._latest_losses.clear()
         self._fired = False
