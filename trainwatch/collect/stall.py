@@ -79,7 +79,7 @@ class FirstBatchProbe:
         self._keep(module, args, kwargs)
 
     def restart(self, step: int) -> None:
-        """A new training phase (the first, a new optimizer, a replaced module): a new first batch."""
+        """A new phase (the first, a new optimizer, a replaced module): a new first batch."""
         self.phase += 1
         self._phase_start = step
         self.loss_until = step + self.loss_window

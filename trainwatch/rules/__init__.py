@@ -16,8 +16,8 @@ from trainwatch.rules.nonfinite import (
     NonfiniteLossRule,
     NonfiniteParameterRule,
 )
-from trainwatch.rules.stalled import StalledTrainingRule
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
+from trainwatch.rules.stalled import StalledTrainingRule
 from trainwatch.rules.unused import UnusedParameterRule
 from trainwatch.rules.zero_gradient import ZeroGradientRule
 
