@@ -77,7 +77,8 @@ class _Pending:
     # Without an optimizer: the weights' names and norms at this step boundary.
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
-    # stalled_training's sampled steps: the weights before the update.
+    # stalled_training's re-run follows this step, with the weights before its update.
+    stall_due: bool = False
     weights_before: list[torch.Tensor] | None = None
 
 
@@ -192,6 +193,7 @@ class Monitor:
             self._passes.subscribe("behaviour checks", self._behaviour)
         # Whether training changes the output on the first batch: its own sampled steps.
         self._stall: FirstBatchProbe | None = None
+        self._stall_weights: list[torch.Tensor] | None = None  # monitor.step(): last boundary's
         if "first_batch" in needs:
             section = self.config.stalled_training
             self._stall = FirstBatchProbe(
@@ -486,7 +488,7 @@ class Monitor:
             self._tracker.arm(params)
         if pending is not None and self._parameter_check_due(step):
             self._guarded("parameter check", self._check_parameters, pending, params)
-        if pending is not None and pending.weights_before is not None:
+        if pending is not None and pending.stall_due:
             self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
@@ -499,7 +501,7 @@ class Monitor:
             self._guarded(
                 "parameter check", self._check_parameters, pending, self._layers.parameters()
             )
-        if pending.weights_before is not None:
+        if pending.stall_due:
             self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
@@ -538,26 +540,38 @@ class Monitor:
         pending.checked_params = [self._layers.info(p) for p in trainable]
         pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
 
-    def _sample_stall(self, pending: _Pending) -> None:
-        """The rule sees this step's loss; before a re-run, the weights are copied."""
+    def _sample_stall(self, pending: _Pending, step: int) -> None:
+        """The rule sees this step's loss; the weights are copied before a re-run's update.
+
+        An optimizer's pre-step hook comes before the update; ``monitor.step()``
+        after it, so there the copy is made one step boundary earlier.
+        """
         stall = self._stall
         if stall is None:
             return
         pending.record.stall_phase = stall.phase
-        if self._step > stall.due:
-            stall.passed(self._step - 1)  # steps counted elsewhere (a resumed run)
-        if self._step != stall.due:
+        if step > stall.due:
+            stall.passed(step - 1)  # steps counted elsewhere (a resumed run)
+        manual = pending.record.source == "manual"
+        if manual and step == stall.due - 1 and stall.ready:
+            self._stall_weights = stall.weights_before(pending.params)
+        if step != stall.due:
             return
-        if stall.ready:
-            pending.weights_before = stall.weights_before(pending.params)
+        if not stall.ready:
+            stall.passed(step)  # no batch kept (yet): the next stretch
+            return
+        pending.stall_due = True
+        if manual:
+            pending.weights_before, self._stall_weights = self._stall_weights, None
         else:
-            stall.passed(self._step)  # no batch kept (yet): the next stretch
+            pending.weights_before = stall.weights_before(pending.params)
 
     def _measure_stall(self, step: int, pending: _Pending) -> None:
         """A sampled step's update is applied: how far it and the phase moved the model."""
-        if self._stall is None or pending.weights_before is None:
+        if self._stall is None:
             return
         before, pending.weights_before = pending.weights_before, None
+        pending.stall_due = False
         self._stall.passed(step)
         report = self._stall.report(step, pending.params, before, self._layers)
         report.learning_rates = [
@@ -719,10 +733,10 @@ class Monitor:
         pending = _Pending(record, params)
         frame = pending.frame
         stall = self._stall
-        step = self._step
+        step = self._step if index is not None else self._step - 1  # monitor.step() counted it
         if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
             # One of its sampled steps (plain attributes: no call on the others).
-            self._guarded("stalled training", self._sample_stall, pending)
+            self._guarded("stalled training", self._sample_stall, pending, step)
         if manual and self._check_accumulation and self._tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self._layers)

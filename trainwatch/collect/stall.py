@@ -117,11 +117,11 @@ class FirstBatchProbe:
         self,
         step: int,
         params: Sequence[torch.Tensor],
-        before: list[torch.Tensor],
+        before: list[torch.Tensor] | None,
         layers: LayerMap,
     ) -> StallReport:
         """The output's move on the first batch and each layer's update ratio, after the update."""
-        pairs = [(p, old) for p, old in zip(params, before) if p.requires_grad]
+        pairs = [(p, old) for p, old in zip(params, before or []) if p.requires_grad]
         ratios: dict[str, float] = {}
         if pairs:
             with torch.no_grad():
