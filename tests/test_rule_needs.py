@@ -39,6 +39,7 @@ COLLECTOR_NAMES = {
     "modes": "modes",
     "broadcast_audit": "broadcast_audit",
     "activation_sampler": "activation_sampler",
+    "first_batch": "stalled training",
 }
 
 

@@ -457,3 +457,15 @@ def test_trainwatch_run_finds_a_warm_up_in_the_wrong_unit(tmp_path, warmup, stal
     assert len(found) == int(stalled)
     if stalled:
         assert found[0]["step"] == 39 and found[0]["module"] == ""
+
+
+# -- the tuning benchmark ---------------------------------------------------------------
+@pytest.mark.slow
+def test_the_tuning_benchmark_prints_each_run_and_the_margins(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from tune_stalled_training import main
+
+    assert main(["--steps", "12", "--every", "4", "--warmup", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fine-tune adam 1e-5" in out and "lora on 1e-6 branch" in out
+    assert "healthy runs move at least" in out

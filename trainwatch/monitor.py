@@ -193,7 +193,6 @@ class Monitor:
             self._passes.subscribe("behaviour checks", self._behaviour)
         # Whether training changes the output on the first batch: its own sampled steps.
         self._stall: FirstBatchProbe | None = None
-        self._stall_weights: list[torch.Tensor] | None = None  # monitor.step(): last boundary's
         if "first_batch" in needs:
             section = self.config.stalled_training
             self._stall = FirstBatchProbe(
@@ -540,47 +539,19 @@ class Monitor:
         pending.checked_params = [self._layers.info(p) for p in trainable]
         pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
 
-    def _sample_stall(self, pending: _Pending, step: int) -> None:
-        """The rule sees this step's loss; the weights are copied before a re-run's update.
-
-        An optimizer's pre-step hook comes before the update; ``monitor.step()``
-        after it, so there the copy is made one step boundary earlier.
-        """
-        stall = self._stall
-        if stall is None:
-            return
-        pending.record.stall_phase = stall.phase
-        if step > stall.due:
-            stall.passed(step - 1)  # steps counted elsewhere (a resumed run)
-        manual = pending.record.source == "manual"
-        if manual and step == stall.due - 1 and stall.ready:
-            self._stall_weights = stall.weights_before(pending.params)
-        if step != stall.due:
-            return
-        if not stall.ready:
-            stall.passed(step)  # no batch kept (yet): the next stretch
-            return
-        pending.stall_due = True
-        if manual:
-            pending.weights_before, self._stall_weights = self._stall_weights, None
-        else:
-            pending.weights_before = stall.weights_before(pending.params)
-
     def _measure_stall(self, step: int, pending: _Pending) -> None:
         """A sampled step's update is applied: how far it and the phase moved the model."""
         if self._stall is None:
             return
         before, pending.weights_before = pending.weights_before, None
         pending.stall_due = False
-        self._stall.passed(step)
-        report = self._stall.report(step, pending.params, before, self._layers)
-        report.learning_rates = [
+        pending.record.stall = self._stall.report(step, pending.params, before, self._layers)
+        pending.record.stall.learning_rates = [
             float(group["lr"])
             for opt in self._optimizers
             for group in opt.param_groups
             if isinstance(group.get("lr"), (int, float))
         ]
-        pending.record.stall = report
 
     def _on_new_pass(self) -> None:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""
@@ -736,7 +707,9 @@ class Monitor:
         step = self._step if index is not None else self._step - 1  # monitor.step() counted it
         if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
             # One of its sampled steps (plain attributes: no call on the others).
-            self._guarded("stalled training", self._sample_stall, pending, step)
+            found = self._guarded("stalled training", stall.sample, record, params, step)
+            if found is not None:
+                pending.stall_due, pending.weights_before = found
         if manual and self._check_accumulation and self._tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self._layers)

@@ -29,12 +29,13 @@ from torch import nn
 
 from trainwatch.collect import quiet
 from trainwatch.collect.grads import layer_norms
+from trainwatch.collect.nonfinite_replay import replay_target
 from trainwatch.collect.op_trace import swapped_buffers
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
 from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
-from trainwatch.record import StallReport
+from trainwatch.record import StallReport, StepRecord
 
 _NORM_STATS = nn.modules.batchnorm._NormBase
 
@@ -44,7 +45,9 @@ class FirstBatchProbe:
 
     Healthy steps must not pay for it: it listens to the passes only until it
     has its batch, and the monitor reads the sampled steps off plain
-    attributes (``loss_until``, ``loss_from``, ``due``) without a call.
+    attributes (``loss_until``, ``loss_from``) without a call. A model wrapped in
+    DDP is re-run through its inner module (no collective on one rank), one with
+    SyncBatchNorm or FSDP-sharded parts not at all.
     """
 
     def __init__(self, passes: ModelPasses, every: int, rows: int, loss_window: int) -> None:
@@ -60,6 +63,8 @@ class FirstBatchProbe:
         self.due = 0
         self.loss_from = 0
         self._kept = False  # a batch is kept, or the attempt gave up for this phase
+        # monitor.step() comes after the update: the weights at the boundary before a re-run.
+        self._weights_at_boundary: list[torch.Tensor] | None = None
         self._module: weakref.ref[nn.Module] | None = None
         self._args: Any = None
         self._kwargs: Any = None
@@ -87,6 +92,7 @@ class FirstBatchProbe:
         self._kept = False
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
+        self._weights_at_boundary = None
         if not self._passes.listens(self):
             self._passes.subscribe("stalled training", self)
 
@@ -103,15 +109,34 @@ class FirstBatchProbe:
         self._kept = True
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
+        self._weights_at_boundary = None
 
     # -- the sampled steps -------------------------------------------------------
-    @property
-    def ready(self) -> bool:
-        return self._reference is not None
+    def sample(
+        self, record: StepRecord, params: Sequence[torch.Tensor], step: int
+    ) -> tuple[bool, list[torch.Tensor] | None]:
+        """One of the sampled steps: the rule sees its loss. Returns whether the re-run
+        follows this step, and the weights before its update.
 
-    def weights_before(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [p.detach().clone() for p in params]
+        An optimizer's pre-step hook comes before the update; ``monitor.step()``
+        after it, so there the weights are copied one step boundary earlier.
+        """
+        record.stall_phase = self.phase
+        if step > self.due:
+            self.passed(step - 1)  # steps counted elsewhere (a resumed run)
+        ready = self._reference is not None
+        manual = record.source == "manual"
+        if manual and step == self.due - 1 and ready:
+            self._weights_at_boundary = _copies(params)
+        if step != self.due:
+            return False, None
+        if not ready:
+            self.passed(step)  # no batch kept (yet): the next stretch
+            return False, None
+        if manual:
+            before, self._weights_at_boundary = self._weights_at_boundary, None
+            return True, before
+        return True, _copies(params)
 
     def report(
         self,
@@ -121,6 +146,7 @@ class FirstBatchProbe:
         layers: LayerMap,
     ) -> StallReport:
         """The output's move on the first batch and each layer's update ratio, after the update."""
+        self.passed(step)
         pairs = [(p, old) for p, old in zip(params, before or []) if p.requires_grad]
         ratios: dict[str, float] = {}
         if pairs:
@@ -150,6 +176,10 @@ class FirstBatchProbe:
 
     # -- internals ---------------------------------------------------------------
     def _keep(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        target = replay_target(module)  # never a collective: DDP's inner module, or nothing
+        if target is None:
+            return
+        module = target
         batch = _batch_size(args, kwargs)
         self._module = weakref.ref(module)
         self._args = _first_rows(args, batch, self.rows)
@@ -206,6 +236,11 @@ class FirstBatchProbe:
         finally:
             for sub, training in modes:
                 sub.training = training
+
+
+def _copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [p.detach().clone() for p in params]
 
 
 def _batch_size(args: Any, kwargs: Any) -> int | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 
 from trainwatch.alert import Alert
 from trainwatch.config import StalledTrainingConfig
@@ -43,7 +42,7 @@ class StalledTrainingRule(Rule):
     def __init__(self, config: StalledTrainingConfig) -> None:
         super().__init__(config)
         self._first_losses: list[float] = []
-        self._latest_losses: deque[float] = deque(maxlen=config.loss_window)
+        self._latest_losses: list[float] = []  # the latest ``loss_window`` (plain data)
         self._fired = False  # once per phase
         self._phase = 0
 
@@ -56,6 +55,7 @@ class StalledTrainingRule(Rule):
                 self._first_losses.append(loss)
             else:
                 self._latest_losses.append(loss)
+                del self._latest_losses[: -self.config.loss_window]
         report = record.stall
         if report is None or self._fired or report.change is None:
             return []
@@ -70,12 +70,12 @@ class StalledTrainingRule(Rule):
     def _restart(self, phase: int) -> None:
         self._phase = phase
         self._first_losses = []
-        self._latest_losses.clear()
+        self._latest_losses = []
         self._fired = False
 
     def _loss_flat(self) -> bool:
         """Flat, or not known (no loss handed over): the output's move decides alone."""
-        first, latest = self._first_losses, list(self._latest_losses)
+        first, latest = self._first_losses, self._latest_losses
         if len(first) < 2 or len(latest) < 2:
             return True
         before, after = statistics.fmean(first), statistics.fmean(latest)
