@@ -317,6 +317,32 @@ def test_training_is_bit_identical_with_the_re_runs_and_modes_come_back(quiet_wa
     assert [m.training for m in watched.modules()] == [m.training for m in plain.modules()]
 
 
+def _nan_at_step_8(watch, check: str, stall: dict | bool) -> list[tuple]:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = watch(model, opt, nonfinite_forward={"check": check}, stalled_training=stall)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x = torch.randn(16, 8, generator=gen)
+        if step == 8:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+        opt.step()
+    return [(a.rule, a.step, a.module) for a in monitor.alerts]
+
+
+@pytest.mark.parametrize("check", ["auto", "deferred"])
+def test_re_runs_at_every_step_leave_the_other_checks_as_they_were(quiet_watch, check):
+    """A NaN planted in a weight after many re-runs is found as it is without them."""
+    with_re_runs = _nan_at_step_8(quiet_watch, check, {"every": 1, "warmup": 1})
+    without = _nan_at_step_8(quiet_watch, check, False)
+    assert with_re_runs == without
+    assert with_re_runs[0][1:] in [(7, "2"), (8, "2")]
+
+
 def test_a_model_that_cannot_run_on_a_few_rows_is_left_alone(quiet_watch):
     class FixedBatch(nn.Module):
         def __init__(self) -> None:
