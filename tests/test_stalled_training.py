@@ -439,6 +439,64 @@ def test_a_lightning_module_with_a_learning_rate_of_1e_12_stalls(tmp_path, lr, s
         assert "the loss flat" in found[0].message  # Lightning hands the loss over
 
 
+class AdaptedRegressor(pl.LightningModule):
+    """A LightningModule fine-tuning adapters placed on ``where`` of a pre-trained backbone."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.backbone = _pretrained()
+        self.trainable = _with_adapters(self.backbone, where)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.trainable, lr=1e-3)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(512, 16, generator=gen)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, _target(x)), batch_size=64
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, stalled", [("side.inner", True), ("trunk.0", False)])
+def test_lightning_adapters_on_a_branch_scaled_by_1e_6_stall(tmp_path, where, stalled):
+    callback = TrainWatchCallback(console=io.StringIO(), **SHORT)
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        accelerator="cpu",
+        max_steps=45,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(AdaptedRegressor(where))
+    found = _stalls(callback.alerts)
+    assert [(a.step, a.module) for a in found] == ([(39, "")] if stalled else [])
+    if stalled:
+        assert "'backbone.side.inner.lora_" in found[0].message
+
+
+# -- cost ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_healthy_step_off_the_sampled_ones_costs_nothing_more():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from opcount import count
+
+    with_rule, without = count(4), count(4, {"stalled_training": False})
+    assert with_rule.added_ops == without.added_ops
+    assert with_rule.python_calls == without.python_calls
+
+
 # -- trainwatch run -------------------------------------------------------------------------
 SCRIPT = """
 import sys
