@@ -127,7 +127,8 @@ class _Loop:
     (zero_gradient for fc1 and norm, reported once) and zero_grad() is never
     called (accumulated_gradient at every step from step 1). Its learning
     rate is 0: the gradients pile up (that is the bug) but the weights stay
-    put, so the numbers stay finite for all 20,000 steps.
+    put, so the numbers stay finite for all 20,000 steps (and the run changes
+    nothing: stalled_training, reported once).
     """
 
     def __init__(self, model: LongRunNet, device: str, recurring: bool) -> None:
@@ -245,7 +246,12 @@ def test_a_healthy_20000_step_run_raises_no_alert(long_run):
 @pytest.mark.parametrize("long_run", RECURRING, indirect=True)
 def test_a_finding_that_recurs_every_step_is_printed_and_written_once_and_counted(long_run):
     run = long_run
-    findings = {("accumulated_gradient", None), ("zero_gradient", "fc1"), ("zero_gradient", "norm")}
+    findings = {
+        ("accumulated_gradient", None),
+        ("zero_gradient", "fc1"),
+        ("zero_gradient", "norm"),
+        ("stalled_training", ""),
+    }
     assert {a.key for a in run.monitor.alerts} == findings
     # The console: one line per finding, then the summary table.
     printed = [line for line in run.console.splitlines() if line.startswith("trainwatch step")]

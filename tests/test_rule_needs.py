@@ -42,6 +42,7 @@ COLLECTOR_NAMES = {
     "broadcast_audit": "broadcast_audit",
     "activation_sampler": "activation_sampler",
     "class_targets": "class_targets",
+    "first_batch": "stalled training",
 }
 
 

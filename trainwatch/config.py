@@ -201,6 +201,27 @@ class VanishingGradientConfig(RuleConfig):
 
 
 @dataclass
+class StalledTrainingConfig(RuleConfig):
+    # The model is re-run on a few rows of its phase's first batch every
+    # ``every`` steps (one eval forward without gradients, and a copy of the
+    # weights before that step's update); never on the steps in between.
+    every: int = field(default=100, metadata=_range(1))
+    rows: int = field(default=16, metadata=_range(1))
+    # No verdict before this many steps of a phase.
+    warmup: int = field(default=200, metadata=_range(1))
+    # Stalled: the output's RMS move on the first batch stays below
+    # ``min_change`` of the output's spread past the warm-up. Healthy runs
+    # (fine-tunes at lr 1e-5 included) move it 3e-2 or more, a learning rate
+    # of 1e-12 or adapters on a module scaled by 1e-6 2e-7 or less
+    # (benchmarks/tune_stalled_training.py) ...
+    min_change: float = field(default=1e-5, metadata=_range(0.0))
+    # ... while the loss is flat: its mean over the latest ``loss_window``
+    # steps within ``loss_change`` (relative) or batch noise of the first ones.
+    loss_window: int = field(default=20, metadata=_range(2))
+    loss_change: float = field(default=0.05, metadata=_range(0.0))
+
+
+@dataclass
 class GradNormsConfig:
     enabled: bool = True
 
@@ -270,6 +291,7 @@ class Config:
         default_factory=TrainableParametersConfig
     )
     unshuffled_data: UnshuffledDataConfig = field(default_factory=UnshuffledDataConfig)
+    stalled_training: StalledTrainingConfig = field(default_factory=StalledTrainingConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

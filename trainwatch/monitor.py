@@ -32,6 +32,7 @@ from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.stall import FirstBatchProbe
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
 from trainwatch.config import Config
@@ -82,6 +83,9 @@ class _Pending:
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
     class_counts: Slot | None = None  # a sampled step's class targets, per class
+    # stalled_training's re-run follows this step, with the weights before its update.
+    stall_due: bool = False
+    weights_before: list[torch.Tensor] | None = None
 
 
 class Monitor:
@@ -226,6 +230,14 @@ class Monitor:
         self._data_order: str | None = None
         if data is not None:
             self.watch_data(data)
+        # Whether training changes the output on the first batch: its own sampled steps.
+        self._stall: FirstBatchProbe | None = None
+        if "first_batch" in needs:
+            section = self.config.stalled_training
+            self._stall = FirstBatchProbe(
+                self._passes, section.every, section.rows, section.loss_window
+            )
+            self._stall.restart(0)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self._parts = (
@@ -237,6 +249,7 @@ class Monitor:
             self._probe,
             self._behaviour,
             self._class_targets,
+            self._stall,
         )
         weakref.finalize(self, _collected, self._handles, *self._parts)
         _OPEN.add(self)
@@ -468,6 +481,8 @@ class Monitor:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
         self._step = int(state.get("step", self._step))
         self._judge.first_step = self._step
+        if self._stall is not None:
+            self._stall.restart(self._step)  # the resumed run compares from its own first batch
         self._memory.alerts.extend(self._dispatcher.load_state_dict(state.get("tallies", [])))
         saved = state.get("rules", {})
         for rule in self._rules:
@@ -544,6 +559,8 @@ class Monitor:
             self._tracker.arm(params)
         if pending is not None and self._parameter_check_due(step):
             self._guarded("parameter check", self._check_parameters, pending, params)
+        if pending is not None and pending.stall_due:
+            self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
     def _manual_step(self) -> None:
@@ -555,6 +572,8 @@ class Monitor:
             self._guarded(
                 "parameter check", self._check_parameters, pending, self._layers.parameters()
             )
+        if pending.stall_due:
+            self._guarded("stalled training", self._measure_stall, step, pending)
         self._finish(step, pending)
 
     def _locate_if_off(self, norms: torch.Tensor | None) -> None:
@@ -591,6 +610,20 @@ class Monitor:
             return
         pending.checked_params = [self._layers.info(p) for p in trainable]
         pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
+
+    def _measure_stall(self, step: int, pending: _Pending) -> None:
+        """A sampled step's update is applied: how far it and the phase moved the model."""
+        if self._stall is None:
+            return
+        before, pending.weights_before = pending.weights_before, None
+        pending.stall_due = False
+        pending.record.stall = self._stall.report(step, pending.params, before, self._layers)
+        pending.record.stall.learning_rates = [
+            float(group["lr"])
+            for opt in self._optimizers
+            for group in opt.param_groups
+            if isinstance(group.get("lr"), (int, float))
+        ]
 
     def _on_new_pass(self) -> None:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""
@@ -758,6 +791,8 @@ class Monitor:
         if self._restarted:
             record.restarted_layers = frozenset(self._restarted)
             self._restarted.clear()
+            if self._stall is not None:
+                self._stall.restart(self._step)  # a new phase, compared from its own first batch
         manual = index is None
         if manual and self._tracker.track_reached:
             known = self._layers.known()
@@ -801,6 +836,13 @@ class Monitor:
                     self._guarded("setup audit", self._check_reach, record)
         pending = _Pending(record, params)
         frame = pending.frame
+        stall = self._stall
+        step = self._step if index is not None else self._step - 1  # monitor.step() counted it
+        if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
+            # One of its sampled steps (plain attributes: no call on the others).
+            found = self._guarded("stalled training", stall.sample, record, params, step)
+            if found is not None:
+                pending.stall_due, pending.weights_before = found
         if manual and self._check_accumulation and self._tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self._layers)
@@ -905,13 +947,23 @@ class Monitor:
                 record.accumulated, names, slot.values(), self.steps_end_at_backward
             )
         self._dispatcher.numbers(
-            StepNumbers(record.step, record.layer_norms, record.total_norm, record.loss)
+            StepNumbers(
+                record.step,
+                record.layer_norms,
+                record.total_norm,
+                record.loss,
+                record.stall.update_ratios if record.stall is not None else {},
+                record.stall.change if record.stall is not None else None,
+            )
         )
-        alerts = self._run_rules(record)
+        late: tuple[int, float | None] | None = None
         if pending.late_loss is not None:
             late_step, value = pending.late_loss
-            number = value.value() if isinstance(value, Slot) else value
-            alerts.extend(self._late_loss_alerts(late_step, number))
+            late = (late_step, value.value() if isinstance(value, Slot) else value)
+            record.late_loss = late[1]
+        alerts = self._run_rules(record)
+        if late is not None:
+            alerts.extend(self._late_loss_alerts(*late))
         return alerts
 
     def _late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:

@@ -124,6 +124,22 @@ class ClassTargets:
 
 
 @dataclass
+class StallReport:
+    """How far the model's output on its phase's first batch moved, measured on a sampled step."""
+
+    steps: int  # steps taken in this phase so far
+    # RMS move of the output on the first batch over the output's own spread
+    # then; None when it could not be measured.
+    change: float | None
+    # Per layer, ||dW|| / ||W|| of this step's update.
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    trainable: int = 0  # trainable parameters (elements) of the model
+    total: int = 0
+    trainable_in: list[str] = field(default_factory=list)  # the modules holding most of them
+    learning_rates: list[float] = field(default_factory=list)  # the optimizers' own
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -164,6 +180,9 @@ class StepRecord:
     restarted_layers: frozenset[str] = frozenset()
     total_norm: float | None = None
     loss: float | None = None
+    # The previous step's loss, handed over after its optimizer step
+    # (``monitor.step(loss=loss)`` after ``optimizer.step()``).
+    late_loss: float | None = None
     # NaN/Inf origins (the cascade downstream of an origin is not reported).
     nonfinite_forward: NonfiniteReport | None = None
     nonfinite_backward: NonfiniteReport | None = None
@@ -187,3 +206,7 @@ class StepRecord:
     setup: SetupCheck | None = None
     # Set on the steps the class targets are looked at (unshuffled_data).
     class_targets: ClassTargets | None = None
+    # stalled_training's sampled steps: the phase (from 1) whose losses it
+    # keeps (0 on other steps), and the re-run of the first batch.
+    stall_phase: int = 0
+    stall: StallReport | None = None

@@ -155,6 +155,9 @@ class ModelPasses:
     def subscribe(self, name: str, listener: PassListener) -> None:
         self._listeners.append((name, listener))
 
+    def listens(self, listener: PassListener) -> bool:
+        return any(item is listener for _, item in self._listeners)
+
     def listener_names(self) -> list[str]:
         return [name for name, _ in self._listeners]
 

@@ -17,6 +17,7 @@ from trainwatch.rules.nonfinite import (
     NonfiniteParameterRule,
 )
 from trainwatch.rules.optimizer_membership import FrozenInOptimizerRule, NotOptimizedRule
+from trainwatch.rules.stalled import StalledTrainingRule
 from trainwatch.rules.trainable_parameters import TrainableParametersRule
 from trainwatch.rules.unshuffled import UnshuffledDataRule
 from trainwatch.rules.unused import UnusedParameterRule
@@ -42,6 +43,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     DeadUnitsRule,
     TrainableParametersRule,
     UnshuffledDataRule,
+    StalledTrainingRule,
 )
 
 
@@ -57,6 +59,7 @@ COLLECTORS = (
     "broadcast_audit",
     "activation_sampler",
     "class_targets",
+    "first_batch",
 )
 
 

@@ -16,6 +16,10 @@ class StepNumbers:
     layer_norms: dict[str, float] = field(default_factory=dict)
     total_norm: float | None = None
     loss: float | None = None
+    # Per-layer ||dW|| / ||W|| of the update, on stalled_training's sampled steps only.
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    # How far the output on the first batch moved, over its spread (same steps).
+    output_change: float | None = None
 
 
 @dataclass

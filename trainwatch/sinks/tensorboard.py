@@ -173,6 +173,11 @@ class TensorBoardSink(Sink):
                 self.writer.add_scalar(metadata.norm_tag(layer), value, step)
             if numbers.total_norm is not None:
                 self.writer.add_scalar(metadata.TOTAL_TAG, numbers.total_norm, step)
+        for layer, ratio in numbers.update_ratios.items():
+            label = layer if layer else metadata.ROOT_LABEL
+            self.writer.add_scalar(metadata.UPDATE_RATIO_PREFIX + label, ratio, step)
+        if numbers.output_change is not None:
+            self.writer.add_scalar(metadata.OUTPUT_CHANGE_TAG, numbers.output_change, step)
         if self.config.histograms and step % self.config.histogram_every == 0:
             finite = [v for v in numbers.layer_norms.values() if math.isfinite(v)]
             if finite:

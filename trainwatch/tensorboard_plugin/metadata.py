@@ -21,6 +21,10 @@ SETUP_TAG = "trainwatch/setup"  # the trainable-parameter audit, markdown for th
 NORM_PREFIX = "trainwatch/grad_norm/"
 TOTAL_TAG = NORM_PREFIX + "total"
 HISTOGRAM_TAG = "trainwatch/grad_norm_histogram"
+# Per-layer ||dW|| / ||W|| of an update, written on stalled_training's sampled steps.
+UPDATE_RATIO_PREFIX = "trainwatch/update_ratio/"
+# The output's move on the first batch over its spread (stalled_training), same steps.
+OUTPUT_CHANGE_TAG = "trainwatch/first_batch_change"
 ROOT_LABEL = "<model>"
 
 

@@ -1,0 +1,287 @@
+"""Whether training changes what the model computes: its first batch, re-run now and then.
+
+The first forward pass with gradients of a training phase leaves a few rows
+of its inputs behind (at most ``rows``, cloned once) and, before any update,
+the model's output on them. Every ``every`` steps the model is run on those
+rows again, in eval mode, without gradients and under the quiet marker (no
+other collector sees the pass), with the RNG forked and the buffers swapped
+for copies, so training goes on bit for bit as it would have. Batch-norm
+running statistics are the ones kept at the start of the phase: they move on
+every training pass whatever the learning rate, so only the weights can move
+the output.
+
+On the same sampled steps the weights are copied before the optimizer's
+update, which gives each layer's update-to-weight ratio ``||dW|| / ||W||``
+after it: about 1e-3 in healthy runs, orders of magnitude less when the
+learning rate is effectively zero.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainwatch.collect import quiet
+from trainwatch.collect.grads import layer_norms
+from trainwatch.collect.nonfinite_replay import replay_target
+from trainwatch.collect.op_trace import swapped_buffers
+from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
+from trainwatch.compiled import eager
+from trainwatch.layers import LayerMap
+from trainwatch.record import StallReport, StepRecord
+
+_NORM_STATS = nn.modules.batchnorm._NormBase
+
+
+class FirstBatchProbe:
+    """Keeps a phase's first batch (a few rows) and measures how far the output moved on it.
+
+    Healthy steps must not pay for it: it listens to the passes only until it
+    has its batch, and the monitor reads the sampled steps off plain
+    attributes (``loss_until``, ``loss_from``) without a call. A model wrapped in
+    DDP is re-run through its inner module (no collective on one rank), one with
+    SyncBatchNorm or FSDP-sharded parts not at all.
+    """
+
+    def __init__(self, passes: ModelPasses, every: int, rows: int, loss_window: int) -> None:
+        self.every = every
+        self.rows = rows
+        self.loss_window = loss_window
+        self._passes = passes
+        self.phase = 0  # counts the training phases, from 1
+        self._phase_start = 0  # the first step of the current phase
+        # The sampled steps: the first ``loss_window`` of the phase, the
+        # ``loss_window`` before each re-run, and the step the re-run follows.
+        self.loss_until = 0
+        self.due = 0
+        self.loss_from = 0
+        self._kept = False  # a batch is kept, or the attempt gave up for this phase
+        # monitor.step() comes after the update: the weights at the boundary before a re-run.
+        self._weights_at_boundary: list[torch.Tensor] | None = None
+        self._module: weakref.ref[nn.Module] | None = None
+        self._args: Any = None
+        self._kwargs: Any = None
+        self._reference: torch.Tensor | None = None
+        self._spread = 0.0
+        self._stats: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+
+    # -- the passes ------------------------------------------------------------
+    def pass_starts(self, module: nn.Module) -> None:
+        return None
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._kept or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        self._kept = True  # one try per phase, whatever happens below
+        self._passes.unsubscribe(self)  # the passes that follow cost nothing
+        self._keep(module, args, kwargs)
+
+    def restart(self, step: int) -> None:
+        """A new phase (the first, a new optimizer, a replaced module): a new first batch."""
+        self.phase += 1
+        self._phase_start = step
+        self.loss_until = step + self.loss_window
+        self._schedule(step + self.every - 1)
+        self._kept = False
+        self._module = self._args = self._kwargs = self._reference = None
+        self._stats = []
+        self._weights_at_boundary = None
+        if not self._passes.listens(self):
+            self._passes.subscribe("stalled training", self)
+
+    def passed(self, step: int) -> None:
+        """The re-run at ``step`` is over (or was not possible): the next one."""
+        self._schedule(step + self.every)
+
+    def _schedule(self, due: int) -> None:
+        self.due = due
+        self.loss_from = due - self.loss_window + 1
+
+    def detach(self) -> None:
+        self._passes.unsubscribe(self)
+        self._kept = True
+        self._module = self._args = self._kwargs = self._reference = None
+        self._stats = []
+        self._weights_at_boundary = None
+
+    # -- the sampled steps -------------------------------------------------------
+    def sample(
+        self, record: StepRecord, params: Sequence[torch.Tensor], step: int
+    ) -> tuple[bool, list[torch.Tensor] | None]:
+        """One of the sampled steps: the rule sees its loss. Returns whether the re-run
+        follows this step, and the weights before its update.
+
+        An optimizer's pre-step hook comes before the update; ``monitor.step()``
+        after it, so there the weights are copied one step boundary earlier.
+        """
+        record.stall_phase = self.phase
+        if step > self.due:
+            self.passed(step - 1)  # steps counted elsewhere (a resumed run)
+        ready = self._reference is not None
+        manual = record.source == "manual"
+        if manual and step == self.due - 1 and ready:
+            self._weights_at_boundary = _copies(params)
+        if step != self.due:
+            return False, None
+        if not ready:
+            self.passed(step)  # no batch kept (yet): the next stretch
+            return False, None
+        if manual:
+            before, self._weights_at_boundary = self._weights_at_boundary, None
+            return True, before
+        return True, _copies(params)
+
+    def report(
+        self,
+        step: int,
+        params: Sequence[torch.Tensor],
+        before: list[torch.Tensor] | None,
+        layers: LayerMap,
+    ) -> StallReport:
+        """The output's move on the first batch and each layer's update ratio, after the update."""
+        self.passed(step)
+        pairs = [(p, old) for p, old in zip(params, before or []) if p.requires_grad]
+        ratios: dict[str, float] = {}
+        if pairs:
+            with torch.no_grad():
+                now = [p.detach().float() for p, _ in pairs]
+                moved = torch._foreach_sub(now, [old.float() for _, old in pairs])
+                norms = torch.stack(
+                    [*torch._foreach_norm(moved), *torch._foreach_norm(now)]
+                ).tolist()
+            infos = [layers.info(p) for p, _ in pairs]
+            updates, _ = layer_norms(infos, norms[: len(pairs)], layers.layers)
+            weights, _ = layer_norms(infos, norms[len(pairs) :], layers.layers)
+            ratios = {
+                layer: updates[layer] / weights[layer]
+                for layer in updates
+                if weights.get(layer, 0.0) > 0.0
+            }
+        trainable, total, where = _trainable(layers)
+        return StallReport(
+            steps=step - self._phase_start + 1,
+            change=self._change(),
+            update_ratios=ratios,
+            trainable=trainable,
+            total=total,
+            trainable_in=where,
+        )
+
+    # -- internals ---------------------------------------------------------------
+    def _keep(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        target = replay_target(module)  # never a collective: DDP's inner module, or nothing
+        if target is None:
+            return
+        module = target
+        batch = _batch_size(args, kwargs)
+        self._module = weakref.ref(module)
+        self._args = _first_rows(args, batch, self.rows)
+        self._kwargs = _first_rows(kwargs, batch, self.rows)
+        self._stats = [
+            (sub._buffers, name, buf.detach().clone())
+            for sub in module.modules()
+            if isinstance(sub, _NORM_STATS)
+            for name, buf in sub._buffers.items()
+            if buf is not None
+        ]
+        output = self._run()
+        if output is None:
+            return
+        spread = float(output.std()) if output.numel() > 1 else 0.0
+        if not math.isfinite(spread) or spread <= 0.0:
+            return  # a constant output: nothing to measure a move against
+        self._reference, self._spread = output, spread
+
+    def _change(self) -> float | None:
+        reference = self._reference
+        output = self._run()
+        if reference is None or output is None or output.shape != reference.shape:
+            return None
+        moved = float((output - reference).pow(2).mean().sqrt())
+        return moved / self._spread if math.isfinite(moved) else None
+
+    def _run(self) -> torch.Tensor | None:
+        """The kept rows through the model, as training would never see it; None if it fails."""
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return None
+        modes = [(sub, sub.training) for sub in module.modules()]
+        devices = _cuda_devices(module)
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(swapped_buffers(module))
+                stack.enter_context(torch.random.fork_rng(devices=devices))
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(quiet.replay())
+                stack.enter_context(eager())
+                for buffers, name, kept in self._stats:
+                    buffers[name] = kept.clone()  # the phase's running statistics
+                for sub, _ in modes:
+                    sub.training = False
+                output = module(*detached_copies(self._args), **detached_copies(self._kwargs))
+                flat = [t.detach().float().reshape(-1) for t in floating_tensors(output)]
+                return torch.cat(flat) if flat else None
+        except Exception:
+            # A model that cannot run on a few of its own rows again (state kept
+            # between calls, a fixed batch size) is not measured; training is
+            # untouched either way.
+            return None
+        finally:
+            for sub, training in modes:
+                sub.training = training
+
+
+def _copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [p.detach().clone() for p in params]
+
+
+def _batch_size(args: Any, kwargs: Any) -> int | None:
+    for _, tensor in tensor_leaves((args, kwargs)):
+        if tensor.dim() > 0:
+            return tensor.shape[0]
+    return None
+
+
+def _first_rows(value: Any, batch: int | None, rows: int) -> Any:
+    """``value`` with each batch-first tensor cut to its first ``rows`` rows, all cloned."""
+    if isinstance(value, torch.Tensor):
+        if batch is not None and batch > rows and value.dim() > 0 and value.shape[0] == batch:
+            value = value[:rows]
+        return value.detach().clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_first_rows(item, batch, rows) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(_first_rows(item, batch, rows) for item in value)
+    if type(value) is dict:
+        return {key: _first_rows(item, batch, rows) for key, item in value.items()}
+    return detached_copies(value)
+
+
+def _cuda_devices(module: nn.Module) -> list[int]:
+    first = next(module.parameters(), None)
+    if first is None or first.device.type != "cuda":
+        return []
+    return [first.device.index if first.device.index is not None else 0]
+
+
+def _trainable(layers: LayerMap) -> tuple[int, int, list[str]]:
+    """Trainable and total parameter counts, and the modules holding the most trainable ones."""
+    trainable = total = 0
+    by_owner: dict[str, int] = {}
+    for param in layers.parameters():
+        count = param.numel()
+        total += count
+        if param.requires_grad:
+            trainable += count
+            owner = layers.info(param).owner
+            by_owner[owner] = by_owner.get(owner, 0) + count
+    where = sorted(by_owner, key=lambda owner: -by_owner[owner])[:3]
+    return trainable, total, where
