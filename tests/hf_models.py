@@ -8,7 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 transformers = pytest.importorskip("transformers")
 

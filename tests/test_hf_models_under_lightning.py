@@ -1,4 +1,4 @@
-"""Real Hugging Face models (tiny, offline) wrapped in a LightningModule under the Lightning callback.
+"""Real Hugging Face models (tiny, offline) in a LightningModule under the Lightning callback.
 
 Names are relative to the LightningModule: the wrapped model is ``model``.
 """

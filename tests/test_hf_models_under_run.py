@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from trainwatch.runner import run_script  # noqa: E402
+from trainwatch.runner import run_script
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,9 @@ def test_a_nan_in_one_attention_block_is_named(tmp_path, script):
 
 @pytest.mark.slow
 def test_the_console_script_gates_a_planted_bug_in_a_subprocess(tmp_path, script):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")])
+    )
     done = subprocess.run(
         [sys.executable, "-m", "trainwatch", "run", "--log-dir", str(tmp_path / "log"),
          "--fail-on", "warning", "--no-console", str(script), "t5", "5", "nan"],

@@ -238,5 +238,5 @@ def test_halt_on_without_raising_only_stops(tmp_path):
 
 
 def test_bad_config_fails_when_the_callback_is_built():
-    with pytest.raises(tw.ConfigError, match="zero_gradient.patiense"):
+    with pytest.raises(tw.ConfigError, match=r"zero_gradient\.patiense"):
         TrainWatchCallback(zero_gradient={"patiense": 3})
