@@ -240,3 +240,21 @@ def test_halt_on_without_raising_only_stops(tmp_path):
 def test_bad_config_fails_when_the_callback_is_built():
     with pytest.raises(tw.ConfigError, match=r"zero_gradient\.patiense"):
         TrainWatchCallback(zero_gradient={"patiense": 3})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_the_unclipped_norms_and_stays_silent(tmp_path, reentrant):
+    watch = TrainWatchCallback(console=io.StringIO())
+    steps = _Steps(watch)
+    _, trainer = _fit(
+        tmp_path,
+        watch=watch,
+        extra=[steps],
+        max_steps=4,
+        max_grad_norm=1e-4,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+    )
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert [norm for _, _, norm in steps.seen] == pytest.approx(logged, rel=1e-4)
+    assert _found(watch) == []
