@@ -188,6 +188,7 @@ class Monitor:
                 _weak_callback(self._publish_pass),
                 _weak_callback(self._internal_error),
             )
+            self._behaviour.passes = self._passes
             self._passes.subscribe("behaviour checks", self._behaviour)
         registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
