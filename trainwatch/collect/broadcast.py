@@ -148,7 +148,7 @@ def _label_tensors(module: Any, args: Any, kwargs: dict[str, Any]) -> list[torch
     if args:
         try:
             bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
-            named = dict(bound.arguments)
+            named.update(bound.arguments)  # a wrapper's (**kwargs) keeps the keywords too
         except (TypeError, ValueError):
             pass
     return [
