@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from trainwatch.runner import run_script

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parent.parent
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def test_importing_trainwatch_loads_no_hugging_face_package():

@@ -182,6 +182,15 @@ def test_alerts_and_norms_go_where_the_trainers_tensorboard_writes(tmp_path, mon
     assert (run / "alerts.jsonl").is_file()
     events = list(run.glob("events.out.tfevents*"))
     assert len(events) >= 2  # the Trainer's writer and trainwatch's, side by side
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for event_file in events:
+        accumulator = EventAccumulator(str(event_file))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    assert "trainwatch/grad_norm/total" in tags
+    assert "train/loss" in tags  # the Trainer's own, in the same directory
 
 
 def test_log_dir_overrides_where_alerts_go(tmp_path):
@@ -258,3 +267,18 @@ def test_gradient_checkpointing_keeps_the_unclipped_norms_and_stays_silent(tmp_p
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert [norm for _, _, norm in steps.seen] == pytest.approx(logged, rel=1e-4)
     assert _found(watch) == []
+
+
+def test_evaluation_during_training_is_silent(tmp_path):
+    model = model_of("bert")
+    watch = TrainWatchCallback(console=io.StringIO())
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path / "out", max_steps=6, eval_strategy="steps", eval_steps=2),
+        train_dataset=Tokens("bert"),
+        eval_dataset=Tokens("bert", n=16, seed=1),
+        callbacks=[watch],
+    )
+    trainer.train()
+    assert _found(watch) == []
+    assert watch.monitor.step_count == 6
