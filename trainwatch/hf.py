@@ -12,6 +12,10 @@ the callback meets it:
   on one trainable parameter queues an autograd end-of-backward callback, and
   there, when ``accelerate`` says this micro-batch syncs (the last one of the
   accumulation), the step's gradients are gathered, before any clipping.
+* fp16 with a ``GradScaler``: the gradients are still scaled where backward
+  ends, so they are gathered in the optimizer's step hook, as in a plain AMP
+  loop: after the Trainer unscaled and clipped them (skipped steps are the
+  scaler's own and stay silent). bf16 and fp32 are gathered before clipping.
 * Gradient accumulation: the optimizer steps once per ``gradient_accumulation_steps``
   micro-batches, so the Monitor's steps are ``state.global_step``.
 * ``halt_on``: the alert is on disk when the Trainer's step ends; the callback
@@ -110,12 +114,8 @@ class TrainWatchCallback(TrainerCallback):
             # The halt is applied at the step's end, through the Trainer's own
             # control flow: the Monitor itself never raises inside optimizer.step.
             quiet_config = dataclasses.replace(self.config, halt_on=[])
-            monitor = Monitor(
-                model,
-                config=quiet_config,
-                sinks=[*sinks, self._halt],
-                scaler=getattr(optimizer, "scaler", None),
-            )
+            scaler = getattr(optimizer, "scaler", None)
+            monitor = Monitor(model, config=quiet_config, sinks=[*sinks, self._halt], scaler=scaler)
             if state.global_step:
                 # A resumed run: steps continue from the checkpoint's.
                 monitor.load_state_dict({"step": state.global_step})
@@ -129,7 +129,11 @@ class TrainWatchCallback(TrainerCallback):
             )
             return
         self._monitor = monitor
-        if torch_optimizer is not None:
+        if torch_optimizer is not None and not getattr(scaler, "_enabled", False):
+            # With fp16's GradScaler the gradients are still scaled when backward
+            # ends (unscaled just before clipping): its overflows, routine and
+            # skipped, would look like NaN gradients. They are gathered in the
+            # optimizer's step hook instead, like a plain AMP loop's.
             self._backward_end = _BackwardEnd.attach(monitor, torch_optimizer)
 
     def on_train_end(
