@@ -147,6 +147,8 @@ class Monitor:
         # Layers whose gradient history starts over at the next step.
         self._restarted: set[str] = set()
         self._pending: dict[int, _Pending] = {}
+        # Optimizers whose pending step was gathered before clipping (collect_before_step).
+        self._held_early: set[int] = set()
         self._in_flight: _Pending | None = None  # lagged readback: read at the next step
         # Per-layer norms of the latest step of each optimizer (None: manual steps).
         self._latest_by_source: dict[int | None, dict[str, float]] = {}
@@ -214,6 +216,7 @@ class Monitor:
                 _weak_callback(self._publish_pass),
                 _weak_callback(self._internal_error),
             )
+            self._behaviour.passes = self._passes
             self._passes.subscribe("behaviour checks", self._behaviour)
         # The loss's class targets on sampled steps, and the training loader's order.
         self._class_targets: ClassTargetLook | None = None
@@ -455,16 +458,20 @@ class Monitor:
         )
 
     # -- driven by a framework (the Lightning callback) -----------------------
-    def collect_before_step(self, optimizer: Optimizer) -> None:
+    def collect_before_step(self, optimizer: Optimizer, *, hold: bool = False) -> None:
         """Gather ``optimizer``'s gradients now instead of in its step pre-hook.
 
         Frameworks that pass a closure to ``optimizer.step`` (Lightning) run
         backward and gradient clipping inside it, after the pre-hook: calling
         this between backward and clipping gives the norms before clipping.
+        ``hold``: the next ``step()`` comes without a closure, after clipping
+        (the ``transformers`` Trainer): its pre-hook keeps this gathering.
         """
         for index, opt in enumerate(self._optimizers):
             if opt is optimizer:
                 self._guarded("step collector", self._gather_into_pending, index)
+                if hold and index in self._pending:
+                    self._held_early.add(index)
                 return
 
     def state_dict(self) -> dict[str, Any]:
@@ -508,6 +515,11 @@ class Monitor:
             return
         if "step collector" in self._disabled:
             return
+        if self._held_early:
+            if index in self._held_early and index in self._pending:
+                self._held_early.discard(index)
+                return  # gathered at backward's end, before clipping
+            self._held_early.discard(index)
         try:  # the guard written out: this runs at every step
             self._pending[index] = self._gather(index)
         except TrainingHealthError:

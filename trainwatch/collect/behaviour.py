@@ -38,6 +38,7 @@ from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.eval_passes import EvalPassJudge
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.modes import ModeWatch
+from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
 from trainwatch.compiled import is_wrapper, unwrap
@@ -87,6 +88,8 @@ class BehaviourWatch:
         )
         self._model_passes = 0  # since the last step boundary
         self.eval_passes = EvalPassJudge()
+        # The model's passes (set by the Monitor): the broadcast audit reads a pass's arguments.
+        self.passes: ModelPasses | None = None
         self.broadcast = (
             BroadcastAudit(config.broadcast.audit_steps, on_error)
             if rule_ids & rules_needing("broadcast_audit")
@@ -142,7 +145,8 @@ class BehaviourWatch:
             # The model's own ops are not the loss; a part called on its own
             # (``self.policy(obs)`` in a LightningModule) makes outputs the loss
             # is built from just the same.
-            self.broadcast.pass_starts()
+            inputs = self.passes.inputs if self.passes is not None else None
+            self.broadcast.pass_starts(None if is_wrapper(module) else module, inputs)
         if module is not model and unwrap(module) is not model:
             return  # a part of the model called on its own
         self._model_passes += 1

@@ -10,13 +10,19 @@ episode; ``torch.stack`` and ``torch.cat`` of followed tensors are followed.
 It looks at the shapes of each elementwise op or loss function that takes one
 of them: ``(T, 1)`` against ``(T,)`` makes ``(T, T)`` and silently averages
 every prediction against every target, whatever the model's own batch size.
-The mode is popped while the model itself runs, so its forward pass is never
-traced. After the audit the mode is never entered again, so the check costs
-nothing.
+The model's own forward pass is not the loss, and is not judged, with one
+exception: a pass given labels (an argument named ``labels``, ``targets``,
+``y``...; Hugging Face models compute their loss in ``forward`` from them).
+There the mode follows the labels alone, through the ops that only reshape or
+convert them, and judges each elementwise op or loss that pairs them with
+something else: a ``(N, 1)`` prediction against ``(N,)`` labels inside the
+model's ``forward`` is the same bug. After the audit the mode is never entered
+again, so the check costs nothing.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 import weakref
@@ -100,6 +106,56 @@ _ELEMENTWISE = frozenset(
         "kl_div",
     }
 )
+
+
+# Arguments of a forward pass that hold the targets of a loss computed inside it.
+_LABEL_NAMES = frozenset({"labels", "label", "targets", "target", "y", "y_true"})
+# Ops after which a tensor still holds the labels' values, only reshaped,
+# converted or selected (a shift for next-token targets, a cast to float).
+_KEEPS_LABELS = frozenset(
+    {
+        "to",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "long",
+        "int",
+        "type",
+        "type_as",
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "contiguous",
+        "clone",
+        "detach",
+        "__getitem__",
+        "narrow",
+        "select",
+        "expand",
+        "expand_as",
+    }
+)
+
+
+def _label_tensors(module: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors passed to ``module``'s forward as labels, by keyword or by position."""
+    named = dict(kwargs)
+    if args:
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+            named.update(bound.arguments)  # a wrapper's (**kwargs) keeps the keywords too
+        except (TypeError, ValueError):
+            pass
+    return [
+        value
+        for name, value in named.items()
+        if name in _LABEL_NAMES and isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
 
 
 # Loss functions warn about mismatched shapes themselves, pointing one frame
@@ -245,9 +301,12 @@ class _AuditMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = _call(func, args, kwargs)
         audit = self.audit()
-        if audit is not None and audit.live and not _IN_PASS and not quiet.replaying():
+        if audit is not None and audit.live and not quiet.replaying():
             try:
-                audit.after_op(func, args, kwargs, out)
+                if audit.inside:
+                    audit.inside_op(func, args, kwargs, out)
+                elif not _IN_PASS:
+                    audit.after_op(func, args, kwargs, out)
             except Exception as exc:  # never break the user's loss
                 audit.fail(exc)
         return out
@@ -272,19 +331,51 @@ class BroadcastAudit:
         # (first regression-like op of a step), for constant_output's reference.
         self.target_spread: torch.Tensor | None = None
         self._batch: int | None = None
+        # Inside a pass given labels: the labels and what only reshapes them, by id.
+        self.inside = False
+        self._labels: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     # -- the span: from the model's output to the step boundary -------------
-    def pass_starts(self) -> None:
-        """The model's forward pass begins: no audit looks until it ends."""
+    def pass_starts(
+        self, module: Any = None, inputs: tuple[Any, dict[str, Any]] | None = None
+    ) -> None:
+        """The model's forward pass begins: no audit follows its output until it ends.
+
+        A pass given labels (``module``'s arguments, ``inputs``) computes a loss
+        inside: its labels are followed through the pass.
+        """
         self.stop()
-        if self.live:
-            _IN_PASS.add(self)
+        self._leave_inside()
+        if not self.live:
+            return
+        _IN_PASS.add(self)
+        if module is None or inputs is None or self.steps_left <= 0:
+            return
+        if not torch.is_grad_enabled():
+            return
+        labels = _label_tensors(module, *inputs)
+        if not labels or not _stack_is_ours_to_use():
+            return
+        for tensor in labels:
+            self._labels[id(tensor)] = tensor
+        self.inside = True
+        self.audited_pass = True
+        self._mode.__enter__()
+        self._depth = torch._C._len_torch_function_stack()
 
     def pass_ends(self, output: Any, grad: bool) -> None:
         """The pass ended (also when it raised); with gradients on, follow its output."""
         _IN_PASS.discard(self)
+        self._leave_inside()
         if grad:
             self.start(output)
+        else:
+            self.stop()
+
+    def _leave_inside(self) -> None:
+        if self.inside:
+            self.inside = False
+            self._labels.clear()
 
     def start(self, output: Any) -> None:
         """The model produced ``output`` with gradients on: follow it into the loss.
@@ -345,12 +436,14 @@ class BroadcastAudit:
 
     def detach(self) -> None:
         self.live = False
+        self._leave_inside()
         self.stop()
         self._tracked.clear()
         _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
         self.live = False
+        self._leave_inside()
         _IN_PASS.discard(self)
         self._on_error("broadcast audit", exc)
 
@@ -390,9 +483,32 @@ class BroadcastAudit:
             self._measure_target(operands)
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
-        first, second = tuple(operands[0].shape), tuple(operands[1].shape)
+        self._judge(name, operands[0], operands[1])
+
+    def inside_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """An op inside a pass given labels: follow the labels, judge what pairs them."""
+        labels = self._labels
+        if not any(labels.get(id(t)) is t for t in _inputs(args, kwargs)):
+            return
+        name = _op_name(func)
+        if name in _KEEPS_LABELS:
+            for tensor in _tensors(out):
+                if len(labels) < _MAX_TRACKED:
+                    labels[id(tensor)] = tensor
+            return
+        operands = [a for a in args if isinstance(a, torch.Tensor)]
+        operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
+            return
+        first, second = operands[0], operands[1]
+        if (labels.get(id(first)) is first) == (labels.get(id(second)) is second):
+            return  # labels against labels, or neither: not a prediction and its target
+        self._judge(name, first, second)
+
+    def _judge(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        first, second = tuple(a.shape), tuple(b.shape)
         result = batch_broadcast(first, second)
-        if result is None or _one_tensor(operands[0], operands[1]):
+        if result is None or _one_tensor(a, b):
             return
         key = (name, first, second)
         if key in self._seen:

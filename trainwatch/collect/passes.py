@@ -116,13 +116,15 @@ class ModelPasses:
         self.passes = 0  # outermost passes seen so far
         # Given the exception escaping a hooked module's forward (None: not wanted).
         self.on_raise: Callable[[BaseException], None] | None = None
+        # The arguments of the pass in progress (a loss computed in forward reads its labels).
+        self.inputs: tuple[Any, dict[str, Any]] | None = None
 
     def hook(self, module: nn.Module) -> None:
         """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper)."""
         if any(ref() is module for ref, _, _ in self._hooked):
             return
         handles = [
-            module.register_forward_pre_hook(WeakHook(self, "enter")),
+            module.register_forward_pre_hook(WeakHook(self, "enter"), with_kwargs=True),
             module.register_forward_hook(
                 WeakHook(self, "leave"), with_kwargs=True, always_call=True
             ),
@@ -164,7 +166,7 @@ class ModelPasses:
     def unsubscribe(self, listener: PassListener) -> None:
         self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
             # trainwatch's own re-run of the model, or a copy that took the hooks
             # along (a class whose own __deepcopy__ bypasses the reduction)
@@ -173,6 +175,7 @@ class ModelPasses:
         if self._depth != 1:
             return
         self.passes += 1
+        self.inputs = (args, kwargs or {})
         for name, listener in list(self._listeners):
             try:
                 listener.pass_starts(module)
@@ -190,6 +193,7 @@ class ModelPasses:
         self._depth = max(0, self._depth - 1)
         if self._depth != 0:
             return
+        self.inputs = None
         for name, listener in list(self._listeners):
             try:
                 listener.pass_ends(module, args, kwargs, output)

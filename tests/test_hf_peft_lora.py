@@ -1,0 +1,99 @@
+"""PEFT LoRA on a tiny GPT-2: a frozen base with zero-initialised B matrices is healthy."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.hf_models import Tokens, batch_for, model_of
+
+peft = pytest.importorskip("peft")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import trainwatch as tw  # noqa: E402
+from trainwatch.hf import TrainWatchCallback  # noqa: E402
+
+
+def _lora():
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn"], fan_in_fan_out=True
+    )
+    return peft.get_peft_model(model_of("gpt2"), config)
+
+
+def _train(model, optimizer, steps: int) -> None:
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(**batch_for("gpt2", step)).loss.backward()
+        optimizer.step()
+
+
+def _warnings(alerts) -> list[tuple[str, int, str | None]]:
+    return [(a.rule, a.step, a.module) for a in alerts if a.severity != "info"]
+
+
+def test_frozen_base_with_zero_initialised_b_is_silent():
+    model = _lora()
+    assert all(not p.any() for n, p in model.named_parameters() if "lora_B" in n)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with tw.watch(model, optimizer, console=io.StringIO()) as monitor:
+        _train(model, optimizer, 8)
+    assert _warnings(monitor.alerts) == []
+
+
+def test_an_optimizer_over_every_parameter_names_the_frozen_base_layers():
+    model = _lora()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tw.watch(model, optimizer, console=io.StringIO()) as monitor:
+        _train(model, optimizer, 2)
+    found = _warnings(monitor.alerts)
+    assert {rule for rule, _, _ in found} == {"frozen_in_optimizer"}
+    modules = {module for _, _, module in found}
+    assert "base_model.model.transformer.h.0.attn.c_attn.base_layer" in modules
+    assert "base_model.model.transformer.wte" in modules
+    assert not any("lora_" in module for module in modules)  # the adapters train
+
+
+def test_merging_the_adapters_while_the_monitor_is_open_does_not_break_it():
+    model = _lora()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    monitor = tw.watch(model, optimizer, console=io.StringIO())
+    _train(model, optimizer, 3)
+    merged = model.merge_and_unload()
+    merged.eval()
+    with torch.no_grad():
+        merged(**batch_for("gpt2", 9))
+    monitor.close()
+    assert [a.rule for a in monitor.alerts] == []  # no internal_error either
+
+
+def _trainer(tmp_path, model, optimizers=(None, None)) -> tuple[Trainer, TrainWatchCallback]:
+    watch = TrainWatchCallback(console=io.StringIO())
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Tokens("gpt2"),
+        callbacks=[watch],
+        optimizers=optimizers,
+    )
+    return trainer, watch
+
+
+def test_lora_under_the_trainer_is_silent(tmp_path):
+    trainer, watch = _trainer(tmp_path, _lora())
+    trainer.train()
+    assert _warnings(watch.alerts) == []
+
+
+def test_lora_under_the_trainer_with_an_optimizer_over_every_parameter_warns(tmp_path):
+    model = _lora()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer, watch = _trainer(tmp_path, model, (optimizer, None))
+    trainer.train()
+    assert {a.rule for a in watch.alerts if a.severity != "info"} == {"frozen_in_optimizer"}
