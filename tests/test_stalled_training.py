@@ -317,6 +317,44 @@ def test_training_is_bit_identical_with_the_re_runs_and_modes_come_back(quiet_wa
     assert [m.training for m in watched.modules()] == [m.training for m in plain.modules()]
 
 
+class CarriesState(nn.Module):
+    """Keeps plain attributes across calls: a call counter, a hidden state carried
+    between batches (truncated BPTT), a record of what it was called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.calls = 0
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        carried = self.hidden if self.hidden is not None else torch.zeros_like(x)
+        self.hidden = torch.tanh(self.fc(x) + carried[: len(x)]).detach()
+        return self.head(self.hidden)
+
+
+def test_a_re_run_leaves_the_models_own_attributes_as_training_left_them(quiet_watch):
+    """The re-run of the first batch is never seen by a forward that keeps state."""
+    torch.manual_seed(0)
+    plain = CarriesState()
+    watched = copy.deepcopy(plain)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, watched)]
+    quiet_watch(watched, opts[1], stalled_training={"every": 2, "warmup": 1})
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 8, generator=gen) for _ in range(7)]
+    for model, opt in zip((plain, watched), opts):
+        for x in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opt.step()
+    assert watched.calls == plain.calls == 7
+    assert torch.equal(watched.hidden, plain.hidden)
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def _nan_at_step_8(watch, check: str, stall: dict | bool) -> list[tuple]:
     torch.manual_seed(0)
     model = _mlp()

@@ -213,6 +213,10 @@ class FirstBatchProbe:
         if module is None:
             return None
         modes = [(sub, sub.training) for sub in module.modules()]
+        # A forward may keep state in plain attributes (a call counter, an
+        # RNN's hidden state carried between batches): put every attribute
+        # back as it was, so the re-run leaves no trace the training sees.
+        attributes = [(sub, dict(sub.__dict__)) for sub in module.modules()]
         devices = _cuda_devices(module)
         try:
             with ExitStack() as stack:
@@ -234,6 +238,11 @@ class FirstBatchProbe:
             # untouched either way.
             return None
         finally:
+            for sub, saved in attributes:
+                state = sub.__dict__
+                for name in [name for name in state if name not in saved]:
+                    del state[name]
+                state.update(saved)
             for sub, training in modes:
                 sub.training = training
 
