@@ -812,9 +812,9 @@ class Monitor:
                 known[id(p)].name for p in self._tracker.rewritten() if id(p) in known
             )
         if record.missing:
+            # Parameters without a gradient: under DDP the next iteration fails.
             record.never_called = self._calls.never_called()
-            if record.never_called:
-                record.distributed = runs_distributed(self.model)
+            record.distributed = runs_distributed(self.model)
         info = self._layers.info
         if record.frozen:
             for param in params:

@@ -68,6 +68,7 @@ class ZeroGradientRule(Rule):
     def __init__(self, config: ZeroGradientConfig) -> None:
         super().__init__(config)
         self._streaks: dict[str, _Streak] = {}
+        self._first_step: int | None = None
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -76,11 +77,13 @@ class ZeroGradientRule(Rule):
         # never called: that is worth saying at once, not after `patience`.
         # With find_unused_parameters=True DDP copes (a head or an expert not
         # called yet is allowed there), so the usual patience applies.
-        at_once = (
-            record.distributed == "ddp"
-            and record.source == "optimizer"
-            and bool(record.never_called)
-        )
+        # The same holds for any parameter of the optimizer's that got no
+        # gradient from the first step on (a branch cut off by a detach): DDP's
+        # reducer waits for it. One that had gradients before and has none now
+        # is unused_parameter's finding, made at once already.
+        if self._first_step is None:
+            self._first_step = record.step
+        at_once = record.distributed == "ddp" and record.source == "optimizer"
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
@@ -103,7 +106,7 @@ class ZeroGradientRule(Rule):
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
             streak.count += 1
             needed = self.config.patience
-            if at_once and kind == "none" and info.owner in record.never_called:
+            if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
             if streak.count >= needed and not streak.reported:
                 streak.reported = True
@@ -155,5 +158,10 @@ class ZeroGradientRule(Rule):
                     # No optimizer holds them: usually deliberate, a note.
                     hint, severity = _HINTS["never_called"], "info"
                     message = f"{owner} is never called in forward: {message}"
+            elif kind == "none" and at_once and since == self._first_step:
+                data["distributed"] = True
+                message += (
+                    " (under DDP without find_unused_parameters=True the next iteration fails)"
+                )
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
