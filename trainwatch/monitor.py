@@ -759,9 +759,12 @@ class Monitor:
         known = self._layers.known()
         present = record.present
         grads: list[torch.Tensor] = []
+        plain = torch.Tensor
         for param in params:
             grad = param.grad
             if grad is not None and param.requires_grad:  # the usual case, without a call
+                if type(grad) is not plain and _empty_shard(grad):
+                    continue  # FSDP2 put all of this small tensor on other ranks
                 found = known.get(id(param))
                 present.append(found if found is not None else info(param))
                 grads.append(grad)
@@ -1125,6 +1128,12 @@ def _unwrapped_optimizer(optimizer: Any) -> Any:
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
     return optimizer
+
+
+def _empty_shard(grad: torch.Tensor) -> bool:
+    """A DTensor whose shard on this rank has no elements (its norm, 0, means nothing)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local is not None and to_local().numel() == 0
 
 
 def _as_number(value: torch.Tensor | float) -> float:

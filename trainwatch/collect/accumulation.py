@@ -41,10 +41,21 @@ from trainwatch.hooks import WeakHook
 
 def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """max|g| of each gradient, fp32, in one batched kernel per device."""
+    if any(type(g) is not torch.Tensor for g in grads):
+        return [_max_abs_of_shard(g) for g in grads]
     try:
         return list(torch._foreach_norm(grads, math.inf, dtype=torch.float32))
     except (TypeError, RuntimeError):  # older torch, mixed devices
         return [torch.linalg.vector_norm(g.float(), ord=math.inf) for g in grads]
+
+
+def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
+    """max|g| of this rank's part of a DTensor (FSDP2); 0 where it holds none."""
+    to_local = getattr(grad, "to_local", None)
+    local = to_local() if to_local is not None else grad
+    if local.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=local.device)
+    return torch.linalg.vector_norm(local.detach().float(), ord=math.inf)
 
 
 def _never(_: object = None) -> bool:

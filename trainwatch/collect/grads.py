@@ -21,6 +21,11 @@ def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    if to_local is not None:
+        # A DTensor shard (FSDP2's fully_shard): the norm of this rank's shard,
+        # which is what this rank holds and applies.
+        grad = to_local()
     if grad.layout == torch.strided:
         return grad.detach()
     return grad.detach().coalesce().values()  # sparse gradients (nn.Embedding(sparse=True))
@@ -36,7 +41,11 @@ def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     strided = torch.strided
     # Gradients are plain strided tensors outside autograd: taken as they are
     # (a detach per gradient would be one more op per parameter per step).
-    dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
+    plain = torch.Tensor
+    dense = [
+        g if type(g) is plain and g.layout == strided and not g.requires_grad else _dense(g)
+        for g in grads
+    ]
     if len({g.device for g in dense}) == 1:
         return torch.stack(_foreach_norm_fp32(dense))
     # Several devices (model parallel): keep input order across device groups.
