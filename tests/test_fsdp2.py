@@ -46,3 +46,12 @@ def test_a_missing_zero_grad_is_caught_on_each_rank_with_its_rank(tmp_path):
         assert [(a["rule"], a["step"], a["data"]["rank"]) for a in found["alerts"]] == [
             ("accumulated_gradient", 3, rank)
         ]
+
+
+@pytest.mark.slow
+def test_a_layer_left_frozen_in_the_optimizer_is_named_on_each_rank(tmp_path):
+    zero, one = _ranks(tmp_path, "frozen")
+    for rank, found in enumerate((zero, one)):
+        assert [(a["rule"], a["module"], a["data"]["rank"]) for a in found["alerts"]] == [
+            ("frozen_in_optimizer", "2", rank)
+        ]

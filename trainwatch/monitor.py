@@ -129,6 +129,11 @@ class Monitor:
         self._layers = layers
         self._memory = MemorySink()
         self._dispatcher = Dispatcher([self._memory, *sinks], self.config.halt_on)
+        if running_distributed():
+            # Each rank's alerts say which rank they are from (a relay, if any,
+            # stamps the same number); set again at the first step boundary for
+            # a process group set up after watching.
+            self._dispatcher.rank = torch.distributed.get_rank()
         self._rules = build_rules(self.config)
         self._rule_ids = {rule.id for rule in self._rules}
         # The collectors the enabled rules need: nothing else is attached.

@@ -1,7 +1,8 @@
 """Two gloo ranks training a model sharded with FSDP2's ``fully_shard``, run by tests/test_fsdp2.py.
 
-``python fsdp2_run.py OUT MODE``: MODE ``clean`` or ``no_zero_grad`` (both ranks
-drop ``zero_grad()`` from step 3). Each rank writes ``OUT/rank<r>.json``: its
+``python fsdp2_run.py OUT MODE``: MODE ``clean``, ``no_zero_grad`` (both ranks
+drop ``zero_grad()`` from step 3) or ``frozen`` (layer ``2``'s weight left frozen
+in the optimizer). Each rank writes ``OUT/rank<r>.json``: its
 alerts and its per-layer norms.
 """
 
@@ -33,6 +34,8 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     model = nn.Sequential(
         nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
     )
+    if mode == "frozen":
+        model[2].weight.requires_grad_(False)  # left frozen, still in the optimizer
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
