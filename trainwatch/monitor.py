@@ -14,6 +14,8 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.small_norms import SmallGradientNorms
 from trainwatch.collect.stall import FirstBatchProbe
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
@@ -184,6 +187,7 @@ class Monitor:
         self._passes_at_step = 0
         # Always there (what backward reached: manual steps, a late loss); it
         # checks for stale gradients only for accumulated_gradient.
+        self._small_norms = SmallGradientNorms()
         self._tracker = GradResetTracker(
             _weak_callback(self._internal_error), "accumulation_tracker" in needs
         )
@@ -760,10 +764,22 @@ class Monitor:
         manual = index is None
         record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
         params = self._layers.parameters() if manual else self._optimizer_params(index)
-        info = self._layers.info
         known = self._layers.known()
+        grads: list[torch.Tensor] = list(map(_GRAD, params))
+        if (
+            not any(map(is_, grads, repeat(None)))
+            and all(map(_REQUIRES_GRAD, params))
+            and set(map(type, grads)) == _PLAIN
+        ):
+            # The usual step, in C loops: every parameter trainable, with a
+            # plain gradient, and known by name.
+            present = list(map(known.get, map(id, params)))
+            if not any(map(is_, present, repeat(None))):
+                record.present = present
+                return record, params, grads
+        info = self._layers.info
         present = record.present
-        grads: list[torch.Tensor] = []
+        grads = []
         plain = torch.Tensor
         for param in params:
             grad = param.grad
@@ -868,8 +884,22 @@ class Monitor:
             weights, names = self._hand_updates.watched(self._layers)
             norms, weight_norms = norms_with_weights(grads, weights)
             pending.weights = (names, frame.add(weight_norms))
+        elif grads:
+            # Small gradients stacked by shape on CPU (see collect/small_norms):
+            # the norms, and so the parameters, then come in the plan's order.
+            present = record.present
+            plan = self._small_norms.plan(grads, tuple(map(id, present)))
+            norms = None
+            if plan is not None:
+                try:
+                    norms = plan.norms(grads)
+                    record.present = list(map(present.__getitem__, plan.order))
+                except RuntimeError:
+                    self._small_norms.forget()
+            if norms is None:
+                norms = gradient_norms(grads)
         else:
-            norms = gradient_norms(grads) if grads else None
+            norms = None
         if norms is not None:
             pending.norms = frame.add(norms)
             pending.norm_tensor = norms
@@ -1133,6 +1163,11 @@ def _unwrapped_optimizer(optimizer: Any) -> Any:
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
     return optimizer
+
+
+_GRAD = attrgetter("grad")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_PLAIN = {torch.Tensor}
 
 
 def _empty_shard(grad: torch.Tensor) -> bool:

@@ -150,6 +150,8 @@ class GradResetTracker:
         self._in_backward = False
         # Stale gradients this backward is adding to (none in a healthy step).
         self._stale: list[_ParamState] = []
+        # Some parameter's gradient was accumulated onto since the last arm.
+        self._any_accumulated = False
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
         self._fallback: RemovableHandle | None = None
@@ -228,6 +230,7 @@ class GradResetTracker:
             stale.append(state)
             if not state.accumulated:
                 state.accumulated = True
+                self._any_accumulated = True
                 if grad.layout == torch.strided and grad.numel() > 0:
                     suspects.append(state)
         if suspects:
@@ -275,8 +278,8 @@ class GradResetTracker:
         where it could not be taken (sparse gradients): then the version
         evidence alone decides.
         """
-        if not self.enabled:
-            return []
+        if not self.enabled or not self._any_accumulated:
+            return []  # the healthy step: no loop
         found = []
         states = self._states
         for param in params:
@@ -314,6 +317,7 @@ class GradResetTracker:
     def arm(self, params: Iterable[torch.Tensor]) -> None:
         """A step has just used these gradients: start watching for a reset."""
         self.backward_seen = False
+        self._any_accumulated = False
         if not self.enabled:
             return
         swap = _swap_mode()
