@@ -105,13 +105,92 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return flat.float()
 
 
-def _spread(rows: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of the (biased) std across rows.
+class _Row(NamedTuple):
+    """One row of the step's statistics, by the measured tensors it comes from."""
 
-    Written out: ``Tensor.std(dim=0)`` takes ~10x longer on CPU for these
-    short, wide shapes.
+    output: int  # the output's rows among the pass's measured tensors
+    input: int | None  # the input's (its spread is the row's in_spread)
+    spread: bool  # out_spread, in_spread, out_rms, out_mean
+    zeros: bool  # zero_fraction, dead_fraction
+
+
+class _MutableRow:
+    __slots__ = ("output", "input", "spread", "zeros")
+
+    def __init__(self, row: _Row) -> None:
+        self.output, self.input, self.spread, self.zeros = row
+
+
+class _PendingRows:
+    """A sampled pass's measured tensors, reduced together when the step takes them.
+
+    Every measured output (and the inputs whose spread is not an earlier
+    output's) is kept as a small fp32 copy; at the step boundary the copies
+    of one shape are stacked and their statistics taken in one set of
+    kernels, instead of a dozen small kernels per module as it is called.
+    A copy is at most ``rows`` x ``_MAX_FEATURES`` values, and they live
+    for one pass.
     """
-    return (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.rows: list[_MutableRow] = []
+
+    def add(self, rows: torch.Tensor) -> int:
+        self.tensors.append(rows.clone())
+        return len(self.tensors) - 1
+
+    def out_of(self, slot: int) -> int:
+        return self.rows[slot].output
+
+    def append(self, row: _Row) -> None:
+        self.rows.append(_MutableRow(row))
+
+    def reduce(self) -> torch.Tensor | None:
+        """(rows, len(FIELDS)) statistics, NaN where a row has no such value."""
+        if not self.rows:
+            return None
+        tensors = self.tensors
+        by_shape: dict[tuple[torch.Size, torch.device], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            by_shape.setdefault((tensor.shape, tensor.device), []).append(i)
+        order: list[int] = []
+        parts = []
+        for members in by_shape.values():
+            x = torch.stack([tensors[i] for i in members])  # (k, rows, positions)
+            # The spread is the mean over positions of the (biased) std across
+            # rows, written out: Tensor.std takes ~10x longer on CPU for these
+            # short, wide shapes.
+            spread = (x - x.mean(dim=1, keepdim=True)).square().mean(dim=1).sqrt().mean(dim=1)
+            zero = x == 0
+            parts.append(
+                torch.stack(
+                    [
+                        spread,
+                        x.square().mean(dim=(1, 2)).sqrt(),
+                        x.mean(dim=(1, 2)),
+                        zero.float().mean(dim=(1, 2)),
+                        zero.all(dim=1).float().mean(dim=1),
+                    ],
+                    dim=1,
+                )
+            )
+            order.extend(members)
+        device = parts[0].device
+        table = torch.cat([*(p.to(device) for p in parts), parts[0].new_full((1, 5), _NAN)])
+        where = {tensor: position for position, tensor in enumerate(order)}
+        nan = len(order)
+        # (measured tensor, its field) for each of FIELDS, in their order.
+        picks: list[int] = []
+        for row in self.rows:
+            out = where[row.output]
+            inp = where[row.input] if row.input is not None else nan
+            spread_at = out if row.spread else nan
+            zeros_at = out if row.zeros else nan
+            picks += [spread_at * 5, inp * 5, spread_at * 5 + 1, spread_at * 5 + 2]
+            picks += [zeros_at * 5 + 3, zeros_at * 5 + 4]
+        index = torch.tensor(picks, device=device)
+        return table.reshape(-1)[index].reshape(len(self.rows), len(FIELDS))
 
 
 class ActivationSampler:
@@ -213,7 +292,7 @@ class ActivationSampler:
         self._on_error("activation sampler", exc)
 
     def _reset(self) -> None:
-        self._stats: list[torch.Tensor] = []
+        self._pending = _PendingRows()
         self._keys: list[tuple[int, str, bool]] = []  # (module index, output path, primary)
         self._done: set[int] = set()
         self._with_spread: set[int] = set()  # rows whose spread was measured
@@ -252,14 +331,14 @@ class ActivationSampler:
             if spread and in_spread is None:
                 if seen is not None and out is inp:
                     # Changed its own input in place: that input was measured before.
-                    in_spread = self._stats[seen.slot][0]
+                    in_spread = self._pending.out_of(seen.slot)
                 else:
                     in_spread = self._measured_spread(inp)
                     if in_spread is None:
-                        in_spread = _spread(_rows(inp, self.rows))
+                        in_spread = self._pending.add(_rows(inp, self.rows))
             self._measure(index, path, is_primary, out, in_spread if spread else None, zeros)
 
-    def _measured_spread(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    def _measured_spread(self, tensor: torch.Tensor | None) -> int | None:
         """The spread already taken of ``tensor`` as an earlier module's output, unchanged
         since (in a chain, each module's input is the one before's output)."""
         if tensor is None:
@@ -267,15 +346,13 @@ class ActivationSampler:
         seen = self._outputs.get(id(tensor))
         if seen is None or seen.ref() is not tensor or seen.version != version_of(tensor):
             return None
-        return self._stats[seen.slot][0] if seen.slot in self._with_spread else None
+        return self._pending.out_of(seen.slot) if seen.slot in self._with_spread else None
 
     def _adopt_as_model_output(self, slot: int, path: str, inp: torch.Tensor | None) -> None:
         """The root returns a child's tensor: its row is reported as the model's output."""
         self._keys[slot] = (0, path, True)
         if inp is not None and self.spread:
-            row = self._stats[slot].clone()
-            row[1] = _spread(_rows(inp, self.rows))
-            self._stats[slot] = row
+            self._pending.rows[slot].input = self._pending.add(_rows(inp, self.rows))
 
     def _measure(
         self,
@@ -283,42 +360,26 @@ class ActivationSampler:
         path: str,
         primary: bool,
         out: torch.Tensor,
-        in_spread: torch.Tensor | None,
+        in_spread: int | None,
         zeros: bool,
     ) -> None:
-        rows = _rows(out, self.rows)
-        stats: list[torch.Tensor | float] = [_NAN] * len(FIELDS)
-        if in_spread is not None:
-            stats[0] = _spread(rows)
-            stats[1] = in_spread
-            stats[2] = rows.square().mean().sqrt()
-            stats[3] = rows.mean()
-        if zeros:
-            zero = rows == 0
-            stats[4] = zero.float().mean()
-            stats[5] = zero.all(dim=0).float().mean()
-        # new_full, not torch.tensor(nan): torch.tensor(float, device=...) keeps
-        # a few bytes alive per call, which a long run's sampled steps add up.
-        row = torch.stack(
-            [
-                s.reshape(()).to(rows.device)
-                if isinstance(s, torch.Tensor)
-                else rows.new_full((), s)
-                for s in stats
-            ]
-        )
-        if in_spread is not None:
-            self._with_spread.add(len(self._keys))
-        self._outputs[id(out)] = _Measured(weakref.ref(out), len(self._keys), version_of(out))
+        """The output's rows, copied (a later in-place op must not change them), to be
+        reduced with the others of the pass when the step takes them."""
+        spread = in_spread is not None
+        measured = self._pending.add(_rows(out, self.rows))
+        slot = len(self._keys)
+        self._pending.append(_Row(measured, in_spread, spread, zeros))
+        if spread:
+            self._with_spread.add(slot)
+        self._outputs[id(out)] = _Measured(weakref.ref(out), slot, version_of(out))
         self._keys.append((index, path, primary))
-        self._stats.append(row)
 
     def take(self) -> tuple[list[RowKey], torch.Tensor | None]:
         """Hand over this step's samples (whose each row is, one (M, 6) device tensor)."""
         if not self._keys and not self._done:
             return [], None  # not a sampled step
         keys = [RowKey(self._names[i], path, primary) for i, path, primary in self._keys]
-        stats = torch.stack(self._stats) if self._stats else None
+        stats = self._pending.reduce()
         self._reset()
         return keys, stats
 
