@@ -148,3 +148,54 @@ def test_a_layer_without_gradient_in_the_latest_step_is_not_reported_stale(model
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     assert set(monitor.grad_norms()) == {"fc2", "head"}
+
+
+def _deep_stack(depth: int = 8) -> nn.Module:
+    """Many small layers of a few shapes: their gradients are stacked by shape on CPU."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(16, 1))
+
+
+def test_gradients_stacked_by_shape_give_each_layer_its_own_norm(quiet_watch):
+    model = _deep_stack()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        expected = naive_layer_norms(model)
+        opt.step()
+        got = monitor.grad_norms()
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert got[name] == pytest.approx(expected[name], rel=1e-5), name
+
+
+def test_a_parameter_given_new_data_of_another_shape_is_still_measured(quiet_watch):
+    """The kept plan no longer fits the gradients (a parameter's ``.data`` replaced
+    by one of another shape, as pruning code does): it is made again."""
+
+    class Offsets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.offsets = nn.ParameterList(nn.Parameter(torch.ones(16)) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + sum(p.square().sum() for p in self.offsets)
+
+    model = Offsets()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    x = torch.randn(4, 1)
+    for step in range(3):
+        if step == 2:
+            model.offsets[0].data = torch.ones(8)
+        opt.zero_grad()
+        model(x).sum().backward()
+        expected = naive_layer_norms(model)
+        opt.step()
+        assert monitor.grad_norms() == {"offsets": pytest.approx(expected["offsets"], rel=1e-5)}
+    assert not monitor.alerts
