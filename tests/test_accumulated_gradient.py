@@ -32,6 +32,26 @@ def test_missing_zero_grad_fires_at_the_first_step_that_reuses_gradients(
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_reset_of_only_some_layers_names_the_others_at_the_step_it_stops(
+    model, quiet_watch, set_to_none
+):
+    """From step 5 only the head's gradients are reset: after healthy steps, some
+    gradients fresh and some stale is told apart parameter by parameter."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for step, (x, y) in enumerate(batches(10)):
+        if step < 5:
+            opt.zero_grad(set_to_none=set_to_none)
+        else:
+            model.head.zero_grad(set_to_none=set_to_none)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    (alert,) = accumulation_alerts(monitor)
+    assert alert.step == 5
+    assert alert.data["modules"] == ["fc1", "fc2"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_every_step_is_clean(model, quiet_watch, set_to_none):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     monitor = quiet_watch(model, opt)

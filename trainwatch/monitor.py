@@ -577,7 +577,7 @@ class Monitor:
             pending = self._guarded("step collector", self._gather, index)
         params = pending.params if pending is not None else self._optimizer_params(index)
         if self._tracker.enabled:
-            self._tracker.arm(params)
+            self._tracker.arm(params, whole=len(self._optimizers) == 1)
         if pending is not None and self._parameter_check_due(step):
             self._guarded("parameter check", self._check_parameters, pending, params)
         if pending is not None and pending.stall_due:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter, eq, is_
 
 import torch
 from torch.autograd import Variable
@@ -56,6 +58,12 @@ def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=local.device)
     return torch.linalg.vector_norm(local.detach().float(), ord=math.inf)
+
+
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
+_CDATA = attrgetter("_cdata")
+_PLAIN = {torch.Tensor}
 
 
 def _never(_: object = None) -> bool:
@@ -134,6 +142,20 @@ class _ParamState:
 #       or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)))
 
 
+def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool:
+    """Every gradient of the snapshot was reset (set to None, replaced or zeroed in
+    place), told in C loops; False where any may not have been."""
+    params, refs, versions = snapshot
+    now = list(map(_GRAD, params))
+    if all(map(is_, now, repeat(None))):
+        return True  # zero_grad(), set_to_none
+    if any(map(is_, now, repeat(None))):
+        return False  # some set to None, some not: one by one
+    if not any(map(is_, map(weakref.ref.__call__, refs), now)):
+        return True  # every one a new tensor
+    return not any(map(eq, map(_VERSION, now), versions))  # zeroed in place
+
+
 class GradResetTracker:
     def __init__(
         self, on_error: Callable[[str, BaseException], None], check_resets: bool = True
@@ -152,6 +174,13 @@ class GradResetTracker:
         self._stale: list[_ParamState] = []
         # Some parameter's gradient was accumulated onto since the last arm.
         self._any_accumulated = False
+        # The last step's gradients as one snapshot (parameters, weak refs,
+        # versions), taken in C loops instead of per-parameter writes; it is
+        # written into the states only when the next backward finds one of them
+        # not reset. ``_snapshot_reset``: that backward found them all reset.
+        self._snapshot: tuple[Sequence[torch.Tensor], list, list[int]] | None = None
+        self._snapshot_reset = False
+        self._impls: list[int] | None = None  # the parameters' C++ tensors at the last arm
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
         self._fallback: RemovableHandle | None = None
@@ -212,6 +241,13 @@ class GradResetTracker:
         Variable._execution_engine.queue_callback(self._ends)
         if not self.check_resets:
             return
+        snapshot = self._snapshot
+        if snapshot is not None:
+            if self._snapshot_reset or _all_reset(snapshot):
+                self._snapshot_reset = True  # later backward passes of the step too
+                self._stale = []
+                return
+            self._unpack_snapshot()
         suspects: list[_ParamState] = []
         stale: list[_ParamState] = []
         self._stale = stale
@@ -309,18 +345,51 @@ class GradResetTracker:
                     found.append(state.param)
         return found
 
+    def _unpack_snapshot(self) -> None:
+        """The states as the per-parameter arm would have left them."""
+        params, refs, versions = self._snapshot  # type: ignore[misc]
+        self._snapshot = None
+        states = self._states
+        for param, ref, version in zip(params, refs, versions):
+            state = states.get(id(param))
+            if state is None:
+                continue
+            state.seen = state.reset = state.accumulated = False
+            state.content = None
+            state.armed = True
+            state.version = version
+            state.grad_ref, state.grad_key = ref, None
+
     def reached(self, param: torch.Tensor) -> bool:
         """Backward accumulated into this parameter since the last step boundary."""
         state = self._states.get(id(param))
         return state is not None and state.seen
 
-    def arm(self, params: Iterable[torch.Tensor]) -> None:
-        """A step has just used these gradients: start watching for a reset."""
+    def arm(self, params: Sequence[torch.Tensor], whole: bool = False) -> None:
+        """A step has just used these gradients: start watching for a reset.
+
+        ``whole``: these are all the parameters any step uses (one optimizer),
+        so the usual step (every gradient a plain tensor, no parameter
+        swapped since) is kept as one snapshot instead of per-parameter writes.
+        """
         self.backward_seen = False
         self._any_accumulated = False
         if not self.enabled:
             return
+        self._snapshot, self._snapshot_reset = None, False
         swap = _swap_mode()
+        if whole and not self.track_reached:
+            grads = list(map(_GRAD, params))
+            impls = list(map(_CDATA, params))
+            if (
+                impls == self._impls
+                and not swap
+                and not any(map(is_, grads, repeat(None)))
+                and set(map(type, grads)) == _PLAIN
+            ):
+                self._snapshot = (params, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
+                return
+            self._impls = impls
         states = self._states
         for param in params:
             state = states.get(id(param))
