@@ -88,12 +88,15 @@ class ZeroGradientRule(Rule):
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
         ]
-        reset = _reset_by_hand(record) if record.rewritten else frozenset()
-        silent += [
-            (info, "zero")
-            for info, norm in zip(record.present, record.param_norms)
-            if norm == 0.0 and info.in_model and info.name not in reset
-        ]
+        if 0.0 in record.param_norms:
+            reset = _reset_by_hand(record) if record.rewritten else frozenset()
+            silent += [
+                (info, "zero")
+                for info, norm in zip(record.present, record.param_norms)
+                if norm == 0.0 and info.in_model and info.name not in reset
+            ]
+        if not silent and not self._streaks:
+            return []  # the healthy step: every gradient there and non-zero
         silent_names = {info.name for info, _ in silent}
         for info in record.present:
             if info.name not in silent_names:
