@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) on two gloo CPU processes: gradients are DTensor shards.
 
-Each rank's norms are of its own shards, and a small tensor FSDP2 put wholly
-on the other rank is neither a zero gradient nor a failure here.
+Each rank's rules judge its own shards, and a small tensor FSDP2 put wholly on
+the other rank is neither a zero gradient nor a failure here; what is
+reported is the whole layers' norms, summed across ranks at a cadence.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainwatch.tensorboard_plugin import metadata
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_run.py"
+NORMS_EVERY = 4  # the script's distributed.gather_every in its ``norms`` mode
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
@@ -34,9 +39,38 @@ def _ranks(tmp_path: Path, mode: str) -> list[dict]:
 def test_a_clean_fully_sharded_run_is_silent_on_both_ranks(tmp_path):
     zero, one = _ranks(tmp_path, "clean")
     assert zero["alerts"] == [] and one["alerts"] == []
-    # The last layer's (1, 32) weight and (1,) bias sit wholly on rank zero.
-    assert sorted(zero["norms"]) == ["0", "2", "4"]
-    assert sorted(one["norms"]) == ["0", "2"]
+    # 12 steps, whole-layer norms every 50 (the default): none yet, and a
+    # shard's norm is never reported as its layer's.
+    assert zero["norms"] == {} and one["norms"] == {}
+
+
+@pytest.mark.slow
+def test_whole_layer_norms_equal_the_full_gradients_norms_on_each_rank_at_their_cadence(tmp_path):
+    ranks = _ranks(tmp_path, "norms")
+    for rank, found in enumerate(ranks):
+        assert found["alerts"] == []
+        steps = found["steps"]
+        for step, seen in enumerate(steps):
+            reduced = step - (step + 1) % NORMS_EVERY  # the latest step reduced by now
+            if reduced < 0:
+                assert seen["reported"] == {} and seen["total"] is None
+                continue
+            full = steps[reduced]["full"]
+            # The last layer's (1, 32) weight and bias sit wholly on rank zero:
+            # rank one reports that layer too.
+            assert sorted(seen["reported"]) == sorted(full) == ["0", "2", "4"]
+            for layer, norm in full.items():
+                assert seen["reported"][layer] == pytest.approx(norm, rel=1e-5)
+            total = sum(norm**2 for norm in full.values()) ** 0.5
+            assert seen["total"] == pytest.approx(total, rel=1e-5)
+        # TensorBoard has the whole layers' norms at the reduced steps, and no others.
+        events = EventAccumulator(str(tmp_path / f"tb{rank}"), size_guidance={"scalars": 0})
+        events.Reload()
+        for layer in ("0", "2", "4"):
+            written = {e.step: e.value for e in events.Scalars(metadata.norm_tag(layer))}
+            assert sorted(written) == [3, 7, 11]
+            for step, value in written.items():
+                assert value == pytest.approx(steps[step]["full"][layer], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -1,14 +1,19 @@
 """Two gloo ranks training a model sharded with FSDP2's ``fully_shard``, run by tests/test_fsdp2.py.
 
 ``python fsdp2_run.py OUT MODE``: MODE ``clean``, ``no_zero_grad`` (both ranks
-drop ``zero_grad()`` from step 3) or ``frozen`` (layer ``2``'s weight left frozen
-in the optimizer). Each rank writes ``OUT/rank<r>.json``: its
-alerts and its per-layer norms.
+drop ``zero_grad()`` from step 3), ``frozen`` (layer ``2``'s weight left frozen
+in the optimizer), ``norms`` (whole-layer norms reduced every 4 steps, beside
+each step's norms of the full gradients, gathered here with ``full_tensor()``),
+``nan_input`` (a NaN in rank 1's batch at step 5) or ``nan_layer`` (layer ``2``
+multiplies its output by inf on rank 1 at step 5: born there from finite
+inputs). Each rank writes ``OUT/rank<r>.json``: its alerts and its per-layer
+norms (in ``norms`` mode, per step, and TensorBoard files in ``OUT/tb<r>``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,6 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import trainwatch as tw
 
 BUG_AT = 3
+NAN_AT = 5
+NORMS_EVERY = 4
+
+
+class Fragile(nn.Linear):
+    """A Linear whose output is multiplied by inf while ``poisoned``: a NaN/Inf born here."""
+
+    poisoned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * math.inf if self.poisoned else out
+
+
+def full_layer_norms(model: nn.Module) -> dict[str, float]:
+    """Each layer's gradient norm from the full (unsharded) gradients: a collective."""
+    squares: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            layer = name.rsplit(".", 1)[0]
+            full = param.grad.full_tensor()
+            squares[layer] = squares.get(layer, 0.0) + float(full.double().pow(2).sum())
+    return {layer: sq**0.5 for layer, sq in squares.items()}
 
 
 def rank_main(rank: int, out: str, mode: str, init: str) -> None:
@@ -31,9 +59,8 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
-    )
+    middle = Fragile(32, 32) if mode == "nan_layer" else nn.Linear(32, 32)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), middle, nn.ReLU(), nn.Linear(32, 1))
     if mode == "frozen":
         model[2].weight.requires_grad_(False)  # left frozen, still in the optimizer
     for layer in model:
@@ -42,15 +69,31 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
-    with tw.watch(model, optimizer, console=False) as monitor:
+    config = {"distributed": {"gather_every": NORMS_EVERY}} if mode == "norms" else None
+    steps: list[dict] = []
+    log_dir = Path(out, f"tb{rank}") if mode == "norms" else None
+    with tw.watch(model, optimizer, console=False, config=config, log_dir=log_dir) as monitor:
         for step in range(12):
             x = torch.randn(16, 8, generator=gen)
+            if mode == "nan_input" and rank == 1 and step == NAN_AT:
+                x[3, 2] = float("nan")
+            if isinstance(middle, Fragile):
+                middle.poisoned = rank == 1 and step == NAN_AT
             if not (mode == "no_zero_grad" and step >= BUG_AT):
                 optimizer.zero_grad()
             nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+            full = full_layer_norms(model) if mode == "norms" else {}
             optimizer.step()
+            if mode == "norms":
+                steps.append(
+                    {
+                        "full": full,
+                        "reported": monitor.grad_norms(),
+                        "total": monitor.total_grad_norm,
+                    }
+                )
         norms = monitor.grad_norms()
-    record = {"alerts": [a.to_dict() for a in monitor.alerts], "norms": norms}
+    record = {"alerts": [a.to_dict() for a in monitor.alerts], "norms": norms, "steps": steps}
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
