@@ -302,7 +302,11 @@ class Monitor:
         return self._guarded("setup audit", build_audit, self._root, self._optimizers)
 
     def grad_norms(self) -> dict[str, float]:
-        """Per-layer gradient L2 norms of the latest step, by qualified module name."""
+        """Per-layer gradient L2 norms of the latest step, by qualified module name.
+
+        Under FSDP2, the whole layers' norms of the latest step they were summed
+        across ranks at (every ``distributed.gather_every`` steps; empty before).
+        """
         self._land_in_flight(may_halt=False)
         return self._latest_norms
 
@@ -316,7 +320,7 @@ class Monitor:
 
     @property
     def total_grad_norm(self) -> float | None:
-        """L2 norm over every gradient of the latest step."""
+        """L2 norm over every gradient of the latest step (under FSDP2, as ``grad_norms``)."""
         self._land_in_flight(may_halt=False)
         return self._total_norm
 
