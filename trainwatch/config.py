@@ -251,7 +251,9 @@ class TensorBoardConfig:
 class DistributedConfig:
     # Under DDP, alerts raised on other ranks reach rank zero every
     # `gather_every` training batches (one small object gather), at each
-    # epoch end and when training ends; 0 keeps only the last two.
+    # epoch end and when training ends; 0 keeps only the last two. Under
+    # FSDP2, the whole-layer gradient norms are summed across ranks every
+    # `gather_every` steps (one all-reduce of one vector); 0: never.
     gather_every: int = field(default=50, metadata=_range(0))
     # With halt_on, every rank checks every `halt_check_every` steps whether any
     # rank halted (one one-number all-reduce) and all stop together; a rank

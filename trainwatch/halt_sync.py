@@ -10,6 +10,11 @@ registered in :attr:`HaltSync.before_halt` run on every rank together (the
 Lightning callback's relay delivers the other ranks' alerts to rank zero
 there), and every rank raises :class:`TrainingHealthError` with the alert of
 the first rank that halted, stamped with that rank (``data["rank"]``).
+
+Under FSDP2 the same step-end all-reduce carries the whole-layer gradient
+norms' vector (``trainwatch.whole_layers``) at their cadence: one collective
+when both fall on a step, and this object exists without ``halt_on`` too
+(``halting`` False), for the norms alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
+from trainwatch.whole_layers import WholeLayerNorms
 
 
 def running_distributed() -> bool:
@@ -30,8 +36,12 @@ def running_distributed() -> bool:
 
 
 class HaltSync:
-    def __init__(self, every: int) -> None:
+    def __init__(
+        self, every: int, halting: bool = True, layers: WholeLayerNorms | None = None
+    ) -> None:
         self.every = every
+        self.halting = halting  # False: only the whole-layer norms are reduced
+        self.layers = layers
         self.held: TrainingHealthError | None = None
         # Run on every rank, together, before the halt is raised.
         self.before_halt: list[Callable[[], None]] = []
@@ -45,12 +55,25 @@ class HaltSync:
 
     def at_step(self, step: int) -> None:
         """Called by every rank at the end of each step (0-based ``step``)."""
-        if (step + 1) % self.every:
+        halt_due = self.halting and (step + 1) % self.every == 0
+        layers = self.layers
+        norms_due = layers is not None and layers.due(step)
+        if not halt_due and not norms_due:
             return
         dist = torch.distributed
-        flag = torch.tensor([1 if self.held is not None else 0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not int(flag.item()):
+        flag = 1.0 if halt_due and self.held is not None else 0.0
+        if layers is not None and norms_due:
+            values = torch.cat([torch.tensor([flag], dtype=torch.float64), layers.payload()])
+            values = values.to(_device())
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            reduced = values.tolist()
+            layers.land(reduced[1:], dist.get_world_size())
+            flagged = reduced[0] > 0.0
+        else:
+            one = torch.tensor([flag], device=_device())
+            dist.all_reduce(one, op=dist.ReduceOp.SUM)
+            flagged = float(one.item()) > 0.0
+        if not halt_due or not flagged:
             return
         mine = self.held.alert.to_dict() if self.held is not None else None
         gathered: list[dict | None] = [None] * dist.get_world_size()

@@ -53,6 +53,7 @@ from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.setup_audit import SetupAudit, build_audit
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
+from trainwatch.whole_layers import WholeLayerNorms, fully_sharded
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
 # Steps with gradients but no pass seen after which the search for a
@@ -151,6 +152,9 @@ class Monitor:
         # adapter whose relay carries alerts to rank zero sets `relayed`.
         self.before_halt: list[Any] = []
         self.relayed = False
+        # Under FSDP2: the whole-layer norms, summed across ranks at a cadence
+        # (None: gradients are not sharded, the norms measured are the layers').
+        self._whole: WholeLayerNorms | None = None
         self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
         # Layers whose gradient history starts over at the next step.
         self._restarted: set[str] = set()
@@ -302,7 +306,11 @@ class Monitor:
         return self._guarded("setup audit", build_audit, self._root, self._optimizers)
 
     def grad_norms(self) -> dict[str, float]:
-        """Per-layer gradient L2 norms of the latest step, by qualified module name."""
+        """Per-layer gradient L2 norms of the latest step, by qualified module name.
+
+        Under FSDP2, the whole layers' norms of the latest step they were summed
+        across ranks at (every ``distributed.gather_every`` steps; empty before).
+        """
         self._land_in_flight(may_halt=False)
         return self._latest_norms
 
@@ -316,7 +324,7 @@ class Monitor:
 
     @property
     def total_grad_norm(self) -> float | None:
-        """L2 norm over every gradient of the latest step."""
+        """L2 norm over every gradient of the latest step (under FSDP2, as ``grad_norms``)."""
         self._land_in_flight(may_halt=False)
         return self._total_norm
 
@@ -697,8 +705,9 @@ class Monitor:
         sync.at_step(step)
 
     def _halt_sync_for_run(self) -> HaltSync | None:
-        """The halt check across ranks, decided at the first step boundary (the
-        process group is often set up after the model is watched)."""
+        """The step-end collective across ranks (the halt check; under FSDP2 the
+        whole-layer norms too), decided at the first step boundary (the process
+        group is often set up after the model is watched)."""
         sync = self.halt_sync
         if sync is False:
             sync = None
@@ -706,12 +715,31 @@ class Monitor:
             if distributed and not self.relayed:
                 # Each rank writes its own sinks: say which rank each alert is from.
                 self._dispatcher.rank = torch.distributed.get_rank()
-            if self.config.halt_on and distributed:
-                sync = HaltSync(self.config.distributed.halt_check_every)
+            if distributed and fully_sharded(self._root):
+                self._whole = WholeLayerNorms(
+                    self.config.distributed.gather_every,
+                    self._layers.layers,
+                    _weak_callback(self._whole_layer_norms),
+                    _weak_callback(self._internal_error),
+                )
+            if distributed and (self.config.halt_on or self._whole is not None):
+                sync = HaltSync(
+                    self.config.distributed.halt_check_every,
+                    halting=bool(self.config.halt_on),
+                    layers=self._whole,
+                )
                 sync.before_halt = self.before_halt
                 sync.report_remote = None if self.relayed else self._report_remote
             self.halt_sync = sync
         return sync
+
+    def _whole_layer_norms(
+        self, step: int, optimizer: int | None, norms: dict[str, float], total: float
+    ) -> None:
+        """Under FSDP2, a step's whole-layer norms, summed across ranks: what is reported."""
+        self._latest_by_source[optimizer] = norms
+        self._total_norm = total
+        self._dispatcher.numbers(StepNumbers(step, norms, total))
 
     def _report_remote(self, alert: Alert) -> None:
         """Another rank's halting alert, written by this rank's sinks (rank zero)."""
@@ -956,8 +984,11 @@ class Monitor:
             record.param_norms = pending.norms.values()
             per_layer, total = layer_norms(record.present, record.param_norms, self._layers.layers)
             record.layer_norms, record.total_norm = per_layer, total
-            self._latest_by_source[record.optimizer] = per_layer
-            self._total_norm = total
+            if self._whole is None:
+                self._latest_by_source[record.optimizer] = per_layer
+                self._total_norm = total
+            else:  # shard norms, for the rules; the whole layers' come at the cadence
+                self._whole.note(record)
         if pending.loss is not None:
             record.loss = pending.loss.value()
         scale = pending.scale.value() if pending.scale is not None else None
@@ -996,11 +1027,12 @@ class Monitor:
             record.accumulated = self._hand_updates.keep_moved(
                 record.accumulated, names, slot.values(), self.steps_end_at_backward
             )
+        sharded = self._whole is not None
         self._dispatcher.numbers(
             StepNumbers(
                 record.step,
-                record.layer_norms,
-                record.total_norm,
+                {} if sharded else record.layer_norms,
+                None if sharded else record.total_norm,
                 record.loss,
                 record.stall.update_ratios if record.stall is not None else {},
                 record.stall.change if record.stall is not None else None,

@@ -1,14 +1,25 @@
 """Two gloo ranks training a model sharded with FSDP2's ``fully_shard``, run by tests/test_fsdp2.py.
 
 ``python fsdp2_run.py OUT MODE``: MODE ``clean``, ``no_zero_grad`` (both ranks
-drop ``zero_grad()`` from step 3) or ``frozen`` (layer ``2``'s weight left frozen
-in the optimizer). Each rank writes ``OUT/rank<r>.json``: its
-alerts and its per-layer norms.
+drop ``zero_grad()`` from step 3), ``frozen`` (layer ``2``'s weight left frozen
+in the optimizer), ``norms`` (whole-layer norms reduced every 4 steps, beside
+each step's norms of the full gradients, gathered here with ``full_tensor()``),
+``nan_input`` (a NaN in rank 1's batch at step 5), ``nan_layer`` (layer ``2``
+multiplies its output by inf on rank 1 at step 5: born there from finite
+inputs) or ``nan_backward`` (layer ``2``'s backward makes a NaN on rank 1 at
+step 5, its forward staying finite). Suffixes: ``+deferred``
+(``nonfinite_forward.check: deferred``) and ``+halt`` (``halt_on:
+[nonfinite_forward]``, whole-layer norms every step, riding in the halt
+check). Each rank writes ``OUT/rank<r>.json``: its alerts, its per-layer
+norms (per step in ``norms`` and ``+halt`` modes, beside the full gradients'
+norms; TensorBoard files in ``OUT/tb<r>`` in ``norms`` mode) and the halt it
+raised, if any.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,17 +34,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import trainwatch as tw
 
 BUG_AT = 3
+NAN_AT = 5
+NORMS_EVERY = 4
+
+
+class Fragile(nn.Linear):
+    """A Linear that makes a NaN/Inf while ``poisoned``: in its forward (its output
+    times inf) or, with ``in_backward``, in its backward only (sqrt's gradient at
+    0 is inf, times 0: NaN; the forward adds 0)."""
+
+    poisoned = False
+    in_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self.poisoned:
+            return out
+        if self.in_backward:
+            return out + (x * 0).sqrt().sum() * 0
+        return out * math.inf
+
+
+def full_layer_norms(model: nn.Module) -> dict[str, float]:
+    """Each layer's gradient norm from the full (unsharded) gradients: a collective."""
+    squares: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            layer = name.rsplit(".", 1)[0]
+            full = param.grad.full_tensor()
+            squares[layer] = squares.get(layer, 0.0) + float(full.double().pow(2).sum())
+    return {layer: sq**0.5 for layer, sq in squares.items()}
+
+
+def _config(mode: str, flags: list[str]) -> dict:
+    config: dict = {}
+    if mode == "norms":
+        config["distributed"] = {"gather_every": NORMS_EVERY}
+    if "deferred" in flags:
+        config["nonfinite_forward"] = {"check": "deferred"}
+    if "halt" in flags:
+        config["halt_on"] = ["nonfinite_forward"]
+        config["distributed"] = {"gather_every": 1}
+    return config
 
 
 def rank_main(rank: int, out: str, mode: str, init: str) -> None:
+    mode, *flags = mode.split("+")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
-    )
+    middle = Fragile(32, 32) if mode in ("nan_layer", "nan_backward") else nn.Linear(32, 32)
+    middle.in_backward = mode == "nan_backward"
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), middle, nn.ReLU(), nn.Linear(32, 1))
     if mode == "frozen":
         model[2].weight.requires_grad_(False)  # left frozen, still in the optimizer
     for layer in model:
@@ -42,15 +96,38 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
-    with tw.watch(model, optimizer, console=False) as monitor:
+    per_step = mode == "norms" or "halt" in flags
+    steps: list[dict] = []
+    halted: dict | None = None
+    log_dir = Path(out, f"tb{rank}") if mode == "norms" else None
+    monitor = tw.watch(
+        model, optimizer, console=False, config=_config(mode, flags), log_dir=log_dir
+    )
+    try:
         for step in range(12):
             x = torch.randn(16, 8, generator=gen)
+            if mode == "nan_input" and rank == 1 and step == NAN_AT:
+                x[3, 2] = float("nan")
+            if isinstance(middle, Fragile):
+                middle.poisoned = rank == 1 and step == NAN_AT
             if not (mode == "no_zero_grad" and step >= BUG_AT):
                 optimizer.zero_grad()
             nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+            full = full_layer_norms(model) if per_step else {}
             optimizer.step()
-        norms = monitor.grad_norms()
-    record = {"alerts": [a.to_dict() for a in monitor.alerts], "norms": norms}
+            if per_step:
+                reported, total = monitor.grad_norms(), monitor.total_grad_norm
+                steps.append({"full": full, "reported": reported, "total": total})
+    except tw.TrainingHealthError as halt:
+        halted = {"step": step, "rule": halt.alert.rule, "rank": halt.alert.data.get("rank")}
+    finally:
+        monitor.close()
+    record = {
+        "alerts": [a.to_dict() for a in monitor.alerts],
+        "norms": monitor.grad_norms(),
+        "steps": steps,
+        "halted": halted,
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 

@@ -58,6 +58,7 @@ from trainwatch.collect.nonfinite_replay import (
     Replay,
     backward_leaving_grads,
     replay_target,
+    unreplayed_origin,
 )
 from trainwatch.collect.op_trace import (
     OpFinding,
@@ -212,6 +213,10 @@ class _StepState:
     output_bad: bool = False
     # A backward replay of this step ran (and found what it found).
     backward_replayed: bool = False
+    # A backward replay was due but the model may not be replayed on one rank
+    # (FSDP-sharded or SyncBatchNorm modules), with the pass and its entering
+    # gradient finite.
+    backward_unreplayable: bool = False
     # One flag per backward pass since the step: "its gradients had a NaN/Inf".
     bad_backward_passes: list[torch.Tensor | float] = field(default_factory=list)
     # A forward pass of the model was seen this step. Not so when the model
@@ -515,9 +520,12 @@ class NonfiniteProbe:
         """Run the pass again module by module to find where its NaN/Inf was born."""
         # Grad mode as in the pass itself, so masks and real values are told
         # apart the same way (requires_grad) in the replay.
-        module = replay_target(module)
-        if module is None:
+        target = replay_target(module)
+        if target is None:
+            # Collective-free: the inputs and this rank's weights, read as they are.
+            self._this_step.forward_origin = unreplayed_origin(module, args, kwargs)
             return
+        module = target
         with self._replaying_context(grad=torch.is_grad_enabled()):
             args, kwargs = detached_copies((args, kwargs))
             module(*args, **kwargs)
@@ -540,6 +548,7 @@ class NonfiniteProbe:
         module, args, kwargs = self._this_pass.last_call
         module = replay_target(module)
         if module is None:
+            self._this_step.backward_unreplayable = True
             return False
         with self._replaying_context(grad=True):
             args, kwargs = detached_copies((args, kwargs))
@@ -871,6 +880,7 @@ class NonfiniteProbe:
             output_bad=self._this_step.output_bad,
             forward_seen=self._this_step.saw_pass,
             backward_replayed=self._this_step.backward_replayed,
+            backward_unreplayable=self._this_step.backward_unreplayable,
         )
         needs_forward = (
             bool(self._this_step.finite)

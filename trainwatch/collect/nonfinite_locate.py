@@ -40,7 +40,9 @@ class NonfiniteFinding:
     module: int
     direction: str  # "forward" or "backward"
     cause: str  # "module": born here; "input": the model's input was already bad;
-    # "loss": gradient non-finite where it enters the model (the loss's backward)
+    # "loss": gradient non-finite where it enters the model (the loss's backward);
+    # "unreplayed": born inside the model from finite inputs, module not located
+    # (a model that may not be replayed on one rank: FSDP-sharded)
     kind: str | None = None  # "nan" / "inf" when known exactly
     count: int | None = None
     shape: tuple[int, ...] | None = None
@@ -88,6 +90,10 @@ class StepWindow:
     # if any, came from it): under torch.distributed, a clean replay means the
     # NaN/Inf arrived through the gradient all-reduce.
     backward_replayed: bool = False
+    # A backward replay was due but refused (FSDP-sharded or SyncBatchNorm
+    # modules would talk to the other ranks): this rank's forward output and
+    # the gradient entering its model were finite all the same.
+    backward_unreplayable: bool = False
     # Codes (FINITE / INF / NAN / NEG_INF) of the sums, when they must be read back.
     sums: torch.Tensor | None = None
     grad_sums: torch.Tensor | None = None

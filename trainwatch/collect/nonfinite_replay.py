@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from trainwatch.collect import quiet
+from trainwatch.collect.nonfinite_locate import NonfiniteFinding
 from trainwatch.collect.op_trace import _null, swapped_buffers
+from trainwatch.collect.tensors import floating_tensors, local_part
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
 
@@ -31,7 +33,8 @@ def replay_target(module: nn.Module) -> nn.Module | None:
     ``DistributedDataParallel`` syncs buffers and reduces gradients with the
     other ranks: its ``.module`` is replayed instead. ``SyncBatchNorm`` and
     FSDP-sharded modules talk to the other ranks inside their own forward:
-    they are not replayed at all (None), and the origin stays unlocated.
+    they are not replayed at all (None); ``unreplayed_origin`` says what can
+    be told without a replay.
     """
     inner = getattr(module, "module", None)
     if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
@@ -40,6 +43,48 @@ def replay_target(module: nn.Module) -> nn.Module | None:
         if isinstance(part, nn.SyncBatchNorm) or type(part).__name__.startswith("FSDP"):
             return None
     return module
+
+
+NOT_REPLAYED = (
+    "not replayed: FSDP-sharded (or SyncBatchNorm) modules talk to the other ranks "
+    "inside their own pass, so a replay on one rank alone would wait for them"
+)
+
+
+def unreplayed_origin(module: nn.Module, args: Any, kwargs: Any) -> NonfiniteFinding:
+    """A bad pass that may not be replayed here: what its inputs and this rank's
+    weights say, without running anything.
+
+    An input already non-finite is the origin (the data, as a replay would
+    find). Otherwise the NaN/Inf was born inside the model, on this rank, from
+    finite inputs: in which module is not known, so the model is named.
+    """
+    given = [t for t in floating_tensors([args, kwargs]) if t.numel()]
+    for tensor in given:
+        bad = tensor.detach()
+        if not bool(torch.isfinite(bad).all()):
+            finding = NonfiniteFinding(
+                module=0,
+                direction="forward",
+                cause="input",
+                kind="nan" if bool(torch.isnan(bad).any()) else "inf",
+                count=int((~torch.isfinite(bad)).sum()),
+                shape=tuple(bad.shape),
+                dtype=str(bad.dtype),
+                device=str(bad.device),
+            )
+            finding.op_basis = NOT_REPLAYED
+            return finding
+    finding = NonfiniteFinding(module=0, direction="forward", cause="unreplayed")
+    finding.op_basis = NOT_REPLAYED
+    # Seen now, before this step's update: this rank's shards of the weights.
+    finding.weights_nonfinite = not all(
+        bool(torch.isfinite(local_part(p.detach())).all()) for p in module.parameters()
+    )
+    if given:
+        finding.input_min = min(float(t.detach().min()) for t in given)
+        finding.input_max = max(float(t.detach().max()) for t in given)
+    return finding
 
 
 class Replay:

@@ -135,6 +135,16 @@ def only_negative_inf(tensor: torch.Tensor) -> bool:
     return not bool((torch.isnan(values) | torch.isposinf(values)).any())
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's (FSDP2) local shard.
+
+    A reduction over a whole DTensor is a collective; checking what this rank
+    holds must never be one.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def non_leaf(tensor: torch.Tensor) -> bool:
     """Made by autograd in this pass: a tensor hook on it goes when the graph goes."""
     return tensor.requires_grad and tensor.grad_fn is not None

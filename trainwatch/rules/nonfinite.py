@@ -8,6 +8,7 @@ from typing import Any
 from trainwatch.alert import Alert
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE
 
 _OP_HINTS = {
     "aten::log": "log of a softmax or of a probability that reached 0: use log_softmax, "
@@ -120,6 +121,21 @@ class NonfiniteForwardRule(_ReportRule):
                 "division in preprocessing, an uninitialised buffer), or a functional "
                 "op in the training loop between the data and the model",
             )
+        if report.cause == "unreplayed":
+            inputs = ""
+            if report.input_min is not None:
+                inputs = f" in [{report.input_min:.4g}, {report.input_max:.4g}]"
+            return (
+                f"the model's output is non-finite ({_what(report)}) although its inputs "
+                f"are finite{inputs} and so are this rank's weights: born inside the "
+                "model on this rank, in a module not located (its FSDP-sharded or "
+                "SyncBatchNorm modules talk to the other ranks inside forward, so it is "
+                "not replayed on one rank)",
+                "to name the module and the op, set nonfinite_forward.check: deferred "
+                "(every module's output summed as it runs, no replay needed; costly), or "
+                "run the same batch in one process without sharding; then look for a "
+                "log/sqrt/division at the edge of its domain or an overflow",
+            )
         if report.cause == "parameter":
             return (
                 f"first non-finite value of the forward pass, from `{report.module}` whose "
@@ -163,18 +179,33 @@ class NonfiniteBackwardRule(_ReportRule):
         report = record.nonfinite_backward
         if report is None or report.cause != "other_rank":
             return super().evaluate(record)
-        return [
-            self.alert(
-                record.step,
-                None,
+        hint = "the rank where the NaN/Inf was born reports its origin; look there"
+        if report.op_basis == EVERY_MODULE_FINITE:
+            message = (
+                f"the gradient of {report.parameter} arrived non-finite from another rank "
+                "(through the gradient reduce-scatter or all-reduce): every module's "
+                "gradient in this rank's own backward is finite"
+            )
+        elif report.op_basis is not None:  # not replayed: judged from what this rank saw
+            message = (
+                f"the gradient of {report.parameter} arrived non-finite from another rank "
+                "(through the gradient reduce-scatter or all-reduce): this rank's forward "
+                "output, its loss and the gradient entering its model are finite. Not "
+                "replayed (the model's sharded modules talk to the other ranks), so a "
+                "NaN/Inf born in this rank's own backward would look the same"
+            )
+            hint += (
+                "; if no rank reports one, it was born in a backward: set "
+                "nonfinite_forward.check: deferred (every module's gradient summed) to "
+                "have that rank name the module"
+            )
+        else:
+            message = (
                 f"the gradient of {report.parameter} arrived non-finite from another rank "
                 "(through the gradient all-reduce): this rank's own forward and backward, "
-                "replayed here, are finite",
-                "the rank where the NaN/Inf was born reports its origin; look there",
-                _data(report),
-                severity="info",
+                "replayed here, are finite"
             )
-        ]
+        return [self.alert(record.step, None, message, hint, _data(report), severity="info")]
 
     def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         if report.cause == "unlocated":

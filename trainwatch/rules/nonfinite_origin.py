@@ -22,9 +22,14 @@ from trainwatch.collect.nonfinite_locate import (
     locate_backward,
     locate_forward,
 )
+from trainwatch.collect.nonfinite_replay import NOT_REPLAYED
+from trainwatch.collect.tensors import local_part
 from trainwatch.halt_sync import running_distributed
 from trainwatch.layers import ParamInfo
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
+
+# Why a rank that did not replay its backward knows the NaN/Inf came from another.
+EVERY_MODULE_FINITE = "every module's gradient in this rank's own backward was summed: finite"
 
 
 def knock_on(reported: Collection[str]) -> bool:
@@ -188,7 +193,7 @@ class NonfiniteJudge:
         found = modules()  # the probe's modules, looked up only when there is an origin
         module = found[finding.module] if 0 <= finding.module < len(found) else None
         bad_params: list[torch.Tensor] = []
-        if finding.cause == "module" and module is not None:
+        if finding.cause in ("module", "unreplayed") and module is not None:
             # The model itself is named when its modules ran unseen inside a
             # compiled graph: then any of its weights may be the cause.
             whole = finding.module == 0
@@ -257,6 +262,21 @@ class NonfiniteJudge:
                     module=None, cause="other_rank", parameter=first.name
                 )
                 return
+            basis = None
+            if window.backward_unreplayable:
+                # Not replayed (FSDP-sharded), but this rank's forward output,
+                # loss and the gradient entering its model were finite.
+                basis = NOT_REPLAYED
+            elif grad_sums is not None and all(v == FINITE for v in grad_sums):
+                # Deferred checks: every module's gradient here was finite.
+                basis = EVERY_MODULE_FINITE
+            if basis is not None and not loss_bad and running_distributed():
+                # The gradient turned non-finite in the reduce-scatter (or the
+                # all-reduce), from another rank, which reports its origin.
+                record.nonfinite_backward = NonfiniteReport(
+                    module=None, cause="other_rank", parameter=first.name, op_basis=basis
+                )
+                return
             record.nonfinite_backward = NonfiniteReport(
                 module=first.owner, cause="parameter", parameter=first.name
             )
@@ -273,5 +293,6 @@ class NonfiniteJudge:
 
 
 def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
+    """Judged on what this rank holds: a check of a whole DTensor would be a collective."""
     params = module.parameters(recurse=recurse)
-    return [p for p in params if not bool(torch.isfinite(p.detach()).all())]
+    return [p for p in params if not bool(torch.isfinite(local_part(p.detach())).all())]
