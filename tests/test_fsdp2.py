@@ -55,6 +55,14 @@ def test_a_clean_fully_sharded_run_is_silent_on_both_ranks(tmp_path, mode):
 
 
 @pytest.mark.slow
+def test_an_embedding_shard_no_batch_reached_is_not_a_zero_gradient(tmp_path):
+    """Every token comes from the embedding's first half of rows: rank 1's shard of
+    its gradient is exactly zero at every step while the layer's is not."""
+    zero, one = _ranks(tmp_path, "embedding")
+    assert zero["alerts"] == [] and one["alerts"] == []
+
+
+@pytest.mark.slow
 def test_whole_layer_norms_equal_the_full_gradients_norms_on_each_rank_at_their_cadence(tmp_path):
     ranks = _ranks(tmp_path, "norms")
     for rank, found in enumerate(ranks):

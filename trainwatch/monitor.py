@@ -988,6 +988,7 @@ class Monitor:
                 self._latest_by_source[record.optimizer] = per_layer
                 self._total_norm = total
             else:  # shard norms, for the rules; the whole layers' come at the cadence
+                record.sharded = True
                 self._whole.note(record)
         if pending.loss is not None:
             record.loss = pending.loss.value()

@@ -210,3 +210,6 @@ class StepRecord:
     # keeps (0 on other steps), and the re-run of the first batch.
     stall_phase: int = 0
     stall: StallReport | None = None
+    # Under FSDP2 the gradients measured are this rank's shards: a shard can be
+    # all zero while its layer's gradient is not (an embedding's rows no batch used).
+    sharded: bool = False

@@ -7,7 +7,9 @@ each step's norms of the full gradients, gathered here with ``full_tensor()``),
 ``nan_input`` (a NaN in rank 1's batch at step 5), ``nan_layer`` (layer ``2``
 multiplies its output by inf on rank 1 at step 5: born there from finite
 inputs) or ``nan_backward`` (layer ``2``'s backward makes a NaN on rank 1 at
-step 5, its forward staying finite). Suffixes: ``+deferred``
+step 5, its forward staying finite) or ``embedding`` (an embedding first, and
+every batch's tokens from its first half of rows: rank 1's shard of its
+gradient is exactly zero at every step, the layer's is not). Suffixes: ``+deferred``
 (``nonfinite_forward.check: deferred``) and ``+halt`` (``halt_on:
 [nonfinite_forward]``, whole-layer norms every step, riding in the halt
 check). Each rank writes ``OUT/rank<r>.json``: its alerts, its per-layer
@@ -88,10 +90,12 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     middle = Fragile(32, 32) if mode in ("nan_layer", "nan_backward") else nn.Linear(32, 32)
     middle.in_backward = mode == "nan_backward"
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), middle, nn.ReLU(), nn.Linear(32, 1))
+    if mode == "embedding":
+        model = nn.Sequential(nn.Embedding(64, 8), *model)
     if mode == "frozen":
         model[2].weight.requires_grad_(False)  # left frozen, still in the optimizer
     for layer in model:
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, (nn.Linear, nn.Embedding)):
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -106,13 +110,14 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     try:
         for step in range(12):
             x = torch.randn(16, 8, generator=gen)
+            inputs = torch.randint(0, 32, (16,), generator=gen) if mode == "embedding" else x
             if mode == "nan_input" and rank == 1 and step == NAN_AT:
                 x[3, 2] = float("nan")
             if isinstance(middle, Fragile):
                 middle.poisoned = rank == 1 and step == NAN_AT
             if not (mode == "no_zero_grad" and step >= BUG_AT):
                 optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+            nn.functional.mse_loss(model(inputs), x[:, :1].sin()).backward()
             full = full_layer_norms(model) if per_step else {}
             optimizer.step()
             if per_step:

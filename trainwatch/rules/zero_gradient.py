@@ -88,7 +88,7 @@ class ZeroGradientRule(Rule):
         silent: list[tuple[ParamInfo, str]] = [
             (info, "none") for info in record.missing if info.in_model
         ]
-        if 0.0 in record.param_norms:
+        if 0.0 in record.param_norms and not record.sharded:  # a zero shard says nothing
             reset = _reset_by_hand(record) if record.rewritten else frozenset()
             silent += [
                 (info, "zero")
