@@ -14,8 +14,6 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -36,6 +34,7 @@ from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
 from trainwatch.collect.stall import FirstBatchProbe
+from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
 from trainwatch.config import Config
@@ -51,6 +50,7 @@ from trainwatch.raised import note_raise
 from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, SetupCheck, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
+from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
 from trainwatch.whole_layers import WholeLayerNorms, fully_sharded
@@ -138,10 +138,10 @@ class Monitor:
             # stamps the same number); set again at the first step boundary for
             # a process group set up after watching.
             self._dispatcher.rank = torch.distributed.get_rank()
-        self._rules = build_rules(self.config)
-        self._rule_ids = {rule.id for rule in self._rules}
+        rules = build_rules(self.config)
+        self._rule_ids = {rule.id for rule in rules}
         # The collectors the enabled rules need: nothing else is attached.
-        needs = frozenset().union(*(rule.needs for rule in self._rules))
+        needs = frozenset().union(*(rule.needs for rule in rules))
         self._handles = HookGroup()
         self._optimizers: list[Optimizer] = []
         self._step = 0
@@ -169,6 +169,7 @@ class Monitor:
         self._late_loss: tuple[int, torch.Tensor | float] | None = None
         self._guard = Guard(_weak_callback(self._internal_error))
         self._disabled = self._guard.disabled
+        self._rules = RuleSet(rules, self._guard)
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
         # The setup audit: redone when a step's parameter counts differ from the
@@ -434,7 +435,7 @@ class Monitor:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
             if self._behaviour is not None:
                 for record in self._behaviour.eval_passes.flush():
-                    self._dispatcher.publish(self._run_rules(record), may_halt=False)
+                    self._dispatcher.publish(self._rules.evaluate(record), may_halt=False)
             if self._late_loss is not None:
                 step, value = self._late_loss
                 self._late_loss = None
@@ -674,11 +675,11 @@ class Monitor:
             return  # the scaler's warm-up
         skipped = 0 if warming_up else record.skipped_backward_passes
         record.amp = AmpReport(skipped, self._judge.passes_per_step, scale)
-        self._dispatcher.publish(self._run_rules(record))
+        self._dispatcher.publish(self._rules.evaluate(record))
 
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""
-        self._dispatcher.publish(self._run_rules(record))
+        self._dispatcher.publish(self._rules.evaluate(record))
 
     def _advance(self) -> int:
         """Count the step first, so a failure or a halt later cannot lose it."""
@@ -785,49 +786,6 @@ class Monitor:
     def _optimizer_params(self, index: int) -> list[torch.Tensor]:
         return [p for group in self._optimizers[index].param_groups for p in group["params"]]
 
-    def _read_gradients(
-        self, index: int | None
-    ) -> tuple[StepRecord, list[torch.Tensor], list[torch.Tensor]]:
-        """The step's record with each parameter sorted: frozen, missing, present."""
-        manual = index is None
-        record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=index)
-        params = self._layers.parameters() if manual else self._optimizer_params(index)
-        known = self._layers.known()
-        grads: list[torch.Tensor] = list(map(_GRAD, params))
-        if (
-            not any(map(is_, grads, repeat(None)))
-            and all(map(_REQUIRES_GRAD, params))
-            and set(map(type, grads)) == _PLAIN
-        ):
-            # The usual step, in C loops: every parameter trainable, with a
-            # plain gradient, and known by name.
-            present = list(map(known.get, map(id, params)))
-            if not any(map(is_, present, repeat(None))):
-                record.present = present
-                return record, params, grads
-        info = self._layers.info
-        present = record.present
-        grads = []
-        plain = torch.Tensor
-        for param in params:
-            grad = param.grad
-            if grad is not None and param.requires_grad:  # the usual case, without a call
-                if type(grad) is not plain and _empty_shard(grad):
-                    continue  # FSDP2 put all of this small tensor on other ranks
-                found = known.get(id(param))
-                present.append(found if found is not None else info(param))
-                grads.append(grad)
-            elif not param.requires_grad:
-                if manual:
-                    record.frozen_count += 1
-                else:
-                    record.frozen.append(info(param))
-            # Without an optimizer, gradients may be reset before
-            # monitor.step(): what backward reached still counts.
-            elif not (manual and self._tracker.reached(param)):
-                record.missing.append(info(param))
-        return record, params, grads
-
     def _gather(self, index: int | None, attach: bool = False) -> _Pending:
         look = self._class_targets
         if look is not None and look.listening:
@@ -837,7 +795,8 @@ class Monitor:
             self._guarded("class target look", look.end_span)
         if self._structure.changed():
             self._rebuild_layers()
-        record, params, grads = self._read_gradients(index)
+        params = self._layers.parameters() if index is None else self._optimizer_params(index)
+        record, grads = read_gradients(params, index, self._layers, self._tracker.reached)
         if grads and self._passes.passes == self._passes_at_step and self._wrapper_search:
             # Gradients without a pass seen: compiled after watching, perhaps.
             self._wrapper_search -= 1
@@ -851,7 +810,8 @@ class Monitor:
             # module.to() in overwrite mode swapped in new Parameter objects:
             # name them (and see whether any optimizer still holds the old ones).
             self._rebuild_layers()
-            record, params, grads = self._read_gradients(index)
+            params = self._layers.parameters() if index is None else self._optimizer_params(index)
+            record, grads = read_gradients(params, index, self._layers, self._tracker.reached)
         if self._restarted:
             record.restarted_layers = frozenset(self._restarted)
             self._restarted.clear()
@@ -912,22 +872,8 @@ class Monitor:
             weights, names = self._hand_updates.watched(self._layers)
             norms, weight_norms = norms_with_weights(grads, weights)
             pending.weights = (names, frame.add(weight_norms))
-        elif grads:
-            # Small gradients stacked by shape on CPU (see collect/small_norms):
-            # the norms, and so the parameters, then come in the plan's order.
-            present = record.present
-            plan = self._small_norms.plan(grads, tuple(map(id, present)))
-            norms = None
-            if plan is not None:
-                try:
-                    norms = plan.norms(grads)
-                    record.present = list(map(present.__getitem__, plan.order))
-                except RuntimeError:
-                    self._small_norms.forget()
-            if norms is None:
-                norms = gradient_norms(grads)
         else:
-            norms = None
+            norms = self._small_norms.norms(record, grads) if grads else None
         if norms is not None:
             pending.norms = frame.add(norms)
             pending.norm_tensor = norms
@@ -1044,7 +990,7 @@ class Monitor:
             late_step, value = pending.late_loss
             late = (late_step, value.value() if isinstance(value, Slot) else value)
             record.late_loss = late[1]
-        alerts = self._run_rules(record)
+        alerts = self._rules.evaluate(record)
         if late is not None:
             alerts.extend(self._late_loss_alerts(*late))
         return alerts
@@ -1057,28 +1003,7 @@ class Monitor:
             return []  # a NaN already reported upstream explains it
         record = StepRecord(step=step, source="loss", loss=value)
         record.nonfinite_loss = NonfiniteReport(module=None, cause="value")
-        return self._run_rules(record)
-
-    def _run_rules(self, record: StepRecord) -> list[Alert]:
-        alerts: list[Alert] = []
-        disabled = self._disabled
-        for rule in self._rules:
-            field = rule.reads
-            if field is not None and not getattr(record, field):
-                continue  # nothing for it in this record
-            component = rule.component
-            if component in disabled:
-                continue
-            try:  # the guard written out: this runs for every rule at every step
-                found = rule.evaluate(record)
-            except TrainingHealthError:
-                raise
-            except Exception as exc:
-                self._guard.fail(component, exc)
-                continue
-            if found:
-                alerts.extend(found)
-        return alerts
+        return self._rules.evaluate(record)
 
     def _audit_optimizer(self, index: int) -> None:
         """Checks that need no gradients, made when an optimizer is attached."""
@@ -1092,7 +1017,7 @@ class Monitor:
             trainable_by_module=pending.record.trainable_by_module,
             restarted_layers=pending.record.restarted_layers,
         )
-        self._dispatcher.publish(self._run_rules(record))
+        self._dispatcher.publish(self._rules.evaluate(record))
 
     def _audit_setup(self, step: int) -> None:
         """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
@@ -1110,7 +1035,7 @@ class Monitor:
             revision, len(self._optimizers), audit.trainable, audit.unheld, list(owners)
         )
         self._reach_due = set(range(len(self._optimizers))) if self._optimizers else {None}
-        self._dispatcher.publish(self._run_rules(record))
+        self._dispatcher.publish(self._rules.evaluate(record))
 
     def _check_reach(self, record: StepRecord) -> None:
         """First step after an audit: a backward ran, yet no trainable parameter got a gradient."""
@@ -1196,17 +1121,6 @@ def _unwrapped_optimizer(optimizer: Any) -> Any:
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
     return optimizer
-
-
-_GRAD = attrgetter("grad")
-_REQUIRES_GRAD = attrgetter("requires_grad")
-_PLAIN = {torch.Tensor}
-
-
-def _empty_shard(grad: torch.Tensor) -> bool:
-    """A DTensor whose shard on this rank has no elements (its norm, 0, means nothing)."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local is not None and to_local().numel() == 0
 
 
 def _as_number(value: torch.Tensor | float) -> float:

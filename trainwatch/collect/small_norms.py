@@ -21,6 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
+from trainwatch.collect.grads import gradient_norms
+from trainwatch.record import StepRecord
+
 # A gradient up to this many elements is stacked with those of its shape.
 SMALL = 1 << 14
 # Fewer gradients of one shape than this are not worth a group of their own.
@@ -85,18 +88,25 @@ class SmallGradientNorms:
     def __init__(self) -> None:
         self._plans: dict[tuple[int, ...], NormPlan | None] = {}
 
-    def plan(self, grads: Sequence[torch.Tensor], key: tuple[int, ...]) -> NormPlan | None:
-        """The plan for these gradients (``key`` names their parameters, in order), or
-        None where stacking saves nothing and one ``_foreach_norm`` stands."""
+    def norms(self, record: StepRecord, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The fp32 norms of ``grads`` (``record.present``'s), reordering ``record.present``
+        to the norms' order where a plan stacks some of them."""
+        present = record.present
         plans = self._plans
+        key = tuple(map(id, present))  # a layout: these parameters, in this order
         if key in plans:
-            return plans[key]
-        if len(plans) >= _KEPT:
-            plans.clear()
-        plan = NormPlan(grads)
-        plans[key] = found = None if plan.identity else plan
-        return found
-
-    def forget(self) -> None:
-        """The gradients no longer fit a plan (a parameter's ``.data`` replaced)."""
-        self._plans.clear()
+            plan = plans[key]
+        else:
+            if len(plans) >= _KEPT:
+                plans.clear()
+            made = NormPlan(grads)
+            plan = plans[key] = None if made.identity else made
+        if plan is not None:
+            try:
+                norms = plan.norms(grads)
+            except RuntimeError:  # a parameter's .data replaced by another shape
+                self._plans.clear()
+            else:
+                record.present = list(map(present.__getitem__, plan.order))
+                return norms
+        return gradient_norms(grads)

@@ -1,0 +1,75 @@
+"""The step's gradients, each parameter sorted: present (with its gradient), frozen, missing.
+
+Run at every step boundary over every parameter the step uses, so the usual
+step (every parameter trainable, each with a plain gradient, each known by
+name) is read in C loops (``map`` over attribute getters), with no Python
+work per parameter; anything else is read one parameter at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter, is_
+
+import torch
+
+from trainwatch.layers import LayerMap
+from trainwatch.record import StepRecord
+
+_GRAD = attrgetter("grad")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_PLAIN = {torch.Tensor}
+
+
+def read_gradients(
+    params: Sequence[torch.Tensor],
+    optimizer: int | None,
+    layers: LayerMap,
+    reached: Callable[[torch.Tensor], bool],
+) -> tuple[StepRecord, list[torch.Tensor]]:
+    """A new record of the step and the present parameters' gradients, in its order.
+
+    ``optimizer`` None: a step without an optimizer (``monitor.step()``), where
+    frozen parameters are only counted, and a gradient reset before the step
+    still counts as present when backward ``reached`` it.
+    """
+    manual = optimizer is None
+    record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=optimizer)
+    known = layers.known()
+    grads: list[torch.Tensor] = list(map(_GRAD, params))
+    if (
+        not any(map(is_, grads, repeat(None)))
+        and all(map(_REQUIRES_GRAD, params))
+        and set(map(type, grads)) == _PLAIN
+    ):
+        present = list(map(known.get, map(id, params)))
+        if not any(map(is_, present, repeat(None))):
+            record.present = present
+            return record, grads
+    info = layers.info
+    present = record.present
+    grads = []
+    plain = torch.Tensor
+    for param in params:
+        grad = param.grad
+        if grad is not None and param.requires_grad:  # the usual case, without a call
+            if type(grad) is not plain and _empty_shard(grad):
+                continue  # FSDP2 put all of this small tensor on other ranks
+            found = known.get(id(param))
+            present.append(found if found is not None else info(param))
+            grads.append(grad)
+        elif not param.requires_grad:
+            if manual:
+                record.frozen_count += 1
+            else:
+                record.frozen.append(info(param))
+        elif not (manual and reached(param)):
+            record.missing.append(info(param))
+    return record, grads
+
+
+def _empty_shard(grad: torch.Tensor) -> bool:
+    """A DTensor whose shard on this rank has no elements (its norm, 0, means nothing)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local is not None and to_local().numel() == 0
