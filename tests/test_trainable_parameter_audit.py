@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
-import trainwatch.monitor as monitor_module
+import trainwatch.setup_watch as setup_watch_module
 from tests.lora_models import (
     LoraLinear,
     TinyCNN,
@@ -445,7 +445,7 @@ def test_healthy_training_is_silent_and_audited_once(loop, monkeypatch):
         built.append(kwargs.get("revision"))
         return build_audit(*args, **kwargs)
 
-    monkeypatch.setattr(monitor_module, "build_audit", counting)
+    monkeypatch.setattr(setup_watch_module, "build_audit", counting)
     torch.manual_seed(0)
     monitor = HEALTHY[loop](12)
     monitor.close()
@@ -507,7 +507,7 @@ def test_a_failing_audit_is_reported_once_and_training_goes_on(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("audit broke")
 
-    monkeypatch.setattr(monitor_module, "build_audit", broken)
+    monkeypatch.setattr(setup_watch_module, "build_audit", broken)
     model = TinyCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with tw.watch(model, opt, console=False) as monitor:

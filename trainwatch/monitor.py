@@ -47,11 +47,12 @@ from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.raised import note_raise
-from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, SetupCheck, StepRecord
+from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
 from trainwatch.rules import build_rules
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
+from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import MemorySink, Sink, StepNumbers
 from trainwatch.whole_layers import WholeLayerNorms, fully_sharded
 
@@ -176,10 +177,7 @@ class Monitor:
         # last audited ones (per optimizer; None: without one), then the first
         # step after it checks that some trainable parameter got a gradient.
         self._audits_setup = "trainable_parameters" in self._rule_ids
-        self._setup: SetupAudit | None = None
-        self._setup_signatures: dict[int | None, tuple[int, ...]] = {}
-        self._setup_due = False
-        self._reach_due: set[int | None] = set()
+        self._setup = SetupWatch()
         self._attaching = True
         # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
         # need them to know what backward reached: always attached.
@@ -273,7 +271,7 @@ class Monitor:
         for opt in optimizers:
             self.add_optimizer(opt)
         self._attaching = False
-        if self._setup_due and self._optimizers:
+        if self._setup.due and self._optimizers:
             self._guarded("setup audit", self._audit_setup, self._step)
 
     # -- public surface ----------------------------------------------------
@@ -302,8 +300,8 @@ class Monitor:
     def setup_audit(self) -> SetupAudit | None:
         """The latest setup table: trainable and frozen parameters by location,
         adapters, and which optimizer holds what (made now if no step made one)."""
-        if self._setup is not None:
-            return self._setup
+        if self._setup.latest is not None:
+            return self._setup.latest
         return self._guarded("setup audit", build_audit, self._root, self._optimizers)
 
     def grad_norms(self) -> dict[str, float]:
@@ -848,16 +846,22 @@ class Monitor:
                 record.frozen_count,
                 len(self._layers.layers),
             )
-            if self._setup_signatures.get(index) != signature:
-                self._setup_signatures[index] = signature
-                self._setup_due = True
+            setup = self._setup
+            if setup.signatures.get(index) != signature:
+                setup.signatures[index] = signature
+                setup.due = True
             if not attach:
-                if self._setup_due:
+                if setup.due:
                     step = self._step - 1 if manual else self._step
                     self._guarded("setup audit", self._audit_setup, step)
-                if index in self._reach_due:
-                    self._reach_due.discard(index)
-                    self._guarded("setup audit", self._check_reach, record)
+                if index in setup.reach_due:
+                    setup.reach_due.discard(index)
+                    # A backward ran: it reached the model's output, or a loss was
+                    # handed over (Lightning, whose module's own forward may never run).
+                    ran = self._tracker.backward_seen or self._loss is not None
+                    self._guarded(
+                        "setup audit", setup.check_reach, record, ran, len(self._optimizers)
+                    )
         pending = _Pending(record, params)
         frame = pending.frame
         stall = self._stall
@@ -1008,7 +1012,7 @@ class Monitor:
     def _audit_optimizer(self, index: int) -> None:
         """Checks that need no gradients, made when an optimizer is attached."""
         pending = self._gather(index, attach=True)
-        self._setup_due = True  # a new optimizer: which one holds what changed
+        self._setup.due = True  # a new optimizer: which one holds what changed
         record = StepRecord(
             step=self._step,
             source="attach",
@@ -1021,39 +1025,10 @@ class Monitor:
 
     def _audit_setup(self, step: int) -> None:
         """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
-        self._setup_due = False
-        revision = self._setup.revision + 1 if self._setup is not None else 0
-        audit = build_audit(self._root, self._optimizers, revision=revision, step=max(step, 0))
-        self._setup = audit
+        audit, record = self._setup.audit(step, self._root, self._optimizers)
         if self.config.trainable_parameters.table:
             self._dispatcher.setup(audit)
-        # Where the trainable ones sit (adapters at the module holding the pair).
-        inner = [row.module for row in audit.locations if row.section == "trainable"]
-        owners = inner or [row.module for row in audit.locations if row.trainable]
-        record = StepRecord(step=max(step, 0), source="setup")
-        record.setup = SetupCheck(
-            revision, len(self._optimizers), audit.trainable, audit.unheld, list(owners)
-        )
-        self._reach_due = set(range(len(self._optimizers))) if self._optimizers else {None}
         self._dispatcher.publish(self._rules.evaluate(record))
-
-    def _check_reach(self, record: StepRecord) -> None:
-        """First step after an audit: a backward ran, yet no trainable parameter got a gradient."""
-        if record.present or not record.missing:
-            return
-        # A backward ran: it reached the model's output, or a loss was handed
-        # over (Lightning, whose module's own forward may never be called).
-        if not self._tracker.backward_seen and self._loss is None:
-            return
-        assert self._setup is not None
-        record.setup = SetupCheck(
-            self._setup.revision,
-            len(self._optimizers),
-            self._setup.trainable,
-            self._setup.unheld,
-            unreached=list(record.missing),
-            never_called=record.never_called,
-        )
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
         key = tuple(
