@@ -80,22 +80,18 @@ class ExplodingGradientRule(Rule):
         limit = math.log(config.factor)
         sudden = limit / 2.0  # sqrt(factor) above the last few steps
         fast = 2.0 / (_RECENT_WINDOW + 1)
-        # A layer recovering from tiny gradients (a deep stack whose units
-        # were nearly dead waking up) jumps by 1e3-1e4 against its own past
-        # in healthy runs, but only up to the other layers' level: a jump
-        # counts when it also ends well above the layers' typical norms.
-        typical_norms = [h.mean for h in self._history.values() if h.count]
-        median = math.exp(statistics.median(typical_norms)) if typical_norms else 0.0
-        spikes: list[tuple[float, str, float, float | None]] = []
+        max_norm = config.max_norm
+        warmup = config.warmup
+        histories = self._history
+        rows = []
+        suspect = False  # some layer jumped against its own past
         for layer, norm in record.layer_norms.items():
-            if not math.isfinite(norm) or norm <= 0.0:
+            if not 0.0 < norm < math.inf:
                 continue  # the non-finite and zero-gradient rules own those
             log_norm = math.log(norm)
-            history = self._history.get(layer)
+            history = histories.get(layer)
             if history is None:
-                history = self._history[layer] = _LogAverage()
-            typical = math.exp(history.mean) if history.count else None
-            over_bound = config.max_norm is not None and norm > config.max_norm
+                history = histories[layer] = _LogAverage()
             # Sudden too: a layer whose norm rose steadily for tens of steps
             # (a deep plain stack waking up from a near-dead start) is far
             # above its long average but not above its last few steps.
@@ -103,17 +99,33 @@ class ExplodingGradientRule(Rule):
                 history.count > 0
                 and log_norm - history.mean > limit
                 and log_norm - history.recent > sudden
-                and norm >= _ABOVE_OTHERS * median
             )
+            suspect = suspect or jump
+            rows.append((layer, norm, log_norm, history, jump))
+        # A layer recovering from tiny gradients (a deep stack whose units
+        # were nearly dead waking up) jumps by 1e3-1e4 against its own past
+        # in healthy runs, but only up to the other layers' level: a jump
+        # counts when it also ends well above the layers' typical norms (their
+        # median, before this step; taken only when some layer jumped).
+        floor = 0.0
+        if suspect:
+            typical_norms = [h.mean for h in histories.values() if h.count]
+            floor = _ABOVE_OTHERS * math.exp(statistics.median(typical_norms))
+        spikes: list[tuple[float, str, float, float | None]] = []
+        for layer, norm, log_norm, history, jump in rows:
+            count = history.count
+            jump = jump and norm >= floor
+            over_bound = max_norm is not None and norm > max_norm
             # Each layer has its own warm-up: one first trained late, or
             # restarted, is not judged on its first gradients.
-            if history.count >= config.warmup and (over_bound or jump):
+            if count >= warmup and (over_bound or jump):
+                typical = math.exp(history.mean) if count else None
                 ratio = norm / typical if typical else math.inf
                 spikes.append((ratio if jump else 0.0, layer, norm, typical))
                 continue  # a spike does not become the new normal
             # Written out, not a method: this runs for every layer at every step.
-            history.count += 1
-            if history.count == 1:
+            history.count = count + 1
+            if count == 0:
                 history.mean = history.recent = log_norm
             else:
                 history.mean += alpha * (log_norm - history.mean)
