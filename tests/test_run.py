@@ -257,6 +257,22 @@ def test_manual_sgd_steps_come_from_backward_passes(tmp_path, capsys):
     assert "10 steps watched" in capsys.readouterr().err
 
 
+def test_a_hand_trained_model_gets_no_hook_per_parameter(tmp_path, capsys):
+    """Its steps are told by the end of each backward through the model, from one
+    tensor hook per pass: of its parameters only one carries a hook of trainwatch's
+    (for backward passes that come another way), never one each."""
+    body = MANUAL.replace(
+        'print("finished", STEPS)',
+        "hooks = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})"
+        ' for p in model.parameters())\nprint("parameter hooks", hooks)',
+    )
+    script = write(tmp_path, "manual_hooks.py", body)
+    assert run_script(script, log_dir=tmp_path / "log") == 0
+    captured = capsys.readouterr()
+    assert "parameter hooks 1" in captured.out
+    assert "10 steps watched" in captured.err and alerts(tmp_path / "log") == []
+
+
 def test_max_steps_stops_the_script_cleanly(tmp_path, capsys):
     script = write(tmp_path, "train.py", LOOP)
     assert run_script(script, ["1000"], log_dir=tmp_path / "log", max_steps=5) == 0

@@ -94,37 +94,19 @@ class _ModelView(Sink):
 
 
 class _BackwardEnd:
-    """Post-accumulate-grad hook: marks a hand-trained model's step after backward."""
+    """Called when a backward through a hand-trained model has ended: its step boundary."""
 
-    __slots__ = ("owner", "monitor", "queued")
+    __slots__ = ("owner", "monitor")
 
     def __init__(self, owner: AutoWatch, monitor: Monitor) -> None:
         self.owner = weakref.ref(owner)
         self.monitor = weakref.ref(monitor)
-        self.queued = False
 
-    def __call__(self, param: torch.Tensor) -> None:
-        monitor = self.monitor()
-        if self.queued or monitor is None or monitor.closed or monitor.optimizers:
-            return
-        owner = self.owner()
-        if owner is None or owner.manual_steps_off:
-            return
-        self.queued = True
-        try:
-            # The engine runs queued callbacks once this backward has finished,
-            # when every gradient of it is in place: the step boundary.
-            torch.autograd.Variable._execution_engine.queue_callback(self.done)
-        except Exception as exc:  # never break the user's backward
-            self.queued = False
-            owner.manual_steps_off = True
-            owner._internal.internal_error("trainwatch run: backward end", exc, owner.steps)
-
-    def done(self) -> None:
-        self.queued = False
+    def __call__(self) -> None:
         owner, monitor = self.owner(), self.monitor()
-        if owner is not None and monitor is not None:
-            owner._manual_step(monitor)
+        if owner is None or monitor is None or monitor.closed or monitor.optimizers:
+            return
+        owner._manual_step(monitor)
 
 
 class AutoWatch:
@@ -144,7 +126,6 @@ class AutoWatch:
         self.views: list[_ModelView] = []
         self.worst: str | None = None  # highest severity raised, internal errors aside
         self.stopped = False
-        self.manual_steps_off = False  # set if the end-of-backward callback cannot be queued
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
         self._handles: list[RemovableHandle] = []
@@ -362,13 +343,8 @@ class AutoWatch:
         loader = self._train_loader() if self._train_loader is not None else None
         if loader is not None:
             monitor.watch_data(loader)
-        hook = _BackwardEnd(self, monitor)
-        handles = [
-            param.register_post_accumulate_grad_hook(hook)
-            for param in params
-            if param.requires_grad
-        ]
-        self._backward_ends[id(monitor)] = handles
+        # One listener on the monitor's own end-of-backward, not a hook per parameter.
+        self._backward_ends[id(monitor)] = [monitor.on_backward_end(_BackwardEnd(self, monitor))]
         for optimizer in list(self._pending):
             self._attach(optimizer)
         if not monitor.optimizers:

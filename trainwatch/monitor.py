@@ -474,6 +474,12 @@ class Monitor:
         )
 
     # -- driven by a framework (the Lightning callback) -----------------------
+    def on_backward_end(self, callback: Any) -> Any:
+        """Call ``callback()`` once each backward pass that reached the model has ended,
+        every gradient of it in place: where a loop without an optimizer steps.
+        Returns a handle whose ``remove()`` stops it."""
+        return self._tracker.on_backward_end(callback)
+
     def collect_before_step(self, optimizer: Optimizer, *, hold: bool = False) -> None:
         """Gather ``optimizer``'s gradients now instead of in its step pre-hook.
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter, eq, is_
@@ -187,6 +188,9 @@ class GradResetTracker:
         # One of each hook object, reused every pass.
         self._starts = WeakHook(self, "backward_starts")
         self._ends = WeakHook(self, "backward_ends")
+        # Told when a backward through the model has ended (``on_backward_end``);
+        # an OrderedDict, which RemovableHandle can refer to weakly.
+        self._end_listeners: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -274,34 +278,46 @@ class GradResetTracker:
             for state, norm in zip(suspects, _max_abs(grads)):
                 state.content = norm
 
+    def on_backward_end(self, callback: Callable[[], None]) -> RemovableHandle:
+        """Call ``callback`` when each backward that reached the model has ended, every
+        gradient of it in place (after this tracker's own notes of it)."""
+        handle = RemovableHandle(self._end_listeners)
+        self._end_listeners[handle.id] = callback
+        return handle
+
     def backward_ends(self) -> None:
         """The versions this backward's accumulations left on stale gradients, and (for
-        loops without an optimizer) what it reached."""
-        self._in_backward = False
-        if not self.enabled:
-            return
-        for state in self._stale:
-            grad = state.param.grad
-            if grad is not None and (
-                (state.grad_ref is not None and state.grad_ref() is grad)
-                or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
-            ):
-                state.version = grad._version  # the next backward compares with this
-        if not self.track_reached:
-            return
-        stale = {id(state) for state in self._stale}
-        for state in self._states.values():
-            grad = state.param.grad
-            if grad is None:
-                continue
-            if state.armed and not state.reset:
-                same = (state.grad_ref is not None and state.grad_ref() is grad) or (
-                    state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
-                )
-                if same and grad._version == state.version and id(state) not in stale:
-                    continue  # untouched since the step used it
-            state.seen = True
-            state.end_version = grad._version
+        loops without an optimizer) what it reached; then the listeners."""
+        try:
+            self._in_backward = False
+            if not self.enabled:
+                return
+            for state in self._stale:
+                grad = state.param.grad
+                if grad is not None and (
+                    (state.grad_ref is not None and state.grad_ref() is grad)
+                    or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
+                ):
+                    state.version = grad._version  # the next backward compares with this
+            if not self.track_reached:
+                return
+            stale = {id(state) for state in self._stale}
+            for state in self._states.values():
+                grad = state.param.grad
+                if grad is None:
+                    continue
+                if state.armed and not state.reset:
+                    same = (state.grad_ref is not None and state.grad_ref() is grad) or (
+                        state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
+                    )
+                    if same and grad._version == state.version and id(state) not in stale:
+                        continue  # untouched since the step used it
+                state.seen = True
+                state.end_version = grad._version
+        finally:
+            if self._end_listeners:
+                for callback in list(self._end_listeners.values()):
+                    callback()  # each guards itself; a halt passes through
 
     # -- step boundary ---------------------------------------------------
     def suspects(
