@@ -30,8 +30,12 @@ def running_distributed() -> bool:
 
 
 class HaltSync:
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, checks: bool = True) -> None:
         self.every = every
+        self.checks = checks  # False: no halt_on, only the hooks of `after_step`
+        # Run on every rank at each step's end, before the check (a relay's
+        # delivery point); each must be non-collective or run on every rank.
+        self.after_step: list[Callable[[int], None]] = []
         self.held: TrainingHealthError | None = None
         # Run on every rank, together, before the halt is raised.
         self.before_halt: list[Callable[[], None]] = []
@@ -45,7 +49,9 @@ class HaltSync:
 
     def at_step(self, step: int) -> None:
         """Called by every rank at the end of each step (0-based ``step``)."""
-        if (step + 1) % self.every:
+        for hook in self.after_step:
+            hook(step)
+        if not self.checks or (step + 1) % self.every:
             return
         dist = torch.distributed
         flag = torch.tensor([1 if self.held is not None else 0], device=_device())

@@ -148,6 +148,10 @@ class Monitor:
         # adapter whose relay carries alerts to rank zero sets `relayed`.
         self.before_halt: list[Any] = []
         self.relayed = False
+        # Under torch.distributed: run at each step's end (rank zero reads the
+        # other ranks' alerts there), and at close before the sinks close.
+        self.at_boundary: list[Any] = []
+        self.before_close: list[Any] = []
         self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
         # Layers whose gradient history starts over at the next step.
         self._restarted: set[str] = set()
@@ -430,6 +434,8 @@ class Monitor:
                 alerts = self._guarded("step collector", self._late_loss_alerts, step, number)
                 if alerts:
                     self._dispatcher.publish(alerts, may_halt=False)
+            for hook in self.before_close:
+                self._guarded("relay", hook)
         finally:
             self.closed = True
             _OPEN.discard(self)
@@ -702,8 +708,9 @@ class Monitor:
             if distributed and not self.relayed:
                 # Each rank writes its own sinks: say which rank each alert is from.
                 self._dispatcher.rank = torch.distributed.get_rank()
-            if self.config.halt_on and distributed:
-                sync = HaltSync(self.config.distributed.halt_check_every)
+            if distributed and (self.config.halt_on or self.at_boundary):
+                sync = HaltSync(self.config.distributed.halt_check_every, bool(self.config.halt_on))
+                sync.after_step = self.at_boundary
                 sync.before_halt = self.before_halt
                 sync.report_remote = None if self.relayed else self._report_remote
             self.halt_sync = sync
