@@ -186,6 +186,13 @@ class StoreLink:
                     found.append(self.store.get(self._key(rank, "worst")).decode() or None)
             except Exception:
                 continue
+        try:
+            self.store.set(self._key(self.rank, "agreed"), "1")
+        except Exception:
+            pass
+        if self.rank == 0:
+            # Rank zero may host the store's server: it stays until every rank has read.
+            self._wait_for("agreed", ranks)
         return max((s for s in found if s), key=severity_rank, default=None)
 
     def _opened(self) -> list[int]:
