@@ -76,7 +76,9 @@ class StoreLink:
         self.rank, self.world = rank, world
         self.wait_s = wait_s
         self.store: Any = None
-        self.broken: str | None = None  # why the store cannot be used (then nothing is tried again)
+        # Why the store could not be used; from then on nothing is tried again
+        # (a store whose server went away could make every try slow).
+        self.broken: str | None = None
         self._posts = 0
         self._taken: dict[int, int] = {}  # rank -> posts read from it (rank zero)
         self._posted_seen = 0
@@ -85,10 +87,12 @@ class StoreLink:
         return "/".join(["trainwatch", self.channel, *map(str, parts)])
 
     def connect(self) -> bool:
-        """Hold the default group's store, while the group is up; True once held."""
+        """Hold the default group's store, while the group is up; True once held and working."""
+        if self.broken is not None:
+            return False
         if self.store is not None:
             return True
-        if self.broken is not None or not running_distributed():
+        if not running_distributed():
             return False
         import torch.distributed as dist
 
@@ -285,20 +289,37 @@ class RankZeroReceiver:
             self.receive()
 
     def receive(self) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             self._hand_over(self.link.take())
+        except Exception as exc:  # never break training: the relay goes off, said once
+            self._fail(exc)
 
     def close(self) -> None:
         if self.closed:
             return
-        records, late = self.link.take_last()
-        self._hand_over(records)
+        try:
+            records, late = self.link.take_last()
+            self._hand_over(records)
+        except Exception as exc:
+            self._fail(exc)
+            return
         self.closed = True
         if late and self.note is not None:
             ranks = ", ".join(map(str, late))
             print(
                 f"trainwatch: rank(s) {ranks} had not closed {self.link.wait_s:g} s after "
                 "rank 0 did; what they raise later is printed on their own stderr",
+                file=self.note,
+            )
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = True
+        if self.note is not None:
+            print(
+                f"trainwatch: delivery of other ranks' alerts failed and is off ({exc!r}); "
+                "training continues",
                 file=self.note,
             )
 
