@@ -92,3 +92,15 @@ def test_alerts_are_delivered_at_close_after_the_script_destroyed_its_process_gr
         ("nonfinite_forward", 1),
     }
     assert one["console"] == ""
+
+
+@pytest.mark.slow
+def test_with_the_relay_off_each_rank_writes_its_own_alerts_file(tmp_path):
+    zero, one = _ranks(tmp_path, "own")
+    assert _written(tmp_path) == [("nonfinite_backward", "info", None, 5, 0)]
+    lines = (tmp_path / "tw1" / "alerts.jsonl").read_text().splitlines()
+    assert [(a["rule"], a["data"]["rank"]) for a in map(json.loads, lines)] == [
+        ("nonfinite_forward", 1)
+    ]
+    assert "nonfinite_forward" in one["console"]
+    assert [a["rule"] for a in zero["alerts"]] == ["nonfinite_backward"]  # its own only

@@ -8,6 +8,8 @@
 * ``destroy``: the same NaN, but each rank destroys the process group before
   its monitor closes, and rank 1 closes a second later than rank 0, with
   nothing delivered before (``gather_every: 0``).
+* ``own``: the same NaN with ``distributed.relay: false``: each rank writes
+  its own sinks.
 
 Each rank writes ``OUT/rank<r>.json``: what its monitor holds and, on rank
 zero, what ``alerts.jsonl`` held after step 8. A rank that hangs is the
@@ -52,7 +54,7 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
         optimizer,
         console=console,
         log_dir=log_dir,
-        config={"distributed": {"gather_every": every}},
+        config={"distributed": {"gather_every": every, "relay": mode != "own"}},
     )
     gen = torch.Generator().manual_seed(rank)
     on_disk_after_8: list[dict] | None = None
