@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,19 @@ def test_gpu_check_runs_anywhere():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gpu_check" in done.stdout
+
+
+@pytest.mark.slow
+def test_relay_cost_benchmark_prints_each_cost(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/relay_cost.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 reads the store, nothing posted" in done.stdout
+    assert "rank 1 posts one alert" in done.stdout

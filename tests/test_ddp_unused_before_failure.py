@@ -3,13 +3,18 @@ makes the next iteration fail; trainwatch's warning is on disk and on the consol
 by then, at the step where the parameter went unused, and DDP's error passes through.
 
 A one-process gloo group: DDP's reducer behaves as with more ranks (it waits for
-every parameter's gradient before the next forward).
+every parameter's gradient before the next forward); then two real gloo ranks,
+where rank zero alone writes and the other rank's warning reaches it.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +118,66 @@ def test_with_find_unused_parameters_ddp_goes_on_and_the_usual_patience_applies(
     found = [json.loads(line) for line in lines]
     assert [(a["rule"], a["step"], a["data"].get("steps")) for a in found] == expected
     assert all("next iteration fails" not in a["message"] for a in found)
+
+
+# -- two real ranks ------------------------------------------------------------
+
+TWO_RANKS = Path(__file__).resolve().parent / "scripts" / "ddp_unused_two_ranks.py"
+
+
+def _two_ranks(out: Path, mode: str) -> list[dict]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(TWO_RANKS), str(out), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "tw" / "alerts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_with_two_ranks_the_warning_is_on_rank_zeros_disk_and_console_before_ddp_fails(
+    tmp_path,
+):
+    zero, one = _two_ranks(tmp_path, "cut")
+    for rank in (zero, one):
+        assert "find_unused_parameters" in rank["error"]  # DDP's own error, unchanged
+        assert rank["steps"] == 1  # step 1's forward failed
+    at_error = zero["on_disk_at_error"]
+    assert [(a["rule"], a["module"], a["step"], a["data"]["rank"]) for a in at_error] == [
+        ("zero_gradient", "module.branch", 0, 0)
+    ]
+    assert "zero_gradient" in zero["console_at_error"]
+    # Rank 1 found the same: one line (rank zero's), counted twice; rank 1 printed nothing.
+    assert len(_lines(tmp_path)) == 1
+    counts = json.loads((tmp_path / "tw" / "alert_counts.json").read_text())["counts"]
+    assert [(c["rule"], c["count"]) for c in counts] == [("zero_gradient", 2)]
+    assert one["console"] == ""
+
+
+@pytest.mark.slow
+def test_a_branch_cut_on_rank_one_only_reaches_rank_zeros_file_though_both_failed(tmp_path):
+    """Rank 1's warning was posted when raised, before its DDP error; rank 0, failed
+    by gloo when rank 1 went, writes it at close (no collective on the way out)."""
+    zero, one = _two_ranks(tmp_path, "cut_on_one")
+    assert "find_unused_parameters" in one["error"]
+    assert zero["error"] and zero["on_disk_at_error"] == []
+    assert [(a["rule"], a["module"], a["step"], a["data"]["rank"]) for a in _lines(tmp_path)] == [
+        ("zero_gradient", "module.branch", 0, 1)
+    ]
+    assert "(rank 1)" in zero["console"] and one["console"] == ""
+
+
+@pytest.mark.slow
+def test_with_two_ranks_a_branch_kept_in_the_graph_trains_silently(tmp_path):
+    zero, one = _two_ranks(tmp_path, "clean")
+    assert zero["error"] is None and one["error"] is None
+    assert zero["steps"] == one["steps"] == 4
+    assert _lines(tmp_path) == [] and zero["alerts"] == one["alerts"] == []

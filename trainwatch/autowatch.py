@@ -42,6 +42,7 @@ from trainwatch.errors import TrainingHealthError
 from trainwatch.monitor import Monitor
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
+from trainwatch.store_relay import RankZeroReceiver, StoreLink
 
 # Steps after which, every model found training with an optimizer, the global
 # forward hooks come off.
@@ -118,8 +119,18 @@ class AutoWatch:
         config: Config,
         sinks: Sequence[Sink] = (),
         max_steps: int | None = None,
+        relay: StoreLink | None = None,
     ) -> None:
         self.config = config
+        # Under torchrun: this rank's side of the store relay (rank zero
+        # receives there; the others' only sink is a RankSender on it).
+        self.relay = relay
+        self._receiver: RankZeroReceiver | None = None
+        if relay is not None and relay.rank == 0:
+            note = next((s.console.file for s in sinks if isinstance(s, ConsoleSink)), None)
+            self._receiver = RankZeroReceiver(
+                relay, self._received, config.distributed.gather_every, note
+            )
         self.sinks: list[Sink] = list(sinks)
         self.max_steps = max_steps
         self.monitors: list[Monitor] = []
@@ -233,6 +244,11 @@ class AutoWatch:
                 monitor.close()
             except Exception as exc:  # a failure at close must not hide the script's result
                 self._internal.internal_error("monitor close", exc, monitor.step_count)
+        if self._receiver is not None:
+            try:
+                self._receiver.close()  # the other ranks' last alerts, before the summary
+            except Exception as exc:
+                self._internal.internal_error("relay", exc, self.steps)
         try:
             shown, raw = self.summary(), self.summary(labelled=False)
             self._each_sink(
@@ -270,6 +286,18 @@ class AutoWatch:
             self.worst = alert.severity
         shown = self._for_console(alert, model)
         self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
+
+    def _received(self, alert: Alert, repeats: int) -> None:
+        """Rank zero: another rank's alert (``repeats``: further firings there)."""
+        model = str(alert.data.get("model", ""))
+        times = repeats or 1
+        key = (alert.rule, alert.module, model)
+        if key not in self._tallies:
+            self._emit(alert, model)
+            times -= 1
+        tally = self._tallies[key]
+        if times:
+            self._repeat(alert, tally.count + times, model)
 
     def _repeat(self, alert: Alert, count: int, model: str) -> None:
         tally = self._tallies.get((alert.rule, alert.module, model))
@@ -338,6 +366,11 @@ class AutoWatch:
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         monitor.yields_to_explicit_watch = True
         monitor.steps_end_at_backward = True
+        if self.relay is not None:
+            self.relay.connect()  # the process group is up by now (DDP needs it): hold its store
+            monitor.relayed = True
+            if self._receiver is not None:
+                monitor.before_halt.append(self._receiver.receive)
         self.monitors.append(monitor)
         self.views.append(view)
         loader = self._train_loader() if self._train_loader is not None else None
@@ -457,6 +490,8 @@ class AutoWatch:
         return bool(monitor.optimizers)
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._receiver is not None:
+            self._receiver.at_step(self.steps - 1)
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.stopped = True
             raise StopRun

@@ -250,11 +250,22 @@ class TensorBoardConfig:
 @dataclass
 class DistributedConfig:
     # Under DDP, alerts raised on other ranks reach rank zero every
-    # `gather_every` training batches (one small object gather), at each
-    # epoch end and when training ends; 0 keeps only the last two. Under
-    # FSDP2, the whole-layer gradient norms are summed across ranks every
-    # `gather_every` steps (one all-reduce of one vector); 0: never.
+    # `gather_every` steps: the Lightning callback gathers them (one small
+    # object gather, also at each epoch end and when training ends); tw.watch
+    # and `trainwatch run` read them from the process group's store on rank
+    # zero (also at a halt and at close). 0 keeps only the ends.
+    # Under FSDP2, the whole-layer gradient norms are summed across ranks every
+    # `gather_every` steps too (one all-reduce of one vector); 0: never.
     gather_every: int = field(default=50, metadata=_range(0))
+    # tw.watch and `trainwatch run` under a process group of more than one
+    # rank: rank zero alone writes and prints, the other ranks post their
+    # alerts to it. False: every rank writes its own sinks (alerts still carry
+    # data["rank"]).
+    relay: bool = True
+    # At close, rank zero waits up to this many seconds for the other ranks
+    # to close and post their last alerts (and, with --fail-on, every rank
+    # for every rank's worst severity).
+    close_wait_s: float = field(default=3.0, metadata=_range(0.0))
     # With halt_on, every rank checks every `halt_check_every` steps whether any
     # rank halted (one one-number all-reduce) and all stop together; a rank
     # that fired keeps stepping until the next check.

@@ -40,8 +40,12 @@ class HaltSync:
         self, every: int, halting: bool = True, layers: WholeLayerNorms | None = None
     ) -> None:
         self.every = every
-        self.halting = halting  # False: only the whole-layer norms are reduced
+        # False: no halt_on; only the whole-layer norms and the `after_step` hooks.
+        self.halting = halting
         self.layers = layers
+        # Run on every rank at each step's end, before the check (a relay's
+        # delivery point); each must be non-collective or run on every rank.
+        self.after_step: list[Callable[[int], None]] = []
         self.held: TrainingHealthError | None = None
         # Run on every rank, together, before the halt is raised.
         self.before_halt: list[Callable[[], None]] = []
@@ -55,6 +59,8 @@ class HaltSync:
 
     def at_step(self, step: int) -> None:
         """Called by every rank at the end of each step (0-based ``step``)."""
+        for hook in self.after_step:
+            hook(step)
         halt_due = self.halting and (step + 1) % self.every == 0
         layers = self.layers
         norms_due = layers is not None and layers.due(step)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from trainwatch import store_relay
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
 from trainwatch.errors import TrainingHealthError
@@ -102,7 +103,12 @@ class TrainWatchCallback(TrainerCallback):
         self._halt.found = None
         sinks: list[Sink] = []
         try:
-            if state.is_world_process_zero:
+            # Under DDP the other ranks post their alerts to rank zero through the
+            # process group's store (trainwatch/store_relay.py).
+            link = store_relay.watch_relay(self.config)
+            if link is not None and link.rank != 0:
+                sinks = [store_relay.RankSender(link, self.console)]
+            elif state.is_world_process_zero:
                 log_dir, tensorboard = self._where(args)
                 config = self.config
                 if not tensorboard and config.tensorboard.enabled:
@@ -121,6 +127,8 @@ class TrainWatchCallback(TrainerCallback):
                 monitor.load_state_dict({"step": state.global_step})
             if torch_optimizer is not None:
                 monitor.add_optimizer(torch_optimizer)
+            if link is not None:
+                store_relay.join(monitor, link, self.console)
         except Exception as exc:  # never break training
             for sink in sinks:
                 sink.close(Summary(steps=0, tallies=[], latest_norms={}))

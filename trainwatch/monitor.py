@@ -156,6 +156,10 @@ class Monitor:
         # Under FSDP2: the whole-layer norms, summed across ranks at a cadence
         # (None: gradients are not sharded, the norms measured are the layers').
         self._whole: WholeLayerNorms | None = None
+        # Under torch.distributed: run at each step's end (rank zero reads the
+        # other ranks' alerts there), and at close before the sinks close.
+        self.at_boundary: list[Any] = []
+        self.before_close: list[Any] = []
         self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
         # Layers whose gradient history starts over at the next step.
         self._restarted: set[str] = set()
@@ -441,6 +445,8 @@ class Monitor:
                 alerts = self._guarded("step collector", self._late_loss_alerts, step, number)
                 if alerts:
                     self._dispatcher.publish(alerts, may_halt=False)
+            for hook in self.before_close:
+                self._guarded("relay", hook)
         finally:
             self.closed = True
             _OPEN.discard(self)
@@ -727,12 +733,13 @@ class Monitor:
                     _weak_callback(self._whole_layer_norms),
                     _weak_callback(self._internal_error),
                 )
-            if distributed and (self.config.halt_on or self._whole is not None):
+            if distributed and (self.config.halt_on or self._whole is not None or self.at_boundary):
                 sync = HaltSync(
                     self.config.distributed.halt_check_every,
                     halting=bool(self.config.halt_on),
                     layers=self._whole,
                 )
+                sync.after_step = self.at_boundary
                 sync.before_halt = self.before_halt
                 sync.report_remote = None if self.relayed else self._report_remote
             self.halt_sync = sync

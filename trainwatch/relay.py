@@ -7,6 +7,9 @@ alerts.jsonl, TensorBoard); on the others it keeps an :class:`Outbox` that
 :func:`gather_to_zero` empties into rank zero's reporter at points every rank
 reaches together (never per step, so healthy training pays no collective).
 No Lightning here: any launcher that runs ``torch.distributed`` can use it.
+``tw.watch``, ``trainwatch run`` and the Hugging Face callback, which have no
+such common points, deliver through the process group's store instead
+(:mod:`trainwatch.store_relay`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from trainwatch.autowatch import AutoWatch, StopRun
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config, load_config
 from trainwatch.raised import note_raise
-from trainwatch.sinks import ALERTS_FILE, default_sinks
+from trainwatch.sinks import ALERTS_FILE, Sink, default_sinks
+from trainwatch.store_relay import RankSender, StoreLink, env_rank
 
 FAIL_ON = ("never", *SEVERITIES[1:])  # never, warning, error
 EXIT_ALERTS = 3  # --fail-on: an alert at or above the level was raised
@@ -65,29 +66,50 @@ def run_script(
         return EXIT_USAGE
     cfg = load_config(config)
     out = Path(log_dir) if log_dir is not None else default_log_dir()
-    try:
-        sinks = default_sinks(out, cfg, console=console)
-    except OSError as exc:
-        note.print(f"trainwatch run: --log-dir: cannot write alerts into {str(out)!r}: {exc}")
-        return EXIT_USAGE
-    watcher = AutoWatch(config=cfg, sinks=sinks, max_steps=max_steps)
+    # Under torchrun: rank zero alone writes and prints; the other ranks post
+    # their alerts to it through the process group's store.
+    link = _relay(cfg)
+    if link is not None and link.rank != 0:
+        sinks: list[Sink] = [RankSender(link, console)]
+    else:
+        try:
+            sinks = default_sinks(out, cfg, console=console)
+        except OSError as exc:
+            note.print(f"trainwatch run: --log-dir: cannot write alerts into {str(out)!r}: {exc}")
+            return EXIT_USAGE
+    watcher = AutoWatch(config=cfg, sinks=sinks, max_steps=max_steps, relay=link)
+    rank_zero = link is None or link.rank == 0  # trainwatch's own notes are rank zero's
+    console = console and rank_zero
     if console:
         note.print(f"[dim]trainwatch run: watching {path}; alerts go to {out / ALERTS_FILE}[/]")
     code = _run_watched(path, list(args), watcher)
     if console and watcher.stopped:
         note.print(f"[dim]trainwatch run: stopped after {watcher.steps} steps (--max-steps)[/]")
+    worst = watcher.worst
+    if link is not None and fail_on != "never":
+        # Every rank exits with the same status: the worst alert of any rank.
+        worst = link.agree_worst(worst)
     if (
         code == 0
         and fail_on != "never"
-        and watcher.worst is not None
-        and severity_rank(watcher.worst) >= severity_rank(fail_on)
+        and worst is not None
+        and severity_rank(worst) >= severity_rank(fail_on)
     ):
-        note.print(
-            f"trainwatch run: failing (exit {EXIT_ALERTS}): an alert of severity "
-            f"{watcher.worst} was raised and --fail-on is {fail_on}"
-        )
+        if rank_zero:
+            note.print(
+                f"trainwatch run: failing (exit {EXIT_ALERTS}): an alert of severity "
+                f"{worst} was raised and --fail-on is {fail_on}"
+            )
         code = EXIT_ALERTS
     return code
+
+
+def _relay(cfg: Config) -> StoreLink | None:
+    """This rank's link when a launcher (torchrun) started more than one rank."""
+    rank, world = env_rank()
+    if world < 2 or not cfg.distributed.relay:
+        return None
+    return StoreLink("run", rank=rank, world=world, wait_s=cfg.distributed.close_wait_s)
 
 
 def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:

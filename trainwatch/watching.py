@@ -15,12 +15,12 @@ from typing import IO, Any
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch import termination
+from trainwatch import store_relay, termination
 from trainwatch.config import Config, load_config
 from trainwatch.errors import WatchError
 from trainwatch.monitor import Monitor
 from trainwatch.preflight import preflight
-from trainwatch.sinks import default_sinks
+from trainwatch.sinks import Sink, default_sinks
 
 
 def watch(
@@ -64,11 +64,19 @@ def watch(
     if data is not None and not hasattr(data, "__iter__"):
         raise WatchError(f"data: expected the training DataLoader, got {type(data).__name__}")
     preflight(model, optimizers)
-    try:
-        sinks = default_sinks(log_dir, cfg, console=console)
-    except OSError as exc:
-        raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
+    # Under a process group of more than one rank, rank zero alone writes and
+    # prints; the other ranks post their alerts to it (trainwatch/store_relay.py).
+    link = store_relay.watch_relay(cfg)
+    if link is not None and link.rank != 0:
+        sinks: list[Sink] = [store_relay.RankSender(link, console)]
+    else:
+        try:
+            sinks = default_sinks(log_dir, cfg, console=console)
+        except OSError as exc:
+            raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
     monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler, data=data)
+    if link is not None:
+        store_relay.join(monitor, link, console)
     # A plain loop owns its process: SIGTERM closes the monitor before the
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.

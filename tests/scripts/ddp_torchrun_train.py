@@ -1,0 +1,49 @@
+"""A DDP training script as one writes it for ``torchrun``: run by tests/test_run_under_torchrun.py
+under ``torchrun --nproc_per_node 2 -m trainwatch run``, with no trainwatch in it.
+
+``python ddp_torchrun_train.py OUT MODE``: MODE ``clean`` (healthy), ``nan``
+(rank 1's batch at step 5 holds a NaN) or ``no_zero_grad`` (rank 1 never
+calls ``zero_grad``). Before each optimizer step, each rank writes its
+number (1 for the first) to ``OUT/steps<rank>.txt``, so a caller sees at
+which step each rank stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS = 12
+NAN_AT = 5
+
+
+def main() -> None:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    progress = out / f"steps{rank}.txt"
+    for step in range(STEPS):
+        x = torch.randn(16, 8, generator=gen)
+        if mode == "nan" and rank == 1 and step == NAN_AT:
+            x[3, 2] = float("nan")
+        if not (mode == "no_zero_grad" and rank == 1):
+            optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        progress.write_text(str(step + 1))
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

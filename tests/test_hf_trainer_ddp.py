@@ -1,0 +1,59 @@
+"""trainwatch.hf.TrainWatchCallback with a ``transformers.Trainer`` on two gloo CPU ranks
+(``torchrun --nproc_per_node 2``): rank zero alone writes and prints, and another
+rank's alert reaches its alerts.jsonl through the process group's store.
+
+Each run has a hard timeout, so a rank left waiting fails the test instead of
+blocking CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_ddp_train.py"
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def _train(out: Path, mode: str) -> list[dict]:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + [str(SCRIPT), str(out), mode],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=out,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _written(out: Path) -> list[tuple]:
+    lines = (out / "tw" / "alerts.jsonl").read_text().splitlines()
+    return [(a["rule"], a["module"], a["step"], a["data"]["rank"]) for a in map(json.loads, lines)]
+
+
+@pytest.mark.slow
+def test_a_clean_trainer_on_two_ranks_is_silent_on_both(tmp_path):
+    zero, one = _train(tmp_path, "clean")
+    assert zero["alerts"] == one["alerts"] == []
+    assert _written(tmp_path) == []
+    assert one["console"] == ""
+
+
+@pytest.mark.slow
+def test_a_nan_born_on_rank_one_under_the_trainer_reaches_rank_zeros_alerts_file(tmp_path):
+    zero, one = _train(tmp_path, "nan")
+    origin = ("nonfinite_forward", "transformer.h.1.attn.c_attn", 2, 1)
+    assert origin in _written(tmp_path)
+    assert "(rank 1)" in zero["console"]
+    assert [(a["rule"], a["data"]["rank"]) for a in one["alerts"]] == [("nonfinite_forward", 1)]
+    assert one["console"] == ""  # rank 1 printed nothing
