@@ -57,3 +57,13 @@ def test_a_nan_born_on_rank_one_under_the_trainer_reaches_rank_zeros_alerts_file
     assert "(rank 1)" in zero["console"]
     assert [(a["rule"], a["data"]["rank"]) for a in one["alerts"]] == [("nonfinite_forward", 1)]
     assert one["console"] == ""  # rank 1 printed nothing
+
+
+@pytest.mark.slow
+def test_a_halt_on_rank_one_under_the_trainer_stops_both_ranks_at_the_same_step(tmp_path):
+    """halt_on under the Trainer: rank 1 fires at step 2, and both ranks end their loop
+    at that step's end and raise with rank 1's alert (no rank left waiting)."""
+    zero, one = _train(tmp_path, "nan+halt")
+    for rank in (zero, one):
+        assert rank["halted"] == {"rule": "nonfinite_forward", "rank": 1, "global_step": 3}
+    assert ("nonfinite_forward", "transformer.h.1.attn.c_attn", 2, 1) in _written(tmp_path)

@@ -22,7 +22,9 @@ the callback meets it:
   then sets ``control.should_training_stop``, the Trainer ends its loop cleanly
   (checkpoint callbacks, loggers and this monitor close) and
   ``TrainingHealthError`` is raised from ``on_train_end`` (``raise_on_halt=False``
-  stops without raising).
+  stops without raising). Under ``torch.distributed`` every rank checks at
+  each step's end whether any rank halted (one one-number all-reduce, as
+  ``tw.watch`` does) and all stop at that step with the first rank's alert.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from trainwatch import store_relay
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
 from trainwatch.errors import TrainingHealthError
+from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.monitor import Monitor
 from trainwatch.sinks import Sink, default_sinks
 from trainwatch.sinks.base import Summary
@@ -74,6 +77,8 @@ class TrainWatchCallback(TrainerCallback):
         self._monitor: Monitor | None = None
         self._halt = _HaltWatch(self.config.halt_on)
         self._backward_end: _BackwardEnd | None = None
+        # Under torch.distributed with halt_on: every rank stops at the same step.
+        self._sync: HaltSync | None = None
 
     # -- public surface ------------------------------------------------------
     @property
@@ -137,6 +142,9 @@ class TrainWatchCallback(TrainerCallback):
             )
             return
         self._monitor = monitor
+        self._sync = None
+        if self.config.halt_on and running_distributed():
+            self._sync = HaltSync(self.config.distributed.halt_check_every)
         if torch_optimizer is not None and not getattr(scaler, "_enabled", False):
             # With fp16's GradScaler the gradients are still scaled when backward
             # ends (unscaled just before clipping): its overflows, routine and
@@ -178,13 +186,24 @@ class TrainWatchCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        sync = self._sync
+        if sync is not None:
+            # Every rank, every step: one rank stopping alone would leave the
+            # others waiting in their next collective.
+            if self._halt.found is not None:
+                sync.hold(TrainingHealthError(self._halt.found))
+            try:
+                sync.at_step(state.global_step - 1)
+            except TrainingHealthError as halt:
+                self._halt.found = halt.alert  # the first rank's, stamped with it
         if self._halt.found is not None:
             control.should_training_stop = True
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._halt.found is not None:
+        # Under torch.distributed the ranks stop together, at a step's end.
+        if self._halt.found is not None and self._sync is None:
             control.should_training_stop = True
 
     # -- pickling --------------------------------------------------------------
@@ -193,6 +212,7 @@ class TrainWatchCallback(TrainerCallback):
         state = dict(self.__dict__)
         state["_monitor"] = None
         state["_backward_end"] = None
+        state["_sync"] = None
         if not isinstance(self.console, bool):
             state["console"] = True
         return state

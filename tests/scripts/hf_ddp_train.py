@@ -1,9 +1,11 @@
 """A ``transformers.Trainer`` on two gloo CPU ranks with trainwatch's callback: run by
 tests/test_hf_trainer_ddp.py under ``torchrun --nproc_per_node 2``.
 
-``python hf_ddp_train.py OUT MODE``: MODE ``clean``, or ``nan`` (rank 1's
-GPT-2 attention makes a NaN from its third step on). Each rank writes
-``OUT/rank<r>.json``: its callback's alerts and console.
+``python hf_ddp_train.py OUT MODE``: MODE ``clean``, ``nan`` (rank 1's
+GPT-2 attention makes a NaN from its third step on) or ``nan+halt`` (the same
+with ``halt_on: [nonfinite_forward]``). Each rank writes ``OUT/rank<r>.json``:
+its callback's alerts and console, and the halt it raised (its alert's rule and
+rank, and the step the Trainer reached).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tests.hf_models import ATTENTION, Tokens, model_of, plant_nan
+from trainwatch.errors import TrainingHealthError
 from trainwatch.hf import TrainWatchCallback
 
 NAN_FROM = 2
@@ -52,14 +55,27 @@ def main() -> None:
     )
     model = model_of("gpt2")
     console = io.StringIO()
-    watch = TrainWatchCallback(console=console, log_dir=out / "tw")
-    extra = [_PlantOnRankOne(model)] if mode == "nan" else []
+    halt_on = ["nonfinite_forward"] if mode.endswith("+halt") else []
+    watch = TrainWatchCallback(console=console, log_dir=out / "tw", halt_on=halt_on)
+    extra = [_PlantOnRankOne(model)] if mode.startswith("nan") else []
     trainer = Trainer(
         model=model, args=args, train_dataset=Tokens("gpt2"), callbacks=[watch, *extra]
     )
-    trainer.train()
+    halted = None
+    try:
+        trainer.train()
+    except TrainingHealthError as halt:
+        halted = {
+            "rule": halt.alert.rule,
+            "rank": halt.alert.data.get("rank"),
+            "global_step": trainer.state.global_step,
+        }
     rank = dist.get_rank()
-    record = {"alerts": [a.to_dict() for a in watch.alerts], "console": console.getvalue()}
+    record = {
+        "alerts": [a.to_dict() for a in watch.alerts],
+        "console": console.getvalue(),
+        "halted": halted,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
