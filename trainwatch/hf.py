@@ -281,7 +281,18 @@ class _BackwardEnd:
             self.queued = False
             self._fail(exc)
 
-    def _ended(self) -> None:
+    def _ended(self, after_reducer: bool = False) -> None:
+        if not after_reducer and running_distributed():
+            # DDP's reducer queues its own end-of-backward callback (copying the
+            # all-reduced gradients in) when its last bucket is ready, after this
+            # one was queued; callbacks queued while callbacks run come after it.
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_reducer)
+                return
+            except Exception as exc:  # never break the user's backward
+                self.queued = False
+                self._fail(exc)
+                return
         self.queued = False
         monitor, optimizer = self.monitor(), self.optimizer()
         if monitor is None or optimizer is None or monitor.closed or not _syncs_now():
@@ -292,6 +303,9 @@ class _BackwardEnd:
             raise
         except Exception as exc:
             self._fail(exc)
+
+    def _after_reducer(self) -> None:
+        self._ended(after_reducer=True)
 
     def _fail(self, exc: BaseException) -> None:
         self.failed = True
