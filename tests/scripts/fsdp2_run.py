@@ -10,7 +10,8 @@ inputs) or ``nan_backward`` (layer ``2``'s backward makes a NaN on rank 1 at
 step 5, its forward staying finite) or ``embedding`` (an embedding first, and
 every batch's tokens from its first half of rows: rank 1's shard of its
 gradient is exactly zero at every step, the layer's is not). Suffixes: ``+deferred``
-(``nonfinite_forward.check: deferred``) and ``+halt`` (``halt_on:
+(``nonfinite_forward.check: deferred``), ``+step`` (``check: step``: no
+module sums, so no layer can be named without a replay) and ``+halt`` (``halt_on:
 [nonfinite_forward]``, whole-layer norms every step, riding in the halt
 check). Each rank writes ``OUT/rank<r>.json``: its alerts, its per-layer
 norms (per step in ``norms`` and ``+halt`` modes, beside the full gradients'
@@ -74,6 +75,8 @@ def _config(mode: str, flags: list[str]) -> dict:
         config["distributed"] = {"gather_every": NORMS_EVERY}
     if "deferred" in flags:
         config["nonfinite_forward"] = {"check": "deferred"}
+    if "step" in flags:
+        config["nonfinite_forward"] = {"check": "step"}
     if "halt" in flags:
         config["halt_on"] = ["nonfinite_forward"]
         config["distributed"] = {"gather_every": 1}
