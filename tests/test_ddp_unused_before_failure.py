@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import torch
 from torch import nn
 
 import trainwatch as tw
+from tests.ranks import ranks_of
 from tests.test_never_called_in_optimizer import one_process_group
 
 
@@ -122,20 +120,9 @@ def test_with_find_unused_parameters_ddp_goes_on_and_the_usual_patience_applies(
 
 # -- two real ranks ------------------------------------------------------------
 
-TWO_RANKS = Path(__file__).resolve().parent / "scripts" / "ddp_unused_two_ranks.py"
-
 
 def _two_ranks(out: Path, mode: str) -> list[dict]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(TWO_RANKS), str(out), mode],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks_of("ddp_unused_two_ranks.py", out, mode)
 
 
 def _lines(out: Path) -> list[dict]:

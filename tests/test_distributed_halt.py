@@ -7,26 +7,10 @@ test instead of blocking CI.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-
-
-def _run(*args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def _ranks(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+from tests.ranks import SCRIPTS, records, run
 
 
 @pytest.mark.slow
@@ -34,8 +18,8 @@ def _ranks(out: Path) -> list[dict]:
 def test_a_halt_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path, check_every, stops_at):
     """Rank 1's NaN at step 5; with a check every 4 steps, the rank that fired keeps
     stepping to the next check (step 7) so that both stop there."""
-    _run(str(SCRIPTS / "ddp_halt.py"), str(tmp_path), str(check_every))
-    zero, one = _ranks(tmp_path)
+    run(str(SCRIPTS / "ddp_halt.py"), str(tmp_path), str(check_every))
+    zero, one = records(tmp_path)
     assert zero["stopped_at"] == one["stopped_at"] == stops_at
     for rank in (zero, one):
         raised = rank["raised"]
@@ -62,8 +46,8 @@ def test_a_halt_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path, check_ev
 
 @pytest.mark.slow
 def test_a_halt_under_lightning_ddp_stops_both_ranks_after_rank_zero_wrote_it(tmp_path):
-    _run(str(SCRIPTS / "ddp_fit.py"), str(tmp_path), "halt")
-    zero, one = _ranks(tmp_path)
+    run(str(SCRIPTS / "ddp_fit.py"), str(tmp_path), "halt")
+    zero, one = records(tmp_path)
     for rank in (zero, one):
         raised = rank["raised"]
         assert (raised["rule"], raised["step"], raised["data"]["rank"]) == (
@@ -73,5 +57,5 @@ def test_a_halt_under_lightning_ddp_stops_both_ranks_after_rank_zero_wrote_it(tm
         )
         assert rank["batches"] == 1  # both stopped in the same batch
     (jsonl,) = tmp_path.glob("ddp/version_*/alerts.jsonl")
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert [(r["rule"], r["data"]["rank"]) for r in records] == [("accumulated_gradient", 1)]
+    written = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["rule"], r["data"]["rank"]) for r in written] == [("accumulated_gradient", 1)]

@@ -9,27 +9,17 @@ blocking CI.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ranks import ranks_of
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def _ranks(out: Path, mode: str) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "ddp_watch_relay.py"), str(out), mode],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks_of("ddp_watch_relay.py", out, mode)
 
 
 def _written(out: Path) -> list[tuple]:

@@ -7,32 +7,19 @@ reported is the whole layers' norms, summed across ranks at a cadence.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.ranks import ranks_of
 from trainwatch.tensorboard_plugin import metadata
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_run.py"
 NORMS_EVERY = 4  # the script's distributed.gather_every in its ``norms`` mode
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def _ranks(tmp_path: Path, mode: str) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), mode],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks_of("fsdp2_run.py", tmp_path, mode)
 
 
 @pytest.mark.slow

@@ -9,31 +9,18 @@ blocking CI.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.ranks import SCRIPTS, TORCHRUN, records, run
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_ddp_train.py"
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+pytest.importorskip("transformers")
 
 
 def _train(out: Path, mode: str) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + [str(SCRIPT), str(out), mode],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=out,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run(*TORCHRUN, str(SCRIPTS / "hf_ddp_train.py"), str(out), mode, cwd=out)
+    return records(out)
 
 
 def _written(out: Path) -> list[tuple]:
