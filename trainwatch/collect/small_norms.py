@@ -46,7 +46,7 @@ class NormPlan:
                 # and sparse gradients are read the general way.
                 by_shape, rest = {}, list(range(len(grads)))
                 break
-            if grad.dim() > 0 and grad.numel() <= SMALL:
+            if grad.dim() > 0 and grad.numel() <= SMALL and not grad.is_complex():
                 by_shape.setdefault((grad.shape, grad.dtype), []).append(index)
             else:
                 rest.append(index)
