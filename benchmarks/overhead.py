@@ -18,6 +18,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py                 # mlp, cnn, transformer, deep on CPU
     python benchmarks/overhead.py --quick         # seconds; a smoke run
     python benchmarks/overhead.py --workloads deep gpt2 --quick
+    python benchmarks/overhead.py --workloads tiny  # trainwatch's fixed cost per step
     python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
@@ -139,6 +140,18 @@ def _deep(quick: bool) -> Workload:
     )
 
 
+def _tiny(quick: bool) -> Workload:
+    """A 3-layer toy model whose step takes well under a millisecond: what is left of
+    the ratio is trainwatch's fixed cost per step, whatever the model."""
+    return Workload(
+        "tiny",
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)),
+        lambda d: (torch.randn(8, 4, device=d), torch.randn(8, 1, device=d)),
+        steps_per_round=10 if quick else 200,
+        rounds=3 if quick else 11,
+    )
+
+
 class _GPT(nn.Module):
     """GPT-2's shape from plain torch modules: pre-norm blocks, causal, tied head."""
 
@@ -187,11 +200,14 @@ def _gpt2(quick: bool) -> Workload:
 WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer, "deep": _deep}
 # Run by default only on CUDA: on CPU a step takes seconds (name them to run them).
 CUDA_WORKLOADS = {"gpt2": _gpt2}
-ALL_WORKLOADS = {**WORKLOADS, **CUDA_WORKLOADS}
+# Run only when named: "tiny" isolates the fixed cost of a step (its plain step
+# is a fraction of a millisecond, so its ratio is large by construction).
+NAMED_WORKLOADS = {"tiny": _tiny}
+ALL_WORKLOADS = {**WORKLOADS, **CUDA_WORKLOADS, **NAMED_WORKLOADS}
 
 
 def default_workloads(device: torch.device) -> list[str]:
-    return list(ALL_WORKLOADS) if device.type == "cuda" else list(WORKLOADS)
+    return [*WORKLOADS, *CUDA_WORKLOADS] if device.type == "cuda" else list(WORKLOADS)
 
 
 def _sync(device: torch.device) -> None:

@@ -38,6 +38,11 @@ def test_overhead_benchmark_quick_run_prints_a_ratio_per_workload(tmp_path):
 
 
 @pytest.mark.slow
+def test_overhead_benchmark_tiny_measures_the_fixed_cost_when_named(tmp_path):
+    results = _overhead(tmp_path, "--workloads", "tiny")
+    assert list(results) == ["tiny"] and results["tiny"]["ratio"] > 0
+
+
 def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
     results = _overhead(tmp_path, "--device", "cpu", "--workloads", "gpt2")
     assert set(results) == {"gpt2"}
