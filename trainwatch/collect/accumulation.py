@@ -38,7 +38,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.collect.tensors import floating_list
+from trainwatch.collect.tensors import floating_list, local_part
 from trainwatch.hooks import WeakHook
 
 
@@ -54,8 +54,7 @@ def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
     """max|g| of this rank's part of a DTensor (FSDP2); 0 where it holds none."""
-    to_local = getattr(grad, "to_local", None)
-    local = to_local() if to_local is not None else grad
+    local = local_part(grad)
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=local.device)
     return torch.linalg.vector_norm(local.detach().float(), ord=math.inf)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from trainwatch.collect.tensors import local_part
 from trainwatch.layers import ParamInfo
 
 
@@ -21,11 +22,9 @@ def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(grad, "to_local", None)
-    if to_local is not None:
-        # A DTensor shard (FSDP2's fully_shard): the norm of this rank's shard,
-        # which is what this rank holds and applies.
-        grad = to_local()
+    # A DTensor shard (FSDP2's fully_shard): the norm of this rank's shard,
+    # which is what this rank holds and applies.
+    grad = local_part(grad)
     if grad.layout == torch.strided:
         return grad.detach()
     return grad.detach().coalesce().values()  # sparse gradients (nn.Embedding(sparse=True))

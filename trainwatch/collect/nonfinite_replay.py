@@ -22,6 +22,7 @@ from trainwatch.collect.op_trace import _null, swapped_buffers
 from trainwatch.collect.tensors import floating_tensors, local_part
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
+from trainwatch.whole_layers import fully_sharded
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
@@ -39,9 +40,8 @@ def replay_target(module: nn.Module) -> nn.Module | None:
     inner = getattr(module, "module", None)
     if isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
         module = inner
-    for part in module.modules():
-        if isinstance(part, nn.SyncBatchNorm) or type(part).__name__.startswith("FSDP"):
-            return None
+    if fully_sharded(module) or any(isinstance(p, nn.SyncBatchNorm) for p in module.modules()):
+        return None
     return module
 
 

@@ -14,6 +14,7 @@ from operator import attrgetter, is_
 
 import torch
 
+from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
 from trainwatch.record import StepRecord
 
@@ -71,5 +72,4 @@ def read_gradients(
 
 def _empty_shard(grad: torch.Tensor) -> bool:
     """A DTensor whose shard on this rank has no elements (its norm, 0, means nothing)."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local is not None and to_local().numel() == 0
+    return hasattr(grad, "to_local") and local_part(grad).numel() == 0
