@@ -49,8 +49,8 @@ TRACE_SETTLE = 100
 # Every rule is on by default; on top, what is off by default: every update's
 # weights checked at once, and the norm histograms. Norm scalars every 10
 # steps instead of every step: on a model this small, TensorBoard's writer
-# costs about as much as all the checks together (FACTS.md: the sinks can
-# cost more than the checks); streak marks and alerts are still written at
+# costs about as much as all the checks together (the sinks can cost
+# more than the checks); streak marks and alerts are still written at
 # every step.
 EVERYTHING_ON = {
     "nonfinite_parameter": {"check_every": 1},

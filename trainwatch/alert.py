@@ -44,7 +44,7 @@ class Alert:
         return (self.rule, self.module) if finding is None else (self.rule, self.module, finding)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``alerts.jsonl`` record (API.md section 4)."""
+        """The ``alerts.jsonl`` record (one JSON object per line; its fields are the stable contract)."""
         return {
             "rule": self.rule,
             "severity": self.severity,

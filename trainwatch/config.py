@@ -104,7 +104,7 @@ class AmpSkippedStepsConfig(RuleConfig):
 
 @dataclass
 class ConstantOutputConfig(RuleConfig):
-    # Sampled (a std over the batch per module costs 1.5-2.6x a step, FACTS.md):
+    # Sampled (a std over the batch per module costs 1.5-2.6x a step, measured on CPU):
     # on each of the first ``first_steps`` steps, then every ``every`` steps,
     # and on ``rows`` rows of the batch only.
     every: int = field(default=25, metadata=_range(1))
@@ -240,7 +240,7 @@ class TensorBoardConfig:
     # Per-layer gradient norms are written every `every` steps; alerts and the
     # first step of a NaN/Inf or all-zero streak are written whatever the cadence.
     every: int = field(default=1, metadata=_range(1))
-    # A histogram of the per-layer norms: FACTS.md, histograms are what costs.
+    # A histogram of the per-layer norms: histograms are what a TensorBoard sink pays for.
     histograms: bool = False
     histogram_every: int = field(default=100, metadata=_range(1))
     # Seconds, so a live TensorBoard shows a run while it trains.

@@ -183,8 +183,6 @@ class Monitor:
         self._audits_setup = "trainable_parameters" in self._rule_ids
         self._setup = SetupWatch()
         self._attaching = True
-        # Tensor hooks cost nothing measurable (FACTS.md), and manual steps
-        # need them to know what backward reached: always attached.
         # The model's passes, seen from its outermost call only (a compile
         # wrapper watched in its place stands for it).
         self._passes = ModelPasses(_weak_callback(self._internal_error))

@@ -223,12 +223,16 @@ class GradResetTracker:
         if not self.enabled or not torch.is_grad_enabled():
             return
         for tensor in floating_list(output):
-            if tensor.requires_grad and tensor.grad_fn is not None:
-                tensor.register_hook(self._starts)
+            node = tensor.grad_fn if tensor.requires_grad else None
+            if node is not None:
+                # A pre-hook on the output's node, not a tensor hook: it fires at
+                # the same moment (before the node, so before any parameter of
+                # the model accumulates) and costs no Python to register.
+                node.register_prehook(self._starts)
                 return
 
     # -- backward ----------------------------------------------------------
-    def backward_starts(self, grad: torch.Tensor | None = None) -> None:
+    def backward_starts(self, grads: object = None) -> None:
         """Before any parameter of the model accumulates: were last step's gradients reset?
 
         Once per backward pass (the first output hook to fire), one loop over

@@ -1,7 +1,7 @@
 """Sampled output statistics per module: spread across the batch, and zero fractions.
 
 A standard deviation over the batch of every module's output costs 1.5-2.6x
-a training step (FACTS.md), so it is taken only on sampled steps (the first
+a training step (measured on CPU), so it is taken only on sampled steps (the first
 few, then every N), on the forward passes with gradients of those steps, on
 at most ``rows`` rows of the batch and at most ``_MAX_FEATURES`` positions
 (a strided view): the cost per module is bounded whatever the layer's size.
