@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"default: {' '.join(WORKLOADS)}; on CUDA also {' '.join(CUDA_WORKLOADS)}",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a thread pool's own noise kept out of the ratio)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no thread-pool noise)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
         "--rounds", type=float, default=1.0, help="multiply every workload's rounds (steadier)"

@@ -44,7 +44,7 @@ class Alert:
         return (self.rule, self.module) if finding is None else (self.rule, self.module, finding)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``alerts.jsonl`` record (one JSON object per line; its fields are the stable contract)."""
+        """The ``alerts.jsonl`` record: one JSON object a line, fields a stable contract."""
         return {
             "rule": self.rule,
             "severity": self.severity,
