@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"default: {' '.join(WORKLOADS)}; on CUDA also {' '.join(CUDA_WORKLOADS)}",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no thread-pool noise)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: no thread-pool noise)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
         "--rounds", type=float, default=1.0, help="multiply every workload's rounds (steadier)"
