@@ -40,11 +40,11 @@ def test_behaviour_rules_add_no_hook_of_their_own(quiet_watch):
     model = TinyNet()
     baseline = quiet_watch(model, **BEHAVIOUR_OFF)
     hooks_without = _module_hooks(model)
-    assert baseline._behaviour is None
+    assert baseline._pipeline.behaviour is None
     baseline.close()
     assert _module_hooks(model) == 0
     monitor = quiet_watch(model)
-    assert monitor._behaviour is not None
+    assert monitor._pipeline.behaviour is not None
     assert _module_hooks(model) == hooks_without == 2
 
 

@@ -176,5 +176,5 @@ def test_a_copy_that_took_the_hooks_along_does_not_report_into_the_monitor():
         _step(model, opt)
         _train_cut_off(copy.deepcopy(model), 4)  # its passes must not count
         _step(model, opt)
-        assert monitor._passes.passes == 2  # the model's own two passes only
+        assert monitor._pipeline.passes.passes == 2  # the model's own two passes only
         assert monitor.alerts == []

@@ -18,8 +18,8 @@ def test_there_is_one_list_of_rule_ids_and_every_rule_has_a_config_section():
 
 
 def _attached(monitor) -> set[str]:
-    found = set(monitor._passes.listener_names())
-    behaviour = monitor._behaviour
+    found = set(monitor._pipeline.passes.listener_names())
+    behaviour = monitor._pipeline.behaviour
     if behaviour is not None:
         if behaviour.modes is not None:
             found.add("modes")
@@ -27,9 +27,9 @@ def _attached(monitor) -> set[str]:
             found.add("broadcast_audit")
         if behaviour.sampler is not None:
             found.add("activation_sampler")
-    if monitor._tracker.check_resets:
+    if monitor._pipeline.tracker.check_resets:
         found.add("accumulation_tracker")
-    if monitor._class_targets is not None:
+    if monitor._pipeline.class_targets is not None:
         found.add("class_targets")
     return found
 

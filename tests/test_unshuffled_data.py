@@ -372,7 +372,7 @@ def test_only_sampled_steps_listen_for_class_targets_and_no_mode_is_left_behind(
     listening = []
     with tw.watch(model, opt, console=io.StringIO(), data=loader) as monitor:
         for step, (x, y) in enumerate(loader):
-            listening.append("class_targets" in monitor._passes.listener_names())
+            listening.append("class_targets" in monitor._pipeline.passes.listener_names())
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()

@@ -1,0 +1,640 @@
+"""One model's step pipeline: its collectors, what a step boundary gathers, how it is judged.
+
+The collectors attached are those the enabled rules need. At a step
+boundary :meth:`StepPipeline.gather` reads the gradients the step is about
+to apply, launches their norms and every other device number the step's
+checks need onto one :class:`~trainwatch.frame.StepFrame`; once the frame is
+read back (one transfer), :meth:`StepPipeline.evaluate` turns it into a
+:class:`~trainwatch.record.StepRecord` and runs the rules over it. The
+Monitor decides when each of these happens (the optimizer's hooks, a
+lagged readback, a halt); this module decides what each one does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from trainwatch.alert import Alert
+from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
+from trainwatch.collect.calls import CallTracker, runs_distributed
+from trainwatch.collect.class_targets import ClassTargetLook
+from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
+from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.loss_scale import loss_scale, scale_tensor
+from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
+from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.small_norms import SmallGradientNorms
+from trainwatch.collect.stall import FirstBatchProbe
+from trainwatch.collect.step_gradients import read_gradients
+from trainwatch.collect.structure import StructureWatch
+from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
+from trainwatch.config import Config
+from trainwatch.dispatch import Dispatcher
+from trainwatch.frame import Slot, StepFrame
+from trainwatch.guard import Guard
+from trainwatch.layers import LayerMap, ParamInfo
+from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
+from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
+from trainwatch.rules.rule_set import RuleSet
+from trainwatch.setup_watch import SetupWatch
+from trainwatch.sinks import StepNumbers
+from trainwatch.weak import weak_callback
+from trainwatch.whole_layers import WholeLayerNorms
+
+# Steps with gradients but no pass seen after which the search for a
+# torch.compile wrapper made after watching (around which the passes run) stops.
+_WRAPPER_SEARCHES = 3
+
+
+@dataclass
+class PendingStep:
+    """A step gathered at its start, waiting for its readback.
+
+    Each device number it needs is a handle on the step's frame.
+    """
+
+    record: StepRecord
+    params: list[torch.Tensor] = field(default_factory=list)  # the optimizer's, in order
+    frame: StepFrame = field(default_factory=StepFrame)
+    norms: Slot | None = None
+    norm_tensor: torch.Tensor | None = None  # the norms on the device, before the readback
+    suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
+    suspect_flags: Slot | None = None
+    loss: Slot | None = None
+    # A loss handed over after its step: (that step, its value or its handle).
+    late_loss: tuple[int, float | Slot | None] | None = None
+    window: StepWindow | None = None
+    window_slots: dict[str, Slot] = field(default_factory=dict)
+    checked_params: list[ParamInfo] = field(default_factory=list)
+    param_norms: Slot | None = None
+    behaviour: BehaviourToken | None = None
+    # Without an optimizer: the weights' names and norms at this step boundary.
+    weights: tuple[list[str], Slot] | None = None
+    scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
+    class_counts: Slot | None = None  # a sampled step's class targets, per class
+    # stalled_training's re-run follows this step, with the weights before its update.
+    stall_due: bool = False
+    weights_before: list[torch.Tensor] | None = None
+
+
+class StepPipeline:
+    """The collectors of one watched model and the two halves of each step's work.
+
+    It holds no reference to its Monitor: the step count, the steps taken in
+    this process and the error report come in as callables that do not keep
+    the Monitor alive (a monitor dropped unclosed is still collected).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        root: nn.Module,
+        layers: LayerMap,
+        config: Config,
+        rules: RuleSet,
+        needs: frozenset[str],
+        optimizers: list[Optimizer],
+        dispatcher: Dispatcher,
+        guard: Guard,
+        *,
+        scaler: Any,
+        step_count: Callable[[], int],
+        steps_taken: Callable[[], int],
+        on_error: Callable[[str, BaseException], None],
+        on_raise: Callable[[BaseException], None],
+        claim: Callable[[list[nn.Parameter]], None],
+    ) -> None:
+        self.model = model
+        self._root = root
+        self.layers = layers
+        self.config = config
+        self.rules = rules
+        self._rule_ids = {rule.id for rule in rules}
+        self._optimizers = optimizers  # the Monitor's own list: it adds to it
+        self._dispatcher = dispatcher
+        self._guard = guard
+        self.scaler = scaler
+        self._step_count = step_count
+        self._steps_taken = steps_taken
+        self._claim = claim  # parameters found in a rebuilt layer map belong to the monitor
+        # Layers whose gradient history starts over at the next step.
+        self.restarted: set[str] = set()
+        # Per-layer norms of the latest step of each optimizer (None: manual steps).
+        self.latest_by_source: dict[int | None, dict[str, float]] = {}
+        self.total_norm: float | None = None
+        # The loss handed over for the step in progress, and one handed over after its step.
+        self.loss: torch.Tensor | float | None = None
+        self.late_loss: tuple[int, torch.Tensor | float] | None = None
+        # Under FSDP2: the whole-layer norms, summed across ranks at a cadence
+        # (None: gradients are not sharded, the norms measured are the layers').
+        self.whole: WholeLayerNorms | None = None
+        self._membership_key: tuple[Any, ...] | None = None
+        self._unoptimized: list[nn.Parameter] = []
+        # The setup audit: redone when a step's parameter counts differ from the
+        # last audited ones (per optimizer; None: without one), then the first
+        # step after it checks that some trainable parameter got a gradient.
+        self._audits_setup = "trainable_parameters" in self._rule_ids
+        self.setup = SetupWatch()
+        # The model's passes, seen from its outermost call only (a compile
+        # wrapper watched in its place stands for it).
+        self.passes = ModelPasses(on_error)
+        self.passes.hook(model if is_wrapper(model) else root)
+        self.passes.on_raise = on_raise
+        self._wrapper_search = _WRAPPER_SEARCHES
+        self._passes_at_step = 0
+        self._small_norms = SmallGradientNorms()
+        # Always there (what backward reached: manual steps, a late loss); it
+        # checks for stale gradients only for accumulated_gradient.
+        self.tracker = GradResetTracker(on_error, "accumulation_tracker" in needs)
+        self.tracker.attach(layers.parameters())
+        self.passes.subscribe("accumulation tracker", self.tracker)
+        self._check_accumulation = "accumulated_gradient" in self._rule_ids
+        self._hand_updates = HandUpdates()
+        self.structure = StructureWatch()
+        self._compile_warning = CompiledHookWarning()
+        self._calls = CallTracker(step_count)
+        if "call_tracker" in needs:
+            self._calls.track(root, layers.layers)
+            self.passes.subscribe("call tracker", self._calls)
+        self.probe: NonfiniteProbe | None = None
+        if "nonfinite_probe" in needs:
+            self.probe = NonfiniteProbe(
+                [user_name(name) for name, _ in root.named_modules()],
+                on_error,
+                trace_ops=config.nonfinite_forward.trace_op,
+                mode=config.nonfinite_forward.check,
+            )
+            self.probe.attach(root)
+            self.probe.on_new_pass = weak_callback(self._on_new_pass)
+            self.probe.passes_worth_a_look = config.amp_skipped_steps.patience
+            self.passes.subscribe("non-finite probe", self.probe)
+        self.judge = NonfiniteJudge(self.probe.names if self.probe else [])
+        # Modes, loss shapes and sampled activations: only for their rules.
+        self.behaviour: BehaviourWatch | None = None
+        if needs & {"modes", "broadcast_audit", "activation_sampler"}:
+            self.behaviour = BehaviourWatch(
+                root,
+                config,
+                self._rule_ids,
+                step_count,
+                weak_callback(self._publish_pass),
+                on_error,
+            )
+            self.behaviour.passes = self.passes
+            self.passes.subscribe("behaviour checks", self.behaviour)
+        # The loss's class targets on sampled steps, and the training loader's order.
+        self.class_targets: ClassTargetLook | None = None
+        if "class_targets" in needs:
+            section = config.unshuffled_data
+            self.class_targets = ClassTargetLook(
+                section.every, section.max_classes, step_count, on_error
+            )
+            # Listens to the passes of sampled steps only, from step ``every`` on:
+            # the first steps are the broadcast audit's.
+        self.data_order: str | None = None
+        # Whether training changes the output on the first batch: its own sampled steps.
+        self.stall: FirstBatchProbe | None = None
+        if "first_batch" in needs:
+            section = config.stalled_training
+            self.stall = FirstBatchProbe(
+                self.passes, section.every, section.rows, section.loss_window
+            )
+            self.stall.restart(0)
+        # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
+        self.parts = (
+            self.passes,
+            self.tracker,
+            self.structure,
+            self._calls,
+            self._compile_warning,
+            self.probe,
+            self.behaviour,
+            self.class_targets,
+            self.stall,
+        )
+
+    def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
+        return self._guard.run(component, fn, *args)
+
+    def carry_skipped(self, stale: PendingStep) -> None:
+        """A framework gathered a step that never came: GradScaler skipped it.
+
+        Lightning gathers before its precision plugin's GradScaler decides, so
+        the probe's record of backward passes no step used was handed to a
+        step that did not happen. It goes back to the probe, with one flag for
+        the skipped pass (its gradient norms were non-finite), and is judged
+        like a plain loop's skips.
+        """
+        probe = self.probe
+        window = stale.window
+        if probe is None or window is None:
+            return
+        flags: list[torch.Tensor | float] = list(window.skipped_host)
+        if window.skipped is not None:
+            flags = list(window.skipped.unbind())
+        norms = stale.norm_tensor
+        flags.append(
+            torch.isfinite(norms).all().logical_not().float() if norms is not None else 0.0
+        )
+        for flag in flags:
+            probe.note_skipped_pass(flag)
+        self._on_new_pass()
+
+    def _locate_if_off(self, norms: torch.Tensor | None) -> None:
+        """Trigger, then diagnose: bad gradients (or, on a device, a bad output) get
+        located now, before the optimizer applies the step.
+
+        On CPU the norms are read on the host for free; on a device the probe
+        reads one scalar (``settle``). The backward replay must not look like
+        training to the accumulation tracker, so it is paused meanwhile.
+        """
+        probe = self.probe
+        if probe is None or not probe.on_the_spot:
+            return
+        if probe.at_step:
+            bad_grads = probe.settle(norms)
+        else:
+            bad_grads = norms is not None and not all(map(math.isfinite, norms.tolist()))
+        if not bad_grads:
+            return
+        paused, self.tracker.enabled = self.tracker.enabled, False
+        try:
+            probe.replay_backward()
+        finally:
+            self.tracker.enabled = paused
+
+    def applied(
+        self, step: int, pending: PendingStep | None, params: list[torch.Tensor], whole: bool
+    ) -> None:
+        """The optimizer (or the loop, without one) has applied ``step``'s update.
+
+        The tracker starts watching the gradients just used for a reset
+        (``whole``: they are every parameter any step uses); the sampled
+        checks of the weights just updated are launched onto the step's frame.
+        """
+        if self.tracker.enabled:
+            self.tracker.arm(params, whole=whole)
+        if pending is None:
+            return
+        if self._parameter_check_due(step):
+            self._guarded("parameter check", self._check_parameters, pending, params)
+        if pending.stall_due:
+            self._guarded("stalled training", self._measure_stall, step, pending)
+
+    def _parameter_check_due(self, step: int) -> bool:
+        every = self.config.nonfinite_parameter.check_every
+        return "nonfinite_parameter" in self._rule_ids and every > 0 and step % every == 0
+
+    def _check_parameters(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
+        """Norms of the weights just updated: one batched kernel, read with the step."""
+        trainable = [p for p in params if p.requires_grad and p.grad is not None]
+        if not trainable:
+            return
+        pending.checked_params = [self.layers.info(p) for p in trainable]
+        pending.param_norms = pending.frame.add(gradient_norms([p.detach() for p in trainable]))
+
+    def _measure_stall(self, step: int, pending: PendingStep) -> None:
+        """A sampled step's update is applied: how far it and the phase moved the model."""
+        if self.stall is None:
+            return
+        before, pending.weights_before = pending.weights_before, None
+        pending.stall_due = False
+        pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
+        pending.record.stall.learning_rates = [
+            float(group["lr"])
+            for opt in self._optimizers
+            for group in opt.param_groups
+            if isinstance(group.get("lr"), (int, float))
+        ]
+
+    def _on_new_pass(self) -> None:
+        """A forward pass of the whole model begins: GradScaler may have skipped a step."""
+        probe = self.probe
+        rule = self.config.amp_skipped_steps
+        if probe is None or not rule.enabled:
+            return
+        passes = len(probe.bad_backward_passes)
+        if passes < rule.patience * self.judge.passes_per_step:
+            return
+        record = StepRecord(step=self._step_count(), source="passes")
+        record.skipped_backward_passes = self.judge.trailing_skips(probe.bad_backward_passes)
+        if record.skipped_backward_passes < rule.patience:
+            return
+        # Read on the host only here, past many passes without a step.
+        scale = self._guarded("loss scale", loss_scale, self.scaler)
+        warming_up = self._step_count() == self.judge.first_step  # no update applied yet
+        if warming_up and (scale is None or scale >= 1.0):
+            return  # the scaler's warm-up
+        skipped = 0 if warming_up else record.skipped_backward_passes
+        record.amp = AmpReport(skipped, self.judge.passes_per_step, scale)
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _publish_pass(self, record: StepRecord) -> None:
+        """A forward pass found something on its own (an evaluation in training mode)."""
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def optimizer_params(self, index: int) -> list[torch.Tensor]:
+        return [p for group in self._optimizers[index].param_groups for p in group["params"]]
+
+    def gather(self, index: int | None, attach: bool = False) -> PendingStep:
+        """What the step about to apply its gradients needs read back, launched now.
+
+        ``index``: the optimizer stepping (None: ``monitor.step()`` without one,
+        already counted). ``attach``: an optimizer being attached, not a step.
+        """
+        now = self._step_count()
+        look = self.class_targets
+        if look is not None and look.listening:
+            # The loss is behind us: the look's function mode comes off before
+            # the step's own reads (tensor attributes read under a function
+            # mode are dispatched through it, and cost and keep memory there).
+            self._guarded("class target look", look.end_span)
+        if self.structure.changed():
+            self.rebuild_layers()
+        params = self.layers.parameters() if index is None else self.optimizer_params(index)
+        record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+        if grads and self.passes.passes == self._passes_at_step and self._wrapper_search:
+            # Gradients without a pass seen: compiled after watching, perhaps.
+            self._wrapper_search -= 1
+            wrappers = wrappers_of(self._root)
+            for wrapper in wrappers:
+                self.passes.hook(wrapper)
+            if not wrappers:
+                self.passes.widen()  # parts of the model called on their own
+        self._passes_at_step = self.passes.passes
+        if record.missing and self.layers.outdated():
+            # module.to() in overwrite mode swapped in new Parameter objects:
+            # name them (and see whether any optimizer still holds the old ones).
+            self.rebuild_layers()
+            params = self.layers.parameters() if index is None else self.optimizer_params(index)
+            record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+        if self.restarted:
+            record.restarted_layers = frozenset(self.restarted)
+            self.restarted.clear()
+            if self.stall is not None:
+                self.stall.restart(now)  # a new phase, compared from its own first batch
+        manual = index is None
+        if manual and self.tracker.track_reached:
+            known = self.layers.known()
+            record.rewritten = frozenset(
+                known[id(p)].name for p in self.tracker.rewritten() if id(p) in known
+            )
+        if record.missing:
+            # Parameters without a gradient: under DDP the next iteration fails.
+            record.never_called = self._calls.never_called()
+            record.distributed = runs_distributed(self.model)
+        info = self.layers.info
+        if record.frozen:
+            for param in params:
+                if param.requires_grad:
+                    owner = info(param).owner
+                    record.trainable_by_module[owner] = record.trainable_by_module.get(owner, 0) + 1
+        if not manual and "not_optimized" in self._rule_ids:
+            record.not_optimized = [
+                info(p)
+                for p in self._unoptimized_params()
+                if p.requires_grad and p.grad is not None
+            ]
+        if self._audits_setup:
+            # Counts the step has already made: a requires_grad flip, a param
+            # group or a parameter added changes them. No call on a healthy step.
+            signature = (
+                len(params),
+                len(record.frozen),
+                record.frozen_count,
+                len(self.layers.layers),
+            )
+            setup = self.setup
+            if setup.signatures.get(index) != signature:
+                setup.signatures[index] = signature
+                setup.due = True
+            if not attach:
+                if setup.due:
+                    step = now - 1 if manual else now
+                    self._guarded("setup audit", self.audit_setup, step)
+                if index in setup.reach_due:
+                    setup.reach_due.discard(index)
+                    # A backward ran: it reached the model's output, or a loss was
+                    # handed over (Lightning, whose module's own forward may never run).
+                    ran = self.tracker.backward_seen or self.loss is not None
+                    self._guarded(
+                        "setup audit", setup.check_reach, record, ran, len(self._optimizers)
+                    )
+        pending = PendingStep(record, params)
+        frame = pending.frame
+        stall = self.stall
+        step = now if index is not None else now - 1  # monitor.step() counted it
+        if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
+            # One of its sampled steps (plain attributes: no call on the others).
+            found = self._guarded("stalled training", stall.sample, record, params, step)
+            if found is not None:
+                pending.stall_due, pending.weights_before = found
+        if manual and self._check_accumulation and self.tracker.enabled:
+            # No optimizer marks the update: the weights' norms show whether one ran.
+            weights, names = self._hand_updates.watched(self.layers)
+            norms, weight_norms = norms_with_weights(grads, weights)
+            pending.weights = (names, frame.add(weight_norms))
+        else:
+            norms = self._small_norms.norms(record, grads) if grads else None
+        if norms is not None:
+            pending.norms = frame.add(norms)
+            pending.norm_tensor = norms
+        self._locate_if_off(norms)
+        if self._check_accumulation:
+            record.accumulation_method = "monitor.step" if manual else "optimizer_step"
+            flags = []
+            for param, content in self.tracker.suspects(params):
+                slot = None
+                if content is not None:
+                    slot = len(flags)
+                    flags.append(content.reshape(1))
+                pending.suspects.append((info(param), slot))
+            if flags:
+                pending.suspect_flags = frame.add(torch.cat([f.to(flags[0].device) for f in flags]))
+        if self.probe is not None and self.probe.enabled:
+            window = self.probe.take()
+            pending.window = window
+            for name in ("sums", "grad_sums", "skipped"):
+                tensor = getattr(window, name)
+                if tensor is not None:
+                    pending.window_slots[name] = frame.add(tensor)
+        if self.scaler is not None:
+            scale = self._guarded("loss scale", scale_tensor, self.scaler)
+            if scale is not None:
+                pending.scale = frame.add(scale)
+        look = self.class_targets
+        if look is not None and look.listening:  # a sampled step
+            counts = self._guarded("class target look", look.take)
+            if counts is not None:
+                pending.class_counts = frame.add(counts)
+            record.class_targets = ClassTargets([], look.per_position, self.data_order)
+        if self.behaviour is not None:
+            pending.behaviour = self._guarded(
+                "behaviour checks", self.behaviour.gather, record, frame
+            )
+        if isinstance(self.loss, torch.Tensor):
+            pending.loss = frame.add(self.loss.reshape(-1)[:1])
+        elif self.loss is not None:
+            record.loss = self.loss
+        self.loss = None
+        if self.late_loss is not None:
+            late_step, value = self.late_loss
+            if isinstance(value, torch.Tensor):
+                pending.late_loss = (late_step, frame.add(value.reshape(-1)[:1]))
+            else:
+                pending.late_loss = (late_step, value)
+            self.late_loss = None
+        return pending
+
+    def evaluate(self, pending: PendingStep, steps_end_at_backward: bool = False) -> list[Alert]:
+        """The step read back, as a record, judged by the rules (and the numbers to the sinks)."""
+        record = pending.record
+        if pending.norms is not None:
+            record.param_norms = pending.norms.values()
+            per_layer, total = layer_norms(record.present, record.param_norms, self.layers.layers)
+            record.layer_norms, record.total_norm = per_layer, total
+            if self.whole is None:
+                self.latest_by_source[record.optimizer] = per_layer
+                self.total_norm = total
+            else:  # shard norms, for the rules; the whole layers' come at the cadence
+                record.sharded = True
+                self.whole.note(record)
+        if pending.loss is not None:
+            record.loss = pending.loss.value()
+        scale = pending.scale.value() if pending.scale is not None else None
+        if pending.window is not None or pending.param_norms is not None:
+            self.judge.judge(
+                record,
+                pending.window,
+                {name: slot.values() for name, slot in pending.window_slots.items()},
+                pending.checked_params,
+                pending.param_norms.values() if pending.param_norms is not None else [],
+                self.probe.modules if self.probe is not None else list,
+                self._dispatcher.reported,
+                self.layers.info,
+            )
+        elif record.loss is not None:
+            self.judge.judge(record, None, {}, [], [], list, self._dispatcher.reported)
+        if scale is not None and (scale < 1.0 or record.amp is not None):
+            record.amp = record.amp or AmpReport(0, self.judge.passes_per_step)
+            record.amp.scale = scale
+        if self.probe is not None:
+            self.probe.passes_worth_a_look = (
+                self.config.amp_skipped_steps.patience * self.judge.passes_per_step
+            )
+        if self.behaviour is not None and pending.behaviour is not None:
+            self._guarded("behaviour checks", self.behaviour.land, record, pending.behaviour)
+        if pending.class_counts is not None and record.class_targets is not None:
+            record.class_targets.counts = pending.class_counts.values()
+        flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
+        record.accumulated = [
+            info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
+        ]
+        if pending.weights is not None:
+            # Several backward passes onto the same gradients are accumulation
+            # unless the weights changed in between.
+            names, slot = pending.weights
+            record.accumulated = self._hand_updates.keep_moved(
+                record.accumulated, names, slot.values(), steps_end_at_backward
+            )
+        sharded = self.whole is not None
+        self._dispatcher.numbers(
+            StepNumbers(
+                record.step,
+                {} if sharded else record.layer_norms,
+                None if sharded else record.total_norm,
+                record.loss,
+                record.stall.update_ratios if record.stall is not None else {},
+                record.stall.change if record.stall is not None else None,
+            )
+        )
+        late: tuple[int, float | None] | None = None
+        if pending.late_loss is not None:
+            late_step, value = pending.late_loss
+            late = (late_step, value.value() if isinstance(value, Slot) else value)
+            record.late_loss = late[1]
+        alerts = self.rules.evaluate(record)
+        if late is not None:
+            alerts.extend(self.late_loss_alerts(*late))
+        return alerts
+
+    def late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:
+        """A loss handed over after its optimizer step, judged with the next one."""
+        if value is None or math.isfinite(value):
+            return []
+        if knock_on(self._dispatcher.reported):
+            return []  # a NaN already reported upstream explains it
+        record = StepRecord(step=step, source="loss", loss=value)
+        record.nonfinite_loss = NonfiniteReport(module=None, cause="value")
+        return self.rules.evaluate(record)
+
+    def audit_optimizer(self, index: int) -> None:
+        """Checks that need no gradients, made when an optimizer is attached."""
+        pending = self.gather(index, attach=True)
+        self.setup.due = True  # a new optimizer: which one holds what changed
+        record = StepRecord(
+            step=self._step_count(),
+            source="attach",
+            optimizer=index,
+            frozen=pending.record.frozen,
+            trainable_by_module=pending.record.trainable_by_module,
+            restarted_layers=pending.record.restarted_layers,
+        )
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def audit_setup(self, step: int) -> None:
+        """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
+        audit, record = self.setup.audit(step, self._root, self._optimizers)
+        if self.config.trainable_parameters.table:
+            self._dispatcher.setup(audit)
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _unoptimized_params(self) -> list[nn.Parameter]:
+        key = tuple(
+            [
+                (id(group["params"]), len(group["params"]))
+                for opt in self._optimizers
+                for group in opt.param_groups
+            ]
+        ) + (id(self.layers),)
+        if key != self._membership_key:
+            held = {
+                id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]
+            }
+            self._unoptimized = [p for p in self.layers.parameters() if id(p) not in held]
+            self._membership_key = key
+        return self._unoptimized
+
+    def rebuild_layers(self) -> None:
+        """The model's tree changed (a module or parameter was (re)assigned or replaced)."""
+        layers = LayerMap(self._root, previous=self.layers)
+        fresh = [p for p in layers.parameters() if p not in self.layers]
+        if fresh and self._steps_taken():
+            # A head replaced (same name, new parameters) or added after steps
+            # were taken: the model computes something new, and every layer's
+            # gradients flow through it. Their history starts over.
+            self.restarted.update(layers.layers)
+        if "call tracker" in self.passes.listener_names():
+            self._calls.track(self._root, layers.layers)
+        self.layers = layers
+        self.tracker.attach(fresh)
+        self._claim(fresh)
+        if self.probe is not None:
+            self.probe.find_device(self._root)
+
+    def listen_for_targets(self, look: ClassTargetLook) -> None:
+        """Only the passes of sampled steps reach the look: others pay nothing for it."""
+        due = self._step_count() % look.every == 0 and not look.per_position and not look.broken
+        if due and not look.listening:
+            self.passes.subscribe("class_targets", look)
+        elif look.listening and not due:
+            self.passes.unsubscribe(look)
+        look.listening = due
