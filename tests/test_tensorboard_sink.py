@@ -167,11 +167,11 @@ def test_a_failing_writer_is_switched_off_and_training_goes_on(model, tmp_path):
 
     from trainwatch.sinks.tensorboard import TensorBoardSink
 
-    class DiskFull(SummaryWriter):
-        def add_scalar(self, *args, **kwargs):
-            raise OSError("No space left on device")
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
 
-    writer = DiskFull(str(tmp_path))
+    writer = SummaryWriter(str(tmp_path))
+    writer.file_writer.add_event = disk_full  # every event's write fails, as on a full disk
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = tw.Monitor(model, [opt], sinks=[TensorBoardSink(writer)])
     try:

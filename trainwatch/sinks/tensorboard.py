@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorboard.compat.proto import summary_pb2
+
 from trainwatch.alert import Alert
 from trainwatch.config import TensorBoardConfig
 from trainwatch.setup_audit import SetupAudit
@@ -32,6 +34,11 @@ class _StepGroup:
     marks: dict[str, str] = field(default_factory=dict)
     layers: list[str] | None = None  # the model's layer order, when it is new
     written: bool = False
+
+
+# Steps whose scalars are handed to the writer together (also at every flush,
+# every ``flush_secs``, and at close): the writer's thread wakes once for them.
+_SCALAR_BATCH = 16
 
 
 def open_writer(log_dir: str | Path, flush_secs: float) -> Any:
@@ -122,7 +129,10 @@ class TensorBoardSink(Sink):
         self._halt_on = frozenset(halt_on)
         self._owns = owns_writer
         self._groups: dict[int, _StepGroup] = {}  # rank -> the step being gathered
-        self._streaks: dict[str, str | None] = {}  # layer -> kind of its current streak
+        # Layer -> the kind of its current NaN, Inf or zero streak (healthy layers: absent).
+        self._streaking: dict[str, str] = {}
+        self._tags: dict[str, str] = {}  # layer -> its norm's scalar tag
+        self._scalars: list[tuple[Any, int]] = []  # steps' scalar events not yet handed over
         self._layers: list[str] = []  # layer names in model order, as the tab shows them
         self._last_flush = time.monotonic()
         self._closed = False
@@ -150,41 +160,68 @@ class TensorBoardSink(Sink):
 
     @uninterrupted
     def on_step(self, numbers: StepNumbers) -> None:
+        """A step's numbers as one event (one ``add_scalar`` per layer would cost a
+        protobuf, an event and a hand-off to the writer's thread each: about a
+        millisecond a step on a model of 64 layers), and the tab's streak marks
+        when a layer's kind changes.
+        """
         if self._closed:
             return
         step = numbers.step
         self._roll(0, step)
         group = self._groups[0]
-        for layer, value in numbers.layer_norms.items():
-            kind = _kind(value)
-            if kind is not None and self._streaks.get(layer) != kind:
-                group.marks[_label(layer)] = kind
-                group.written = False
-            self._streaks[layer] = kind
-        new = [_label(layer) for layer in numbers.layer_norms if _label(layer) not in self._layers]
-        if new:
+        norms = numbers.layer_norms
+        tags = self._tags
+        if not tags.keys() >= norms.keys():
+            new = [layer for layer in norms if layer not in tags]
+            for layer in new:
+                tags[layer] = metadata.norm_tag(layer)
             # Written once (and when layers appear), so the tab lists every run
             # that trainwatch watched, alerts or not, with rows in model order.
-            self._layers.extend(new)
+            self._layers.extend(_label(layer) for layer in new)
             group.layers = list(self._layers)
             group.written = False
+        values = norms.values()
+        if self._streaking or 0.0 in values or not all(map(math.isfinite, values)):
+            self._mark_streaks(group, norms)
+        scalars = summary_pb2.Summary()
+        add = scalars.value.add
         if step % self.config.every == 0:
-            for layer, value in numbers.layer_norms.items():
-                self.writer.add_scalar(metadata.norm_tag(layer), value, step)
+            for tag, value in zip(map(tags.__getitem__, norms), values):
+                add(tag=tag, simple_value=value)
             if numbers.total_norm is not None:
-                self.writer.add_scalar(metadata.TOTAL_TAG, numbers.total_norm, step)
+                add(tag=metadata.TOTAL_TAG, simple_value=numbers.total_norm)
         for layer, ratio in numbers.update_ratios.items():
             label = layer if layer else metadata.ROOT_LABEL
-            self.writer.add_scalar(metadata.UPDATE_RATIO_PREFIX + label, ratio, step)
+            add(tag=metadata.UPDATE_RATIO_PREFIX + label, simple_value=ratio)
         if numbers.output_change is not None:
-            self.writer.add_scalar(metadata.OUTPUT_CHANGE_TAG, numbers.output_change, step)
+            add(tag=metadata.OUTPUT_CHANGE_TAG, simple_value=numbers.output_change)
+        if scalars.value:
+            # One event for the step's scalars, handed to the writer a few steps'
+            # worth at a time: each hand-off wakes the writer's thread.
+            self._scalars.append((scalars, step))
+            if len(self._scalars) >= _SCALAR_BATCH:
+                self._write_scalars()
         if self.config.histograms and step % self.config.histogram_every == 0:
-            finite = [v for v in numbers.layer_norms.values() if math.isfinite(v)]
+            finite = [v for v in values if math.isfinite(v)]
             if finite:
                 import numpy as np
 
                 self.writer.add_histogram(metadata.HISTOGRAM_TAG, np.asarray(finite), step)
         self._maybe_flush()
+
+    def _mark_streaks(self, group: _StepGroup, norms: dict[str, float]) -> None:
+        """The first step of a layer's NaN, Inf or all-zero streak gets a mark."""
+        streaking = self._streaking
+        for layer, value in norms.items():
+            kind = _kind(value)
+            if kind is not None and streaking.get(layer) != kind:
+                group.marks[_label(layer)] = kind
+                group.written = False
+            if kind is None:
+                streaking.pop(layer, None)
+            else:
+                streaking[layer] = kind
 
     @uninterrupted
     def setup(self, audit: SetupAudit) -> None:
@@ -211,8 +248,14 @@ class TensorBoardSink(Sink):
     # -- writing -------------------------------------------------------------
     @uninterrupted
     def flush(self) -> None:
+        self._write_scalars()
         self._last_flush = time.monotonic()
         self.writer.flush()
+
+    def _write_scalars(self) -> None:
+        held, self._scalars = self._scalars, []
+        for scalars, step in held:
+            _add_summary(self.writer, scalars, step)
 
     def _maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush >= self.config.flush_secs:
