@@ -19,6 +19,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py --quick         # seconds; a smoke run
     python benchmarks/overhead.py --workloads deep gpt2 --quick
     python benchmarks/overhead.py --workloads tiny  # trainwatch's fixed cost per step
+    python benchmarks/overhead.py --sinks         # with alerts.jsonl and TensorBoard written
     python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
@@ -29,6 +30,7 @@ import copy
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -250,9 +252,18 @@ def _time_block(
 
 
 def measure(
-    workload: Workload, device: torch.device, config: str | None, from_step: int = 0
+    workload: Workload,
+    device: torch.device,
+    config: str | None,
+    from_step: int = 0,
+    sinks: bool = False,
 ) -> dict[str, float]:
-    """Interleaved rounds; ``from_step`` untimed steps first (past the first-steps audits)."""
+    """Interleaved rounds; ``from_step`` untimed steps first (past the first-steps audits).
+
+    ``sinks``: the watched loop writes alerts.jsonl and TensorBoard into a
+    temporary folder (as ``trainwatch run`` and ``tw.watch(log_dir=...)`` do),
+    so the ratio includes what the sinks cost; without, no sink but memory.
+    """
     torch.manual_seed(0)
     plain = workload.make_model().to(device)
     watched = copy.deepcopy(plain)
@@ -260,7 +271,17 @@ def measure(
     opt_watched = torch.optim.AdamW(watched.parameters(), lr=1e-4)
     batch = workload.make_batch(device)
     ratios, plain_times, watched_times = [], [], []
-    with tw.watch(watched, opt_watched, config=config, console=False):
+    log_dir = tempfile.TemporaryDirectory() if sinks else None
+    with (
+        log_dir or nullcontext(),
+        tw.watch(
+            watched,
+            opt_watched,
+            config=config,
+            console=False,
+            log_dir=log_dir.name if log_dir is not None else None,
+        ),
+    ):
         for model, opt in ((plain, opt_plain), (watched, opt_watched)):
             _time_block(model, opt, batch, max(2, from_step), device, workload.autocast)
         for round_index in range(workload.rounds):
@@ -328,12 +349,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="untimed steps before the rounds (e.g. 50: past the first-steps audits)",
     )
+    parser.add_argument(
+        "--sinks",
+        action="store_true",
+        help="also write alerts.jsonl and TensorBoard (to a temp folder), as trainwatch run does",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     names = args.workloads or default_workloads(device)
     results = {}
-    print(f"trainwatch overhead on {device} (config: {args.config or 'default'})")
+    written = ", alerts.jsonl and TensorBoard written" if args.sinks else ""
+    print(f"trainwatch overhead on {device} (config: {args.config or 'default'}{written})")
     skipped = [name for name in ALL_WORKLOADS if name not in names]
     if skipped and args.workloads is None:
         print(f"(not run on {device.type} by default: {', '.join(skipped)}; see --workloads)")
@@ -341,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         workload = ALL_WORKLOADS[name](args.quick)
         workload.rounds = max(3, round(workload.rounds * args.rounds))
-        results[name] = measure(workload, device, args.config, args.from_step)
+        results[name] = measure(workload, device, args.config, args.from_step, args.sinks)
         print(_row(name, results[name]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -43,6 +43,12 @@ def test_overhead_benchmark_tiny_measures_the_fixed_cost_when_named(tmp_path):
     assert list(results) == ["tiny"] and results["tiny"]["ratio"] > 0
 
 
+@pytest.mark.slow
+def test_overhead_benchmark_with_sinks_writes_tensorboard_and_measures_it(tmp_path):
+    results = _overhead(tmp_path, "--workloads", "deep", "--sinks")
+    assert list(results) == ["deep"] and results["deep"]["ratio"] > 0
+
+
 def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
     results = _overhead(tmp_path, "--device", "cpu", "--workloads", "gpt2")
     assert set(results) == {"gpt2"}
