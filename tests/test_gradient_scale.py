@@ -121,3 +121,66 @@ def test_tiny_net_stays_quiet(quiet_watch):
     monitor = quiet_watch(model, opt)
     _loop(model, opt, 120)
     assert [r for r in rules_of(monitor) if r.endswith("_gradient")] == []
+
+
+class _Layout:
+    """Stands for the step pipeline's kept layout: any object that can be weakly keyed."""
+
+
+def _norm_sequence(steps: int = 120):
+    """Layer norms as a run gives them: drifting, a spike, a zero, a NaN, a restart, a new layer."""
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        layers = ["a", "b", "c", "d"] + (["late"] if step >= 60 else [])
+        noise = torch.rand(len(layers), generator=gen).tolist()
+        norms = {
+            layer: 0.5 * (1 + i) * (1 + 0.3 * n) for i, (layer, n) in enumerate(zip(layers, noise))
+        }
+        if step == 40:
+            norms["b"] *= 5e3  # a spike
+        if step == 45:
+            norms["c"] = 0.0
+        if step == 50:
+            norms["d"] = float("nan")
+        if step in (70, 71, 72, 73, 74, 75):
+            norms["a"] *= 1e-4  # starved for a while
+        restarted = frozenset({"c"}) if step == 80 else frozenset()
+        yield step, norms, restarted
+
+
+def test_the_rules_fast_path_on_a_kept_layout_judges_and_learns_as_the_full_look():
+    layouts = {}
+    configs = (ExplodingGradientConfig(warmup=5), None)
+    for config in configs:
+        if config is None:
+            from trainwatch.config import VanishingGradientConfig
+            from trainwatch.rules.gradient_scale import VanishingGradientRule
+
+            fast, full = (
+                VanishingGradientRule(VanishingGradientConfig(patience=3, warmup=5)) for _ in "ab"
+            )
+        else:
+            fast, full = ExplodingGradientRule(config), ExplodingGradientRule(config)
+        found_fast, found_full = [], []
+        for step, norms, restarted in _norm_sequence():
+            layout = layouts.setdefault(tuple(norms), _Layout())
+            for rule, found, kept in ((fast, found_fast, layout), (full, found_full, None)):
+                record = StepRecord(step=step, layer_norms=dict(norms), restarted_layers=restarted)
+                record.layout = kept
+                found += [(a.step, a.module, a.data.get("ratio")) for a in rule.evaluate(record)]
+        assert found_fast == found_full and found_full  # each rule fired, the same way
+        state = {k: v for k, v in fast.state_dict().items() if not k.startswith("_positions")}
+        assert state == full.state_dict()
+
+
+def test_an_exploding_history_saved_as_one_object_per_layer_still_loads():
+    from trainwatch.rules.gradient_scale import _LogAverage
+    from trainwatch.rules.state import plain
+
+    history = _LogAverage()
+    history.mean, history.count, history.recent = 0.0, 30, 0.0
+    saved = {"_history": plain({"fc": history})}  # what a checkpoint of an older run holds
+    rule = ExplodingGradientRule(ExplodingGradientConfig(warmup=5))
+    rule.load_state_dict(saved)
+    (alert,) = rule.evaluate(StepRecord(step=31, layer_norms={"fc": 1e4}))
+    assert alert.module == "fc" and alert.data["typical"] == 1.0

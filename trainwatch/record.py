@@ -8,6 +8,7 @@ record.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainwatch.layers import ParamInfo
 
@@ -174,6 +175,9 @@ class StepRecord:
     accumulated: list[ParamInfo] = field(default_factory=list)
     accumulation_method: str | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
+    # The layout of ``present`` kept across steps (a GradientLayout), when its
+    # norms were planned: its per-layer sums, and a layout rules saw before.
+    layout: Any = None
     # Layers whose gradient history starts over here: their parameters were
     # replaced in this process (same name, new objects), or a new optimizer
     # started over them (a new training phase).

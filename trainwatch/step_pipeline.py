@@ -499,7 +499,12 @@ class StepPipeline:
         record = pending.record
         if pending.norms is not None:
             record.param_norms = pending.norms.values()
-            per_layer, total = layer_norms(record.present, record.param_norms, self.layers.layers)
+            if record.layout is not None:
+                per_layer, total = record.layout.layer_norms(record.param_norms, self.layers.layers)
+            else:
+                per_layer, total = layer_norms(
+                    record.present, record.param_norms, self.layers.layers
+                )
             record.layer_norms, record.total_norm = per_layer, total
             if self.whole is None:
                 self.latest_by_source[record.optimizer] = per_layer

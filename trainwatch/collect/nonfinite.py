@@ -245,7 +245,7 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
-        self._entering_hooks: dict[tuple[int, int], WeakHook] = {}
+        self._entering_hooks: list[WeakHook] = []
         self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
@@ -444,9 +444,7 @@ class NonfiniteProbe:
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
             for position, tensor in enumerate(needs_grad):
-                # On the output's node (fires as a tensor hook would, before the
-                # node runs), which costs no Python to register.
-                tensor.grad_fn.register_prehook(self._entering_hook(position, tensor.output_nr))
+                tensor.register_hook(self._entering_hook(position))
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
@@ -477,21 +475,20 @@ class NonfiniteProbe:
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
 
-    def _entering_hook(self, position: int, output_nr: int) -> WeakHook:
+    def _entering_hook(self, position: int) -> WeakHook:
         """One hook object per output position, made once and reused every pass."""
-        hook = self._entering_hooks.get((position, output_nr))
-        if hook is None:
-            hook = WeakHook(self, "on_grad_entering", position, output_nr)
-            self._entering_hooks[position, output_nr] = hook
-        return hook
+        hooks = self._entering_hooks
+        while len(hooks) <= position:
+            hooks.append(WeakHook(self, "on_grad_entering", len(hooks)))
+        return hooks[position]
 
-    def on_grad_entering(self, position: int, output_nr: int, grads: tuple) -> None:
+    def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off."""
         if not self.enabled or self.suspended:
             return
         self._this_pass.backward = True
-        if position < len(self._this_pass.grad_entering) and output_nr < len(grads):
-            self._this_pass.grad_entering[position] = grads[output_nr]
+        if position < len(self._this_pass.grad_entering):
+            self._this_pass.grad_entering[position] = grad
 
     def _entering_flag(self) -> torch.Tensor | float:
         """Whether the gradient that entered the model in the last backward was non-finite:

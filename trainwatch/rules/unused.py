@@ -8,6 +8,9 @@ is free: the step record already lists which parameters had a gradient.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from trainwatch.alert import Alert
 from trainwatch.config import UnusedParameterConfig
 from trainwatch.layers import ParamInfo
@@ -33,12 +36,20 @@ class UnusedParameterRule(Rule):
         self._used: set[str] = set()
         self._unused: dict[str, int] = {}
         self._reported: set[str] = set()
+        # Layouts of gradients whose parameters are all in ``_used`` already: a
+        # step with one of them and nothing missing has nothing new (no loop).
+        self._known_layouts: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    _NOT_STATE = Rule._NOT_STATE | {"_known_layouts"}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
             return []
         if not record.present:
             return []  # no backward reached anything: not a partial step
+        layout = record.layout
+        if not record.missing and layout is not None and layout in self._known_layouts:
+            return []
         found: list[tuple[ParamInfo, int, str]] = []
         for info in record.missing:
             if not info.in_model:
@@ -52,6 +63,8 @@ class UnusedParameterRule(Rule):
             self._used.add(info.name)
             if info.name in self._unused and info.name not in self._reported:
                 found.append((info, self._unused[info.name], "missing before"))
+        if layout is not None:
+            self._known_layouts.add(layout)
         if not found:
             return []
         for info, _, _ in found:
