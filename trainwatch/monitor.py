@@ -422,7 +422,7 @@ class Monitor:
                 return  # gathered at backward's end, before clipping
             self._held_early.discard(index)
         try:  # the guard written out: this runs at every step
-            self._pending[index] = self._pipeline.gather(index)
+            self._pending[index] = self._pipeline.gather(index, self._step)
         except TrainingHealthError:
             raise
         except Exception as exc:
@@ -432,7 +432,7 @@ class Monitor:
         stale = self._pending.get(index)
         if stale is not None and self._pipeline.probe is not None:
             self._guarded("amp skip count", self._pipeline.carry_skipped, stale)
-        self._pending[index] = self._pipeline.gather(index)
+        self._pending[index] = self._pipeline.gather(index, self._step)
 
     def _after_optimizer_step(
         self, index: int, optimizer: Optimizer | None = None, args: Any = (), kwargs: Any = None
@@ -442,7 +442,7 @@ class Monitor:
         step = self._advance()
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
-            pending = self._guarded("step collector", self._pipeline.gather, index)
+            pending = self._guarded("step collector", self._pipeline.gather, index, self._step)
         if pending is None:
             self._pipeline.applied(
                 step, None, self._pipeline.optimizer_params(index), len(self._optimizers) == 1
@@ -453,7 +453,7 @@ class Monitor:
 
     def _manual_step(self) -> None:
         step = self._advance()
-        pending = self._pipeline.gather(None)
+        pending = self._pipeline.gather(None, self._step)
         self._pipeline.applied(step, pending, self._pipeline.layers.parameters(), False)
         self._finish(step, pending)
 

@@ -344,13 +344,13 @@ class StepPipeline:
     def optimizer_params(self, index: int) -> list[torch.Tensor]:
         return [p for group in self._optimizers[index].param_groups for p in group["params"]]
 
-    def gather(self, index: int | None, attach: bool = False) -> PendingStep:
+    def gather(self, index: int | None, now: int, attach: bool = False) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
 
         ``index``: the optimizer stepping (None: ``monitor.step()`` without one,
-        already counted). ``attach``: an optimizer being attached, not a step.
+        already counted). ``now``: the monitor's step count. ``attach``: an
+        optimizer being attached, not a step.
         """
-        now = self._step_count()
         look = self.class_targets
         if look is not None and look.listening:
             # The loss is behind us: the look's function mode comes off before
@@ -583,7 +583,7 @@ class StepPipeline:
 
     def audit_optimizer(self, index: int) -> None:
         """Checks that need no gradients, made when an optimizer is attached."""
-        pending = self.gather(index, attach=True)
+        pending = self.gather(index, self._step_count(), attach=True)
         self.setup.due = True  # a new optimizer: which one holds what changed
         record = StepRecord(
             step=self._step_count(),
