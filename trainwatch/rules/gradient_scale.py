@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import weakref
-from collections import deque
-from itertools import repeat
-from operator import add, mul, sub
 from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule
-from trainwatch.rules.state import rebuilt
 
 _EXPLODING_HINT = (
     "usually a learning rate too high for this point of training, a loss term "
@@ -48,109 +43,38 @@ _ABOVE_OTHERS = 10.0
 _RECENT_WINDOW = 4
 
 
-def _consume(calls: Any) -> None:
-    """Runs a lazy ``map`` of calls made for their effect, in C."""
-    deque(calls, maxlen=0)
-
-
 class _LogAverage:
-    """A layer's history as saved before the rule kept them in lists (old checkpoints)."""
+    """A layer's typical log norm (about ``window`` steps) and its recent one (a few)."""
 
     __slots__ = ("mean", "count", "recent")
 
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.count = 0
+        self.recent = 0.0
+
 
 class ExplodingGradientRule(Rule):
-    """Each layer's log norm against its own averages: a long one (about ``window``
-    steps) and a recent one (a few steps).
-
-    The averages are kept in lists, one position per layer, so a healthy step
-    (every norm finite and non-zero, none far above its average) is judged and
-    its averages moved in C loops, with no Python per layer; a step where some
-    layer may have jumped goes through the full look, layer by layer.
-    """
-
     id = "exploding_gradient"
     config: ExplodingGradientConfig
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
-        self._position: dict[str, int] = {}  # layer -> its place in the lists below
-        self._means: list[float] = []
-        self._recents: list[float] = []
-        self._counts: list[int] = []  # 0: no history (new, or restarted)
-        # Per layout of a step's layers (kept by the step pipeline): their positions.
-        self._positions_of: weakref.WeakKeyDictionary[Any, tuple[list[str], list[int]]] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    _NOT_STATE = Rule._NOT_STATE | {"_positions_of"}
+        self._history: dict[str, _LogAverage] = {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        old = state.get("_history")
-        if old:  # saved as one object per layer
-            for layer, history in rebuilt(old, type(self).__module__).items():
-                place = self._place(layer)
-                self._means[place] = history.mean
-                self._recents[place] = getattr(history, "recent", history.mean)
-                self._counts[place] = history.count
-
-    def _place(self, layer: str) -> int:
-        place = self._position.get(layer)
-        if place is None:
-            place = self._position[layer] = len(self._counts)
-            self._means.append(0.0)
-            self._recents.append(0.0)
-            self._counts.append(0)
-        return place
+        for history in self._history.values():
+            if not hasattr(history, "recent"):  # saved before the short-term average existed
+                history.recent = history.mean
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         for layer in record.restarted_layers:
             # New parameters under an old name, or a new training phase: the
             # old history says nothing about these gradients.
-            place = self._position.get(layer)
-            if place is not None:
-                self._counts[place] = 0
+            self._history.pop(layer, None)
         if record.source not in ("optimizer", "manual") or not record.layer_norms:
             return []
-        if record.layout is not None and self._healthy_step(record):
-            return []
-        return self._look(record)
-
-    def _healthy_step(self, record: StepRecord) -> bool:
-        """Judged and learnt from in C loops when no layer can have jumped; False: look."""
-        norms = record.layer_norms
-        values = list(norms.values())
-        if 0.0 in values or not all(map(math.isfinite, values)):
-            return False
-        config = self.config
-        if config.max_norm is not None and max(values) > config.max_norm:
-            return False
-        layers = list(norms)
-        kept = self._positions_of.get(record.layout)
-        if kept is None or kept[0] != layers:  # new, or the model's layers renamed since
-            kept = self._positions_of[record.layout] = (layers, list(map(self._place, layers)))
-        places = kept[1]
-        counts = list(map(self._counts.__getitem__, places))
-        if 0 in counts:
-            return False  # a layer without history starts it in the full look
-        means = list(map(self._means.__getitem__, places))
-        logs = list(map(math.log, values))
-        above = list(map(sub, logs, means))
-        if max(above) > math.log(config.factor):
-            return False  # some layer may have jumped
-        alpha = 2.0 / (config.window + 1)
-        fast = 2.0 / (_RECENT_WINDOW + 1)
-        recents = list(map(self._recents.__getitem__, places))
-        # The same float operations as the full look's, element by element.
-        new_means = map(add, means, map(mul, repeat(alpha), above))
-        new_recents = map(add, recents, map(mul, repeat(fast), map(sub, logs, recents)))
-        _consume(map(self._means.__setitem__, places, new_means))
-        _consume(map(self._recents.__setitem__, places, new_recents))
-        _consume(map(self._counts.__setitem__, places, map(add, counts, repeat(1))))
-        return True
-
-    def _look(self, record: StepRecord) -> list[Alert]:
         config = self.config
         alpha = 2.0 / (config.window + 1)
         limit = math.log(config.factor)
@@ -158,24 +82,26 @@ class ExplodingGradientRule(Rule):
         fast = 2.0 / (_RECENT_WINDOW + 1)
         max_norm = config.max_norm
         warmup = config.warmup
-        means, recents, counts = self._means, self._recents, self._counts
+        histories = self._history
         rows = []
         suspect = False  # some layer jumped against its own past
         for layer, norm in record.layer_norms.items():
             if not 0.0 < norm < math.inf:
                 continue  # the non-finite and zero-gradient rules own those
             log_norm = math.log(norm)
-            place = self._place(layer)
+            history = histories.get(layer)
+            if history is None:
+                history = histories[layer] = _LogAverage()
             # Sudden too: a layer whose norm rose steadily for tens of steps
             # (a deep plain stack waking up from a near-dead start) is far
             # above its long average but not above its last few steps.
             jump = (
-                counts[place] > 0
-                and log_norm - means[place] > limit
-                and log_norm - recents[place] > sudden
+                history.count > 0
+                and log_norm - history.mean > limit
+                and log_norm - history.recent > sudden
             )
             suspect = suspect or jump
-            rows.append((layer, norm, log_norm, place, jump))
+            rows.append((layer, norm, log_norm, history, jump))
         # A layer recovering from tiny gradients (a deep stack whose units
         # were nearly dead waking up) jumps by 1e3-1e4 against its own past
         # in healthy runs, but only up to the other layers' level: a jump
@@ -183,26 +109,27 @@ class ExplodingGradientRule(Rule):
         # median, before this step; taken only when some layer jumped).
         floor = 0.0
         if suspect:
-            typical_norms = [mean for mean, count in zip(means, counts) if count]
+            typical_norms = [h.mean for h in histories.values() if h.count]
             floor = _ABOVE_OTHERS * math.exp(statistics.median(typical_norms))
         spikes: list[tuple[float, str, float, float | None]] = []
-        for layer, norm, log_norm, place, jump in rows:
-            count = counts[place]
+        for layer, norm, log_norm, history, jump in rows:
+            count = history.count
             jump = jump and norm >= floor
             over_bound = max_norm is not None and norm > max_norm
             # Each layer has its own warm-up: one first trained late, or
             # restarted, is not judged on its first gradients.
             if count >= warmup and (over_bound or jump):
-                typical = math.exp(means[place]) if count else None
+                typical = math.exp(history.mean) if count else None
                 ratio = norm / typical if typical else math.inf
                 spikes.append((ratio if jump else 0.0, layer, norm, typical))
                 continue  # a spike does not become the new normal
-            counts[place] = count + 1
+            # Written out, not a method: this runs for every layer at every step.
+            history.count = count + 1
             if count == 0:
-                means[place] = recents[place] = log_norm
+                history.mean = history.recent = log_norm
             else:
-                means[place] += alpha * (log_norm - means[place])
-                recents[place] += fast * (log_norm - recents[place])
+                history.mean += alpha * (log_norm - history.mean)
+                history.recent += fast * (log_norm - history.recent)
         if not spikes:
             return []
         spikes.sort(key=lambda row: (-row[0], -row[2]))
