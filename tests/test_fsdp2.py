@@ -23,7 +23,7 @@ def _ranks(tmp_path: Path, mode: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["clean", "clean+deferred", "clean+halt"])
+@pytest.mark.parametrize("mode", ["clean", "clean+step", "clean+halt"])
 def test_a_clean_fully_sharded_run_is_silent_on_both_ranks(tmp_path, mode):
     zero, one = _ranks(tmp_path, mode)
     assert zero["alerts"] == [] and one["alerts"] == []
@@ -118,23 +118,24 @@ def test_a_nan_in_rank_ones_input_is_the_input_there_and_arrived_from_another_ra
     tmp_path,
 ):
     zero, one = _ranks(tmp_path, "nan_input")
-    # No replay under FSDP (it would gather weights on one rank alone): the
-    # pass's own input, read as it is, is already non-finite.
-    origin = ("nonfinite_forward", "", 5, "error", "input", 1)
+    # No replay under FSDP (it would gather weights on one rank alone): every
+    # module's sums are kept instead, and the first module's input was already
+    # non-finite.
+    origin = ("nonfinite_forward", "0", 5, "error", "input", 1)
     assert _alerts(one) == [origin]
-    assert "the input to `<model>` is already non-finite" in one["alerts"][0]["message"]
-    # Rank zero's forward, loss and entering gradient were finite: one info
-    # line, no origin of its own, no cascade; rank one's origin reached it.
+    # Rank zero's forward, loss and every module's gradient were finite: one
+    # info line, no origin of its own, no cascade; rank one's origin reached it.
     assert _alerts(zero, 0) == [FROM_RANK_ONE]
     assert "arrived non-finite from another rank" in zero["alerts"][0]["message"]
     assert origin in _alerts(zero)
 
 
 @pytest.mark.slow
-def test_with_deferred_checks_a_nan_born_in_a_layer_on_rank_one_is_named_with_its_layer(tmp_path):
-    """No replay is possible under FSDP; with ``deferred`` checks every module's
-    output is summed as it runs, which names the layer."""
-    zero, one = _ranks(tmp_path, "nan_layer+deferred")
+@pytest.mark.parametrize("mode", ["nan_layer", "nan_layer+deferred"])
+def test_a_nan_born_in_a_layer_on_rank_one_is_named_with_its_layer(tmp_path, mode):
+    """By default (``auto``) and with ``deferred`` checks alike: no replay is possible
+    under FSDP, so every module's output is summed as it runs and names the layer."""
+    zero, one = _ranks(tmp_path, mode)
     assert [(a["rule"], a["module"], a["step"], a["data"]["rank"]) for a in one["alerts"]] == [
         ("nonfinite_forward", "2", 5, 1)
     ]
@@ -142,11 +143,12 @@ def test_with_deferred_checks_a_nan_born_in_a_layer_on_rank_one_is_named_with_it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["nan_layer", "nan_layer+step"])
-def test_a_nan_born_in_a_layer_is_born_inside_the_model_module_not_located(tmp_path, mode):
-    """``auto`` and ``step`` keep only the model's output sum: without a replay the
-    layer cannot be named, and the alert says how to have it named."""
-    zero, one = _ranks(tmp_path, mode)
+def test_with_step_checks_a_nan_born_in_a_layer_is_born_inside_the_model_module_not_located(
+    tmp_path,
+):
+    """``check: step`` keeps only the model's output sum: without a replay the layer
+    cannot be named, and the alert says how to have it named."""
+    zero, one = _ranks(tmp_path, "nan_layer+step")
     assert _alerts(one) == [("nonfinite_forward", "", 5, "error", "unreplayed", 1)]
     message = one["alerts"][0]["message"]
     assert "although its inputs are finite" in message and "not located" in message
@@ -155,21 +157,21 @@ def test_a_nan_born_in_a_layer_is_born_inside_the_model_module_not_located(tmp_p
 
 
 @pytest.mark.slow
-def test_with_deferred_checks_a_nan_born_in_rank_ones_backward_is_named_there(tmp_path):
-    zero, one = _ranks(tmp_path, "nan_backward+deferred")
+@pytest.mark.parametrize("mode", ["nan_backward", "nan_backward+deferred"])
+def test_a_nan_born_in_rank_ones_backward_is_named_there(tmp_path, mode):
+    zero, one = _ranks(tmp_path, mode)
     assert _alerts(one) == [("nonfinite_backward", "2", 5, "error", "module", 1)]
     assert _alerts(zero, 0) == [FROM_RANK_ONE]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["nan_backward", "nan_backward+step"])
-def test_without_a_replay_a_nan_born_in_a_backward_gives_each_rank_the_info_line_saying_so(
-    tmp_path, mode
+def test_with_step_checks_a_nan_born_in_a_backward_gives_each_rank_the_info_line_saying_so(
+    tmp_path,
 ):
-    # The documented limit under FSDP: without a replay or module sums, a rank
-    # cannot tell its own backward's NaN from one that came through the
-    # reduce-scatter; each says so, and says how to have it named.
-    for rank, found in enumerate(_ranks(tmp_path, mode)):
+    # The documented limit of ``check: step`` under FSDP: without a replay or
+    # module sums, a rank cannot tell its own backward's NaN from one that came
+    # through the reduce-scatter; each says so, and says how to have it named.
+    for rank, found in enumerate(_ranks(tmp_path, "nan_backward+step")):
         assert _alerts(found, rank) == [("nonfinite_backward", None, 5, "info", "other_rank", rank)]
         alert = next(a for a in found["alerts"] if a["data"]["rank"] == rank)
         assert "born in this rank's own backward would look the same" in alert["message"]
@@ -186,4 +188,4 @@ def test_a_halt_under_fully_shard_stops_both_ranks_at_the_nans_step_with_rank_on
         for seen in found["steps"]:
             assert seen["reported"] == pytest.approx(seen["full"], rel=1e-5)
     # Rank zero writes rank one's halting alert beside its own info line.
-    assert ("nonfinite_forward", "", 5, "error", "input", 1) in _alerts(zero)
+    assert ("nonfinite_forward", "0", 5, "error", "input", 1) in _alerts(zero)

@@ -70,7 +70,8 @@ class NonfiniteForwardConfig(RuleConfig):
     # step's gradient norms; only when one is off is the pass replayed module
     # by module (module, op, source line, before the optimizer applies it).
     # "auto": on CPU the sum is read as the pass ends; on a GPU at the step
-    # boundary, with one scalar read back per step (one sync).
+    # boundary, with one scalar read back per step (one sync); on a model no
+    # rank can replay alone (FSDP2, SyncBatchNorm) as "deferred", to name the layer.
     # "step": at the step boundary on every device (what a GPU does, on CPU).
     # "deferred" (no sync): every module's output and gradient summed on the
     # device and read back one step later; module and step exact, no op

@@ -17,6 +17,9 @@ When the verdict is taken:
 - ``deferred`` (no sync): every module's output and gradient is summed on the
   device (``nonfinite_hooks``) and read back with the step's numbers, one
   step later; module and step are exact, the op is not traced.
+- ``auto`` on a model no one rank can replay alone (FSDP-sharded modules or
+  SyncBatchNorm talk to the other ranks inside their own forward): as
+  ``deferred``, so the layer is still named.
 
 Backward uses tensor hooks, never full backward hooks (about 150 us a module
 and broken by in-place ops). In-place ops (``nn.ReLU(inplace=True)``,
@@ -303,6 +306,10 @@ class NonfiniteProbe:
         first = self._first_param
         on_cpu = first is None or first.device.type == "cpu"
         self.at_step = self.mode == "step" or (self.mode == "auto" and not on_cpu)
+        if self.mode == "auto":
+            # Without a replay only the model could be named: every module's
+            # sums, as in deferred mode, name the layer where a replay is barred.
+            self.on_the_spot = replay_target(model) is not None
         # Deferred (no-sync) mode: every module's sums, every step. Otherwise
         # only the model's output, and the modules only in a replay.
         wanted = not self.on_the_spot
