@@ -561,7 +561,6 @@ class Monitor:
         if alerts:
             self._dispatcher.publish(alerts, may_halt=may_halt)  # may raise TrainingHealthError
 
-    # -- collection ----------------------------------------------------------
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
         return self._guard.run(component, fn, *args)
