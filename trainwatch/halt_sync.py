@@ -16,35 +16,21 @@ norms' vector (``trainwatch.whole_layers``) at their cadence: one collective
 when both fall on a step, and this object exists without ``halt_on`` too
 (``halting`` False), for the norms alone.
 
-When a check returns or raises, the backend holds none of its tensors. A gloo
-collective runs on one of the process group's worker threads, and ``wait()``
-returns as the data lands: the worker lets go of the tensors a moment later,
-and letting go of a tensor Python also knows needs the GIL. A halt is raised
-right after the check's last collective and a script often ends right after
-it; when the interpreter is already finalizing by the time the worker asks
-for the GIL, Python stops that thread inside a C++ destructor and the process
-aborts ("terminate called without an active exception", SIGABRT). So the
-check follows its tensors by weak reference and waits, the GIL released,
-until the worker has dropped them (almost always it already has; at most
-``LET_GO_S``).
+When a check returns or raises, the backend holds none of its tensors
+(``trainwatch.followed_collectives`` says why that matters at exit).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
-import time
-import weakref
 from collections.abc import Callable
 
 import torch
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
+from trainwatch.followed_collectives import Followed
 from trainwatch.whole_layers import WholeLayerNorms
-
-# The longest a check waits for the backend's worker threads to drop its tensors.
-LET_GO_S = 1.0
 
 
 def running_distributed() -> bool:
@@ -85,22 +71,22 @@ class HaltSync:
         if not halt_due and not norms_due:
             return
         dist = torch.distributed
-        handed: list[weakref.ref] = []
+        followed = Followed()
         flag = 1.0 if halt_due and self.held is not None else 0.0
         if layers is not None and norms_due:
             flag_first = [torch.tensor([flag], dtype=torch.float64), layers.payload()]
-            reduced = _summed(torch.cat(flag_first), handed)
+            reduced = followed.sum(torch.cat(flag_first))
             del flag_first
             layers.land(reduced[1:], dist.get_world_size())
             flagged = reduced[0] > 0.0
         else:
-            flagged = _summed(torch.tensor([flag], dtype=torch.float64), handed)[0] > 0.0
+            flagged = followed.sum(torch.tensor([flag], dtype=torch.float64))[0] > 0.0
         if not halt_due or not flagged:
-            _let_go(handed)
+            followed.let_go()
             return
         mine = self.held.alert.to_dict() if self.held is not None else None
-        gathered = _gathered(mine, handed)
-        _let_go(handed)
+        gathered = followed.all_gather_object(mine)
+        followed.let_go()
         rank = dist.get_rank()
         origin = next(r for r, found in enumerate(gathered) if found is not None)
         alert = Alert.from_dict(gathered[origin])
@@ -116,58 +102,3 @@ class HaltSync:
                     )
         self.held = None
         raise TrainingHealthError(alert)
-
-
-def _summed(tensor: torch.Tensor, handed: list[weakref.ref]) -> list[float]:
-    """``tensor`` summed across ranks (one all-reduce), as a list; the caller keeps
-    no reference to it, so that ``_let_go`` can tell when the backend dropped it."""
-    dist = torch.distributed
-    tensor = tensor.to(_device())
-    handed.append(weakref.ref(tensor))
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
-
-
-def _gathered(obj: object, handed: list[weakref.ref]) -> list:
-    """Every rank's ``obj``, by rank: ``all_gather_object`` with tensors of our own,
-    so that the check can follow them to the end (see ``_let_go``)."""
-    dist = torch.distributed
-    world, device = dist.get_world_size(), _device()
-    data = pickle.dumps(obj)
-    sizes = [int(size) for size in _summed_sizes(len(data), world, handed)]
-    mine = torch.zeros(max(sizes), dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    mine = mine.to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    handed.extend(weakref.ref(t) for t in (mine, *parts))
-    dist.all_gather(parts, mine)
-    return [
-        pickle.loads(part[:size].cpu().numpy().tobytes())
-        for part, size in zip(parts, sizes, strict=True)
-    ]
-
-
-def _summed_sizes(size: int, world: int, handed: list[weakref.ref]) -> list[float]:
-    """Each rank's ``size``, by rank (one all-reduce of a one-hot row)."""
-    row = torch.zeros(world, dtype=torch.float64)
-    row[torch.distributed.get_rank()] = float(size)
-    return _summed(row, handed)
-
-
-def _let_go(handed: list[weakref.ref]) -> None:
-    """Waits, the GIL released, until the backend's worker threads have dropped
-    the tensors of this check's collectives (gloo only: its workers drop them
-    right after each collective; at most ``LET_GO_S``)."""
-    if torch.distributed.get_backend() != "gloo":
-        return
-    deadline = time.monotonic() + LET_GO_S
-    while any(ref() is not None for ref in handed) and time.monotonic() < deadline:
-        time.sleep(0.0002)
-
-
-def _device() -> torch.device:
-    """NCCL reduces CUDA tensors only; gloo and the others, CPU ones."""
-    dist = torch.distributed
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

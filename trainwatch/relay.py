@@ -20,6 +20,7 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.dispatch import Dispatcher
+from trainwatch.followed_collectives import Followed
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
 from trainwatch.sinks.memory import MemorySink
@@ -129,12 +130,10 @@ def world() -> tuple[int, int]:
 def gather_to_zero(reporter: Reporter | None) -> None:
     """Collective: every rank must call it at the same point, whatever its state.
 
-    One ``gather_object`` of the alerts raised since the last call; a rank
+    One gather of the alerts raised since the last call; a rank
     whose trainwatch failed still takes part with an empty list, so a
     failure inside trainwatch can never leave the other ranks waiting.
     """
-    import torch.distributed as dist
-
     rank, size = world()
     if size == 1:
         return
@@ -144,8 +143,11 @@ def gather_to_zero(reporter: Reporter | None) -> None:
             outgoing = reporter.outbox.take()
     except Exception:  # an empty contribution keeps the collective matched
         outgoing = []
-    received: list[Any] | None = [None] * size if rank == 0 else None
-    dist.gather_object(outgoing, received, dst=0)
-    if rank == 0 and reporter is not None and received is not None:
+    # An all-gather with tensors of our own, followed until gloo lets go of
+    # them: the last gather comes at the end of a run, right before exit.
+    followed = Followed()
+    received = followed.all_gather_object(outgoing)
+    followed.let_go()
+    if rank == 0 and reporter is not None:
         for records in received[1:]:
             reporter.receive(records or [])
