@@ -68,3 +68,14 @@ def test_a_disabled_rule_costs_nothing(counts, disabled):
     off = count(4, disabled)
     assert off.added_ops <= default.added_ops
     assert off.python_calls <= default.python_calls
+
+
+def test_only_exploding_gradients_per_layer_loop_grows_with_depth_at_the_interpreter():
+    """Every call the profiler sees, any code's: the per-layer norms and the other
+    rules' per-layer checks run in C loops, so with exploding_gradient (which moves
+    each layer's averages in a Python loop) off, a deep step adds what a shallow one
+    does; with it on, the deep step adds more."""
+    off = {"exploding_gradient": False}
+    shallow, deep = count(4, off), count(64, off)
+    assert abs(deep.interpreter_calls - shallow.interpreter_calls) <= SAME
+    assert count(64).interpreter_calls > deep.interpreter_calls + 60
