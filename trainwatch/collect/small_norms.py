@@ -177,6 +177,7 @@ class SmallGradientNorms:
                 return gradient_norms(grads)
         else:
             norms = gradient_norms(grads)
+        # One list for every step of this layout: records read it, none writes it.
         record.present = layout.present
         record.layout = layout
         return norms

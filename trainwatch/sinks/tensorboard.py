@@ -160,10 +160,10 @@ class TensorBoardSink(Sink):
 
     @uninterrupted
     def on_step(self, numbers: StepNumbers) -> None:
-        """A step's numbers as one event (one ``add_scalar`` per layer would cost a
-        protobuf, an event and a hand-off to the writer's thread each: about a
-        millisecond a step on a model of 64 layers), and the tab's streak marks
-        when a layer's kind changes.
+        """A step's numbers as one event (one ``add_scalar`` per layer costs a
+        protobuf, an event and a hand-off to the writer's thread each: 5 ms a step
+        on a 65-layer model, measured on CPU), and the tab's streak marks when a
+        layer's kind changes.
         """
         if self._closed:
             return
