@@ -166,3 +166,65 @@ def test_vanishing_on_the_usual_step_returns_early_and_still_judges_as_the_full_
             found += [(a.step, a.module) for a in rule.evaluate(record)]
     assert found_kept == found_bare and {module for _, module in found_bare} == {"a"}
     assert kept.state_dict() == bare.state_dict()
+
+
+class _EveryLayerInPython(ExplodingGradientRule):
+    """The rule without its C-loop path: every step takes the per-layer look."""
+
+    def _moved_in_c(self, warm, record):
+        return False
+
+
+def _norm_sequences(seed: int) -> list[StepRecord]:
+    """Two optimizers' layer sets taking turns, with spikes, zeros, NaNs, a restart,
+    a layer added mid-run and a bound crossed."""
+    rng = torch.Generator().manual_seed(seed)
+    records = []
+    for step in range(400):
+        scale = float(torch.empty(1).log_normal_(0, 0.3, generator=rng))
+        a = {f"a{i}": scale * (i + 1) * 0.01 for i in range(6)}
+        if step > 150:
+            a["a6"] = scale * 0.02  # a head added mid-run
+        b = {f"b{i}": scale * (i + 1) for i in range(3)}
+        if step in (80, 81, 300):
+            a["a2"] *= 1e4  # a spike
+        if step == 120:
+            a["a4"] = 0.0
+        if step == 200:
+            b["b1"] = float("nan")
+        if step == 250:
+            b["b0"] = 5e3  # over the bound
+        restarted = frozenset({"a1"}) if step == 220 else frozenset()
+        records.append(StepRecord(step=step, layer_norms=a, restarted_layers=restarted))
+        records.append(StepRecord(step=step, layer_norms=b, source="manual"))
+    return records
+
+
+def _outcome(rule: ExplodingGradientRule, records: list[StepRecord]):
+    alerts = [(a.step, a.module, a.message, a.data) for r in records for a in rule.evaluate(r)]
+    return alerts, rule.state_dict()
+
+
+def test_the_c_loop_steps_move_the_averages_exactly_as_the_per_layer_look_does():
+    config = ExplodingGradientConfig(warmup=20, max_norm=1e3)
+    for seed in range(3):
+        records = _norm_sequences(seed)
+        fast = ExplodingGradientRule(config)
+        fast_alerts, fast_state = _outcome(fast, records)
+        slow_alerts, slow_state = _outcome(_EveryLayerInPython(config), records)
+        assert fast_alerts == slow_alerts
+        assert fast_state == slow_state
+        assert {step for step, *_ in fast_alerts} >= {80, 250, 300}
+
+
+def test_a_resumed_rule_carries_on_from_the_averages_the_c_loop_moved():
+    config = ExplodingGradientConfig(warmup=5)
+    records = _norm_sequences(0)
+    first = ExplodingGradientRule(config)
+    for record in records[:200]:
+        first.evaluate(record)
+    resumed = ExplodingGradientRule(config)
+    resumed.load_state_dict(first.state_dict())
+    rest_resumed = _outcome(resumed, records[200:])
+    rest_first = _outcome(first, records[200:])
+    assert rest_resumed == rest_first

@@ -70,12 +70,17 @@ def test_a_disabled_rule_costs_nothing(counts, disabled):
     assert off.python_calls <= default.python_calls
 
 
-def test_only_exploding_gradients_per_layer_loop_grows_with_depth_at_the_interpreter():
-    """Every call the profiler sees, any code's: the per-layer norms and the other
-    rules' per-layer checks run in C loops, so with exploding_gradient (which moves
-    each layer's averages in a Python loop) off, a deep step adds what a shallow one
-    does; with it on, the deep step adds more."""
-    off = {"exploding_gradient": False}
-    shallow, deep = count(4, off), count(64, off)
+def test_every_call_the_interpreter_makes_does_not_grow_with_depth(counts):
+    """Every call the profiler sees, any code's: the per-layer norms and every rule's
+    per-layer checks run in C loops (exploding_gradient moves its averages in
+    them too), so a deep step adds what a shallow one does."""
+    shallow, deep = counts
     assert abs(deep.interpreter_calls - shallow.interpreter_calls) <= SAME
-    assert count(64).interpreter_calls > deep.interpreter_calls + 60
+
+
+def test_a_layer_near_a_jump_still_gets_the_per_layer_look():
+    """Control: with a bound every step crosses, exploding_gradient takes the Python
+    loop, and the deep step adds more calls than the shallow one."""
+    bound = {"exploding_gradient": {"max_norm": 1e-12}}
+    shallow, deep = count(4, bound), count(64, bound)
+    assert deep.interpreter_calls > shallow.interpreter_calls + 60

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from itertools import repeat
+from operator import add, mul, sub
 from typing import Any
 
 from trainwatch.alert import Alert
@@ -54,21 +56,112 @@ class _LogAverage:
         self.recent = 0.0
 
 
+class _WarmLayers:
+    """The averages of one set of layers, each with a history already, as lists in
+    the step's layer order: a step with no layer near a jump moves them all in C
+    loops, with no Python per layer.
+
+    ``steps``: the steps moved here since the layers' counts were last written.
+    """
+
+    __slots__ = ("names", "means", "recents", "steps")
+
+    def __init__(self, names: tuple[str, ...], histories: dict[str, _LogAverage]) -> None:
+        self.names = names
+        self.means = [histories[name].mean for name in names]
+        self.recents = [histories[name].recent for name in names]
+        self.steps = 0
+
+    def write_back(self, histories: dict[str, _LogAverage]) -> None:
+        for name, mean, recent in zip(self.names, self.means, self.recents):
+            history = histories[name]
+            history.mean, history.recent = mean, recent
+            history.count += self.steps
+        self.steps = 0
+
+
 class ExplodingGradientRule(Rule):
     id = "exploding_gradient"
     config: ExplodingGradientConfig
+    _NOT_STATE = Rule._NOT_STATE | {"_warm"}
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
         self._history: dict[str, _LogAverage] = {}
+        # Layer sets whose averages live in lists (a GAN's two optimizers: two),
+        # by their names in order; no layer is in two of them.
+        self._warm: dict[tuple[str, ...], _WarmLayers] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        self._write_back()
+        return super().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._warm = {}
         super().load_state_dict(state)
         for history in self._history.values():
             if not hasattr(history, "recent"):  # saved before the short-term average existed
                 history.recent = history.mean
 
+    def _write_back(self) -> None:
+        """The histories up to date; the lists stay, equal to them."""
+        for warm in self._warm.values():
+            warm.write_back(self._history)
+
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        if not record.restarted_layers and record.source in ("optimizer", "manual"):
+            warm = self._warm.get(tuple(record.layer_norms))
+            if warm is not None and self._moved_in_c(warm, record):
+                return []
+        self._write_back()  # the per-layer look reads every history, writes the step's
+        alerts = self._evaluate_each_layer(record)
+        touched = set(record.layer_norms).union(record.restarted_layers)
+        self._warm = {key: warm for key, warm in self._warm.items() if touched.isdisjoint(key)}
+        if not alerts and not record.restarted_layers:
+            self._keep_warm(record)
+        return alerts
+
+    def _moved_in_c(self, warm: _WarmLayers, record: StepRecord) -> bool:
+        """The usual step, with no Python per layer: every norm finite and above zero,
+        none over the bound, none more than ``factor`` above its long average (the
+        cheap trigger: past it, the per-layer look decides). False: nothing moved.
+
+        Whatever it moves, the per-layer look would have moved the same way:
+        with no layer past the trigger it reports nothing, and its arithmetic,
+        ``mean += alpha * (log - mean)``, gives the same floats.
+        """
+        values = list(record.layer_norms.values())
+        if 0.0 in values or not all(map(math.isfinite, values)):
+            return False
+        max_norm = self.config.max_norm
+        if max_norm is not None and max(values) > max_norm:
+            return False
+        logs = list(map(math.log, values))
+        means = warm.means
+        if max(map(sub, logs, means)) > math.log(self.config.factor):
+            return False
+        alpha = 2.0 / (self.config.window + 1)
+        fast = 2.0 / (_RECENT_WINDOW + 1)
+        warm.means = list(map(add, means, map(mul, repeat(alpha), map(sub, logs, means))))
+        recents = warm.recents
+        warm.recents = list(map(add, recents, map(mul, repeat(fast), map(sub, logs, recents))))
+        warm.steps += 1
+        return True
+
+    def _keep_warm(self, record: StepRecord) -> None:
+        """After a per-layer look that moved every layer of the step, each with a
+        history already: their next steps are moved in C."""
+        names = tuple(record.layer_norms)
+        if not names or record.source not in ("optimizer", "manual"):
+            return
+        histories = self._history
+        for name, norm in record.layer_norms.items():
+            history = histories.get(name)
+            if not 0.0 < norm < math.inf or history is None or history.count == 0:
+                return
+        self._warm[names] = _WarmLayers(names, histories)
+
+    def _evaluate_each_layer(self, record: StepRecord) -> list[Alert]:
         for layer in record.restarted_layers:
             # New parameters under an old name, or a new training phase: the
             # old history says nothing about these gradients.
