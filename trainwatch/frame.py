@@ -28,7 +28,8 @@ class Slot:
         self.index = index
 
     def values(self) -> list[float]:
-        return self.frame.values_of(self.index)
+        lists = self.frame._lists  # read already (always, on the host): no call
+        return lists[self.index] if lists is not None else self.frame.values_of(self.index)
 
     def value(self) -> float | None:
         """The first value (a scalar piece), or None for an empty piece."""

@@ -467,7 +467,9 @@ class Monitor:
         return self._step - 1
 
     def _finish(self, step: int, pending: PendingStep | None) -> None:
-        sync = self._halt_sync_for_run()
+        sync = self.halt_sync
+        if sync is False:
+            sync = self._halt_sync_for_run()
         if sync is None:
             if pending is not None:
                 self._stage_and_land(step, pending)

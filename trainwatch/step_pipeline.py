@@ -118,6 +118,10 @@ class StepPipeline:
         self.config = config
         self.rules = rules
         self._rule_ids = {rule.id for rule in rules}
+        # Every N-th step, the weights just updated are checked too (0: never).
+        self._parameter_every = (
+            config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
+        )
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
         self._dispatcher = dispatcher
         self._guard = guard
@@ -284,14 +288,11 @@ class StepPipeline:
             self.tracker.arm(params, whole=whole)
         if pending is None:
             return
-        if self._parameter_check_due(step):
+        every = self._parameter_every
+        if every and step % every == 0:
             self._guarded("parameter check", self._check_parameters, pending, params)
         if pending.stall_due:
             self._guarded("stalled training", self._measure_stall, step, pending)
-
-    def _parameter_check_due(self, step: int) -> bool:
-        every = self.config.nonfinite_parameter.check_every
-        return "nonfinite_parameter" in self._rule_ids and every > 0 and step % every == 0
 
     def _check_parameters(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
         """Norms of the weights just updated: one batched kernel, read with the step."""

@@ -39,7 +39,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.tensors import floating_list, local_part
-from trainwatch.hooks import WeakHook
+from trainwatch.hooks import WeakHook, hook_pass_tensor
 
 
 def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -227,7 +227,7 @@ class GradResetTracker:
                 # A tensor hook, though a pre-hook on the output's autograd node
                 # would be cheaper to register: on torch 2.13 each node pre-hook
                 # leaves about 8 bytes behind for good (traced over 2,000 passes).
-                tensor.register_hook(self._starts)
+                hook_pass_tensor(tensor, self._starts)
                 return
 
     # -- backward ----------------------------------------------------------

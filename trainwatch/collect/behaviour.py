@@ -45,7 +45,7 @@ from trainwatch.compiled import is_wrapper, unwrap
 from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
-from trainwatch.hooks import WeakHook
+from trainwatch.hooks import WeakHook, hook_pass_tensor
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules import rules_needing
 
@@ -215,7 +215,7 @@ class BehaviourWatch:
                     for tensor in floating_tensors(output):
                         # Not on a leaf (a returned parameter): the hook would stay on it.
                         if tensor.requires_grad and tensor.grad_fn is not None:
-                            tensor.register_hook(WeakHook(self, "backward_seen", report))
+                            hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
                             break
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad)

@@ -94,7 +94,8 @@ class CallTracker:
             self._handle = register_module_forward_pre_hook(WeakHook(self, "seen"))
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        self._unhook()
+        if self._handle is not None:
+            self._unhook()
 
     def seen(self, module: nn.Module, args: Any = None) -> None:
         name = self._waiting.pop(id(module), None)

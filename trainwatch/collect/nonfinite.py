@@ -79,7 +79,7 @@ from trainwatch.collect.tensors import (
     version_of,
 )
 from trainwatch.compiled import unwrap
-from trainwatch.hooks import HookGroup, WeakHook
+from trainwatch.hooks import HookGroup, WeakHook, hook_pass_tensor
 
 __all__ = [
     "FINITE",
@@ -451,7 +451,7 @@ class NonfiniteProbe:
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
             for position, tensor in enumerate(needs_grad):
-                tensor.register_hook(self._entering_hook(position))
+                hook_pass_tensor(tensor, self._entering_hook(position))
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
@@ -907,7 +907,7 @@ class NonfiniteProbe:
         self._bad_streak = self._bad_streak + 1 if self._step_bad else 0
         self._step_bad = False
         flags = self._this_step.bad_backward_passes
-        if any(isinstance(f, torch.Tensor) for f in flags):
+        if flags and any(isinstance(f, torch.Tensor) for f in flags):
             device = next(f.device for f in flags if isinstance(f, torch.Tensor))
             window.skipped = torch.stack([torch.as_tensor(f, device=device) for f in flags])
         else:

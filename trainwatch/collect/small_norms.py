@@ -27,6 +27,8 @@ from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
 
+_set_grad_enabled = torch._C._set_grad_enabled
+
 # A gradient up to this many elements is stacked with those of its shape.
 SMALL = 1 << 14
 # Fewer gradients of one shape than this are not worth a group of their own.
@@ -70,7 +72,12 @@ class NormPlan:
     def norms(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """fp32 norms in :attr:`order`; raises when the gradients no longer fit the plan."""
         pieces = []
-        with torch.no_grad():  # create_graph=True gradients: nothing recorded
+        # create_graph=True gradients: nothing recorded (grad mode set by hand,
+        # without torch.no_grad()'s context object, at every step).
+        grad = torch.is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        try:
             for members in self.groups:
                 stacked = torch.stack(list(map(grads.__getitem__, members)))
                 dims = tuple(range(1, stacked.dim()))
@@ -78,6 +85,9 @@ class NormPlan:
             if self.rest:
                 rest = list(map(grads.__getitem__, self.rest))
                 pieces.append(torch.stack(torch._foreach_norm(rest, 2, dtype=torch.float32)))
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 

@@ -28,6 +28,8 @@ import torch
 # self-referencing object cannot recurse forever.
 _MAX_DEPTH = 6
 
+_set_grad_enabled = torch._C._set_grad_enabled
+
 
 def tensor_leaves(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in ``value`` with its dotted path, in the structure's order."""
@@ -152,8 +154,16 @@ def non_leaf(tensor: torch.Tensor) -> bool:
 
 def finite_exact(tensor: torch.Tensor) -> bool:
     """One fp32 sum; only when it is not finite, the exact elementwise check."""
-    with torch.no_grad():  # not a detach: one op fewer on every pass
+    # Outside autograd without a detach (one op fewer on every pass) and without
+    # torch.no_grad()'s context object (four Python calls): grad mode set by hand.
+    grad = torch.is_grad_enabled()
+    if grad:
+        _set_grad_enabled(False)
+    try:
         total = tensor.sum(dtype=torch.float32)
+    finally:
+        if grad:
+            _set_grad_enabled(True)
     if math.isfinite(float(total)):
         return True
     return finite_or_mask(tensor)
