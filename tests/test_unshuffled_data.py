@@ -445,3 +445,82 @@ def test_targets_all_ignored_are_skipped_without_an_internal_error():
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     monitor = fit({}, loader, mlp())
     assert not {"unshuffled_data", "internal_error"} & {a.rule for a in monitor.alerts}
+
+
+# -- the look's cadence: a run without a class loss is looked at less and less --
+
+
+def _count_spans(monitor: tw.Monitor) -> list[int]:
+    """The steps whose loss span the class target look opened."""
+    look = monitor._pipeline.class_targets
+    opened: list[int] = []
+    enter = look._mode.__enter__
+
+    def counted_enter():
+        opened.append(monitor.step_count)
+        return enter()
+
+    look._mode.__enter__ = counted_enter
+    return opened
+
+
+def _train(model, opt, steps, loss_of):
+    x = torch.randn(BATCH, 12)
+    y = torch.arange(BATCH) % CLASSES
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model(x), y).backward()
+        opt.step()
+
+
+def _regression_loss(out, y):
+    return nn.functional.mse_loss(out, torch.zeros_like(out))
+
+
+def test_a_regression_loop_opens_the_loss_span_less_and_less_often():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        opened = _count_spans(monitor)
+        _train(model, opt, 400, _regression_loss)
+        look = monitor._pipeline.class_targets
+        assert look.every > 5
+    late = [step for step in opened if step >= 200]
+    assert len(opened) < 400 // 5 // 2 and len(late) <= 200 // 5 // 4
+
+
+def test_a_classification_loop_keeps_the_configured_cadence():
+    """Control: every fifth step's loss is looked at, all run long."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        opened = _count_spans(monitor)
+        _train(model, opt, 200, nn.functional.cross_entropy)
+        assert monitor._pipeline.class_targets.every == 5
+    assert len(opened) >= 200 // 5 - 2
+
+
+def test_a_class_loss_after_a_regression_phase_brings_the_cadence_back():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        _train(model, opt, 300, _regression_loss)
+        look = monitor._pipeline.class_targets
+        assert look.every > 5
+        _train(model, opt, 200, nn.functional.cross_entropy)
+        assert look.every == 5
+
+
+def test_sorted_data_after_a_regression_warm_up_phase_is_still_found():
+    """A pretext regression phase, then the classifier trained on label-sorted data."""
+    x, y = sorted_by_label()
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with tw.watch(model, opt, console=False, data=loader) as monitor:
+        _train(model, opt, 200, _regression_loss)
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    assert found(monitor.alerts)

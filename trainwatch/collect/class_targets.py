@@ -11,7 +11,10 @@ called with) has its targets counted per class on the device
 readback. The monitor subscribes the look to the model's passes on sampled
 steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
-within each sample, and the look stops for good.
+within each sample, and the look stops for good. A run whose sampled steps
+show no class loss at all (a regression) is looked at half as often after
+every few such steps, down to a sixteenth of the cadence, until a class loss
+shows up again (a classifier trained after a pretext phase).
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ from trainwatch.collect.broadcast import _AuditMode, _call
 from trainwatch.collect.tensors import tensor_leaves
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
+# A run whose loss is no class loss (a regression, a reconstruction) pays for
+# the look's span on every sampled step for nothing: after this many sampled
+# steps in a row without one, the look comes half as often, down to once per
+# _SLOWEST times the configured cadence; a class loss seen brings it back.
+_MISSES = 4
+_SLOWEST = 16
 
 
 def _allowed_below() -> tuple[type, ...]:
@@ -141,6 +150,9 @@ class ClassTargetLook:
         on_error: Callable[[str, BaseException], None],
     ) -> None:
         self.every = every
+        self._configured_every = every
+        self._misses = 0
+        self._span_seen = False  # this sampled step's training pass opened the span
         self.max_classes = max_classes
         self._step_of = step_of
         self._on_error = on_error
@@ -172,10 +184,12 @@ class ClassTargetLook:
             logits = _logits_of(output)
             self.counts = class_counts(logits, labels, self.max_classes, self.batch)
             self.per_position = self.counts is None and per_position(logits, labels, self.batch)
+            self._span_seen = True
             return
         if _stack_is_ours_to_use():
             self._mode.__enter__()
             self._depth = torch._C._len_torch_function_stack()
+            self._span_seen = True
 
     def end_span(self) -> None:
         """The step boundary is reached: no loss is computed any more."""
@@ -185,7 +199,19 @@ class ClassTargetLook:
         """At the step boundary: the step's counts (None when not sampled or not seen)."""
         self._stop()
         found, self.counts = self.counts, None
+        if self._span_seen:
+            self._span_seen = False
+            self._pace(found is not None or self.per_position)
         return found
+
+    def _pace(self, class_loss_seen: bool) -> None:
+        if class_loss_seen:
+            self._misses, self.every = 0, self._configured_every
+            return
+        self._misses += 1
+        if self._misses >= _MISSES:
+            self._misses = 0
+            self.every = min(self.every * 2, self._configured_every * _SLOWEST)
 
     def _stop(self) -> None:
         if self._depth is None:
