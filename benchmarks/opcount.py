@@ -73,6 +73,7 @@ class Counts:
     added_ops: int
     python_calls: int
     interpreter_calls: int = 0  # added calls of any code the profiler sees (not gated)
+    bytecodes: int = 0  # bytecode instructions run in trainwatch's own code
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
@@ -108,14 +109,45 @@ def _count_calls(step: Callable[[], None]) -> tuple[int, int]:
     return calls, every
 
 
-def count(depth: int, config: Any = None, warm_steps: int = 41) -> Counts:
+def _count_bytecodes(step: Callable[[], None]) -> int:
+    """Bytecode instructions run in the ``trainwatch`` package: a Python loop over
+    layers or modules shows here even when it calls nothing the profiler sees."""
+    ran = 0
+
+    def each_opcode(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal ran
+        if event == "opcode":
+            ran += 1
+        return each_opcode
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE):
+            frame.f_trace_opcodes = True
+            return each_opcode
+        return None
+
+    sys.settrace(on_call)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return ran
+
+
+def count(
+    depth: int,
+    config: Any = None,
+    warm_steps: int = 41,
+    model: Callable[[int], nn.Module] = residual_stack,
+) -> Counts:
     """Counts for one healthy step at ``depth``, taken at step ``warm_steps``.
 
     The default (41) is past the broadcast audit and the first sampled
-    steps, and not a multiple of the sampling interval.
+    steps, and not a multiple of the sampling interval. ``model``: what is
+    built at ``depth`` (the residual stack; a test adds dropout to it).
     """
     torch.manual_seed(0)
-    plain = residual_stack(depth)
+    plain = model(depth)
     watched = copy.deepcopy(plain)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
     watched_opt = torch.optim.Adam(watched.parameters(), lr=1e-3)
@@ -128,7 +160,8 @@ def count(depth: int, config: Any = None, warm_steps: int = 41) -> Counts:
         watched_ops = _count_ops(lambda: _train_step(watched, watched_opt, x, y))
         calls, every = _count_calls(lambda: _train_step(watched, watched_opt, x, y))
         _, every_plain = _count_calls(lambda: _train_step(plain, plain_opt, x, y))
-    return Counts(depth, plain_ops, watched_ops - plain_ops, calls, every - every_plain)
+        bytecodes = _count_bytecodes(lambda: _train_step(watched, watched_opt, x, y))
+    return Counts(depth, plain_ops, watched_ops - plain_ops, calls, every - every_plain, bytecodes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     results = [count(depth, args.config) for depth in args.depths]
     print(
         f"{'depth':>6} {'plain ops':>10} {'ops added':>10} {'python calls':>13} "
-        f"{'all calls added':>16}"
+        f"{'all calls added':>16} {'bytecodes':>10}"
     )
     for c in results:
         print(
             f"{c.depth:>6} {c.plain_ops:>10} {c.added_ops:>+10} {c.python_calls:>13} "
-            f"{c.interpreter_calls:>+16}"
+            f"{c.interpreter_calls:>+16} {c.bytecodes:>10}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(c) for c in results], indent=2))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from opcount import count
+from opcount import count, residual_stack
+from torch import nn
 
 # Slack for a constant or two that depends on the step's shape, never on depth.
 SAME = 2
@@ -70,6 +71,14 @@ def test_a_disabled_rule_costs_nothing(counts, disabled):
     assert off.python_calls <= default.python_calls
 
 
+def test_trainwatchs_own_bytecode_does_not_grow_with_depth(counts):
+    """No Python loop over layers, modules or parameters on a healthy step: the
+    instructions trainwatch's own code runs are the same at depth 4 and 64 (a
+    loop that calls nothing the profiler sees still shows here)."""
+    shallow, deep = counts
+    assert deep.bytecodes == shallow.bytecodes
+
+
 def test_every_call_the_interpreter_makes_does_not_grow_with_depth(counts):
     """Every call the profiler sees, any code's: the per-layer norms and every rule's
     per-layer checks run in C loops (exploding_gradient moves its averages in
@@ -84,3 +93,18 @@ def test_a_layer_near_a_jump_still_gets_the_per_layer_look():
     bound = {"exploding_gradient": {"max_norm": 1e-12}}
     shallow, deep = count(4, bound), count(64, bound)
     assert deep.interpreter_calls > shallow.interpreter_calls + 60
+    assert deep.bytecodes > shallow.bytecodes + 1000
+
+
+def _stack_with_dropout(depth: int) -> nn.Module:
+    """The residual stack with a dropout after every block, as transformers have."""
+    blocks = list(residual_stack(depth))
+    return nn.Sequential(*(m for b in blocks[:-1] for m in (b, nn.Dropout(0.1))), blocks[-1])
+
+
+def test_the_mode_check_of_every_pass_does_not_grow_with_the_dropouts():
+    """train_in_eval_mode looks at every dropout's mode at every pass, in C loops."""
+    shallow = count(4, model=_stack_with_dropout)
+    deep = count(64, model=_stack_with_dropout)
+    assert deep.bytecodes == shallow.bytecodes
+    assert abs(deep.python_calls - shallow.python_calls) <= SAME

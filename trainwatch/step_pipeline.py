@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -52,6 +54,9 @@ from trainwatch.whole_layers import WholeLayerNorms
 # Steps with gradients but no pass seen after which the search for a
 # torch.compile wrapper made after watching (around which the passes run) stops.
 _WRAPPER_SEARCHES = 3
+
+
+_PARAMS = itemgetter("params")  # a param group's parameters
 
 
 @dataclass
@@ -343,7 +348,8 @@ class StepPipeline:
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def optimizer_params(self, index: int) -> list[torch.Tensor]:
-        return [p for group in self._optimizers[index].param_groups for p in group["params"]]
+        """Every parameter of the optimizer's groups, in order, gathered in C."""
+        return list(chain.from_iterable(map(_PARAMS, self._optimizers[index].param_groups)))
 
     def gather(self, index: int | None, now: int, attach: bool = False) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
