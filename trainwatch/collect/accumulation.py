@@ -399,12 +399,8 @@ class GradResetTracker:
         if whole and not self.track_reached:
             grads = list(map(_GRAD, params))
             impls = list(map(_CDATA, params))
-            if (
-                impls == self._impls
-                and not swap
-                and not any(map(is_, grads, repeat(None)))
-                and set(map(type, grads)) == _PLAIN
-            ):
+            # Every gradient a plain tensor (so none is None), no parameter swapped.
+            if impls == self._impls and not swap and set(map(type, grads)) == _PLAIN:
                 self._snapshot = (params, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
                 return
             self._impls = impls

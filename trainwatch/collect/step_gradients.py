@@ -39,11 +39,8 @@ def read_gradients(
     record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=optimizer)
     known = layers.known()
     grads: list[torch.Tensor] = list(map(_GRAD, params))
-    if (
-        not any(map(is_, grads, repeat(None)))
-        and all(map(_REQUIRES_GRAD, params))
-        and set(map(type, grads)) == _PLAIN
-    ):
+    # Every gradient a plain tensor (so none is None) and every parameter trainable.
+    if set(map(type, grads)) == _PLAIN and all(map(_REQUIRES_GRAD, params)):
         present = list(map(known.get, map(id, params)))
         if not any(map(is_, present, repeat(None))):
             record.present = present
