@@ -69,3 +69,22 @@ def test_a_parameter_returned_as_is_gets_torchs_own_hook_and_the_gradient_is_unc
     hook_pass_tensor(param, lambda grad: seen.append(1))
     (param * 2).sum().backward()
     assert seen == [1] and torch.equal(param.grad, torch.full((2,), 2.0))
+
+
+def test_under_a_function_mode_the_hook_goes_through_register_hook_and_still_fires():
+    from torch.overrides import TorchFunctionMode
+
+    seen_by_mode: list[str] = []
+
+    class Listening(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen_by_mode.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    _, out = _output()
+    calls = []
+    with Listening():
+        hook_pass_tensor(out, lambda grad: calls.append(1))
+    assert "register_hook" in seen_by_mode  # the mode saw it, as with register_hook
+    out.sum().backward()
+    assert calls == [1]
