@@ -41,6 +41,7 @@ from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
+_set_grad_enabled = torch._C._set_grad_enabled
 _MAX_LEAVES = 8  # output tensors measured per module
 # Modules measured per sampled pass past the first steps, besides the model's output.
 _PER_PASS = 32
@@ -97,12 +98,24 @@ def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Up to ``rows`` rows, at most ``_MAX_FEATURES`` evenly strided positions, fp32."""
-    flat = tensor.detach()[:rows].reshape(min(rows, tensor.shape[0]), -1)
-    width = flat.shape[1]
-    if width > _MAX_FEATURES:
-        flat = flat[:, :: math.ceil(width / _MAX_FEATURES)]
-    return flat.float()
+    """A copy of up to ``rows`` rows, at most ``_MAX_FEATURES`` evenly strided
+    positions, fp32: a later in-place op must not change it.
+
+    Three ops a module (a slice, a view, one copy that is also the cast), outside
+    autograd by grad mode rather than a detach, which would be a fourth.
+    """
+    grad = torch.is_grad_enabled()
+    if grad:
+        _set_grad_enabled(False)
+    try:
+        flat = tensor[:rows].reshape(min(rows, tensor.shape[0]), -1)
+        width = flat.shape[1]
+        if width > _MAX_FEATURES:
+            flat = flat[:, :: math.ceil(width / _MAX_FEATURES)]
+        return flat.to(torch.float32, copy=True)
+    finally:
+        if grad:
+            _set_grad_enabled(True)
 
 
 class _Row(NamedTuple):
@@ -137,7 +150,8 @@ class _PendingRows:
         self.rows: list[_MutableRow] = []
 
     def add(self, rows: torch.Tensor) -> int:
-        self.tensors.append(rows.clone())
+        """Keep ``rows``, a copy of the pass's own (``_rows`` makes one)."""
+        self.tensors.append(rows)
         return len(self.tensors) - 1
 
     def out_of(self, slot: int) -> int:
