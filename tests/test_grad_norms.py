@@ -174,7 +174,12 @@ def test_gradients_stacked_by_shape_give_each_layer_its_own_norm(quiet_watch):
             assert got[name] == pytest.approx(expected[name], rel=1e-5), name
 
 
-def test_a_parameter_given_new_data_of_another_shape_is_still_measured(quiet_watch):
+@pytest.mark.parametrize(
+    "replaced",
+    [(0,), tuple(range(6))],
+    ids=["one, the group no longer stacks", "all, still stacking, one dimension more"],
+)
+def test_a_parameter_given_new_data_of_another_shape_is_still_measured(quiet_watch, replaced):
     """The kept plan no longer fits the gradients (a parameter's ``.data`` replaced
     by one of another shape, as pruning code does): it is made again."""
 
@@ -192,7 +197,9 @@ def test_a_parameter_given_new_data_of_another_shape_is_still_measured(quiet_wat
     x = torch.randn(4, 1)
     for step in range(3):
         if step == 2:
-            model.offsets[0].data = torch.ones(8)
+            shape = (8,) if len(replaced) == 1 else (4, 4)
+            for index in replaced:
+                model.offsets[index].data = torch.ones(shape)
         opt.zero_grad()
         model(x).sum().backward()
         expected = naive_layer_norms(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import starmap
+from operator import itemgetter
 
 import torch
 
@@ -38,7 +39,7 @@ _MIN_GROUP = 4
 class NormPlan:
     """How one layout of gradients (their shapes, in order) is reduced."""
 
-    __slots__ = ("groups", "rest", "order", "identity")
+    __slots__ = ("groups", "rest", "order", "identity", "_picks")
 
     def __init__(self, grads: Sequence[torch.Tensor]) -> None:
         by_shape: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
@@ -68,6 +69,10 @@ class NormPlan:
         self.order = [index for members in groups for index in members]
         self.order += rest
         self.identity = not groups  # nothing stacked: the input's own order
+        # Per group, planned once: its members' getter (a group has at least
+        # _MIN_GROUP, so the getter gives a tuple) and the dimensions reduced.
+        dims = [tuple(range(1, grads[members[0]].dim() + 1)) for members in groups]
+        self._picks = [(itemgetter(*members), d) for members, d in zip(groups, dims)]
 
     def norms(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """fp32 norms in :attr:`order`; raises when the gradients no longer fit the plan."""
@@ -78,9 +83,10 @@ class NormPlan:
         if grad:
             _set_grad_enabled(False)
         try:
-            for members in self.groups:
-                stacked = torch.stack(list(map(grads.__getitem__, members)))
-                dims = tuple(range(1, stacked.dim()))
+            for members_of, dims in self._picks:
+                stacked = torch.stack(members_of(grads))
+                if stacked.dim() != len(dims) + 1:
+                    raise RuntimeError("a gradient changed shape since the plan")
                 pieces.append(torch.linalg.vector_norm(stacked, 2, dim=dims, dtype=torch.float32))
             if self.rest:
                 rest = list(map(grads.__getitem__, self.rest))
