@@ -96,6 +96,13 @@ class BehaviourWatch:
             else None
         )
         spread, zeros = "constant_output" in rule_ids, "dead_units" in rule_ids
+        # The sampled steps of the enabled ones: every step before the later of
+        # their first_steps, then every step a multiple of one's ``every``.
+        sampling = [
+            section for section in (config.constant_output, config.dead_units) if section.enabled
+        ]
+        self._sampled_until = max((s.first_steps for s in sampling), default=0)
+        self._sampled_every = tuple(sorted({s.every for s in sampling}))
         self.sampler = (
             ActivationSampler(
                 model,
@@ -122,21 +129,17 @@ class BehaviourWatch:
 
     # -- a forward pass of the whole model ----------------------------------------
     def _due(self, step: int) -> bool:
-        config = self._config
-        for section in (config.constant_output, config.dead_units):
-            if not section.enabled:
-                continue
-            if step < section.first_steps or step % section.every == 0:
+        """A sampled step of constant_output's or dead_units' (read at every pass)."""
+        if step < self._sampled_until:
+            return True
+        for every in self._sampled_every:
+            if step % every == 0:
                 return True
         return False
 
     def _first_steps(self, step: int) -> bool:
         """Within the first sampled steps, when every module is measured."""
-        config = self._config
-        return any(
-            section.enabled and step < section.first_steps
-            for section in (config.constant_output, config.dead_units)
-        )
+        return step < self._sampled_until
 
     def pass_starts(self, module: nn.Module) -> None:
         """A forward pass of the whole model begins (called by ``ModelPasses``)."""
