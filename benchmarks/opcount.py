@@ -7,11 +7,15 @@ backward and the optimizer alike) and the Python function calls that
 same step of two identical copies of a model, one plain and one watched,
 past the first-steps audits and off the sampled steps, at two depths of a
 residual stack of ``Linear(64, 64) + LayerNorm + GELU`` blocks (batch 32).
-A healthy step should cost the same at any depth. A third figure, not gated,
-counts every function call the profiler sees added to the step, in any code
-(torch's own Python, builtins called from Python): a closer proxy for the
-interpreter time trainwatch adds than its own calls alone (calls made inside
-a C loop, such as ``map`` over an attribute getter, are not seen).
+A healthy step should cost the same at any depth. A third figure counts
+every function call the profiler sees added to the step, in any code
+(torch's own Python, builtins called from Python; calls made inside a C
+loop, such as ``map`` over an attribute getter, are not seen). A fourth
+counts the bytecode instructions trainwatch's own code runs (``sys.settrace``
+opcode events): the closest of these to the Python time a step adds (cold,
+after a large model's kernels, each costs about 0.2 us), and where a Python
+loop over layers or modules shows even when it calls nothing. The tests hold
+the last two the same at every depth.
 
     python benchmarks/opcount.py                    # depth 4 and 64, default config
     python benchmarks/opcount.py --depths 4 16 64 --json counts.json
