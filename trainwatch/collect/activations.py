@@ -35,13 +35,17 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
+from trainwatch.collect.tensors import (
+    is_checkable_float,
+    set_grad_enabled,
+    tensor_leaves,
+    version_of,
+)
 from trainwatch.compiled import unwrap, user_name
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
-_set_grad_enabled = torch._C._set_grad_enabled
 _MAX_LEAVES = 8  # output tensors measured per module
 # Modules measured per sampled pass past the first steps, besides the model's output.
 _PER_PASS = 32
@@ -106,7 +110,7 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """
     grad = torch.is_grad_enabled()
     if grad:
-        _set_grad_enabled(False)
+        set_grad_enabled(False)
     try:
         flat = tensor[:rows].reshape(min(rows, tensor.shape[0]), -1)
         width = flat.shape[1]
@@ -115,7 +119,7 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
         return flat.to(torch.float32, copy=True)
     finally:
         if grad:
-            _set_grad_enabled(True)
+            set_grad_enabled(True)
 
 
 class _Row(NamedTuple):

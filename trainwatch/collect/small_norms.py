@@ -25,10 +25,9 @@ from operator import itemgetter
 import torch
 
 from trainwatch.collect.grads import gradient_norms, layer_norms
+from trainwatch.collect.tensors import set_grad_enabled
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
-
-_set_grad_enabled = torch._C._set_grad_enabled
 
 # A gradient up to this many elements is stacked with those of its shape.
 SMALL = 1 << 14
@@ -77,11 +76,10 @@ class NormPlan:
     def norms(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """fp32 norms in :attr:`order`; raises when the gradients no longer fit the plan."""
         pieces = []
-        # create_graph=True gradients: nothing recorded (grad mode set by hand,
-        # without torch.no_grad()'s context object, at every step).
+        # create_graph=True gradients: nothing recorded (by grad mode, at every step).
         grad = torch.is_grad_enabled()
         if grad:
-            _set_grad_enabled(False)
+            set_grad_enabled(False)
         try:
             for members_of, dims in self._picks:
                 stacked = torch.stack(members_of(grads))
@@ -93,7 +91,7 @@ class NormPlan:
                 pieces.append(torch.stack(torch._foreach_norm(rest, 2, dtype=torch.float32)))
         finally:
             if grad:
-                _set_grad_enabled(True)
+                set_grad_enabled(True)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 

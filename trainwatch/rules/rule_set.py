@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import compress
 from operator import attrgetter
-from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
@@ -23,13 +22,11 @@ class RuleSet:
         self.rules = list(rules)
         self._guard = guard
         # What each rule reads, every field in one C call; a rule that sees every
-        # record reads ``__class__``, which is always there and true.
+        # record reads ``__class__``, which is always there and true. Two more of
+        # those at the end keep the result a tuple for any number of rules
+        # (``compress`` stops with the rules).
         fields = [rule.reads or "__class__" for rule in self.rules]
-        read = attrgetter(*fields) if fields else lambda record: ()
-        # attrgetter of one field gives its value, not a tuple of one.
-        self._read: Callable[[StepRecord], Any] = (
-            read if len(fields) != 1 else lambda record: (read(record),)
-        )
+        self._read = attrgetter(*fields, "__class__", "__class__")
 
     def __iter__(self) -> Iterator[Rule]:
         return iter(self.rules)
