@@ -35,12 +35,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import (
-    is_checkable_float,
-    set_grad_enabled,
-    tensor_leaves,
-    version_of,
-)
+from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
 from trainwatch.compiled import unwrap, user_name
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
@@ -102,24 +97,12 @@ def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """A copy of up to ``rows`` rows, at most ``_MAX_FEATURES`` evenly strided
-    positions, fp32: a later in-place op must not change it.
-
-    Three ops a module (a slice, a view, one copy that is also the cast), outside
-    autograd by grad mode rather than a detach, which would be a fourth.
-    """
-    grad = torch.is_grad_enabled()
-    if grad:
-        set_grad_enabled(False)
-    try:
-        flat = tensor[:rows].reshape(min(rows, tensor.shape[0]), -1)
-        width = flat.shape[1]
-        if width > _MAX_FEATURES:
-            flat = flat[:, :: math.ceil(width / _MAX_FEATURES)]
-        return flat.to(torch.float32, copy=True)
-    finally:
-        if grad:
-            set_grad_enabled(True)
+    """Up to ``rows`` rows, at most ``_MAX_FEATURES`` evenly strided positions, fp32."""
+    flat = tensor.detach()[:rows].reshape(min(rows, tensor.shape[0]), -1)
+    width = flat.shape[1]
+    if width > _MAX_FEATURES:
+        flat = flat[:, :: math.ceil(width / _MAX_FEATURES)]
+    return flat.float()
 
 
 class _Row(NamedTuple):
@@ -154,8 +137,7 @@ class _PendingRows:
         self.rows: list[_MutableRow] = []
 
     def add(self, rows: torch.Tensor) -> int:
-        """Keep ``rows``, a copy of the pass's own (``_rows`` makes one)."""
-        self.tensors.append(rows)
+        self.tensors.append(rows.clone())
         return len(self.tensors) - 1
 
     def out_of(self, slot: int) -> int:
