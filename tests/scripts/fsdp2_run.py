@@ -34,6 +34,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rank_exit import leave
+
 import trainwatch as tw
 
 BUG_AT = 3
@@ -138,6 +140,7 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
+    leave()  # past PyTorch's own collectives: see rank_exit.py
 
 
 if __name__ == "__main__":

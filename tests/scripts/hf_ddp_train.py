@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
+from rank_exit import leave
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tests.hf_models import ATTENTION, Tokens, model_of, plant_nan
@@ -82,12 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the callback closed (at the end of train()). The
-    # interpreter's own shutdown is skipped: gloo's worker threads may still be
-    # letting go of the Trainer's last collective's tensors, which needs the GIL
-    # that shutdown takes away, and PyTorch then aborts the process
-    # ("terminate called without an active exception", about one run in a
-    # hundred). That race is PyTorch's own; trainwatch's collectives wait it out.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # the callback closed at the end of train(): see rank_exit.py
