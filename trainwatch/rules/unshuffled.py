@@ -18,6 +18,10 @@ contiguous stream, read in order by design) ends the check, silently.
 
 from __future__ import annotations
 
+from collections import Counter
+from itertools import repeat
+from operator import add, itemgetter
+
 from trainwatch.alert import Alert
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule
@@ -91,29 +95,40 @@ class UnshuffledDataRule(Rule):
         if len(counts) != len(self.pooled):
             self.pooled = [0.0] * len(counts)  # another head: start over
             self.recent = []
-        for i, count in enumerate(counts):
-            self.pooled[i] += count
-        self.recent.append([sum(counts), float(sum(1 for c in counts if c > 0))])
+        self.pooled = list(map(add, self.pooled, counts))
+        # Counts are whole and never negative: the classes held are those not at zero.
+        self.recent.append([sum(counts), float(len(counts) - counts.count(0.0))])
         del self.recent[: max(0, len(self.recent) - self.config.window)]  # type: ignore[attr-defined]
         self.batches += 1
 
-    def _expected_distinct(self, size: float) -> float:
-        """Distinct classes in ``size`` targets drawn at random from the run's targets."""
+    def _expected_distinct(self, sizes: list[float]) -> float:
+        """Distinct classes in a batch of each of ``sizes`` targets drawn at random from
+        the run's targets, on average over the batches.
+
+        Batches are mostly one size: each size is worked out once, over the
+        classes in one C loop, since this runs at every sampled step.
+        """
         total = sum(self.pooled)
-        return sum(1.0 - (1.0 - c / total) ** size for c in self.pooled if c > 0)
+        missed = [1.0 - c / total for c in self.pooled if c > 0]  # P(not this class), one draw
+        classes = len(missed)
+        expected = 0.0
+        for size, batches in Counter(sizes).items():
+            expected += batches * (classes - sum(map(pow, missed, repeat(size))))
+        return expected / len(sizes)
 
     def _deficit(self, step: int) -> Alert | None:
         config = self.config
         recent = self.recent
         if len(recent) < config.min_batches:  # type: ignore[attr-defined]
             return None
-        classes = sum(1 for c in self.pooled if c > 0)
+        classes = len(self.pooled) - self.pooled.count(0.0)
         if classes < _MIN_CLASSES:
             return None
-        if sum(n for n, _ in recent) < _MIN_TARGETS * len(recent):
+        sizes = list(map(itemgetter(0), recent))
+        if sum(sizes) < _MIN_TARGETS * len(recent):
             return None
-        held = sum(d for _, d in recent) / len(recent)
-        expected = sum(self._expected_distinct(n) for n, _ in recent) / len(recent)
+        held = sum(map(itemgetter(1), recent)) / len(recent)
+        expected = self._expected_distinct(sizes)
         if held > config.ratio * expected:  # type: ignore[attr-defined]
             return None
         where = (
