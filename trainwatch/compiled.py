@@ -52,7 +52,7 @@ _ORIG_MOD = "_orig_mod"
 _wrapper: type[nn.Module] | None = None
 
 
-def _wrapper_class() -> type[nn.Module] | None:
+def wrapper_class() -> type[nn.Module] | None:
     """``OptimizedModule``, if dynamo is loaded (without dynamo there is no wrapper).
 
     Asked on every module call the global hooks see: found once, then kept.
@@ -66,7 +66,7 @@ def _wrapper_class() -> type[nn.Module] | None:
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The model inside a ``torch.compile`` wrapper (the module itself when not wrapped)."""
-    wrapper = _wrapper if _wrapper is not None else _wrapper_class()
+    wrapper = _wrapper if _wrapper is not None else wrapper_class()
     while wrapper is not None and type(module) is wrapper:
         module = module._orig_mod
     return module
@@ -74,7 +74,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def is_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is a ``torch.compile`` wrapper (an ``OptimizedModule``)."""
-    wrapper = _wrapper if _wrapper is not None else _wrapper_class()
+    wrapper = _wrapper if _wrapper is not None else wrapper_class()
     return wrapper is not None and type(module) is wrapper
 
 
@@ -85,7 +85,7 @@ def wrappers_of(module: nn.Module) -> list[nn.Module]:
     wrapper's eager call. Only asked when a step had gradients but no pass
     was seen, so a healthy step never pays for it.
     """
-    wrapper = _wrapper_class()
+    wrapper = wrapper_class()
     if wrapper is None:
         return []
     return [

@@ -36,8 +36,9 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
-from trainwatch.compiled import unwrap, user_name
-from trainwatch.hooks import HookGroup, WeakHook
+from trainwatch.compiled import compiling, unwrap, user_name, wrapper_class
+from trainwatch.errors import TrainingHealthError
+from trainwatch.hooks import HookGroup
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
@@ -45,6 +46,8 @@ _MAX_LEAVES = 8  # output tensors measured per module
 # Modules measured per sampled pass past the first steps, besides the model's output.
 _PER_PASS = 32
 _NAN = float("nan")
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
 # Stats per module, in this order, in one row of the step's tensor.
 FIELDS = ("out_spread", "in_spread", "out_rms", "out_mean", "zero_fraction", "dead_fraction")
 
@@ -193,6 +196,47 @@ class _PendingRows:
         return table.reshape(-1)[index].reshape(len(self.rows), len(FIELDS))
 
 
+class _SampledPassHook:
+    """The global forward hook of a sampled pass: this pass's modules, picked out by identity.
+
+    Global, so nothing is stored on the modules: the model saves, pickles and
+    deep-copies exactly as without trainwatch. While it is installed every
+    module call in the process comes through it, so a module outside the
+    pass's window is turned away with one dict lookup, before anything else.
+    It holds the sampler weakly and steps aside under dynamo, as every
+    trainwatch hook does.
+    """
+
+    __slots__ = ("sampler", "positions", "wrapper")
+
+    def __init__(self, sampler: ActivationSampler, positions: dict[int, int]) -> None:
+        self.sampler = weakref.ref(sampler)
+        self.positions = positions  # id(module) -> its index, for this pass's modules
+        # A hook lasts one pass, and no wrapper exists before dynamo is loaded.
+        self.wrapper = wrapper_class()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if compiling():  # first: dynamo folds it, and traces nothing more
+            return None
+        position = self.positions.get(id(module))
+        if position is None:
+            if self.wrapper is None or type(module) is not self.wrapper:
+                return None
+            position = self.positions.get(id(unwrap(module)))  # torch.compile's wrapper
+            if position is None:
+                return None
+        sampler = self.sampler()
+        if sampler is None or not sampler.active or quiet.replaying():
+            return None
+        try:
+            sampler.after_forward(position, module, args, output)
+        except TrainingHealthError:
+            raise
+        except Exception as exc:  # never break the user's training
+            sampler.fail(exc)
+        return None
+
+
 class ActivationSampler:
     def __init__(
         self, model: nn.Module, rows: int, spread: bool, zeros: bool, on_error: Any
@@ -203,6 +247,7 @@ class ActivationSampler:
         self.active = False  # this pass is sampled
         self.enabled = True
         self._watched: dict[int, int] = {}
+        self._ids: dict[int, int] = {}  # a watched module's index -> its id
         self._order: list[int] = []
         self._turn = 0
         self._window: set[int] | None = None  # this pass's modules; None: all of them
@@ -225,6 +270,7 @@ class ActivationSampler:
                 continue
             watched[id(module)] = index
         self._watched = watched
+        self._ids = {index: key for key, index in watched.items()}
         # The modules other than the model itself, in the order they are taken in turn.
         self._order = sorted(index for index in watched.values() if index != 0)
         self._turn = 0
@@ -246,28 +292,17 @@ class ActivationSampler:
             return
         if every_module or len(self._watched) <= _PER_PASS + 1:
             self._window = None
+            positions = self._watched
         else:
             order = self._order
             start = self._turn % len(order)
             chosen = (order + order)[start : start + _PER_PASS]
             self._turn = start + _PER_PASS
             self._window = {0, *chosen}
+            ids = self._ids
+            positions = {ids[index]: index for index in self._window if index in ids}
         if hook_modules and not self._handles:
-            self._handles.add(register_module_forward_hook(WeakHook(self, "module_called")))
-
-    def module_called(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The global hook of a sampled pass: the watched modules, picked out by identity.
-
-        Global, so nothing is stored on the modules: the model saves, pickles
-        and deep-copies exactly as without trainwatch.
-        """
-        if not self.active or quiet.replaying():
-            return
-        position = self._watched.get(id(module))
-        if position is None:
-            position = self._watched.get(id(unwrap(module)))  # torch.compile's wrapper
-        if position is not None and (self._window is None or position in self._window):
-            self.after_forward(position, module, args, output)
+            self._handles.add(register_module_forward_hook(_SampledPassHook(self, positions)))
 
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active and not self._handles:
@@ -304,14 +339,37 @@ class ActivationSampler:
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():
             return  # the first call of a step is enough (recurrent cells, eval passes)
-        leaves = _batched_outputs(output)
-        if not leaves:
-            return
+        if type(output) is _TENSOR:  # the usual module: one plain tensor, no walk
+            if not (
+                output.is_floating_point()
+                and output.layout == _STRIDED
+                and output.numel() > 0
+                and output.dim() > 0
+                and output.shape[0] >= 2
+            ):
+                return
+            leaves = [("", output)]
+        else:
+            leaves = _batched_outputs(output)
+            if not leaves:
+                return
         self._done.add(index)
-        inp = _first_input(args)
+        first = args[0] if type(args) is tuple and args else None
+        if (
+            type(first) is _TENSOR
+            and first.layout == _STRIDED
+            and first.numel() > 0
+            and not first.is_complex()
+        ):
+            inp: torch.Tensor | None = first  # what _first_input would find first
+        else:
+            inp = _first_input(args)
         batch = inp.shape[0] if inp is not None and inp.dim() > 0 else None
-        batched = [t for _, t in leaves if t.shape[0] == batch] or [t for _, t in leaves]
-        primary = next((t for t in batched if t.requires_grad), batched[0])
+        if len(leaves) == 1:
+            primary = leaves[0][1]
+        else:
+            batched = [t for _, t in leaves if t.shape[0] == batch] or [t for _, t in leaves]
+            primary = next((t for t in batched if t.requires_grad), batched[0])
         relu = self._relu[index]
         in_spread: torch.Tensor | None = None
         for path, out in leaves:
@@ -387,12 +445,11 @@ class ActivationSampler:
     def unpack(keys: list[RowKey], values: list[float]) -> list[ActivationStats]:
         found = []
         width = len(FIELDS)
-        for i, key in enumerate(keys):
+        # NaN (no such value for the row) becomes None; NaN is the one value unequal to itself.
+        values = [None if v != v else v for v in values]
+        for i, (module, output, primary) in enumerate(keys):
             row = values[i * width : (i + 1) * width]
             if len(row) < width:
                 break
-            fields = {k: (None if math.isnan(v) else v) for k, v in zip(FIELDS, row)}
-            found.append(
-                ActivationStats(key.module, output=key.output, primary=key.primary, **fields)
-            )
+            found.append(ActivationStats(module, output, primary, *row))
         return found
