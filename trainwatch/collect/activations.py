@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from itertools import compress
+from operator import attrgetter, itemgetter, ne
 from typing import Any, NamedTuple
 
 import torch
@@ -108,20 +110,35 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return flat.float()
 
 
-class _Row(NamedTuple):
-    """One row of the step's statistics, by the measured tensors it comes from."""
+class _Row:
+    """One row of the step's statistics, by the measured tensors it comes from.
 
-    output: int  # the output's rows among the pass's measured tensors
-    input: int | None  # the input's (its spread is the row's in_spread)
-    spread: bool  # out_spread, in_spread, out_rms, out_mean
-    zeros: bool  # zero_fraction, dead_fraction
+    Mutable: a root that returns a child's tensor adopts the child's row and
+    gives it its own input.
+    """
 
-
-class _MutableRow:
     __slots__ = ("output", "input", "spread", "zeros")
 
-    def __init__(self, row: _Row) -> None:
-        self.output, self.input, self.spread, self.zeros = row
+    def __init__(self, output: int, input: int | None, spread: bool, zeros: bool) -> None:
+        self.output = output  # the output's rows among the pass's measured tensors
+        self.input = input  # the input's (its spread is the row's in_spread)
+        self.spread = spread  # out_spread, in_spread, out_rms, out_mean
+        self.zeros = zeros  # zero_fraction, dead_fraction
+
+
+_ROW_FIELDS = attrgetter("output", "input", "spread", "zeros")
+_SHAPE_AND_DEVICE = attrgetter("shape", "device")
+# Reduction plans kept per sampler: a deep model's window of modules turns
+# through a few layouts; a model whose shapes keep changing starts over.
+_PLANS_KEPT = 16
+
+
+class _ReducePlan(NamedTuple):
+    """How one layout of a pass's measured tensors is reduced: which are stacked
+    together (one shape and device each), and where each row's fields are found."""
+
+    groups: list[list[int]]
+    picks: torch.Tensor
 
 
 class _PendingRows:
@@ -132,12 +149,15 @@ class _PendingRows:
     of one shape are stacked and their statistics taken in one set of
     kernels, instead of a dozen small kernels per module as it is called.
     A copy is at most ``rows`` x ``_MAX_FEATURES`` values, and they live
-    for one pass.
+    for one pass. The grouping and the picking index depend only on the
+    layout (shapes and rows), which repeats from one sampled step to the
+    next: they are worked out once per layout, in ``plans``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plans: dict[tuple[Any, ...], _ReducePlan]) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.rows: list[_MutableRow] = []
+        self.rows: list[_Row] = []
+        self._plans = plans
 
     def add(self, rows: torch.Tensor) -> int:
         self.tensors.append(rows.clone())
@@ -146,20 +166,19 @@ class _PendingRows:
     def out_of(self, slot: int) -> int:
         return self.rows[slot].output
 
-    def append(self, row: _Row) -> None:
-        self.rows.append(_MutableRow(row))
-
     def reduce(self) -> torch.Tensor | None:
         """(rows, len(FIELDS)) statistics, NaN where a row has no such value."""
         if not self.rows:
             return None
         tensors = self.tensors
-        by_shape: dict[tuple[torch.Size, torch.device], list[int]] = {}
-        for i, tensor in enumerate(tensors):
-            by_shape.setdefault((tensor.shape, tensor.device), []).append(i)
-        order: list[int] = []
+        key = (tuple(map(_SHAPE_AND_DEVICE, tensors)), tuple(map(_ROW_FIELDS, self.rows)))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan()
         parts = []
-        for members in by_shape.values():
+        for members in plan.groups:
             x = torch.stack([tensors[i] for i in members])  # (k, rows, positions)
             # The spread is the mean over positions of the (biased) std across
             # rows, written out: Tensor.std takes ~10x longer on CPU for these
@@ -178,9 +197,20 @@ class _PendingRows:
                     dim=1,
                 )
             )
-            order.extend(members)
         device = parts[0].device
         table = torch.cat([*(p.to(device) for p in parts), parts[0].new_full((1, 5), _NAN)])
+        picks = plan.picks
+        if picks.device != device:
+            picks = picks.to(device)
+        return table.reshape(-1)[picks].reshape(len(self.rows), len(FIELDS))
+
+    def _plan(self) -> _ReducePlan:
+        tensors = self.tensors
+        by_shape: dict[tuple[torch.Size, torch.device], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            by_shape.setdefault((tensor.shape, tensor.device), []).append(i)
+        groups = list(by_shape.values())
+        order = [i for members in groups for i in members]
         where = {tensor: position for position, tensor in enumerate(order)}
         nan = len(order)
         # (measured tensor, its field) for each of FIELDS, in their order.
@@ -192,8 +222,7 @@ class _PendingRows:
             zeros_at = out if row.zeros else nan
             picks += [spread_at * 5, inp * 5, spread_at * 5 + 1, spread_at * 5 + 2]
             picks += [zeros_at * 5 + 3, zeros_at * 5 + 4]
-        index = torch.tensor(picks, device=device)
-        return table.reshape(-1)[index].reshape(len(self.rows), len(FIELDS))
+        return _ReducePlan(groups, torch.tensor(picks, device=tensors[0].device))
 
 
 class _SampledPassHook:
@@ -253,6 +282,7 @@ class ActivationSampler:
         self._window: set[int] | None = None  # this pass's modules; None: all of them
         self._on_error = on_error
         self._handles = HookGroup()
+        self._plans: dict[tuple[Any, ...], _ReducePlan] = {}
         self._names: list[str] = []
         self._relu: list[bool] = []
         self.attach(model)
@@ -327,7 +357,7 @@ class ActivationSampler:
         self._on_error("activation sampler", exc)
 
     def _reset(self) -> None:
-        self._pending = _PendingRows()
+        self._pending = _PendingRows(self._plans)
         self._keys: list[tuple[int, str, bool]] = []  # (module index, output path, primary)
         self._done: set[int] = set()
         self._with_spread: set[int] = set()  # rows whose spread was measured
@@ -424,9 +454,10 @@ class ActivationSampler:
         """The output's rows, copied (a later in-place op must not change them), to be
         reduced with the others of the pass when the step takes them."""
         spread = in_spread is not None
-        measured = self._pending.add(_rows(out, self.rows))
+        pending = self._pending
+        measured = pending.add(_rows(out, self.rows))
         slot = len(self._keys)
-        self._pending.append(_Row(measured, in_spread, spread, zeros))
+        pending.rows.append(_Row(measured, in_spread, spread, zeros))
         if spread:
             self._with_spread.add(slot)
         self._outputs[id(out)] = _Measured(weakref.ref(out), slot, version_of(out))
@@ -436,7 +467,15 @@ class ActivationSampler:
         """Hand over this step's samples (whose each row is, one (M, 6) device tensor)."""
         if not self._keys and not self._done:
             return [], None  # not a sampled step
-        keys = [RowKey(self._names[i], path, primary) for i, path, primary in self._keys]
+        taken = self._keys
+        keys = list(
+            map(
+                RowKey,
+                map(self._names.__getitem__, map(itemgetter(0), taken)),
+                map(itemgetter(1), taken),
+                map(itemgetter(2), taken),
+            )
+        )
         stats = self._pending.reduce()
         self._reset()
         return keys, stats
@@ -445,8 +484,11 @@ class ActivationSampler:
     def unpack(keys: list[RowKey], values: list[float]) -> list[ActivationStats]:
         found = []
         width = len(FIELDS)
-        # NaN (no such value for the row) becomes None; NaN is the one value unequal to itself.
-        values = [None if v != v else v for v in values]
+        # NaN (no such value for the row) becomes None; NaN is the one value unequal
+        # to itself. The positions are found in C, and only they are visited.
+        values = list(values)
+        for position in compress(range(len(values)), map(ne, values, values)):
+            values[position] = None
         for i, (module, output, primary) in enumerate(keys):
             row = values[i * width : (i + 1) * width]
             if len(row) < width:
