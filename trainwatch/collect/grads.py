@@ -7,11 +7,19 @@ result stays on the device until the step's single readback.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import torch
 
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import ParamInfo
+
+
+_PLAIN = {torch.Tensor}
+_STRIDED = {torch.strided}
+_LAYOUT = attrgetter("layout")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_DEVICE = attrgetter("device")
 
 
 def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -37,6 +45,14 @@ def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not grads:
         return torch.zeros(0)
+    if (
+        set(map(type, grads)) == _PLAIN
+        and set(map(_LAYOUT, grads)) == _STRIDED
+        and not any(map(_REQUIRES_GRAD, grads))
+        and len(set(map(_DEVICE, grads))) == 1
+    ):
+        # The usual step: told in C loops, with no Python per gradient.
+        return torch.stack(_foreach_norm_fp32(list(grads)))
     strided = torch.strided
     # Gradients are plain strided tensors outside autograd: taken as they are
     # (a detach per gradient would be one more op per parameter per step).
