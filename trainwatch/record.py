@@ -140,7 +140,7 @@ class StallReport:
     learning_rates: list[float] = field(default_factory=list)  # the optimizers' own
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
