@@ -59,7 +59,7 @@ _WRAPPER_SEARCHES = 3
 _PARAMS = itemgetter("params")  # a param group's parameters
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingStep:
     """A step gathered at its start, waiting for its readback.
 

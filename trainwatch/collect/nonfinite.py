@@ -167,7 +167,7 @@ class _CallStart:
     given: Any = None  # copies of its positional arguments (replays only)
 
 
-@dataclass
+@dataclass(slots=True)
 class _PassState:
     """What matters within one forward pass and its backward; replaced at the next."""
 
@@ -191,7 +191,7 @@ class _PassState:
     grads: list[torch.Tensor] = field(default_factory=list)  # its gradient sums (deferred)
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepState:
     """What one step gathered; handed over (``take``) and replaced at the boundary."""
 
