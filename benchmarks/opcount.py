@@ -12,7 +12,8 @@ every function call the profiler sees added to the step, in any code
 (torch's own Python, builtins called from Python; calls made inside a C
 loop, such as ``map`` over an attribute getter, are not seen). A fourth
 counts the bytecode instructions trainwatch's own code runs (``sys.settrace``
-opcode events): the closest of these to the Python time a step adds (cold,
+opcode events; the ``__init__`` its dataclasses are given counts as its own):
+the closest of these to the Python time a step adds (cold,
 after a large model's kernels, each costs about 0.2 us), and where a Python
 loop over layers or modules shows even when it calls nothing. The tests hold
 the last two the same at every depth.
@@ -113,9 +114,24 @@ def _count_calls(step: Callable[[], None]) -> tuple[int, int]:
     return calls, every
 
 
+def _counted(frame: Any) -> bool:
+    """A frame of the package, or of code generated for it that the package calls
+    (a dataclass's ``__init__``, a named tuple's ``__new__``: their file is ``<string>``)."""
+    filename = frame.f_code.co_filename
+    if filename.startswith(_PACKAGE):
+        return True
+    caller = frame.f_back
+    return filename == "<string>" and caller is not None and _in_package(caller)
+
+
+def _in_package(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(_PACKAGE)
+
+
 def _count_bytecodes(step: Callable[[], None]) -> int:
-    """Bytecode instructions run in the ``trainwatch`` package: a Python loop over
-    layers or modules shows here even when it calls nothing the profiler sees."""
+    """Bytecode instructions run in the ``trainwatch`` package and in the generated
+    code it calls: a Python loop over layers or modules shows here even when it
+    calls nothing the profiler sees."""
     ran = 0
 
     def each_opcode(frame: Any, event: str, arg: Any) -> Any:
@@ -125,7 +141,7 @@ def _count_bytecodes(step: Callable[[], None]) -> int:
         return each_opcode
 
     def on_call(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE):
+        if event == "call" and _counted(frame):
             frame.f_trace_opcodes = True
             return each_opcode
         return None
