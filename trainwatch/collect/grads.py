@@ -14,7 +14,6 @@ import torch
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import ParamInfo
 
-
 _PLAIN = {torch.Tensor}
 _STRIDED = {torch.strided}
 _LAYOUT = attrgetter("layout")

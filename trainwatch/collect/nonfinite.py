@@ -167,9 +167,13 @@ class _CallStart:
     given: Any = None  # copies of its positional arguments (replays only)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _PassState:
-    """What matters within one forward pass and its backward; replaced at the next."""
+    """What matters within one forward pass and its backward; replaced at the next.
+
+    Made at every pass: its ``__init__`` is written out (a dataclass's own
+    checks each default factory, about three times the bytecode).
+    """
 
     # Sums already taken, by tensor identity, with the version counter they
     # saw: a tensor changed in place since (ReLU(inplace=True), ``x += r``)
@@ -190,10 +194,24 @@ class _PassState:
     bad: bool = False  # and what entered it was non-finite
     grads: list[torch.Tensor] = field(default_factory=list)  # its gradient sums (deferred)
 
+    def __init__(self) -> None:
+        self.known = {}
+        self.grad_known = {}
+        self.grad_fns = {}
+        self.calls_in_progress = []
+        self.last_call = None
+        self.grad_entering = []
+        self.backward = False
+        self.bad = False
+        self.grads = []
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class _StepState:
-    """What one step gathered; handed over (``take``) and replaced at the boundary."""
+    """What one step gathered; handed over (``take``) and replaced at the boundary.
+
+    Made at every step: its ``__init__`` is written out, as ``_PassState``'s.
+    """
 
     sums: list[torch.Tensor] = field(default_factory=list)
     calls: list[ForwardCall] = field(default_factory=list)
@@ -225,6 +243,28 @@ class _StepState:
     # A forward pass of the model was seen this step. Not so when the model
     # was compiled in place (model.compile()): its hooks run inside the graph.
     saw_pass: bool = False
+
+    def __init__(self) -> None:
+        self.sums = []
+        self.calls = []
+        self.finite = []
+        self.maskable = []
+        self.forward_origin = None
+        self.negative_inf_makers = []
+        self.grad_sums = []
+        self.grad_events = []
+        self.grad_ok = []
+        self.backward_origin = None
+        self.out_bad = set()
+        self.out_seen = set()
+        self.immediate_grads = True
+        self.any_bad_grad = False
+        self.grad_entering_bad = False
+        self.output_bad = False
+        self.backward_replayed = False
+        self.backward_unreplayable = False
+        self.bad_backward_passes = []
+        self.saw_pass = False
 
 
 class NonfiniteProbe:
