@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainwatch.fresh import fresh_maker
 from trainwatch.layers import ParamInfo
 
 
@@ -217,3 +218,7 @@ class StepRecord:
     # Under FSDP2 the gradients measured are this rank's shards: a shard can be
     # all zero while its layer's gradient is not (an embedding's rows no batch used).
     sharded: bool = False
+
+
+# Made at every step (trainwatch.fresh): new_step_record(step), the rest at defaults.
+new_step_record = fresh_maker(StepRecord)

@@ -41,6 +41,7 @@ from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.frame import Slot, StepFrame
+from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
 from trainwatch.layers import LayerMap, ParamInfo
 from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
@@ -88,6 +89,10 @@ class PendingStep:
     # stalled_training's re-run follows this step, with the weights before its update.
     stall_due: bool = False
     weights_before: list[torch.Tensor] | None = None
+
+
+# Made at every step (trainwatch.fresh): _new_pending_step(record), the rest at defaults.
+_new_pending_step = fresh_maker(PendingStep)
 
 
 class StepPipeline:
@@ -435,7 +440,8 @@ class StepPipeline:
                     self._guarded(
                         "setup audit", setup.check_reach, record, ran, len(self._optimizers)
                     )
-        pending = PendingStep(record, params)
+        pending = _new_pending_step(record)
+        pending.params = params
         frame = pending.frame
         stall = self.stall
         step = now if index is not None else now - 1  # monitor.step() counted it

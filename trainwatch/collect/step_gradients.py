@@ -16,7 +16,7 @@ import torch
 
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
-from trainwatch.record import StepRecord
+from trainwatch.record import StepRecord, new_step_record
 
 _GRAD = attrgetter("grad")
 _REQUIRES_GRAD = attrgetter("requires_grad")
@@ -36,7 +36,10 @@ def read_gradients(
     still counts as present when backward ``reached`` it.
     """
     manual = optimizer is None
-    record = StepRecord(step=-1, source="manual" if manual else "optimizer", optimizer=optimizer)
+    record = new_step_record(-1)
+    if manual:
+        record.source = "manual"  # the default: "optimizer"
+    record.optimizer = optimizer
     known = layers.known()
     grads: list[torch.Tensor] = list(map(_GRAD, params))
     # Every gradient a plain tensor (so none is None) and every parameter trainable.
