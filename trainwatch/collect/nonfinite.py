@@ -79,6 +79,7 @@ from trainwatch.collect.tensors import (
     version_of,
 )
 from trainwatch.compiled import unwrap
+from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, WeakHook, hook_pass_tensor
 
 __all__ = [
@@ -167,13 +168,9 @@ class _CallStart:
     given: Any = None  # copies of its positional arguments (replays only)
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class _PassState:
-    """What matters within one forward pass and its backward; replaced at the next.
-
-    Made at every pass: its ``__init__`` is written out (a dataclass's own
-    checks each default factory, about three times the bytecode).
-    """
+    """What matters within one forward pass and its backward; replaced at the next."""
 
     # Sums already taken, by tensor identity, with the version counter they
     # saw: a tensor changed in place since (ReLU(inplace=True), ``x += r``)
@@ -194,24 +191,10 @@ class _PassState:
     bad: bool = False  # and what entered it was non-finite
     grads: list[torch.Tensor] = field(default_factory=list)  # its gradient sums (deferred)
 
-    def __init__(self) -> None:
-        self.known = {}
-        self.grad_known = {}
-        self.grad_fns = {}
-        self.calls_in_progress = []
-        self.last_call = None
-        self.grad_entering = []
-        self.backward = False
-        self.bad = False
-        self.grads = []
 
-
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class _StepState:
-    """What one step gathered; handed over (``take``) and replaced at the boundary.
-
-    Made at every step: its ``__init__`` is written out, as ``_PassState``'s.
-    """
+    """What one step gathered; handed over (``take``) and replaced at the boundary."""
 
     sums: list[torch.Tensor] = field(default_factory=list)
     calls: list[ForwardCall] = field(default_factory=list)
@@ -244,27 +227,10 @@ class _StepState:
     # was compiled in place (model.compile()): its hooks run inside the graph.
     saw_pass: bool = False
 
-    def __init__(self) -> None:
-        self.sums = []
-        self.calls = []
-        self.finite = []
-        self.maskable = []
-        self.forward_origin = None
-        self.negative_inf_makers = []
-        self.grad_sums = []
-        self.grad_events = []
-        self.grad_ok = []
-        self.backward_origin = None
-        self.out_bad = set()
-        self.out_seen = set()
-        self.immediate_grads = True
-        self.any_bad_grad = False
-        self.grad_entering_bad = False
-        self.output_bad = False
-        self.backward_replayed = False
-        self.backward_unreplayable = False
-        self.bad_backward_passes = []
-        self.saw_pass = False
+
+# Made at every pass and step (trainwatch.fresh).
+_new_pass_state = fresh_maker(_PassState)
+_new_step_state = fresh_maker(_StepState)
 
 
 class NonfiniteProbe:
@@ -376,8 +342,8 @@ class NonfiniteProbe:
 
     def reset(self) -> None:
         """Start a new step: drop everything the last one gathered."""
-        self._this_step = _StepState()
-        self._this_pass = _PassState()
+        self._this_step = _new_step_state()
+        self._this_pass = _new_pass_state()
 
     # -- passes ----------------------------------------------------------
     # -- every module call (global hooks: deferred mode and replays) ----------
@@ -447,7 +413,7 @@ class NonfiniteProbe:
             self._note_pass(self._entering_flag())
         # Identity matches and autograd nodes only matter within one pass:
         # a new record keeps memory flat across many passes per step.
-        self._this_pass = _PassState()
+        self._this_pass = _new_pass_state()
         # Told only once enough backward passes went without a step (GradScaler
         # skipping): the monitor sets the count.
         if self.on_new_pass is not None and (
