@@ -20,6 +20,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py --workloads deep gpt2 --quick
     python benchmarks/overhead.py --workloads tiny  # trainwatch's fixed cost per step
     python benchmarks/overhead.py --sinks         # with alerts.jsonl and TensorBoard written
+    python benchmarks/overhead.py --steady-malloc # glibc's allocator pinned (_steady_malloc)
     python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
@@ -308,6 +309,29 @@ def measure(
     }
 
 
+def _steady_malloc() -> bool:
+    """Pin glibc's allocator: every block under 256 MiB from the heap, none given back.
+
+    By default glibc serves a large block (above a threshold it moves as
+    blocks are freed) with a fresh mmap, whose pages fault in when first
+    written, and trims freed memory. Which of two identical loops then pays
+    hundreds of page faults a step depends on the order of their past
+    allocations: on the MLP this alone moved a ratio by several percent, the
+    same way run after run (so it looks like a cost). Pinned, both loops reuse
+    their memory and the ratio is what the watched loop adds.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        mmap_threshold, trim_threshold = -3, -1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        return bool(
+            libc.mallopt(mmap_threshold, 256 << 20) and libc.mallopt(trim_threshold, 1 << 30)
+        )
+    except (OSError, AttributeError):
+        return False
+
+
 def _header() -> str:
     return (
         f"{'workload':<12} {'plain ms/step':>14} {'watched ms/step':>16} {'ratio':>7} "
@@ -354,7 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also write alerts.jsonl and TensorBoard (to a temp folder), as trainwatch run does",
     )
+    parser.add_argument(
+        "--steady-malloc",
+        action="store_true",
+        help="glibc: no mmap for blocks under 256 MiB and no trimming (see _steady_malloc)",
+    )
     args = parser.parse_args(argv)
+    if args.steady_malloc and not _steady_malloc():
+        print("--steady-malloc: not glibc, left as it is", file=sys.stderr)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     names = args.workloads or default_workloads(device)
