@@ -38,7 +38,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch.collect.tensors import floating_list, local_part
+from trainwatch.collect.tensors import all_plain, floating_list, local_part
 from trainwatch.hooks import WeakHook, hook_pass_tensor
 
 
@@ -63,7 +63,6 @@ def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
 _CDATA = attrgetter("_cdata")
-_PLAIN = {torch.Tensor}
 
 
 def _never(_: object = None) -> bool:
@@ -400,7 +399,7 @@ class GradResetTracker:
             grads = list(map(_GRAD, params))
             impls = list(map(_CDATA, params))
             # Every gradient a plain tensor (so none is None), no parameter swapped.
-            if impls == self._impls and not swap and set(map(type, grads)) == _PLAIN:
+            if impls == self._impls and not swap and all_plain(grads):
                 self._snapshot = (params, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
                 return
             self._impls = impls

@@ -39,8 +39,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
 from trainwatch.compiled import compiling, unwrap, user_name, wrapper_class
-from trainwatch.errors import TrainingHealthError
-from trainwatch.hooks import HookGroup
+from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
 _MAX_FEATURES = 1024
@@ -76,10 +75,21 @@ class _Measured(NamedTuple):
 
 def _first_input(args: Any) -> torch.Tensor | None:
     """The module's first real-valued input tensor with values (ids count: they vary too)."""
+    first = args[0] if type(args) is tuple and args else None
+    if type(first) is _TENSOR and _has_real_values(first):
+        return first  # the usual call, found without a walk
     for _, tensor in tensor_leaves(args):
-        if tensor.layout == torch.strided and tensor.numel() > 0 and not tensor.is_complex():
+        if _has_real_values(tensor):
             return tensor
     return None
+
+
+def _has_real_values(tensor: torch.Tensor) -> bool:
+    return tensor.layout == _STRIDED and tensor.numel() > 0 and not tensor.is_complex()
+
+
+def _batched(tensor: torch.Tensor) -> bool:
+    return is_checkable_float(tensor) and tensor.dim() > 0 and tensor.shape[0] >= 2
 
 
 def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
@@ -88,12 +98,14 @@ def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
     A structure may hold one tensor twice (``logits`` and ``hidden_states[-1]``):
     it keeps the first path.
     """
+    if type(output) is _TENSOR:  # the usual module: one plain tensor, no walk
+        return [("", output)] if _batched(output) else []
     found = []
     seen: set[int] = set()
     for path, tensor in tensor_leaves(output):
         if id(tensor) in seen:
             continue
-        if is_checkable_float(tensor) and tensor.dim() > 0 and tensor.shape[0] >= 2:
+        if _batched(tensor):
             seen.add(id(tensor))
             found.append((path, tensor))
             if len(found) == _MAX_LEAVES:
@@ -232,17 +244,17 @@ class _SampledPassHook:
     deep-copies exactly as without trainwatch. While it is installed every
     module call in the process comes through it, so a module outside the
     pass's window is turned away with one dict lookup, before anything else.
-    It holds the sampler weakly and steps aside under dynamo, as every
-    trainwatch hook does.
+    A module of the window is handed on through a :class:`WeakHook`, which
+    holds the sampler weakly and reports a failure, as every trainwatch hook.
     """
 
-    __slots__ = ("sampler", "positions", "wrapper")
+    __slots__ = ("positions", "wrapper", "deliver")
 
     def __init__(self, sampler: ActivationSampler, positions: dict[int, int]) -> None:
-        self.sampler = weakref.ref(sampler)
         self.positions = positions  # id(module) -> its index, for this pass's modules
         # A hook lasts one pass, and no wrapper exists before dynamo is loaded.
         self.wrapper = wrapper_class()
+        self.deliver = WeakHook(sampler, "module_called")
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if compiling():  # first: dynamo folds it, and traces nothing more
@@ -254,16 +266,7 @@ class _SampledPassHook:
             position = self.positions.get(id(unwrap(module)))  # torch.compile's wrapper
             if position is None:
                 return None
-        sampler = self.sampler()
-        if sampler is None or not sampler.active or quiet.replaying():
-            return None
-        try:
-            sampler.after_forward(position, module, args, output)
-        except TrainingHealthError:
-            raise
-        except Exception as exc:  # never break the user's training
-            sampler.fail(exc)
-        return None
+        return self.deliver(position, module, args, output)
 
 
 class ActivationSampler:
@@ -334,6 +337,11 @@ class ActivationSampler:
         if hook_modules and not self._handles:
             self._handles.add(register_module_forward_hook(_SampledPassHook(self, positions)))
 
+    def module_called(self, position: int, module: nn.Module, args: Any, output: Any) -> None:
+        """A module of this pass's window has been called (from the pass's hook)."""
+        if self.active and not quiet.replaying():
+            self.after_forward(position, module, args, output)
+
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active and not self._handles:
             self.after_forward(0, module, args, output)  # the model, around its compiled graph
@@ -369,31 +377,11 @@ class ActivationSampler:
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():
             return  # the first call of a step is enough (recurrent cells, eval passes)
-        if type(output) is _TENSOR:  # the usual module: one plain tensor, no walk
-            if not (
-                output.is_floating_point()
-                and output.layout == _STRIDED
-                and output.numel() > 0
-                and output.dim() > 0
-                and output.shape[0] >= 2
-            ):
-                return
-            leaves = [("", output)]
-        else:
-            leaves = _batched_outputs(output)
-            if not leaves:
-                return
+        leaves = _batched_outputs(output)
+        if not leaves:
+            return
         self._done.add(index)
-        first = args[0] if type(args) is tuple and args else None
-        if (
-            type(first) is _TENSOR
-            and first.layout == _STRIDED
-            and first.numel() > 0
-            and not first.is_complex()
-        ):
-            inp: torch.Tensor | None = first  # what _first_input would find first
-        else:
-            inp = _first_input(args)
+        inp = _first_input(args)
         batch = inp.shape[0] if inp is not None and inp.dim() > 0 else None
         if len(leaves) == 1:
             primary = leaves[0][1]

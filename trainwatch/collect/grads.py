@@ -11,10 +11,9 @@ from operator import attrgetter
 
 import torch
 
-from trainwatch.collect.tensors import local_part
+from trainwatch.collect.tensors import all_plain, local_part
 from trainwatch.layers import ParamInfo
 
-_PLAIN = {torch.Tensor}
 _STRIDED = {torch.strided}
 _LAYOUT = attrgetter("layout")
 _REQUIRES_GRAD = attrgetter("requires_grad")
@@ -45,7 +44,7 @@ def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(0)
     if (
-        set(map(type, grads)) == _PLAIN
+        all_plain(grads)
         and set(map(_LAYOUT, grads)) == _STRIDED
         and not any(map(_REQUIRES_GRAD, grads))
         and len(set(map(_DEVICE, grads))) == 1

@@ -14,13 +14,12 @@ from operator import attrgetter, is_
 
 import torch
 
-from trainwatch.collect.tensors import local_part
+from trainwatch.collect.tensors import all_plain, local_part
 from trainwatch.layers import LayerMap
 from trainwatch.record import StepRecord, new_step_record
 
 _GRAD = attrgetter("grad")
 _REQUIRES_GRAD = attrgetter("requires_grad")
-_PLAIN = {torch.Tensor}
 
 
 def read_gradients(
@@ -43,7 +42,7 @@ def read_gradients(
     known = layers.known()
     grads: list[torch.Tensor] = list(map(_GRAD, params))
     # Every gradient a plain tensor (so none is None) and every parameter trainable.
-    if set(map(type, grads)) == _PLAIN and all(map(_REQUIRES_GRAD, params)):
+    if all_plain(grads) and all(map(_REQUIRES_GRAD, params)):
         present = list(map(known.get, map(id, params)))
         if not any(map(is_, present, repeat(None))):
             record.present = present
