@@ -21,6 +21,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py --workloads tiny  # trainwatch's fixed cost per step
     python benchmarks/overhead.py --sinks         # with alerts.jsonl and TensorBoard written
     python benchmarks/overhead.py --steady-malloc # glibc's allocator pinned (_steady_malloc)
+    python benchmarks/overhead.py --floor         # and the gradient norms alone (see measure)
     python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
@@ -252,26 +253,47 @@ def _time_block(
     return _clock(device) - start
 
 
+def _gradient_norms_before_update(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    if grads:
+        torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
 def measure(
     workload: Workload,
     device: torch.device,
     config: str | None,
     from_step: int = 0,
     sinks: bool = False,
+    floor: bool = False,
 ) -> dict[str, float]:
     """Interleaved rounds; ``from_step`` untimed steps first (past the first-steps audits).
 
     ``sinks``: the watched loop writes alerts.jsonl and TensorBoard into a
     temporary folder (as ``trainwatch run`` and ``tw.watch(log_dir=...)`` do),
     so the ratio includes what the sinks cost; without, no sink but memory.
+
+    ``floor``: a third copy runs the plain loop plus the one thing a healthy
+    watched step cannot leave out: the gradients' norms, taken once before
+    each update (one foreach kernel, as trainwatch takes them). Its ratio
+    to the plain loop is what any monitor of per-layer gradient norms pays,
+    however little else it does. Read right after backward, the gradients
+    are no longer in cache: on one CPU thread that read costs more than the
+    same kernel run on warm tensors.
     """
     torch.manual_seed(0)
     plain = workload.make_model().to(device)
     watched = copy.deepcopy(plain)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_watched = torch.optim.AdamW(watched.parameters(), lr=1e-4)
+    loops = [(plain, opt_plain), (watched, opt_watched)]
+    if floor:
+        normed = copy.deepcopy(plain)
+        opt_normed = torch.optim.AdamW(normed.parameters(), lr=1e-4)
+        opt_normed.register_step_pre_hook(_gradient_norms_before_update)
+        loops.append((normed, opt_normed))
     batch = workload.make_batch(device)
-    ratios, plain_times, watched_times = [], [], []
+    ratios, plain_times, watched_times, floor_ratios = [], [], [], []
     log_dir = tempfile.TemporaryDirectory() if sinks else None
     with (
         log_dir or nullcontext(),
@@ -283,21 +305,22 @@ def measure(
             log_dir=log_dir.name if log_dir is not None else None,
         ),
     ):
-        for model, opt in ((plain, opt_plain), (watched, opt_watched)):
+        for model, opt in loops:
             _time_block(model, opt, batch, max(2, from_step), device, workload.autocast)
         for round_index in range(workload.rounds):
-            pair = [(plain, opt_plain), (watched, opt_watched)]
-            if round_index % 2:
-                pair.reverse()
+            # Each loop leads in turn (two loops: they alternate).
+            shift = round_index % len(loops)
             times = {}
-            for model, opt in pair:
+            for model, opt in loops[shift:] + loops[:shift]:
                 times[id(model)] = _time_block(
                     model, opt, batch, workload.steps_per_round, device, workload.autocast
                 )
             ratios.append(times[id(watched)] / times[id(plain)])
+            if floor:
+                floor_ratios.append(times[id(loops[2][0])] / times[id(plain)])
             plain_times.append(times[id(plain)] / workload.steps_per_round)
             watched_times.append(times[id(watched)] / workload.steps_per_round)
-    return {
+    result = {
         # The fastest block of each is the least disturbed by anything else
         # running on the machine: their ratio is the headline figure.
         "ratio": min(watched_times) / min(plain_times),
@@ -307,6 +330,9 @@ def measure(
         "plain_ms_per_step": 1000 * min(plain_times),
         "watched_ms_per_step": 1000 * min(watched_times),
     }
+    if floor:
+        result["floor_ratio_median"] = statistics.median(floor_ratios)
+    return result
 
 
 def _steady_malloc() -> bool:
@@ -332,18 +358,19 @@ def _steady_malloc() -> bool:
         return False
 
 
-def _header() -> str:
+def _header(floor: bool) -> str:
     return (
         f"{'workload':<12} {'plain ms/step':>14} {'watched ms/step':>16} {'ratio':>7} "
-        f"{'median':>7} {'min':>6} {'max':>6}"
+        f"{'median':>7} {'min':>6} {'max':>6}" + (f" {'floor':>6}" if floor else "")
     )
 
 
 def _row(name: str, result: dict[str, float]) -> str:
+    floor = result.get("floor_ratio_median")
     return (
         f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['watched_ms_per_step']:>16.2f} "
         f"{result['ratio']:>7.3f} {result['ratio_median']:>7.3f} {result['ratio_min']:>6.3f} "
-        f"{result['ratio_max']:>6.3f}"
+        f"{result['ratio_max']:>6.3f}" + (f" {floor:>6.3f}" if floor is not None else "")
     )
 
 
@@ -383,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="glibc: no mmap for blocks under 256 MiB and no trimming (see _steady_malloc)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the plain loop plus only the gradient norms (median ratio: 'floor')",
+    )
     args = parser.parse_args(argv)
     if args.steady_malloc and not _steady_malloc():
         print("--steady-malloc: not glibc, left as it is", file=sys.stderr)
@@ -395,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [name for name in ALL_WORKLOADS if name not in names]
     if skipped and args.workloads is None:
         print(f"(not run on {device.type} by default: {', '.join(skipped)}; see --workloads)")
-    print(_header())
+    print(_header(args.floor))
     for name in names:
         workload = ALL_WORKLOADS[name](args.quick)
         workload.rounds = max(3, round(workload.rounds * args.rounds))
-        results[name] = measure(workload, device, args.config, args.from_step, args.sinks)
+        results[name] = measure(
+            workload, device, args.config, args.from_step, args.sinks, args.floor
+        )
         print(_row(name, results[name]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -49,6 +49,13 @@ def test_overhead_benchmark_with_sinks_writes_tensorboard_and_measures_it(tmp_pa
     assert list(results) == ["deep"] and results["deep"]["ratio"] > 0
 
 
+def test_overhead_benchmark_floor_times_the_plain_loop_with_only_the_gradient_norms(tmp_path):
+    floored = _overhead(tmp_path, "--workloads", "mlp", "--floor")["mlp"]
+    assert floored["floor_ratio_median"] > 0 and floored["ratio"] > 0
+    # Without the flag no third loop runs.
+    assert "floor_ratio_median" not in _overhead(tmp_path, "--workloads", "mlp")["mlp"]
+
+
 def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
     results = _overhead(tmp_path, "--device", "cpu", "--workloads", "gpt2")
     assert set(results) == {"gpt2"}
