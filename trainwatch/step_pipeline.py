@@ -373,7 +373,12 @@ class StepPipeline:
             self.rebuild_layers()
         params = self.layers.parameters() if index is None else self.optimizer_params(index)
         record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
-        if grads and self.passes.passes == self._passes_at_step and self._wrapper_search:
+        if (
+            grads
+            and not attach  # gradients left from before watching came from no pass of ours
+            and self.passes.passes == self._passes_at_step
+            and self._wrapper_search
+        ):
             # Gradients without a pass seen: compiled after watching, perhaps.
             self._wrapper_search -= 1
             wrappers = wrappers_of(self._root)

@@ -1,0 +1,67 @@
+"""Healthy steps see the model from its own two pass hooks, however it came to be watched.
+
+A hook on a child module would run Python on every call of that child at
+every step: a cost that grows with the model. Children are hooked only when
+steps bring gradients without any pass of the model itself (the loop calls
+parts of it on their own).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import TinyNet, batches
+
+
+def _hooked_children(model: nn.Module) -> list[str]:
+    return [
+        name
+        for name, module in model.named_modules()
+        if name and (module._forward_hooks or module._forward_pre_hooks)
+    ]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for x, y in batches(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def test_a_model_watched_with_gradients_left_from_earlier_training_hooks_no_child(quiet_watch):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 3)  # unwatched: its gradients are still there when watching starts
+    assert all(p.grad is not None for p in model.parameters())
+    monitor = quiet_watch(model, opt)
+    _train(model, opt, 5)
+    assert _hooked_children(model) == []
+    assert monitor._pipeline.passes.passes == 5
+
+
+def test_a_model_watched_before_any_gradient_hooks_no_child(quiet_watch):
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    quiet_watch(model, opt)
+    _train(model, opt, 5)
+    assert _hooked_children(model) == []
+
+
+class _TwoParts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+
+
+def test_a_loop_calling_only_parts_of_the_model_gets_them_hooked(quiet_watch):
+    model = _TwoParts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(model.head(torch.relu(model.encoder(x))), y).backward()
+        opt.step()
+    assert sorted(_hooked_children(model)) == ["encoder", "head"]
+    assert monitor._pipeline.passes.passes > 0
