@@ -91,3 +91,16 @@ def test_relay_cost_benchmark_prints_each_cost(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 reads the store, nothing posted" in done.stdout
     assert "rank 1 posts one alert" in done.stdout
+
+
+def test_hook_costs_benchmark_prints_each_hook_of_a_watched_step():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/hook_costs.py", "--quick", "--steps", "5", "--warm", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Monitor._before_optimizer_step" in done.stdout
+    assert "ModelPasses.enter" in done.stdout
