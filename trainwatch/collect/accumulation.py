@@ -242,14 +242,25 @@ class GradResetTracker:
         self.backward_seen = True
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
+        snapshot = self._snapshot
+        if snapshot is not None and self.check_resets:
+            if self._snapshot_reset or _all_reset(snapshot):
+                self._snapshot_reset = True  # later backward passes of the step too
+                self._stale = []
+                if self._end_listeners or self.track_reached:
+                    self._in_backward = True
+                    Variable._execution_engine.queue_callback(self._ends)
+                # Else backward's end has nothing to note: no callback (one more
+                # call into Python at every backward). A hook firing again in
+                # this backward comes back here, as cheaply.
+                return
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._ends)
         if not self.check_resets:
             return
-        snapshot = self._snapshot
         if snapshot is not None:
-            if self._snapshot_reset or _all_reset(snapshot):
-                self._snapshot_reset = True  # later backward passes of the step too
+            if self._snapshot_reset or _all_reset(snapshot):  # followed what backward reached
+                self._snapshot_reset = True
                 self._stale = []
                 return
             self._unpack_snapshot()
