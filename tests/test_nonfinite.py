@@ -544,3 +544,27 @@ def test_replays_are_invisible_to_the_other_checks():
     rules = [a.rule for a in monitor.alerts]
     assert rules[0] == "nonfinite_forward"
     assert "eval_in_train_mode" not in rules
+
+
+def test_a_no_grad_pass_between_forward_and_backward_keeps_the_backward_fault_located(
+    device, traced
+):
+    """A DQN-style step: the target is the same network's pass under no_grad, made
+    after the prediction and before its backward."""
+    model = Net(ZeroNorm(), "middle").to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(4):
+            model.fault.armed = step >= 2
+            x, x_next = (torch.randn(32, 8, generator=gen).to(device) for _ in range(2))
+            opt.zero_grad()
+            predicted = model(x)
+            with torch.no_grad():
+                target = 0.5 + 0.9 * model(x_next)
+            nn.functional.mse_loss(predicted, target).backward()
+            opt.step()
+    first = nonfinite(monitor)[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_backward", 2, "fault")
+    if traced:
+        assert first.data["op"] == "aten::pow"

@@ -289,6 +289,13 @@ class NonfiniteProbe:
     def pass_starts(self, module: nn.Module) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:
             return  # the module hooks see the pass
+        if not torch.is_grad_enabled():
+            # No backward comes of a pass under no_grad (an evaluation, a DQN
+            # target made between a prediction and its backward): the pass
+            # whose backward may still come stays the one a replay would use.
+            self._recomputing = False
+            self._this_step.saw_pass = True
+            return
         # Gradient checkpointing of the whole model re-runs it inside backward:
         # that is no new pass.
         task = _graph_task_id  # _inside_backward(), written out: once per pass
