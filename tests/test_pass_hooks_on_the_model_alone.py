@@ -65,3 +65,32 @@ def test_a_loop_calling_only_parts_of_the_model_gets_them_hooked(quiet_watch):
         opt.step()
     assert sorted(_hooked_children(model)) == ["encoder", "head"]
     assert monitor._pipeline.passes.passes > 0
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def pass_starts(self, module: nn.Module) -> None:
+        self.events.append("starts")
+
+    def pass_ends(self, module: nn.Module, args, kwargs, output) -> None:
+        self.events.append("ends")
+
+
+def test_a_listener_without_start_work_is_called_only_as_each_pass_ends():
+    from trainwatch.collect.passes import ModelPasses
+
+    model = TinyNet()
+    passes = ModelPasses(on_error=lambda name, exc: None)
+    passes.hook(model)
+    both, ends_only = _Recorder(), _Recorder()
+    passes.subscribe("both", both)
+    passes.subscribe("ends only", ends_only, starts=False)
+    model(torch.randn(2, 8))
+    passes.unsubscribe(both)
+    model(torch.randn(2, 8))
+    passes.detach()
+    model(torch.randn(2, 8))
+    assert both.events == ["starts", "ends"]
+    assert ends_only.events == ["ends", "ends"]

@@ -169,7 +169,7 @@ class StepPipeline:
         # checks for stale gradients only for accumulated_gradient.
         self.tracker = GradResetTracker(on_error, "accumulation_tracker" in needs)
         self.tracker.attach(layers.parameters())
-        self.passes.subscribe("accumulation tracker", self.tracker)
+        self.passes.subscribe("accumulation tracker", self.tracker, starts=False)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         self._hand_updates = HandUpdates()
         self.structure = StructureWatch()

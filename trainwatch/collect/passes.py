@@ -107,7 +107,12 @@ class ModelPasses:
 
     def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
         self._on_error = on_error
-        self._listeners: list[tuple[str, PassListener]] = []
+        self._listeners: list[tuple[str, PassListener, bool]] = []  # (name, it, wants starts)
+        # What each pass calls, rebuilt on every (un)subscribe: a pass iterates a
+        # tuple of bound methods, and a listener with nothing to do as a pass
+        # starts is not called then.
+        self._starts: tuple[tuple[str, PassListener, Callable[..., None]], ...] = ()
+        self._ends: tuple[tuple[str, PassListener, Callable[..., None]], ...] = ()
         self._hooked: list[tuple[weakref.ref[nn.Module], list[Any], type | None]] = []
         self._hook_ids: set[int] = set()  # the hooked modules (held by _hooked's refs)
         # The wrapper and the model both run eagerly when compiled code falls
@@ -154,17 +159,26 @@ class ModelPasses:
     def hooks(self, module: nn.Module) -> bool:
         return any(ref() is module for ref, _, _ in self._hooked)
 
-    def subscribe(self, name: str, listener: PassListener) -> None:
-        self._listeners.append((name, listener))
+    def subscribe(self, name: str, listener: PassListener, *, starts: bool = True) -> None:
+        """``starts``: False for a listener whose ``pass_starts`` does nothing."""
+        self._listeners.append((name, listener, starts))
+        self._dispatch()
 
     def listens(self, listener: PassListener) -> bool:
-        return any(item is listener for _, item in self._listeners)
+        return any(item is listener for _, item, _ in self._listeners)
 
     def listener_names(self) -> list[str]:
-        return [name for name, _ in self._listeners]
+        return [name for name, _, _ in self._listeners]
 
     def unsubscribe(self, listener: PassListener) -> None:
-        self._listeners = [(n, item) for n, item in self._listeners if item is not listener]
+        self._listeners = [entry for entry in self._listeners if entry[1] is not listener]
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        self._starts = tuple(
+            (name, item, item.pass_starts) for name, item, starts in self._listeners if starts
+        )
+        self._ends = tuple((name, item, item.pass_ends) for name, item, _ in self._listeners)
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
@@ -176,9 +190,9 @@ class ModelPasses:
             return
         self.passes += 1
         self.inputs = (args, kwargs or {})
-        for name, listener in list(self._listeners):
+        for name, listener, starts in self._starts:
             try:
-                listener.pass_starts(module)
+                starts(module)
             except TrainingHealthError:
                 raise  # halt_on: trainwatch doing its job
             except Exception as exc:  # never break the user's forward
@@ -194,9 +208,9 @@ class ModelPasses:
         if self._depth != 0:
             return
         self.inputs = None
-        for name, listener in list(self._listeners):
+        for name, listener, ends in self._ends:
             try:
-                listener.pass_ends(module, args, kwargs, output)
+                ends(module, args, kwargs, output)
             except TrainingHealthError:
                 raise
             except Exception as exc:
@@ -236,4 +250,5 @@ class ModelPasses:
         self._hooked.clear()
         self._hook_ids.clear()
         self._listeners.clear()
+        self._dispatch()
         self._depth = 0

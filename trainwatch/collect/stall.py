@@ -94,7 +94,7 @@ class FirstBatchProbe:
         self._stats = []
         self._weights_at_boundary = None
         if not self._passes.listens(self):
-            self._passes.subscribe("stalled training", self)
+            self._passes.subscribe("stalled training", self, starts=False)
 
     def passed(self, step: int) -> None:
         """The re-run at ``step`` is over (or was not possible): the next one."""
