@@ -38,9 +38,13 @@ def time_hooks(name: str, steps: int, warm: int, quick: bool) -> tuple[float, di
     torch.manual_seed(0)
     model = workload.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = workload.make_batch(torch.device("cpu"))
+    batch = workload.make_batch(torch.device("cpu"))
 
     def step() -> None:
+        if workload.step is not None:
+            workload.step(model, opt, batch)
+            return
+        x, y = batch
         opt.zero_grad()
         _loss(model(x), y).backward()
         opt.step()

@@ -19,6 +19,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py --quick         # seconds; a smoke run
     python benchmarks/overhead.py --workloads deep gpt2 --quick
     python benchmarks/overhead.py --workloads tiny  # trainwatch's fixed cost per step
+    python benchmarks/overhead.py --workloads rl    # batch-of-one passes: the cost per pass
     python benchmarks/overhead.py --sinks         # with alerts.jsonl and TensorBoard written
     python benchmarks/overhead.py --steady-malloc # glibc's allocator pinned (_steady_malloc)
     python benchmarks/overhead.py --floor         # and the gradient norms alone (see measure)
@@ -57,6 +58,9 @@ class Workload:
     steps_per_round: int
     rounds: int
     autocast: torch.dtype | None = None  # e.g. bf16: forward and loss under autocast
+    # One training step of its own (model, optimizer, batch); None: one forward of
+    # the batch, its loss, backward and the optimizer's step.
+    step: Callable[[nn.Module, torch.optim.Optimizer, tuple], None] | None = None
 
 
 def _mlp(quick: bool) -> Workload:
@@ -204,9 +208,41 @@ def _gpt2(quick: bool) -> Workload:
 WORKLOADS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer, "deep": _deep}
 # Run by default only on CUDA: on CPU a step takes seconds (name them to run them).
 CUDA_WORKLOADS = {"gpt2": _gpt2}
+
+
 # Run only when named: "tiny" isolates the fixed cost of a step (its plain step
-# is a fraction of a millisecond, so its ratio is large by construction).
-NAMED_WORKLOADS = {"tiny": _tiny}
+# is a fraction of a millisecond, so its ratio is large by construction); "rl"
+# the cost of each forward pass (32 batch-of-one passes to a step).
+def _reinforce_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
+    """An episode of batch-of-one policy passes, then one update (REINFORCE's shape)."""
+    observations, actions, returns = batch
+    picked = [
+        torch.log_softmax(model(observations[t : t + 1]), -1)[0, actions[t]]
+        for t in range(len(observations))
+    ]
+    opt.zero_grad()
+    (-(torch.stack(picked) * returns).sum()).backward()
+    opt.step()
+
+
+def _rl(quick: bool) -> Workload:
+    """A policy network acting on one observation at a time, 32 passes to an update:
+    what a watched model costs per forward pass, not per step."""
+    return Workload(
+        "rl",
+        lambda: nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4)),
+        lambda d: (
+            torch.randn(32, 8, device=d),
+            torch.randint(0, 4, (32,)).tolist(),
+            torch.randn(32, device=d),
+        ),
+        steps_per_round=2 if quick else 20,
+        rounds=3 if quick else 11,
+        step=_reinforce_step,
+    )
+
+
+NAMED_WORKLOADS = {"tiny": _tiny, "rl": _rl}
 ALL_WORKLOADS = {**WORKLOADS, **CUDA_WORKLOADS, **NAMED_WORKLOADS}
 
 
@@ -235,14 +271,20 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _time_block(
     model: nn.Module,
     opt: torch.optim.Optimizer,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: tuple,
     steps: int,
     device: torch.device,
     autocast: torch.dtype | None = None,
+    step: Callable[[nn.Module, torch.optim.Optimizer, tuple], None] | None = None,
 ) -> float:
-    x, y = batch
     _sync(device)
     start = _clock(device)
+    if step is not None:
+        for _ in range(steps):
+            step(model, opt, batch)
+        _sync(device)
+        return _clock(device) - start
+    x, y = batch
     for _ in range(steps):
         opt.zero_grad()
         with torch.autocast(device.type, dtype=autocast) if autocast else nullcontext():
@@ -306,14 +348,22 @@ def measure(
         ),
     ):
         for model, opt in loops:
-            _time_block(model, opt, batch, max(2, from_step), device, workload.autocast)
+            _time_block(
+                model, opt, batch, max(2, from_step), device, workload.autocast, workload.step
+            )
         for round_index in range(workload.rounds):
             # Each loop leads in turn (two loops: they alternate).
             shift = round_index % len(loops)
             times = {}
             for model, opt in loops[shift:] + loops[:shift]:
                 times[id(model)] = _time_block(
-                    model, opt, batch, workload.steps_per_round, device, workload.autocast
+                    model,
+                    opt,
+                    batch,
+                    workload.steps_per_round,
+                    device,
+                    workload.autocast,
+                    workload.step,
                 )
             ratios.append(times[id(watched)] / times[id(plain)])
             if floor:

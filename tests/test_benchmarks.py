@@ -56,6 +56,11 @@ def test_overhead_benchmark_floor_times_the_plain_loop_with_only_the_gradient_no
     assert "floor_ratio_median" not in _overhead(tmp_path, "--workloads", "mlp")["mlp"]
 
 
+def test_overhead_benchmark_rl_times_batch_of_one_passes_when_named(tmp_path):
+    results = _overhead(tmp_path, "--workloads", "rl")
+    assert list(results) == ["rl"] and results["rl"]["ratio"] > 0
+
+
 def test_overhead_benchmark_gpt2_runs_on_cpu_when_named(tmp_path):
     results = _overhead(tmp_path, "--device", "cpu", "--workloads", "gpt2")
     assert set(results) == {"gpt2"}
