@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -164,8 +165,25 @@ def non_leaf(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and tensor.grad_fn is not None
 
 
+# Up to this many elements, a CPU tensor's values are read as Python floats
+# and checked one by one: cheaper than a sum and its read (a batch-of-one
+# policy's logits, a value head's output), and no op at all.
+_READ_AS_FLOATS = 16
+_CPU = torch.device("cpu")
+
+
 def finite_exact(tensor: torch.Tensor) -> bool:
     """One fp32 sum; only when it is not finite, the exact elementwise check."""
+    if tensor.numel() <= _READ_AS_FLOATS and tensor.device == _CPU and type(tensor) is torch.Tensor:
+        values = tensor.tolist()
+        if type(values) is float:
+            values = (values,)
+        else:
+            for _ in range(tensor.dim() - 1):
+                values = chain.from_iterable(values)
+        if all(map(math.isfinite, values)):
+            return True
+        return finite_or_mask(tensor)
     # Outside autograd by grad mode (see set_grad_enabled), at every pass.
     grad = torch.is_grad_enabled()
     if grad:
