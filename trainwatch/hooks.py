@@ -68,7 +68,7 @@ class WeakHook:
         return None
 
 
-def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> None:
+def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> OrderedDict | None:
     """Call ``hook(grad)`` when backward reaches ``tensor``, a non-leaf this pass made.
 
     The hook lives in the tensor's own table, which autograd keeps with the
@@ -76,17 +76,22 @@ def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> None:
     ``Tensor.register_hook`` would also build a removable handle (a weak
     reference and an id) at every pass, about 4 us, for nothing. A tensor
     subclass, or one under a function mode, takes ``register_hook`` as usual.
+
+    Returns the table (a weak reference to it says whether the hook can
+    still fire: it lives while the tensor or its graph does), or None where
+    ``register_hook`` took the hook.
     """
     table = tensor._backward_hooks
     if table is None:
         grad_fn = tensor.grad_fn
         if type(tensor) is not torch.Tensor or grad_fn is None or _has_torch_function(tensor):
             tensor.register_hook(hook)
-            return
+            return None
         table = OrderedDict()
         tensor._backward_hooks = table
         grad_fn._register_hook_dict(tensor)
     table[next(_PASS_HOOK_KEYS)] = hook
+    return table
 
 
 class HookGroup(list):

@@ -179,6 +179,9 @@ class GradResetTracker:
         # not reset. ``_snapshot_reset``: that backward found them all reset.
         self._snapshot: tuple[Sequence[torch.Tensor], list, list[int]] | None = None
         self._snapshot_reset = False
+        # The hook table of this step's output whose hook waits for a backward
+        # (a weak reference: a dropped output frees its graph, and the table).
+        self._hooked_output: weakref.ref[OrderedDict] | None = None
         self._impls: list[int] | None = None  # the parameters' C++ tensors at the last arm
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
@@ -218,15 +221,28 @@ class GradResetTracker:
         return None
 
     def pass_ends(self, module: object, args: object, kwargs: object, output: object) -> None:
-        """One tensor hook on the pass's output: backward reaching the model starts there."""
-        if not self.enabled or not torch.is_grad_enabled():
+        """One tensor hook on the pass's output: backward reaching the model starts there.
+
+        One waiting hook is enough until a backward starts: passes summed into one
+        loss (a policy's batch-of-one passes) reach the parameters' accumulation
+        only once every path has, so the first pass's hook still fires before
+        any of them accumulates. An output dropped unused (an action chosen with
+        grad on) leaves no waiting hook, and the next pass's output gets one.
+        Once this step's gradients were all found reset, later backward passes
+        of the step are accumulation by design: no hook at all.
+        """
+        if not self.enabled or self._snapshot_reset or not torch.is_grad_enabled():
+            return
+        hooked = self._hooked_output
+        if hooked is not None and hooked() is not None:
             return
         for tensor in floating_list(output):
             if tensor.requires_grad and tensor.grad_fn is not None:
                 # A tensor hook, though a pre-hook on the output's autograd node
                 # would be cheaper to register: on torch 2.13 each node pre-hook
                 # leaves about 8 bytes behind for good (traced over 2,000 passes).
-                hook_pass_tensor(tensor, self._starts)
+                table = hook_pass_tensor(tensor, self._starts)
+                self._hooked_output = weakref.ref(table) if table is not None else None
                 return
 
     # -- backward ----------------------------------------------------------
@@ -240,6 +256,7 @@ class GradResetTracker:
         if not self.enabled:
             return
         self.backward_seen = True
+        self._hooked_output = None  # the next pass's output gets the hook
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
@@ -402,6 +419,7 @@ class GradResetTracker:
         """
         self.backward_seen = False
         self._any_accumulated = False
+        self._hooked_output = None
         if not self.enabled:
             return
         self._snapshot, self._snapshot_reset = None, False
