@@ -214,6 +214,10 @@ class _StepState:
     immediate_grads: bool = True
     any_bad_grad: bool = False
     grad_entering_bad: bool = False
+    # Where this step's last pass's entering hooks sit (its outputs' hook
+    # tables, weakly, and their keys): a later pass takes them out, so that
+    # only the pass a replay would run records the gradient entering it.
+    entering_tables: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
     output_bad: bool = False
     # A backward replay of this step ran (and found what it found).
     backward_replayed: bool = False
@@ -255,10 +259,6 @@ class NonfiniteProbe:
         self._on_error = on_error
         self.on_new_pass: Any = None
         self._entering_hooks: list[WeakHook] = []
-        # Where the last pass's entering hooks sit (its outputs' hook tables,
-        # weakly, and their keys): a later pass takes them out, so that only
-        # the pass a replay would run records the gradient entering it.
-        self._entering_tables: list[tuple[weakref.ref[Any], int]] = []
         self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
@@ -467,23 +467,23 @@ class NonfiniteProbe:
             # backward replay needs if this step's gradients turn out bad.
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
-            if self._entering_tables:
-                self._unhook_earlier_pass()
-            tables = self._entering_tables
+            tables = self._this_step.entering_tables
+            if tables:
+                self._unhook_earlier_pass(tables)
             for position, tensor in enumerate(needs_grad):
                 table = hook_pass_tensor(tensor, self._entering_hook(position))
                 if table is not None:
                     tables.append((weakref.ref(table), next(reversed(table))))
 
-    def _unhook_earlier_pass(self) -> None:
+    def _unhook_earlier_pass(self, tables: list[tuple[weakref.ref[Any], int]]) -> None:
         """Passes summed into one loss: an earlier pass's gradient would land in this
         pass's record (of another batch, perhaps of another size), and call into
         Python once more in backward for nothing."""
-        tables, self._entering_tables = self._entering_tables, []
         for ref, key in tables:
             table = ref()
             if table is not None:  # else its graph is gone: backward ran, or never will
                 table.pop(key, None)
+        tables.clear()
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
