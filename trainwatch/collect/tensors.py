@@ -173,7 +173,11 @@ _CPU = torch.device("cpu")
 
 
 def finite_exact(tensor: torch.Tensor) -> bool:
-    """One fp32 sum; only when it is not finite, the exact elementwise check."""
+    """Whether every value is finite (or a deliberate -inf mask, see ``finite_or_mask``).
+
+    A small CPU tensor is read as floats; any other gets one fp32 sum, and the
+    exact elementwise check only when that sum is not finite.
+    """
     if tensor.numel() <= _READ_AS_FLOATS and tensor.device == _CPU and type(tensor) is torch.Tensor:
         values = tensor.tolist()
         if type(values) is float:
