@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import TinyNet, train
+
 
 def _policy() -> nn.Module:
     torch.manual_seed(0)
@@ -57,22 +59,16 @@ def test_missing_zero_grad_in_a_many_pass_step_fires_and_the_clean_loop_does_not
 
 
 def test_micro_batches_with_their_own_backward_are_clean_and_a_missing_reset_fires(quiet_watch):
-    def run(zero_grad: bool) -> list[int]:
-        model = _policy()
+    def run(zero_grad_until: int | None) -> list[int]:
+        torch.manual_seed(0)
+        model = TinyNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         monitor = quiet_watch(model, opt)
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(5):
-            if zero_grad:
-                opt.zero_grad()
-            for _ in range(4):
-                x = torch.randn(4, 8, generator=gen)
-                model(x).pow(2).mean().backward()
-            opt.step()
+        train(model, opt, 5, accumulate=4, zero_grad_until=zero_grad_until)
         return _accumulated(monitor)
 
-    assert run(zero_grad=True) == []
-    assert run(zero_grad=False)[:1] == [1]
+    assert run(zero_grad_until=None) == []
+    assert run(zero_grad_until=0)[:1] == [1]
 
 
 def test_a_many_pass_step_hooks_one_output_for_its_backward(quiet_watch):

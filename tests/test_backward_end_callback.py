@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from tests.conftest import TinyNet, batches
+from tests.conftest import TinyNet, batches, train
 
 
 def _trainwatch_calls_in(run) -> set[str]:
@@ -31,14 +31,6 @@ def _trainwatch_calls_in(run) -> set[str]:
     return names
 
 
-def _steps(model, opt, n, zero_grad=True):
-    for x, y in batches(n):
-        if zero_grad:
-            opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _one_backward(model) -> set[str]:
     x, y = next(batches(1))
     loss = nn.functional.mse_loss(model(x), y)
@@ -49,7 +41,7 @@ def test_a_healthy_backward_queues_no_end_of_backward_call(quiet_watch):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     quiet_watch(model, opt)
-    _steps(model, opt, 5)
+    train(model, opt, 5)
     opt.zero_grad()
     called = _one_backward(model)
     assert "backward_starts" in called
@@ -60,11 +52,11 @@ def test_a_backward_onto_stale_gradients_still_notes_their_versions_at_its_end(q
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt)
-    _steps(model, opt, 5)
+    train(model, opt, 5)
     called = _one_backward(model)  # no zero_grad: onto last step's gradients
     assert "backward_ends" in called
     opt.step()
-    _steps(model, opt, 2, zero_grad=False)
+    train(model, opt, 2, zero_grad_until=0)
     assert "accumulated_gradient" in {a.rule for a in monitor.alerts}
 
 
@@ -74,7 +66,7 @@ def test_end_of_backward_listeners_are_told_after_every_backward(quiet_watch):
     monitor = quiet_watch(model, opt)
     ended: list[int] = []
     monitor.on_backward_end(lambda: ended.append(len(ended)))
-    _steps(model, opt, 6)
+    train(model, opt, 6)
     assert len(ended) == 6
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.conftest import TinyNet, batches
+from tests.conftest import TinyNet, batches, train
 
 
 def _hooked_children(model: nn.Module) -> list[str]:
@@ -22,20 +22,13 @@ def _hooked_children(model: nn.Module) -> list[str]:
     ]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    for x, y in batches(steps):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def test_a_model_watched_with_gradients_left_from_earlier_training_hooks_no_child(quiet_watch):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    _train(model, opt, 3)  # unwatched: its gradients are still there when watching starts
+    train(model, opt, 3)  # unwatched: its gradients are still there when watching starts
     assert all(p.grad is not None for p in model.parameters())
     monitor = quiet_watch(model, opt)
-    _train(model, opt, 5)
+    train(model, opt, 5)
     assert _hooked_children(model) == []
     assert monitor._pipeline.passes.passes == 5
 
@@ -44,7 +37,7 @@ def test_a_model_watched_before_any_gradient_hooks_no_child(quiet_watch):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     quiet_watch(model, opt)
-    _train(model, opt, 5)
+    train(model, opt, 5)
     assert _hooked_children(model) == []
 
 

@@ -18,7 +18,7 @@ take them all off at once, any number of times.
 
 Hooks on the tensors a pass makes (its output, where backward enters the
 model) go with the pass's graph: :func:`hook_pass_tensor` adds them without
-a handle.
+a handle, and says where (``PlacedHook``) for the rare one to take out.
 """
 
 from __future__ import annotations
@@ -68,7 +68,20 @@ class WeakHook:
         return None
 
 
-def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> OrderedDict | None:
+# Where hook_pass_tensor put a hook: the tensor's hook table, weakly (it lives
+# while the tensor or its graph does, so it also says whether the hook can
+# still fire), and the hook's key in it. A plain tuple: one is made per pass.
+PlacedHook = tuple[weakref.ref[OrderedDict[int, Any]], int]
+
+
+def take_out(placed: PlacedHook) -> None:
+    """Remove a hook :func:`hook_pass_tensor` placed, if its table is still there."""
+    table = placed[0]()
+    if table is not None:  # else its graph is gone: backward ran, or never will
+        table.pop(placed[1], None)
+
+
+def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> PlacedHook | None:
     """Call ``hook(grad)`` when backward reaches ``tensor``, a non-leaf this pass made.
 
     The hook lives in the tensor's own table, which autograd keeps with the
@@ -77,9 +90,7 @@ def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> OrderedDict | None:
     reference and an id) at every pass, about 4 us, for nothing. A tensor
     subclass, or one under a function mode, takes ``register_hook`` as usual.
 
-    Returns the table (a weak reference to it says whether the hook can
-    still fire: it lives while the tensor or its graph does), or None where
-    ``register_hook`` took the hook.
+    Returns where the hook sits, or None where ``register_hook`` took it.
     """
     table = tensor._backward_hooks
     if table is None:
@@ -90,8 +101,9 @@ def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> OrderedDict | None:
         table = OrderedDict()
         tensor._backward_hooks = table
         grad_fn._register_hook_dict(tensor)
-    table[next(_PASS_HOOK_KEYS)] = hook
-    return table
+    key = next(_PASS_HOOK_KEYS)
+    table[key] = hook
+    return weakref.ref(table), key
 
 
 class HookGroup(list):

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter, eq, is_
+from typing import Any
 
 import torch
 from torch.autograd import Variable
@@ -181,7 +182,7 @@ class GradResetTracker:
         self._snapshot_reset = False
         # The hook table of this step's output whose hook waits for a backward
         # (a weak reference: a dropped output frees its graph, and the table).
-        self._hooked_output: weakref.ref[OrderedDict] | None = None
+        self._hooked_output: weakref.ref[OrderedDict[int, Any]] | None = None
         self._impls: list[int] | None = None  # the parameters' C++ tensors at the last arm
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
@@ -241,8 +242,8 @@ class GradResetTracker:
                 # A tensor hook, though a pre-hook on the output's autograd node
                 # would be cheaper to register: on torch 2.13 each node pre-hook
                 # leaves about 8 bytes behind for good (traced over 2,000 passes).
-                table = hook_pass_tensor(tensor, self._starts)
-                self._hooked_output = weakref.ref(table) if table is not None else None
+                placed = hook_pass_tensor(tensor, self._starts)
+                self._hooked_output = placed[0] if placed is not None else None
                 return
 
     # -- backward ----------------------------------------------------------
@@ -260,26 +261,25 @@ class GradResetTracker:
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
-        if snapshot is not None and self.check_resets:
-            if self._snapshot_reset or _all_reset(snapshot):
-                self._snapshot_reset = True  # later backward passes of the step too
-                self._stale = []
-                if self._end_listeners or self.track_reached:
-                    self._in_backward = True
-                    Variable._execution_engine.queue_callback(self._ends)
-                # Else backward's end has nothing to note: no callback (one more
-                # call into Python at every backward). A hook firing again in
-                # this backward comes back here, as cheaply.
-                return
+        if (
+            snapshot is not None
+            and self.check_resets
+            and (self._snapshot_reset or _all_reset(snapshot))
+        ):
+            self._snapshot_reset = True  # later backward passes of the step too
+            self._stale = []
+            if self._end_listeners or self.track_reached:
+                self._in_backward = True
+                Variable._execution_engine.queue_callback(self._ends)
+            # Else backward's end has nothing to note: no callback (one more
+            # call into Python at every backward). A hook firing again in this
+            # backward comes back here, as cheaply.
+            return
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._ends)
         if not self.check_resets:
             return
         if snapshot is not None:
-            if self._snapshot_reset or _all_reset(snapshot):  # followed what backward reached
-                self._snapshot_reset = True
-                self._stale = []
-                return
             self._unpack_snapshot()
         suspects: list[_ParamState] = []
         stale: list[_ParamState] = []

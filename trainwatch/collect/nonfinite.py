@@ -80,7 +80,7 @@ from trainwatch.collect.tensors import (
 )
 from trainwatch.compiled import unwrap
 from trainwatch.fresh import fresh_maker
-from trainwatch.hooks import HookGroup, WeakHook, hook_pass_tensor
+from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
 
 __all__ = [
     "FINITE",
@@ -214,10 +214,9 @@ class _StepState:
     immediate_grads: bool = True
     any_bad_grad: bool = False
     grad_entering_bad: bool = False
-    # Where this step's last pass's entering hooks sit (its outputs' hook
-    # tables, weakly, and their keys): a later pass takes them out, so that
-    # only the pass a replay would run records the gradient entering it.
-    entering_tables: list[tuple[weakref.ref[Any], int]] = field(default_factory=list)
+    # Where this step's last pass's entering hooks sit: a later pass takes them
+    # out, so that only the pass a replay would run records what entered it.
+    entering_hooks: list[PlacedHook] = field(default_factory=list)
     output_bad: bool = False
     # A backward replay of this step ran (and found what it found).
     backward_replayed: bool = False
@@ -467,23 +466,18 @@ class NonfiniteProbe:
             # backward replay needs if this step's gradients turn out bad.
             self._this_pass.last_call = (module, args, kwargs)
             self._this_pass.grad_entering = [None] * len(needs_grad)
-            tables = self._this_step.entering_tables
-            if tables:
-                self._unhook_earlier_pass(tables)
+            placed = self._this_step.entering_hooks
+            if placed:
+                # Passes summed into one loss: an earlier pass's gradient would land
+                # in this pass's record (of another batch, perhaps of another
+                # size), and call into Python once more in backward for nothing.
+                for hook in placed:
+                    take_out(hook)
+                placed.clear()
             for position, tensor in enumerate(needs_grad):
-                table = hook_pass_tensor(tensor, self._entering_hook(position))
-                if table is not None:
-                    tables.append((weakref.ref(table), next(reversed(table))))
-
-    def _unhook_earlier_pass(self, tables: list[tuple[weakref.ref[Any], int]]) -> None:
-        """Passes summed into one loss: an earlier pass's gradient would land in this
-        pass's record (of another batch, perhaps of another size), and call into
-        Python once more in backward for nothing."""
-        for ref, key in tables:
-            table = ref()
-            if table is not None:  # else its graph is gone: backward ran, or never will
-                table.pop(key, None)
-        tables.clear()
+                where = hook_pass_tensor(tensor, self._entering_hook(position))
+                if where is not None:
+                    placed.append(where)
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
