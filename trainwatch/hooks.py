@@ -60,7 +60,10 @@ class WeakHook:
         if target is None:
             return None
         try:
-            getattr(target, self.method)(*self.bound, *args)
+            if self.bound:
+                getattr(target, self.method)(*self.bound, *args)
+            else:  # most hooks: no arguments of their own to put first
+                getattr(target, self.method)(*args)
         except TrainingHealthError:
             raise
         except Exception as exc:  # never break the user's training

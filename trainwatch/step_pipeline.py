@@ -175,9 +175,10 @@ class StepPipeline:
         self.structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker(step_count)
-        if "call_tracker" in needs:
+        self._tracks_calls = "call_tracker" in needs
+        if self._tracks_calls:
             self._calls.track(root, layers.layers)
-            self.passes.subscribe("call tracker", self._calls)
+            self._calls.listen(self.passes)
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:
             self.probe = NonfiniteProbe(
@@ -645,8 +646,9 @@ class StepPipeline:
             # were taken: the model computes something new, and every layer's
             # gradients flow through it. Their history starts over.
             self.restarted.update(layers.layers)
-        if "call tracker" in self.passes.listener_names():
+        if self._tracks_calls:
             self._calls.track(self._root, layers.layers)
+            self._calls.listen(self.passes)
         self.layers = layers
         self.tracker.attach(fresh)
         self._claim(fresh)

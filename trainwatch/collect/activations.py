@@ -284,7 +284,7 @@ class ActivationSampler:
         self._turn = 0
         self._window: set[int] | None = None  # this pass's modules; None: all of them
         self._on_error = on_error
-        self._handles = HookGroup()
+        self.handles = HookGroup()
         self._plans: dict[tuple[Any, ...], _ReducePlan] = {}
         self._names: list[str] = []
         self._relu: list[bool] = []
@@ -334,8 +334,8 @@ class ActivationSampler:
             self._window = {0, *chosen}
             ids = self._ids
             positions = {ids[index]: index for index in self._window if index in ids}
-        if hook_modules and not self._handles:
-            self._handles.add(register_module_forward_hook(_SampledPassHook(self, positions)))
+        if hook_modules and not self.handles:
+            self.handles.add(register_module_forward_hook(_SampledPassHook(self, positions)))
 
     def module_called(self, position: int, module: nn.Module, args: Any, output: Any) -> None:
         """A module of this pass's window has been called (from the pass's hook)."""
@@ -343,15 +343,15 @@ class ActivationSampler:
             self.after_forward(position, module, args, output)
 
     def end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.active and not self._handles:
+        if self.active and not self.handles:
             self.after_forward(0, module, args, output)  # the model, around its compiled graph
-        self._outputs.clear()
+        self.outputs.clear()
         self.active = False
-        if self._handles:
+        if self.handles:
             self._unhook()
 
     def _unhook(self) -> None:
-        self._handles.remove_all()
+        self.handles.remove_all()
 
     def detach(self) -> None:
         self.active = False
@@ -372,7 +372,7 @@ class ActivationSampler:
         # Output tensors measured in this pass, weakly, with the version they
         # had: a container that returns its child's tensor is not measured
         # twice; one changed in place since is.
-        self._outputs: dict[int, _Measured] = {}
+        self.outputs: dict[int, _Measured] = {}
 
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():
@@ -396,7 +396,7 @@ class ActivationSampler:
             zeros = self.zeros and relu and is_primary
             if not (spread or zeros):
                 continue
-            seen = self._outputs.get(id(out))
+            seen = self.outputs.get(id(out))
             if seen is not None and seen.ref() is not out:
                 seen = None
             if seen is not None and seen.version == version_of(out):
@@ -419,7 +419,7 @@ class ActivationSampler:
         since (in a chain, each module's input is the one before's output)."""
         if tensor is None:
             return None
-        seen = self._outputs.get(id(tensor))
+        seen = self.outputs.get(id(tensor))
         if seen is None or seen.ref() is not tensor or seen.version != version_of(tensor):
             return None
         return self._pending.out_of(seen.slot) if seen.slot in self._with_spread else None
@@ -448,7 +448,7 @@ class ActivationSampler:
         pending.rows.append(_Row(measured, in_spread, spread, zeros))
         if spread:
             self._with_spread.add(slot)
-        self._outputs[id(out)] = _Measured(weakref.ref(out), slot, version_of(out))
+        self.outputs[id(out)] = _Measured(weakref.ref(out), slot, version_of(out))
         self._keys.append((index, path, primary))
 
     def take(self) -> tuple[list[RowKey], torch.Tensor | None]:

@@ -87,6 +87,9 @@ class BehaviourWatch:
             else None
         )
         self._model_passes = 0  # since the last step boundary
+        # Whether the step in progress is one the sampler measures (and which step).
+        self._due_step = -1
+        self._due_now = False
         self.eval_passes = EvalPassJudge()
         # The model's passes (set by the Monitor): the broadcast audit reads a pass's arguments.
         self.passes: ModelPasses | None = None
@@ -167,8 +170,9 @@ class BehaviourWatch:
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
             step = self._step_of()
-            sampled = torch.is_grad_enabled() and self._due(step)
-            if sampled:
+            if step != self._due_step:  # decided once a step, not at every pass
+                self._due_step, self._due_now = step, self._due(step)
+            if self._due_now and torch.is_grad_enabled():
                 sampler.start_pass(
                     True, not is_wrapper(module), every_module=self._first_steps(step)
                 )
@@ -192,11 +196,13 @@ class BehaviourWatch:
             if self.broadcast is not None:
                 self.broadcast.pass_ends(output, grad)
             return
-        if self.sampler is not None:
-            self.sampler.end_pass(module, args, output)
-        if self.modes is not None:
-            if self.modes.learning:
-                self.modes.stop_learning()
+        sampler = self.sampler
+        if sampler is not None and (sampler.active or sampler.handles or sampler.outputs):
+            sampler.end_pass(module, args, output)
+        modes = self.modes
+        if modes is not None:
+            if modes.learning:
+                modes.stop_learning()
             if self.functional is not None and self.functional.active:
                 found = self.functional.finish()
                 if found:
@@ -210,10 +216,10 @@ class BehaviourWatch:
                     record.eval_in_train = report
                     for due in self.eval_passes.nograd_pass(record):
                         self._publish(due)
-            if grad:
+            if grad and self.eval_passes.in_a_row:
                 self.eval_passes.training_pass()
-            if grad and self.check_train_step and self.train_in_eval is None:
-                report = self.modes.in_mode(False)
+            if grad and self.check_train_step and self.train_in_eval is None and modes.listed:
+                report = modes.in_mode(False)
                 if report is not None:
                     for tensor in floating_tensors(output):
                         # Not on a leaf (a returned parameter): the hook would stay on it.

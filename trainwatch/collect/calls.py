@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.collect.passes import ModelPasses
 from trainwatch.compiled import is_wrapper, unwrap, user_name
 from trainwatch.hooks import WeakHook
 
@@ -61,6 +62,8 @@ class CallTracker:
         self._layers: set[str] = set()
         self._handle: RemovableHandle | None = None
         self._open = True
+        # The passes it listens to while some tracked module is still waiting.
+        self._passes: ModelPasses | None = None
 
     def track(self, model: nn.Module, layers: Iterable[str]) -> None:
         """Wait for a first call of each named layer and of the modules holding it."""
@@ -81,6 +84,21 @@ class CallTracker:
                 continue
             self._waiting.setdefault(id(module), name)
             self._keep[id(module)] = module
+
+    def listen(self, passes: ModelPasses) -> None:
+        """Hear the model's passes while a tracked module waits for its first call.
+
+        Once every one has been seen, it stops listening: the passes of a
+        model whose layers are all called pay nothing for it.
+        """
+        self._passes = passes
+        if self._waiting and self._open and not passes.listens(self):
+            passes.subscribe("call tracker", self)
+
+    def _stop_listening(self) -> None:
+        passes = self._passes
+        if passes is not None and passes.listens(self):
+            passes.unsubscribe(self)
 
     # -- the model's passes (ModelPasses) ----------------------------------
     def pass_starts(self, module: nn.Module) -> None:
@@ -105,6 +123,7 @@ class CallTracker:
         self._seen_names.add(name)
         if not self._waiting:
             self._unhook()
+            self._stop_listening()
 
     def fail(self, exc: BaseException) -> None:
         """Knowing nothing, it claims nothing: every layer counts as called."""

@@ -23,15 +23,15 @@ from trainwatch.record import StepRecord
 class EvalPassJudge:
     def __init__(self) -> None:
         self._held: list[StepRecord] = []
-        self._in_a_row = 0  # no-grad training-mode passes since the last training pass
+        self.in_a_row = 0  # no-grad training-mode passes since the last training pass
         self._isolated_now = False  # this interval had one, followed by a training pass
         self._isolated_before = False  # and so had the interval before
         self._recurring = False  # it happens every step: part of training
 
     def nograd_pass(self, record: StepRecord) -> list[StepRecord]:
         """A no-grad pass with mode-dependent modules in training mode."""
-        self._in_a_row += 1
-        if self._in_a_row >= 2:
+        self.in_a_row += 1
+        if self.in_a_row >= 2:
             due, self._held = [*self._held, record], []
             return due
         if self._recurring:
@@ -40,9 +40,9 @@ class EvalPassJudge:
         return []
 
     def training_pass(self) -> None:
-        if self._in_a_row == 1:
+        if self.in_a_row == 1:
             self._isolated_now = True
-        self._in_a_row = 0
+        self.in_a_row = 0
 
     def step_boundary(self) -> list[StepRecord]:
         isolated, self._isolated_now = self._isolated_now, False

@@ -80,7 +80,8 @@ class ModeWatch:
     ) -> None:
         self._root = weakref.ref(model)
         self._on_error = on_error
-        self._modules: list[Listed] = []
+        # The mode-dependent modules (dropout, batch norm), in call order once learned.
+        self.listed: list[Listed] = []
         # Modules seen calling dropout or batch norm as functions (no module type
         # says so), kept across rebuilds of the cache.
         self._functional: list[Listed] = []
@@ -88,14 +89,14 @@ class ModeWatch:
         # order of the listed modules has been learned.
         self.ordered = False
         self.learning = HookGroup()  # the one-pass pre-hooks that learn the order
-        self._calls: list[int] = []  # indices into _modules, in the order called
+        self._calls: list[int] = []  # indices into listed, in the order called
         self.refresh()
 
     def refresh(self) -> None:
         """Rebuild the cache (the model's tree changed)."""
         self.stop_learning(apply=False)
         model = self._root()
-        self._modules = []
+        self.listed = []
         self.ordered = False
         if model is None:
             return
@@ -104,28 +105,28 @@ class ModeWatch:
             kind = mode_kind(module)
             if kind is not None:
                 label = type(module).__name__
-                self._modules.append(Listed(user_name(name), kind, label, weakref.ref(module)))
+                self.listed.append(Listed(user_name(name), kind, label, weakref.ref(module)))
             elif id(module) in functional:
-                self._modules.append(functional[id(module)]._replace(name=user_name(name)))
-        self.ordered = not self._modules  # nothing to order
+                self.listed.append(functional[id(module)]._replace(name=user_name(name)))
+        self.ordered = not self.listed  # nothing to order
 
     def learn_functional(self, found: list[Listed]) -> None:
         """Add modules seen calling dropout or batch norm as functions, in the order seen."""
-        listed = {id(item.ref()) for item in self._modules}
+        listed = {id(item.ref()) for item in self.listed}
         added = False
         for item in found:
             if id(item.ref()) in listed:
                 continue
             listed.add(id(item.ref()))
             self._functional.append(item)
-            self._modules.append(item)
+            self.listed.append(item)
             added = True
         if added:
             self.stop_learning(apply=False)
             self.ordered = False  # learn the order again, with the new ones in it
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self.listed)
 
     # -- call order ------------------------------------------------------------
     def start_learning(self) -> None:
@@ -134,7 +135,7 @@ class ModeWatch:
             return
         self._calls = []
         seen: set[int] = set()
-        for index, item in enumerate(self._modules):
+        for index, item in enumerate(self.listed):
             module = item.ref()
             if module is None or id(module) in seen:
                 continue
@@ -154,8 +155,8 @@ class ModeWatch:
         if not apply:
             return
         called = set(calls)
-        rest = [i for i in range(len(self._modules)) if i not in called]
-        self._modules = [self._modules[i] for i in [*calls, *rest]]
+        rest = [i for i in range(len(self.listed)) if i not in called]
+        self.listed = [self.listed[i] for i in [*calls, *rest]]
         self.ordered = True
 
     def fail(self, exc: BaseException) -> None:
@@ -171,13 +172,13 @@ class ModeWatch:
         try:
             # The usual pass, where no module is in that mode: told in C loops,
             # with no Python per module (a GPT-2 has 37 dropouts).
-            if training not in map(_TRAINING, map(_DEREF, map(_REF, self._modules))):
+            if training not in map(_TRAINING, map(_DEREF, map(_REF, self.listed))):
                 return None
         except AttributeError:
             pass  # a module gone (its reference dead): the loop below skips it
         names: list[str] = []
         kinds: list[str] = []
-        for name, kind, label, ref in self._modules:
+        for name, kind, label, ref in self.listed:
             module = ref()
             if module is None or module.training != training:
                 continue
@@ -189,4 +190,4 @@ class ModeWatch:
             return None
         root = self._root()
         whole = root is not None and root.training == training
-        return ModeReport(names, kinds, whole, len(self._modules))
+        return ModeReport(names, kinds, whole, len(self.listed))

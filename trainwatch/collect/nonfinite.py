@@ -474,8 +474,11 @@ class NonfiniteProbe:
                 for hook in placed:
                     take_out(hook)
                 placed.clear()
-            for position, tensor in enumerate(needs_grad):
-                where = hook_pass_tensor(tensor, self._entering_hook(position))
+            hooks = self._entering_hooks  # one per output position, made once
+            while len(hooks) < len(needs_grad):
+                hooks.append(WeakHook(self, "on_grad_entering", len(hooks)))
+            for tensor, hook in zip(needs_grad, hooks):
+                where = hook_pass_tensor(tensor, hook)
                 if where is not None:
                     placed.append(where)
 
@@ -507,13 +510,6 @@ class NonfiniteProbe:
                         self._forward_bad(w.module, w.args, w.kwargs)
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
-
-    def _entering_hook(self, position: int) -> WeakHook:
-        """One hook object per output position, made once and reused every pass."""
-        hooks = self._entering_hooks
-        while len(hooks) <= position:
-            hooks.append(WeakHook(self, "on_grad_entering", len(hooks)))
-        return hooks[position]
 
     def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off."""

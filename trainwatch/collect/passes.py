@@ -181,7 +181,7 @@ class ModelPasses:
         self._ends = tuple((name, item, item.pass_ends) for name, item, _ in self._listeners)
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
+        if (quiet.anywhere and quiet.replaying()) or id(module) not in self._hook_ids:
             # trainwatch's own re-run of the model, or a copy that took the hooks
             # along (a class whose own __deepcopy__ bypasses the reduction)
             return
@@ -200,13 +200,15 @@ class ModelPasses:
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Always called, even when the forward raised (the depth must come back down)."""
-        if getattr(quiet.state, "depth", 0) or id(module) not in self._hook_ids:
+        if (quiet.anywhere and quiet.replaying()) or id(module) not in self._hook_ids:
             return
         if output is None and self.on_raise is not None:
             self._raised(module)
-        self._depth = max(0, self._depth - 1)
-        if self._depth != 0:
+        depth = self._depth - 1
+        if depth > 0:
+            self._depth = depth
             return
+        self._depth = 0
         self.inputs = None
         for name, listener, ends in self._ends:
             try:

@@ -11,18 +11,23 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-# Read directly on hot paths (``getattr(state, "depth", 0)``), to spare a call.
 state = threading.local()
+# Re-runs in progress in any thread: read directly on hot paths (``quiet.anywhere``,
+# one attribute load), and only when it is not zero is this thread's own depth asked.
+anywhere = 0
 
 
 def replaying() -> bool:
-    return getattr(state, "depth", 0) > 0
+    return anywhere > 0 and getattr(state, "depth", 0) > 0
 
 
 @contextmanager
 def replay() -> Iterator[None]:
+    global anywhere
+    anywhere += 1
     state.depth = getattr(state, "depth", 0) + 1
     try:
         yield
     finally:
         state.depth -= 1
+        anywhere -= 1

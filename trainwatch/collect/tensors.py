@@ -65,6 +65,9 @@ def tensor_leaves(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[
         yield from tensor_leaves(item, f"{path}.{key}" if path else str(key), depth + 1)
 
 
+_STRIDED = torch.strided
+
+
 def is_checkable_float(tensor: torch.Tensor) -> bool:
     """A real floating tensor with values in ordinary (strided) storage."""
     return tensor.is_floating_point() and tensor.layout == torch.strided and tensor.numel() > 0
@@ -73,9 +76,7 @@ def is_checkable_float(tensor: torch.Tensor) -> bool:
 def floating_list(value: Any) -> list[torch.Tensor]:
     """``floating_tensors`` as a list, with no walk for the usual plain tensor output."""
     if type(value) is torch.Tensor:
-        checkable = (
-            value.is_floating_point() and value.layout == torch.strided and value.numel() > 0
-        )
+        checkable = value.is_floating_point() and value.layout is _STRIDED and value.numel() > 0
         return [value] if checkable else []
     return list(floating_tensors(value))
 
@@ -169,7 +170,6 @@ def non_leaf(tensor: torch.Tensor) -> bool:
 # and checked one by one: cheaper than a sum and its read (a batch-of-one
 # policy's logits, a value head's output), and no op at all.
 _READ_AS_FLOATS = 16
-_CPU = torch.device("cpu")
 
 
 def finite_exact(tensor: torch.Tensor) -> bool:
@@ -178,12 +178,15 @@ def finite_exact(tensor: torch.Tensor) -> bool:
     A small CPU tensor is read as floats; any other gets one fp32 sum, and the
     exact elementwise check only when that sum is not finite.
     """
-    if tensor.numel() <= _READ_AS_FLOATS and tensor.device == _CPU and type(tensor) is torch.Tensor:
+    if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.numel() <= _READ_AS_FLOATS:
         values = tensor.tolist()
-        if type(values) is float:
+        dims = tensor.dim()
+        if dims == 0:
             values = (values,)
+        elif dims == 2:  # a batch of one's row
+            values = chain.from_iterable(values)
         else:
-            for _ in range(tensor.dim() - 1):
+            for _ in range(dims - 1):
                 values = chain.from_iterable(values)
         if all(map(math.isfinite, values)):
             return True

@@ -1,0 +1,111 @@
+"""The never-called check listens to the model's passes only while a layer waits.
+
+Once every tracked module has been called, the passes of a model pay nothing
+for it; a head added later (a new training phase) is tracked again, and a
+never-called one among the new layers is still named.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from torch import nn
+
+import trainwatch as tw
+from tests.test_never_called_in_optimizer import TwoHeads
+
+
+def _listening(monitor: tw.Monitor) -> bool:
+    return "call tracker" in monitor._pipeline.passes.listener_names()
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+        opt.step()
+
+
+def test_every_layer_called_stops_the_call_tracker_listening_and_nothing_fires():
+    torch.manual_seed(0)
+    model = TwoHeads()
+    model.use_aux = True
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        assert _listening(monitor)
+        _steps(model, opt, 2)
+        assert not _listening(monitor)
+        _steps(model, opt, 4)
+    assert monitor.alerts == []
+
+
+def test_a_layer_never_called_keeps_it_listening_and_is_named():
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 6)
+        assert _listening(monitor)
+    assert [(a.rule, a.module, a.data["kind"]) for a in monitor.alerts] == [
+        ("zero_gradient", "aux_head", "never_called")
+    ]
+
+
+class _Grown(nn.Module):
+    """A trunk trained alone, then a second phase that adds two heads and calls one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.main_head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main_head(self.trunk(x))
+
+
+def _grow(model: _Grown) -> torch.optim.Optimizer:
+    model.extra = nn.Linear(16, 1)  # called from the new phase's forward
+    model.cut = nn.Linear(16, 1)  # called, its output detached: a cut, not an unused head
+    model.spare = nn.Linear(16, 4)  # left out of it: never called
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = model.trunk(x)
+        out = model.main_head(h) + model.extra(h)
+        return out + model.cut(h).detach() if hasattr(model, "cut") else out
+
+    model.forward = forward
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def test_layers_added_after_every_layer_was_called_are_tracked_again():
+    torch.manual_seed(0)
+    model = _Grown()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 3)
+        assert not _listening(monitor)
+        opt = _grow(model)
+        monitor.add_optimizer(opt)
+        _steps(model, opt, 8)
+    found = [(a.rule, a.module, a.data.get("kind")) for a in monitor.alerts if a.severity != "info"]
+    assert ("zero_gradient", "spare", "never_called") in found
+    assert ("zero_gradient", "cut", "never_called") not in found
+    assert any(module == "cut" for _, module, _ in found)
+    assert all(module != "extra" for _, module, _ in found)
+
+
+def test_layers_added_and_all_called_are_clean():
+    torch.manual_seed(0)
+    model = _Grown()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 3)
+        opt = _grow(model)
+        del model.spare, model.cut
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        monitor.add_optimizer(opt)
+        _steps(model, opt, 8)
+        assert not _listening(monitor)
+    assert [a for a in monitor.alerts if a.severity != "info"] == []
