@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ _WRAPPER_SEARCHES = 3
 
 
 _PARAMS = itemgetter("params")  # a param group's parameters
+_GROUPS = attrgetter("param_groups")  # an optimizer's
 
 
 @dataclass(slots=True)
@@ -128,6 +129,7 @@ class StepPipeline:
         self.config = config
         self.rules = rules
         self._rule_ids = {rule.id for rule in rules}
+        self._checks_not_optimized = "not_optimized" in self._rule_ids
         # Every N-th step, the weights just updated are checked too (0: never).
         self._parameter_every = (
             config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
@@ -415,12 +417,12 @@ class StepPipeline:
                 if param.requires_grad:
                     owner = info(param).owner
                     record.trainable_by_module[owner] = record.trainable_by_module.get(owner, 0) + 1
-        if not manual and "not_optimized" in self._rule_ids:
-            record.not_optimized = [
-                info(p)
-                for p in self._unoptimized_params()
-                if p.requires_grad and p.grad is not None
-            ]
+        if not manual and self._checks_not_optimized:
+            unoptimized = self._unoptimized_params()
+            if unoptimized:  # usually none: every parameter is some optimizer's
+                record.not_optimized = [
+                    info(p) for p in unoptimized if p.requires_grad and p.grad is not None
+                ]
         if self._audits_setup:
             # Counts the step has already made: a requires_grad flip, a param
             # group or a parameter added changes them. No call on a healthy step.
@@ -481,10 +483,15 @@ class StepPipeline:
         if self.probe is not None and self.probe.enabled:
             window = self.probe.take()
             pending.window = window
-            for name in ("sums", "grad_sums", "skipped"):
-                tensor = getattr(window, name)
-                if tensor is not None:
-                    pending.window_slots[name] = frame.add(tensor)
+            if (
+                window.sums is not None
+                or window.grad_sums is not None
+                or window.skipped is not None
+            ):
+                for name in ("sums", "grad_sums", "skipped"):
+                    tensor = getattr(window, name)
+                    if tensor is not None:
+                        pending.window_slots[name] = frame.add(tensor)
         if self.scaler is not None:
             scale = self._guarded("loss scale", scale_tensor, self.scaler)
             if scale is not None:
@@ -538,7 +545,9 @@ class StepPipeline:
             self.judge.judge(
                 record,
                 pending.window,
-                {name: slot.values() for name, slot in pending.window_slots.items()},
+                # (none: the empty dict itself, made for nothing new)
+                pending.window_slots
+                and {name: slot.values() for name, slot in pending.window_slots.items()},
                 pending.checked_params,
                 pending.param_norms.values() if pending.param_norms is not None else [],
                 self.probe.modules if self.probe is not None else list,
@@ -622,13 +631,10 @@ class StepPipeline:
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
-        key = tuple(
-            [
-                (id(group["params"]), len(group["params"]))
-                for opt in self._optimizers
-                for group in opt.param_groups
-            ]
-        ) + (id(self.layers),)
+        # What membership depends on, in C loops: each group's list of
+        # parameters (replaced or grown in place) and the layer map.
+        lists = list(map(_PARAMS, chain.from_iterable(map(_GROUPS, self._optimizers))))
+        key = (id(self.layers), *map(id, lists), *map(len, lists))
         if key != self._membership_key:
             held = {
                 id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]

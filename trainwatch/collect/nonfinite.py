@@ -421,11 +421,15 @@ class NonfiniteProbe:
             # A backward no step used since (GradScaler skipped it, or gradient
             # accumulation): only then is what entered the model summed.
             self._note_pass(self._entering_flag())
+        else:
+            self._this_pass = _new_pass_state()
+            return  # no backward since the last pass: nothing noted
         # Identity matches and autograd nodes only matter within one pass:
         # a new record keeps memory flat across many passes per step.
         self._this_pass = _new_pass_state()
         # Told only once enough backward passes went without a step (GradScaler
-        # skipping): the monitor sets the count.
+        # skipping): the monitor sets the count (at a step's end, when the
+        # step's list of passes is new, so only a pass noted here can reach it).
         if self.on_new_pass is not None and (
             len(self._this_step.bad_backward_passes) >= self.passes_worth_a_look
         ):
