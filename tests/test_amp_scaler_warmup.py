@@ -55,9 +55,13 @@ def train_fp16(
     pass_scaler: bool = True,
     check: str = "auto",
     growth_interval: int = 2000,
+    logged_pass: bool = False,
     **overrides,
 ) -> tuple[tw.Monitor, int]:
     """A plain fp16 AMP loop; ``overflow(i)`` plants an overflowing loss at iteration i.
+
+    ``logged_pass``: each iteration also runs the model on another batch with
+    grad on (a metric written without ``no_grad``), left out of the loss.
 
     Returns the monitor and how many iterations the scaler skipped.
     """
@@ -78,6 +82,8 @@ def train_fp16(
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 out = model(x)
+                if logged_pass:
+                    model(_batch(family)[0]).float().mean().item()
             loss = nn.functional.mse_loss(out.float(), y)
             if overflow(i):
                 loss = loss * float("inf")
@@ -112,6 +118,27 @@ def test_skipping_ten_in_a_row_after_updates_began_warns_at_that_step(family, ch
     (alert,) = amp_alerts(monitor)
     assert (alert.step, alert.severity, alert.module) == (updates, "warning", None)
     assert alert.data["skipped"] == 10
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_skipping_ten_in_a_row_with_a_pass_left_out_of_the_loss_warns_at_that_step(check):
+    """The skipped backward passes are counted through the pass they reached, not the
+    logged pass made after it."""
+    monitor, _ = train_fp16(
+        "mlp", 45, init_scale=2.0**24, overflow=lambda i: i >= 25, check=check, logged_pass=True
+    )
+    updates = monitor.step_count
+    assert updates > 5
+    (alert,) = amp_alerts(monitor)
+    assert (alert.step, alert.severity, alert.module) == (updates, "warning", None)
+    assert alert.data["skipped"] == 10
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_warm_up_skipping_with_a_pass_left_out_of_the_loss_is_silent(check):
+    monitor, skipped = train_fp16("mlp", 36, init_scale=2.0**40, check=check, logged_pass=True)
+    assert skipped >= 20
+    assert monitor.alerts == []
 
 
 @pytest.mark.parametrize("family", ["mlp", "cnn"])

@@ -190,6 +190,13 @@ class _PassState:
     backward: bool = False  # a backward pass reached the model
     bad: bool = False  # and what entered it was non-finite
     grads: list[torch.Tensor] = field(default_factory=list)  # its gradient sums (deferred)
+    # Which awaited pass (its number) last_call is, once a backward reached one.
+    replay_seq: int = -1
+
+
+# A pass with grad whose backward may come: (its number, its call, what entered
+# it, by output position). A plain tuple: one is made per pass.
+_AwaitedPass = tuple[int, tuple[nn.Module, Any, Any], list[torch.Tensor | None]]
 
 
 @dataclass(slots=True)
@@ -214,9 +221,9 @@ class _StepState:
     immediate_grads: bool = True
     any_bad_grad: bool = False
     grad_entering_bad: bool = False
-    # Where this step's last pass's entering hooks sit: a later pass takes them
-    # out, so that only the pass a replay would run records what entered it.
-    entering_hooks: list[PlacedHook] = field(default_factory=list)
+    # Where the entering hooks of this step's last two passes with grad sit
+    # (one list a pass): an earlier pass's are taken out.
+    awaiting: list[list[PlacedHook]] = field(default_factory=list)
     output_bad: bool = False
     # A backward replay of this step ran (and found what it found).
     backward_replayed: bool = False
@@ -257,7 +264,7 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
-        self._entering_hooks: list[WeakHook] = []
+        self._pass_seq = 0  # passes awaiting a backward, counted
         self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
@@ -466,25 +473,39 @@ class NonfiniteProbe:
                     break
         needs_grad = [o for o in outs if o.requires_grad and o.grad_fn is not None]
         if needs_grad and torch.is_grad_enabled():
-            # References to the batch (not copies) until the next pass: what a
-            # backward replay needs if this step's gradients turn out bad.
-            self._this_pass.last_call = (module, args, kwargs)
-            self._this_pass.grad_entering = [None] * len(needs_grad)
-            placed = self._this_step.entering_hooks
-            if placed:
-                # Passes summed into one loss: an earlier pass's gradient would land
-                # in this pass's record (of another batch, perhaps of another
-                # size), and call into Python once more in backward for nothing.
-                for hook in placed:
-                    take_out(hook)
-                placed.clear()
-            hooks = self._entering_hooks  # one per output position, made once
-            while len(hooks) < len(needs_grad):
-                hooks.append(WeakHook(self, "on_grad_entering", len(hooks)))
-            for tensor, hook in zip(needs_grad, hooks):
-                where = hook_pass_tensor(tensor, hook)
-                if where is not None:
-                    placed.append(where)
+            self._await_backward(module, args, kwargs, needs_grad)
+
+    def _await_backward(
+        self, module: nn.Module, args: Any, kwargs: Any, needs_grad: list[torch.Tensor]
+    ) -> None:
+        """Hook where backward enters this pass: the pass a backward replay would run.
+
+        References to the batch (not copies), kept with the pass's own record
+        of what entered it. The pass whose hook fires becomes the pass to
+        replay, so a pass with grad left out of the loss (a metric taken
+        without ``no_grad``) does not stand in for the one backpropagated, and
+        passes summed into one loss each keep their own gradient. Until a
+        backward comes, the latest pass stands. The hooks of the last two
+        passes stay: a batch-of-one loop's tens of passes call into Python
+        twice in backward, not once per pass.
+        """
+        self._pass_seq += 1
+        call, entering = (module, args, kwargs), [None] * len(needs_grad)
+        candidate = (self._pass_seq, call, entering)
+        this = self._this_pass
+        if this.replay_seq < 0:  # no backward has reached a pass since this one began
+            this.last_call, this.grad_entering = call, entering
+        placed: list[PlacedHook] = []
+        for position, tensor in enumerate(needs_grad):
+            hook = WeakHook(self, "on_grad_entering", candidate, position)
+            where = hook_pass_tensor(tensor, hook)
+            if where is not None:
+                placed.append(where)
+        awaiting = self._this_step.awaiting
+        awaiting.append(placed)
+        if len(awaiting) > 2:
+            for hook in awaiting.pop(0):
+                take_out(hook)
 
     def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._step_bad = self._this_step.output_bad = True
@@ -515,13 +536,20 @@ class NonfiniteProbe:
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
 
-    def on_grad_entering(self, position: int, grad: torch.Tensor) -> None:
-        """Kept, not summed: the step's gradient norms show whether anything is off."""
+    def on_grad_entering(self, candidate: _AwaitedPass, position: int, grad: torch.Tensor) -> None:
+        """Kept, not summed: the step's gradient norms show whether anything is off.
+
+        Of the passes backward reaches, the latest is the one a replay runs.
+        """
         if not self.enabled or self.suspended:
             return
-        self._this_pass.backward = True
-        if position < len(self._this_pass.grad_entering):
-            self._this_pass.grad_entering[position] = grad
+        seq, call, entering = candidate
+        entering[position] = grad
+        this = self._this_pass
+        this.backward = True
+        if seq > this.replay_seq:
+            this.replay_seq = seq
+            this.last_call, this.grad_entering = call, entering
 
     def _entering_flag(self) -> torch.Tensor | float:
         """Whether the gradient that entered the model in the last backward was non-finite:
