@@ -54,7 +54,7 @@ def test_a_layer_never_called_keeps_it_listening_and_is_named():
 
 
 class _Grown(nn.Module):
-    """A trunk trained alone, then a second phase that adds two heads and calls one."""
+    """A trunk trained alone, then a second phase that adds three heads (see ``_grow``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -570,39 +570,10 @@ def test_a_no_grad_pass_between_forward_and_backward_keeps_the_backward_fault_lo
         assert first.data["op"] == "aten::pow"
 
 
-def _a_pass_left_out_of_the_loss(model, device, steps=4):
-    """A metric on another batch taken with grad on (no ``no_grad``) between the
-    training pass and its backward: that pass's graph is never backpropagated."""
-    model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(0)
-    with tw.watch(model, opt, console=False) as monitor:
-        for step in range(steps):
-            if isinstance(model.fault, ZeroNorm):
-                model.fault.armed = step >= 2
-            x, x_seen = (torch.randn(n, 8, generator=gen).to(device) for n in (16, 4))
-            opt.zero_grad()
-            predicted = model(x)
-            seen = model(x_seen).mean().item()  # logged, not trained on
-            (predicted.pow(2).mean() + 0.0 * seen).backward()
-            opt.step()
-    return monitor
-
-
-def test_a_grad_pass_left_out_of_the_loss_keeps_the_backward_fault_located(device, traced):
-    """The replay runs the pass backward reached, with its gradient, not the later one."""
-    first = nonfinite(_a_pass_left_out_of_the_loss(Net(ZeroNorm(), "middle"), device))[0]
-    assert (first.rule, first.step, first.module) == ("nonfinite_backward", 2, "fault")
-    if traced:
-        assert first.data["op"] == "aten::pow"
-
-
-def test_a_healthy_grad_pass_left_out_of_the_loss_is_clean(device):
-    assert nonfinite(_a_pass_left_out_of_the_loss(Net(), device)) == []
-
-
-def _two_passes_a_step(model, device, steps=4):
-    """Two batches of different sizes through the model each step, one loss."""
+def _two_passes_a_step(model, device, second="summed", steps=4):
+    """Two batches of different sizes through the model each step. ``second``:
+    ``summed`` into the one loss, or ``left out`` of it (a metric taken with grad
+    on, no ``no_grad``, between the training pass and its backward)."""
     model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(0)
@@ -613,18 +584,25 @@ def _two_passes_a_step(model, device, steps=4):
             large = model(torch.randn(16, 8, generator=gen).to(device))
             small = model(torch.randn(4, 8, generator=gen).to(device))
             opt.zero_grad()
-            (large.pow(2).mean() + small.pow(2).mean()).backward()
+            if second == "summed":
+                (large.pow(2).mean() + small.pow(2).mean()).backward()
+            else:
+                small.mean().item()  # logged, not trained on
+                large.pow(2).mean().backward()
             opt.step()
     return monitor
 
 
-def test_two_passes_summed_into_one_loss_locate_a_backward_fault_at_its_module(device, traced):
-    """The replay runs the last pass with the gradient that entered that pass (not the other's)."""
-    first = nonfinite(_two_passes_a_step(Net(ZeroNorm(), "middle"), device))[0]
+@pytest.mark.parametrize("second", ["summed", "left out"])
+def test_two_passes_a_step_locate_a_backward_fault_at_its_module(device, traced, second):
+    """The replay runs the pass backward reached (the last, when both were), with the
+    gradient that entered that pass (not the other's)."""
+    first = nonfinite(_two_passes_a_step(Net(ZeroNorm(), "middle"), device, second))[0]
     assert (first.rule, first.step, first.module) == ("nonfinite_backward", 2, "fault")
     if traced:
         assert first.data["op"] == "aten::pow"
 
 
-def test_two_healthy_passes_summed_into_one_loss_are_clean(device):
-    assert nonfinite(_two_passes_a_step(Net(), device)) == []
+@pytest.mark.parametrize("second", ["summed", "left out"])
+def test_two_healthy_passes_a_step_are_clean(device, second):
+    assert nonfinite(_two_passes_a_step(Net(), device, second)) == []
