@@ -305,6 +305,11 @@ class Monitor:
             return
         try:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
+            unfinished = self._guarded(
+                "step collector", self._pipeline.unfinished_alerts, self._step
+            )
+            if unfinished:
+                self._dispatcher.publish(unfinished, may_halt=False)
             if self._pipeline.behaviour is not None:
                 for record in self._pipeline.behaviour.eval_passes.flush():
                     self._dispatcher.publish(self._rules.evaluate(record), may_halt=False)

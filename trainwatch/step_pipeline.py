@@ -599,6 +599,38 @@ class StepPipeline:
             alerts.extend(self.late_loss_alerts(*late))
         return alerts
 
+    def unfinished_alerts(self, step: int) -> list[Alert]:
+        """What the passes of a step that never reached its boundary found.
+
+        A loop that stops on a NaN itself (``if not torch.isfinite(loss):
+        raise``), or that a NaN makes fail (a distribution refusing NaN
+        logits), never steps its optimizer: the origin its forward found
+        would wait for a boundary that does not come. Asked at close.
+        """
+        probe = self.probe
+        if probe is None or not probe.enabled or not probe.found_in_step():
+            return []
+        if probe.at_step:
+            probe.settle(None)  # the waiting passes' one scalar, and a replay if bad
+        window = probe.take()
+        values = {
+            name: tensor.reshape(-1).float().tolist()
+            for name in ("sums", "grad_sums", "skipped")
+            if (tensor := getattr(window, name)) is not None
+        }
+        record = StepRecord(step=step, source="passes")
+        self.judge.judge(
+            record,
+            window,
+            values,
+            [],
+            [],
+            probe.modules,
+            self._dispatcher.reported,
+            self.layers.info,
+        )
+        return self.rules.evaluate(record)
+
     def late_loss_alerts(self, step: int, value: float | None) -> list[Alert]:
         """A loss handed over after its optimizer step, judged with the next one."""
         if value is None or math.isfinite(value):

@@ -928,6 +928,19 @@ class NonfiniteProbe:
     def modules(self) -> list[nn.Module | None]:
         return [ref() for ref in self._modules]
 
+    def found_in_step(self) -> bool:
+        """Whether the step in progress met a NaN/Inf already (or has outputs still to
+        be read: on a device, until the step's one scalar is read)."""
+        step = self._this_step
+        return bool(
+            step.forward_origin is not None
+            or step.backward_origin is not None
+            or step.output_bad
+            or step.grad_entering_bad
+            or self._waiting
+            or step.sums
+        )
+
     def take(self) -> StepWindow:
         """Hand over what this step gathered and start the next one."""
         window = StepWindow(
