@@ -158,6 +158,24 @@ def test_division_by_zero_is_located_at_its_module_step_and_op(device, traced, w
     assert len({a.rule for a in nonfinite(monitor)}) == 1  # no cascade alerts
 
 
+def test_an_overflow_inside_a_torch_module_names_no_line_of_trainwatch(device, traced):
+    """``nn.Linear``'s own ``addmm`` overflows (weights grown huge, as a learning rate
+    far too high makes them): the re-run runs inside trainwatch, which is no line
+    of the user's; the module and op say where."""
+
+    def plant(step, model, x, y):
+        if step == 3:
+            with torch.no_grad():
+                model.head.weight.fill_(3e38)
+        return x, y
+
+    first = nonfinite(run(Net(), device, 5, plant=plant))[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 3, "head")
+    if traced:
+        assert first.data["op"] == "aten::addmm"
+    assert "trainwatch" not in first.data.get("source", "")
+
+
 def _line_of(text: str) -> int:
     with open(__file__) as source:
         for number, line in enumerate(source, 1):

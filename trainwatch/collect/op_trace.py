@@ -31,12 +31,10 @@ from trainwatch.collect.tensors import (
 )
 from trainwatch.compiled import eager
 
-# Frames that are never the user's line: PyTorch's and trainwatch's own
-# collectors (the re-run and the trace sit on the stack below the user's code).
-_SKIP_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
+# Frames that are never the user's line: PyTorch's and trainwatch's own.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TRAINWATCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIP_DIRS = (_TORCH_DIR, _TRAINWATCH_DIR)
 
 
 @dataclass(frozen=True)
@@ -62,9 +60,23 @@ def _mutates_an_input(func: Any) -> bool:
 
 
 def _user_line() -> str | None:
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(_SKIP_DIRS) and "<frozen" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno}"
+    """The innermost line of the user's code below the op, past the mode that saw it.
+
+    Past the trace's own frames and PyTorch's, a frame of trainwatch's means
+    the op ran in one of PyTorch's own modules that trainwatch re-ran (a replay
+    of ``nn.Linear``): no line of the user's called it there, and the loop's
+    line further out (where the whole model was called) would mislead.
+    """
+    frames = reversed(traceback.extract_stack())
+    in_mode = True  # the mode's own frames (trainwatch's), innermost
+    for frame in frames:
+        name = frame.filename
+        if in_mode and name.startswith(_TRAINWATCH_DIR):
+            continue
+        in_mode = False
+        if name.startswith(_TORCH_DIR) or "<frozen" in name:
+            continue
+        return None if name.startswith(_TRAINWATCH_DIR) else f"{name}:{frame.lineno}"
     return None
 
 
