@@ -91,6 +91,19 @@ class ZeroNorm(nn.Module):
         return x * (v * v).sum(dim=1, keepdim=True).pow(0.5)
 
 
+class NormalizedWithEpsilon(nn.Module):
+    """``x / (sqrt(sum x^2) + eps)``: the epsilon guards the division, not sqrt's
+    derivative at 0 (what a zero row meets once ``armed``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x - x if self.armed else x
+        return x / (torch.sqrt((v * v).sum(dim=1, keepdim=True)) + 1e-6)
+
+
 class Net(nn.Module):
     def __init__(self, fault: nn.Module | None = None, where: str = "middle") -> None:
         super().__init__()
@@ -174,6 +187,21 @@ def test_an_overflow_inside_a_torch_module_names_no_line_of_trainwatch(device, t
     if traced:
         assert first.data["op"] == "aten::addmm"
     assert "trainwatch" not in first.data.get("source", "")
+
+
+def test_a_backward_fault_behind_a_guarded_division_names_sqrt_not_the_division(device, traced):
+    """The replay's backward sees which node made the first NaN/Inf: sqrt's derivative
+    (computed as a division), not the division an epsilon already guards."""
+
+    def plant(step, model, x, y):
+        model.fault.armed = step >= 3
+        return x, y
+
+    first = nonfinite(run(Net(NormalizedWithEpsilon(), "middle"), device, 5, plant=plant))[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_backward", 3, "fault")
+    if traced:
+        assert (first.data["op"], first.data["op_basis"]) == ("aten::sqrt", "re-run")
+        assert "sqrt" in first.hint and "epsilon to the denominator" not in first.hint
 
 
 def _line_of(text: str) -> int:

@@ -58,6 +58,7 @@ from trainwatch.collect.nonfinite_locate import (
     sums_as_codes,
 )
 from trainwatch.collect.nonfinite_replay import (
+    FirstNonfiniteBackward,
     Replay,
     backward_leaving_grads,
     replay_target,
@@ -265,6 +266,8 @@ class NonfiniteProbe:
         self._on_error = on_error
         self.on_new_pass: Any = None
         self._pass_seq = 0  # passes awaiting a backward, counted
+        # During a backward replay: the node that made its first NaN/Inf, once seen.
+        self._backward_watch: FirstNonfiniteBackward | None = None
         self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []
@@ -618,7 +621,12 @@ class NonfiniteProbe:
             pairs = [(o, g) for o, g in zip(outs, self._this_pass.grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]
             if pairs and params:
-                backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
+                self._backward_watch = FirstNonfiniteBackward()
+                try:
+                    with self._backward_watch:
+                        backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
+                finally:
+                    self._backward_watch = None  # the graph it saw goes with the replay
                 self._this_step.backward_replayed = True
         return True
 
@@ -885,9 +893,11 @@ class NonfiniteProbe:
             dtype=str(grad.dtype),
             device=str(grad.device),
         )
-        op = backward_op(*self._this_pass.grad_fns.get(id(call), (None, set())))
+        watch = self._backward_watch
+        grad_fn, stop = self._this_pass.grad_fns.get(id(call), (None, set()))
+        op = backward_op(grad_fn, stop, seen_bad=watch.node if watch is not None else None)
         if op is not None:
-            finding.op, finding.op_basis = op, "autograd graph"
+            finding.op, finding.op_basis = op
         self._this_step.backward_origin = finding
 
     def _grad_index(self, grad: torch.Tensor) -> int | None:

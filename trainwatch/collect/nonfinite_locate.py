@@ -252,16 +252,47 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def backward_op(grad_fn: Any, stop: set[int], limit: int = 64) -> str | None:
-    """The op inside a module whose backward most likely made the NaN/Inf.
+def backward_op(
+    grad_fn: Any, stop: set[int], limit: int = 64, seen_bad: Any = None
+) -> tuple[str, str] | None:
+    """The op inside a module whose backward made the NaN/Inf, and how it is known.
 
-    Autograd keeps no values to test, so this names the first op (walking from
-    the module's output towards its inputs) whose derivative is known to blow
-    up at the edge of its domain (sqrt at 0, the norm of a zero vector, log at
-    0, division by 0), or else the output's own op.
+    ``seen_bad``: the autograd node a replay's backward saw make the first
+    NaN/Inf from finite values; named when it lies inside the module (``re-run``).
+    Else autograd keeps no values to test, so this names the first op (walking
+    from the module's output towards its inputs) whose derivative is known to
+    blow up at the edge of its domain (sqrt at 0, the norm of a zero vector,
+    log at 0, division by 0), or else the output's own op (``autograd graph``).
     """
     if grad_fn is None:
         return None
+    if seen_bad is not None and _reaches(grad_fn, stop, seen_bad, limit * 4):
+        return _node_op(type(seen_bad).__name__), "re-run"
+    op = _edge_op(grad_fn, stop, limit)
+    return (op, "autograd graph") if op is not None else None
+
+
+def _node_op(name: str) -> str:
+    """``SqrtBackward0`` -> ``aten::sqrt``: the forward op a backward node differentiates."""
+    return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
+
+
+def _reaches(grad_fn: Any, stop: set[int], target: Any, limit: int) -> bool:
+    """Whether ``target`` lies between the module's output node and its inputs'."""
+    seen: set[int] = set()
+    queue = [grad_fn]
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        if node is target:
+            return True
+        seen.add(id(node))
+        queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return False
+
+
+def _edge_op(grad_fn: Any, stop: set[int], limit: int) -> str | None:
     seen: set[int] = set()
     queue = [grad_fn]
     first_name: str | None = None
@@ -276,8 +307,8 @@ def backward_op(grad_fn: Any, stop: set[int], limit: int = 64) -> str | None:
         if first_name is None:
             first_name = name
         if _DOMAIN_EDGE.match(name):
-            return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
+            return _node_op(name)
         queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     if first_name is None:
         return None
-    return "aten::" + _snake(re.sub(r"Backward\d*$", "", first_name))
+    return _node_op(first_name)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding
@@ -120,6 +122,32 @@ class Replay:
         self.probe._this_pass.calls_in_progress.clear()
         self._stack.close()
         return True  # a replay that fails only means no finer location
+
+
+class FirstNonfiniteBackward(TorchDispatchMode):
+    """Watches a replay's backward: the autograd node whose op first made a NaN/Inf
+    out of finite values (``SqrtBackward0`` at a zero: its op is a division, the
+    node says what it differentiates). Only in a replay: a check per op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: Any = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.node is None:
+            node = torch._C._current_autograd_node()
+            if node is not None and not _finite(out) and _finite((args, kwargs)):
+                self.node = node
+        return out
+
+
+def _finite(value: Any) -> bool:
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in tree_leaves(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+    )
 
 
 def backward_leaving_grads(
