@@ -116,6 +116,40 @@ def test_frozen_batch_norm_for_fine_tuning_is_one_info_line(quiet_watch):
     assert rules_of(monitor) == []
 
 
+def _fine_tune_with_validation(quiet_watch, train_again: bool):
+    """Batch norm kept in eval on purpose; a validation every 3 steps, after which
+    training resumes with ``model.train()`` and the norm put back in eval, or not."""
+    model, opt, monitor = _setup(quiet_watch)
+    model.bn.eval()
+    for step in range(9):
+        _train(model, opt, 1, seed=step)
+        if step % 3 == 2:
+            model.eval()
+            _evaluate(model, 1)
+            if train_again:
+                model.train()
+                model.bn.eval()
+    return monitor
+
+
+def test_fine_tuning_that_forgets_model_train_after_validation_warns_past_its_frozen_norm(
+    quiet_watch,
+):
+    """The frozen norm's info line does not stand for the later warning on the same layer."""
+    monitor = _fine_tune_with_validation(quiet_watch, train_again=False)
+    alerts = [(a.severity, a.step) for a in monitor.alerts if a.rule == "train_in_eval_mode"]
+    assert alerts == [("info", 0), ("warning", 3)]
+    (warning,) = [a for a in monitor.alerts if a.severity == "warning"]
+    assert warning.data["modules"] == ["bn", "drop"] and "model.train()" in warning.hint
+
+
+def test_fine_tuning_that_trains_again_after_validation_keeps_its_one_info_line(quiet_watch):
+    monitor = _fine_tune_with_validation(quiet_watch, train_again=True)
+    alerts = [(a.severity, a.step) for a in monitor.alerts if a.rule == "train_in_eval_mode"]
+    assert alerts == [("info", 0)]
+    assert rules_of(monitor) == []
+
+
 def test_validation_with_gradients_on_in_eval_mode_is_not_a_training_step(quiet_watch):
     model, opt, monitor = _setup(quiet_watch)
     _train(model, opt, 2)

@@ -94,6 +94,8 @@ class TrainInEvalModeRule(Rule):
             f"while the rest of the model trains: {_listing(report)}",
             "the usual fine-tuning idiom (frozen batch-norm statistics); nothing to do "
             "if that is the intent.",
-            _data(report),
+            # A finding of its own: a later step that trains with dropout off too
+            # (an evaluation left the model in eval) still warns about the same layer.
+            {**_data(report), "finding": "normalisation kept in eval"},
         )
         return [dataclasses.replace(alert, severity="info")]
