@@ -150,6 +150,85 @@ def test_fine_tuning_that_trains_again_after_validation_keeps_its_one_info_line(
     assert rules_of(monitor) == []
 
 
+class Probe(nn.Module):
+    """A frozen feature extractor with batch norm and dropout, and a trained head."""
+
+    def __init__(self, head_dropout: bool = True) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2)
+        )
+        self.drop = nn.Dropout(0.1) if head_dropout else nn.Identity()
+        self.head = nn.Linear(16, 1)
+        self.backbone.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.backbone(x)))
+
+
+def _linear_probe(quiet_watch, model: nn.Module, forget_train: bool):
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    model.backbone.eval()
+    for step in range(6):
+        _train(model, opt, 1, seed=step)
+        if step == 2:
+            model.eval()
+            _evaluate(model, 1)
+            model.train()
+            if not forget_train:
+                model.backbone.eval()
+            else:
+                model.drop.eval()  # a hand-written "train()" that missed the head
+    return monitor
+
+
+def test_a_frozen_backbone_kept_in_eval_with_its_dropout_is_one_info_line(quiet_watch):
+    torch.manual_seed(0)
+    monitor = _linear_probe(quiet_watch, Probe(), forget_train=False)
+    alerts = [(a.severity, a.step) for a in monitor.alerts if a.rule == "train_in_eval_mode"]
+    assert alerts == [("info", 0)]
+    (info,) = monitor.alerts
+    assert info.data["in_frozen_parts"] == ["backbone.1", "backbone.3"]
+    assert rules_of(monitor) == []
+
+
+def test_the_trained_head_dropout_left_in_eval_warns_naming_it(quiet_watch):
+    torch.manual_seed(0)
+    monitor = _linear_probe(quiet_watch, Probe(), forget_train=True)
+    (warning,) = [a for a in monitor.alerts if a.severity == "warning"]
+    assert (warning.rule, warning.step, warning.module) == ("train_in_eval_mode", 3, "drop")
+
+
+class Distiller(nn.Module):
+    """A student trained against a frozen teacher held inside the same module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = Probe(head_dropout=False)
+        self.teacher.requires_grad_(False)
+        self.student = DropNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.student(x) - target
+
+
+def test_a_frozen_teacher_in_eval_inside_the_model_is_no_warning(quiet_watch):
+    torch.manual_seed(0)
+    model = Distiller()
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    model.teacher.eval()
+    _train(model, opt, 6)
+    assert rules_of(monitor) == []
+    model.eval()  # and now the student too: the bug
+    _train(model, opt, 1, seed=7)
+    (warning,) = [a for a in monitor.alerts if a.severity == "warning"]
+    assert (warning.rule, warning.module) == ("train_in_eval_mode", "student.bn")
+
+
 def test_validation_with_gradients_on_in_eval_mode_is_not_a_training_step(quiet_watch):
     model, opt, monitor = _setup(quiet_watch)
     _train(model, opt, 2)

@@ -63,6 +63,10 @@ class ModeReport:
     # (``model.eval()`` with no ``model.train()``), not a chosen part of it.
     whole_model: bool
     total: int  # mode-dependent modules in the model
+    # Those of ``modules`` inside a frozen part of the model (the nearest module
+    # holding parameters, itself or an ancestor, has none that trains): a frozen
+    # backbone, teacher or loss network kept in eval on purpose.
+    in_frozen_parts: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -190,4 +190,28 @@ class ModeWatch:
             return None
         root = self._root()
         whole = root is not None and root.training == training
-        return ModeReport(names, kinds, whole, len(self.listed))
+        report = ModeReport(names, kinds, whole, len(self.listed))
+        if not training and root is not None:
+            report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name)]
+        return report
+
+
+def _in_frozen_part(root: nn.Module, name: str) -> bool:
+    """Whether the nearest module holding parameters, from ``name`` up, trains none.
+
+    Dropout has none of its own: the part around it (``backbone`` for
+    ``backbone.3``) says whether it is a frozen feature extractor. Asked only
+    when a training pass found modules in eval mode.
+    """
+    path = name.split(".") if name else []
+    while True:
+        try:
+            module = root.get_submodule(".".join(path))
+        except AttributeError:
+            return False
+        params = list(module.parameters())
+        if params:
+            return not any(p.requires_grad for p in params)
+        if not path:
+            return False
+        path.pop()

@@ -22,6 +22,7 @@ def _data(report: ModeReport) -> dict[str, object]:
         "kinds": report.kinds,
         "whole_model": report.whole_model,
         "mode_dependent": report.total,
+        "in_frozen_parts": report.in_frozen_parts,
     }
 
 
@@ -69,12 +70,22 @@ class TrainInEvalModeRule(Rule):
         report = record.train_in_eval
         if report is None:
             return []
-        norms_only = all("norm" in kind.lower() for kind in report.kinds)
-        if report.whole_model or not norms_only:
+        frozen = set(report.in_frozen_parts)
+        # Kept in eval on purpose: inside a frozen part (a backbone, a teacher, a
+        # loss network), or a normalisation layer (frozen statistics) where the
+        # model itself trains.
+        in_frozen_parts = len(frozen) == len(report.modules)
+        norms_only = all(
+            "norm" in kind.lower() or name in frozen
+            for name, kind in zip(report.modules, report.kinds)
+        )
+        if not in_frozen_parts and (report.whole_model or not norms_only):
+            # Named after the first module outside the frozen parts: what trains.
+            named = next((m for m in report.modules if m not in frozen), report.modules[0])
             return [
                 self.alert(
                     record.step,
-                    report.modules[0],
+                    named,
                     f"a training step ran with {len(report.modules)} of {report.total} "
                     f"mode-dependent modules in eval mode: {_listing(report)}",
                     "an evaluation called model.eval() and training resumed without "
@@ -87,13 +98,19 @@ class TrainInEvalModeRule(Rule):
         if self._told_partial:
             return []
         self._told_partial = True
+        count = len(report.modules)
+        if frozen:
+            kept = "module of a frozen part" if count == 1 else "modules of frozen parts"
+        else:
+            kept = "normalisation layer" if count == 1 else "normalisation layers"
         alert = self.alert(
             record.step,
             report.modules[0],
-            f"training with {len(report.modules)} normalisation layers kept in eval mode "
+            f"training with {count} {kept} kept in eval mode "
             f"while the rest of the model trains: {_listing(report)}",
-            "the usual fine-tuning idiom (frozen batch-norm statistics); nothing to do "
-            "if that is the intent.",
+            "the usual fine-tuning idiom (frozen batch-norm statistics; a frozen "
+            "backbone, teacher or loss network kept in eval); nothing to do if that "
+            "is the intent.",
             # A finding of its own: a later step that trains with dropout off too
             # (an evaluation left the model in eval) still warns about the same layer.
             {**_data(report), "finding": "normalisation kept in eval"},
