@@ -100,3 +100,46 @@ def test_manual_steps_without_optimizer_check_every_trainable_parameter(model, q
     assert monitor.step_count == 4
     (alert,) = monitor.alerts
     assert (alert.rule, alert.module, alert.step) == ("zero_gradient", "fc1", 0)
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x))
+
+
+@pytest.mark.parametrize("dead", [False, True])
+def test_a_bias_the_loss_cancels_is_silent_but_a_dead_layer_is_not(quiet_watch, dead):
+    """A WGAN critic's loss ``D(fake).mean() - D(real).mean()`` cancels its output
+    bias exactly (and a linear layer's bias before batch norm is cancelled the same
+    way): zero, while the layer's weight learns. A layer fed only zeros is dead."""
+    torch.manual_seed(0)
+    critic = Critic()
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    monitor = quiet_watch(critic, opt)
+    for _ in range(6):
+        real, fake = torch.randn(16, 8) + 1.0, torch.randn(16, 8)
+        if dead:
+            real, fake = real * 0.0, fake * 0.0
+        opt.zero_grad()
+        (critic(fake).mean() - critic(real).mean()).backward()
+        opt.step()
+    found = {a.module: a.data["parameters"] for a in monitor.alerts if a.rule == "zero_gradient"}
+    if dead:
+        assert found["body.0"] == ["body.0.weight", "body.0.bias"]
+        assert found["out"] == ["out.weight", "out.bias"]
+    else:
+        assert found == {}
+
+
+def test_a_bias_before_batch_norm_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    train(model, opt, 6)
+    assert rules_of(monitor) == []

@@ -50,6 +50,22 @@ def _reset_by_hand(record: StepRecord) -> frozenset[str]:
     return rewritten
 
 
+def _shift_free_biases(record: StepRecord) -> frozenset[str]:
+    """Biases with an exactly zero gradient in a layer whose weight learns.
+
+    The loss does not depend on that shift: a critic's output bias in
+    ``D(fake).mean() - D(real).mean()`` (WGAN), a bias that batch norm right
+    after removes. Dead units, a zero mask or a cut graph zero the weight's
+    gradient too, so those are still reported.
+    """
+    learning = {info.owner for info, norm in zip(record.present, record.param_norms) if norm != 0.0}
+    return frozenset(
+        info.name
+        for info, norm in zip(record.present, record.param_norms)
+        if norm == 0.0 and info.owner in learning and info.name.rsplit(".", 1)[-1] == "bias"
+    )
+
+
 class _Streak:
     __slots__ = ("start", "count", "kind", "reported")
 
@@ -90,10 +106,14 @@ class ZeroGradientRule(Rule):
         ]
         if 0.0 in record.param_norms and not record.sharded:  # a zero shard says nothing
             reset = _reset_by_hand(record) if record.rewritten else frozenset()
+            shift_free = _shift_free_biases(record)
             silent += [
                 (info, "zero")
                 for info, norm in zip(record.present, record.param_norms)
-                if norm == 0.0 and info.in_model and info.name not in reset
+                if norm == 0.0
+                and info.in_model
+                and info.name not in reset
+                and info.name not in shift_free
             ]
         if not silent and not self._streaks:
             return []  # the healthy step: every gradient there and non-zero
