@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from torch import nn
 
 from tests.conftest import rules_of, train
+from trainwatch.runner import run_script
 
 
 def test_frozen_layer_inside_optimizer_is_reported_at_attach(model, quiet_watch):
@@ -78,3 +82,66 @@ def test_not_optimized_is_silent_without_any_watched_optimizer(model, quiet_watc
         model(torch.randn(4, 8)).sum().backward()
         monitor.step()
     assert rules_of(monitor) == []
+
+
+GAN_SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+
+def set_trainable(module, flag):
+    for p in module.parameters():
+        p.requires_grad_(flag)
+
+
+torch.manual_seed(0)
+gan = GAN()
+opt_g = torch.optim.Adam(gan.generator.parameters(), lr=2e-4)
+opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=2e-4)
+if sys.argv[1] == "left frozen":
+    set_trainable(gan.discriminator[2], False)  # the bug: never unfrozen
+bce = nn.functional.binary_cross_entropy_with_logits
+for step in range(8):
+    real = torch.randn(32, 2) * 0.5 + 2.0
+    # generator update, the discriminator frozen meanwhile (the usual idiom)
+    set_trainable(gan.discriminator, False)
+    fake = gan.generator(torch.randn(32, 4))
+    opt_g.zero_grad()
+    bce(gan.discriminator(fake), torch.ones(32, 1)).backward()
+    opt_g.step()
+    set_trainable(gan.discriminator, True)
+    if sys.argv[1] == "left frozen":
+        set_trainable(gan.discriminator[2], False)
+    # discriminator update
+    opt_d.zero_grad()
+    d_real, d_fake = gan.discriminator(real), gan.discriminator(fake.detach())
+    (bce(d_real, torch.ones(32, 1)) + bce(d_fake, torch.zeros(32, 1))).backward()
+    opt_d.step()
+"""
+
+
+@pytest.mark.parametrize("case", ["toggled", "left frozen"])
+def test_an_optimizer_found_while_its_parameters_are_toggled_off_is_judged_at_its_step(
+    tmp_path, case
+):
+    """Unmodified GAN code that freezes the discriminator around the generator's update
+    (as Lightning's toggle_optimizer does): its optimizer, found then, is not frozen."""
+    script = tmp_path / "gan.py"
+    script.write_text(GAN_SCRIPT)
+    run_script(script, [case], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    frozen = [
+        (a["module"], a["data"]["frozen"])
+        for a in map(json.loads, lines)
+        if a["rule"] == "frozen_in_optimizer"
+    ]
+    # (trainwatch run watches the two networks the loop calls as models of their own)
+    assert frozen == ([] if case == "toggled" else [("2", 2)])

@@ -642,14 +642,23 @@ class StepPipeline:
         return self.rules.evaluate(record)
 
     def audit_optimizer(self, index: int) -> None:
-        """Checks that need no gradients, made when an optimizer is attached."""
+        """Checks that need no gradients, made when an optimizer is attached.
+
+        An optimizer whose parameters are all frozen now is judged at its own
+        first step instead: it was found while another one's update runs
+        (Lightning's ``toggle_optimizer`` freezes every parameter but that
+        optimizer's), which says nothing of its own.
+        """
         pending = self.gather(index, self._step_count(), attach=True)
         self.setup.due = True  # a new optimizer: which one holds what changed
+        frozen = pending.record.frozen
+        if frozen and not pending.record.present and not pending.record.missing:
+            frozen = []  # every parameter frozen: toggled off, for now
         record = StepRecord(
             step=self._step_count(),
             source="attach",
             optimizer=index,
-            frozen=pending.record.frozen,
+            frozen=frozen,
             trainable_by_module=pending.record.trainable_by_module,
             restarted_layers=pending.record.restarted_layers,
         )
