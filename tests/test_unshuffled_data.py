@@ -95,6 +95,53 @@ def test_the_same_data_shuffled_is_silent():
     assert found(fit({}, loader, mlp()).alerts) == []
 
 
+class IdentitySampler(torch.utils.data.Sampler):
+    """P x K batches (re-identification, metric learning): P random classes a batch,
+    K samples of each; a new draw of classes every batch."""
+
+    def __init__(self, labels: torch.Tensor, classes: int = 2, per_class: int = 4) -> None:
+        self.by_class = [torch.nonzero(labels == c).flatten() for c in range(CLASSES)]
+        self.classes, self.per_class = classes, per_class
+        self.batches = len(labels) // (classes * per_class)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def __iter__(self):
+        for _ in range(self.batches):
+            chosen = torch.randperm(CLASSES, generator=self.gen)[: self.classes]
+            yield [
+                int(i)
+                for c in chosen
+                for i in self.by_class[c][torch.randperm(PER_CLASS, generator=self.gen)][
+                    : self.per_class
+                ]
+            ]
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def test_a_batch_sampler_of_few_classes_by_design_is_silent():
+    """The P x K sampler's batches hold 2 classes where random ones would hold 6."""
+    x, y = sorted_by_label()
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=IdentitySampler(y))
+    assert found(fit({}, loader, mlp()).alerts) == []
+
+
+def test_the_same_batches_of_few_classes_without_the_loader_seen_still_warn():
+    """Handed no loader, trainwatch cannot tell the design from data stored sorted."""
+    x, y = sorted_by_label()
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=IdentitySampler(y))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    (alert,) = found(monitor.alerts)
+    assert alert.data["classes_per_batch"] == 2.0 and alert.data["sampler"] is None
+
+
 def test_a_sequential_sampler_over_data_stored_shuffled_is_one_info_line():
     x, y = sorted_by_label()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from trainwatch import registry, termination
 from trainwatch.alert import Alert
-from trainwatch.collect.data_order import sequential_order
+from trainwatch.collect.data_order import own_batching, sequential_order
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -234,6 +234,7 @@ class Monitor:
         order is normal.
         """
         self._pipeline.data_order = self._guarded("data order", sequential_order, loader)
+        self._pipeline.own_batching = self._guarded("data order", own_batching, loader)
 
     @property
     def data_order(self) -> str | None:

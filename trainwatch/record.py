@@ -127,6 +127,9 @@ class ClassTargets:
     per_position: bool = False
     # How the training DataLoader reads its data in order, when it is seen to.
     data_order: str | None = None
+    # The sampler of the user's own that composes its batches (few classes each
+    # by design: a P x K or episode sampler), when it is seen.
+    own_batching: str | None = None
 
 
 @dataclass

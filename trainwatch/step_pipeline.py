@@ -217,6 +217,7 @@ class StepPipeline:
             # Listens to the passes of sampled steps only, from step ``every`` on:
             # the first steps are the broadcast audit's.
         self.data_order: str | None = None
+        self.own_batching: str | None = None
         # Whether training changes the output on the first batch: its own sampled steps.
         self.stall: FirstBatchProbe | None = None
         if "first_batch" in needs:
@@ -501,7 +502,9 @@ class StepPipeline:
             counts = self._guarded("class target look", look.take)
             if counts is not None:
                 pending.class_counts = frame.add(counts)
-            record.class_targets = ClassTargets([], look.per_position, self.data_order)
+            record.class_targets = ClassTargets(
+                [], look.per_position, self.data_order, self.own_batching
+            )
         if self.behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self.behaviour.gather, record, frame

@@ -58,9 +58,11 @@ class UnshuffledDataRule(Rule):
         look = record.class_targets
         if look is None:
             return []
-        if look.per_position:
+        if look.per_position or look.own_batching is not None:
             # Tokens of a text stream or pixels of an image: the targets vary
             # within each sample, and reading the stream in order is the design.
+            # A sampler of the user's own composes batches of few classes on
+            # purpose (P x K identities, N-way K-shot episodes).
             self.done = True
             return []
         if look.data_order is not None:
