@@ -228,3 +228,38 @@ def test_a_resumed_rule_carries_on_from_the_averages_the_c_loop_moved():
     rest_resumed = _outcome(resumed, records[200:])
     rest_first = _outcome(first, records[200:])
     assert rest_resumed == rest_first
+
+
+def _learning_rate_raised_at(step_raised: int | None, quiet_watch) -> list:
+    """Regression with SGD; from ``step_raised`` on, a learning rate 500 times too high."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(90):
+        if step == step_raised:
+            for group in opt.param_groups:
+                group["lr"] = 5.0
+        x = torch.randn(32, 8, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+        opt.step()
+    return monitor.alerts
+
+
+def test_the_nan_that_exploding_gradients_lead_to_says_so_and_blames_the_learning_rate(
+    quiet_watch,
+):
+    alerts = _learning_rate_raised_at(60, quiet_watch)
+    assert alerts[0].rule == "exploding_gradient" and alerts[0].step >= 60
+    (nan,) = [a for a in alerts if a.rule.startswith("nonfinite")][:1]
+    assert nan.step > alerts[0].step and nan.data["after_exploding"] is True
+    assert "exploding_gradient" in nan.message and "learning rate" in nan.hint
+    assert "epsilon" not in nan.hint
+
+
+def test_a_steady_learning_rate_raises_neither(quiet_watch):
+    assert [a for a in _learning_rate_raised_at(None, quiet_watch) if a.severity != "info"] == []

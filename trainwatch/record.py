@@ -34,6 +34,9 @@ class NonfiniteReport:
     op_basis: str | None = None
     parameter: str | None = None
     spread: list[str] = field(default_factory=list)
+    # exploding_gradient was reported before: the NaN/Inf is where that led
+    # (a learning rate too high), not a log or a division at its domain's edge.
+    after_exploding: bool = False
 
 
 @dataclass

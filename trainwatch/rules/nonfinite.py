@@ -100,7 +100,19 @@ class _ReportRule(Rule):
         if report is None:
             return []
         message, hint = self.words(record, report)
-        return [self.alert(record.step, report.module, message, hint, _data(report))]
+        data = _data(report)
+        if report.after_exploding:
+            message += " (after exploding_gradient was reported)"
+            hint = _AFTER_EXPLODING
+            data["after_exploding"] = True
+        return [self.alert(record.step, report.module, message, hint, data)]
+
+
+_AFTER_EXPLODING = (
+    "the gradients were exploding before this (exploding_gradient): the updates "
+    "likely grew the weights and activations until they overflowed. Lower the "
+    "learning rate, add a warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_)"
+)
 
 
 class NonfiniteForwardRule(_ReportRule):
