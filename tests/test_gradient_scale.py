@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -263,3 +264,45 @@ def test_the_nan_that_exploding_gradients_lead_to_says_so_and_blames_the_learnin
 
 def test_a_steady_learning_rate_raises_neither(quiet_watch):
     assert [a for a in _learning_rate_raised_at(None, quiet_watch) if a.severity != "info"] == []
+
+
+def _too_high_from_the_start(lr: float, quiet_watch, optimizer: str = "sgd") -> list:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+    )
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=lr)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=lr)
+    )
+    monitor = quiet_watch(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        x = torch.randn(32, 8, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin() * 3).backward()
+        opt.step()
+    return monitor.alerts
+
+
+def test_a_learning_rate_far_too_high_from_the_first_step_is_diverging_within_the_warm_up(
+    quiet_watch,
+):
+    """The per-layer averages have no past yet; the total norm grows tenfold a step."""
+    (alert,) = [a for a in _too_high_from_the_start(2.0, quiet_watch) if a.severity != "info"][:1]
+    assert (alert.rule, alert.module, alert.data["kind"]) == (
+        "exploding_gradient",
+        None,
+        "diverging",
+    )
+    assert alert.step <= 5 and alert.data["growth"] >= 1e3
+    assert "learning rate" in alert.hint
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_usual_learning_rate_grows_no_runaway_in_the_warm_up(quiet_watch, optimizer):
+    lr = 0.05 if optimizer == "sgd" else 1e-3
+    assert [
+        a for a in _too_high_from_the_start(lr, quiet_watch, optimizer) if a.severity != "info"
+    ] == []

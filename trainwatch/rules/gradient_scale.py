@@ -83,10 +83,30 @@ class _WarmLayers:
         self.steps = 0
 
 
+# A run that diverges from its first steps: the total norm at least this many
+# times the last step's, this many steps in a row, to this many times the first.
+_RUNAWAY_GROWTH = 10.0
+_RUNAWAY_STEPS = 3
+_RUNAWAY_TOTAL = 1e3
+
+
+class _Runaway:
+    """The total norm over the warm-up: where it began and its run of tenfold steps."""
+
+    __slots__ = ("steps", "first", "first_step", "last", "streak")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.first: float | None = None
+        self.first_step = 0
+        self.last: float | None = None
+        self.streak = 0
+
+
 class ExplodingGradientRule(Rule):
     id = "exploding_gradient"
     config: ExplodingGradientConfig
-    _NOT_STATE = Rule._NOT_STATE | {"_warm"}
+    _NOT_STATE = Rule._NOT_STATE | {"_warm", "_runaways"}
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
@@ -94,6 +114,10 @@ class ExplodingGradientRule(Rule):
         # Layer sets whose averages live in lists (a GAN's two optimizers: two),
         # by their names in order; no layer is in two of them.
         self._warm: dict[tuple[str, ...], _WarmLayers] = {}
+        # During the warm-up, when no layer has a past to be judged against:
+        # each optimizer's total norm and its run of steps each 10x the last
+        # (None once told).
+        self._runaways: dict[int | None, _Runaway] | None = {}
 
     def state_dict(self) -> dict[str, Any]:
         self._write_back()
@@ -112,6 +136,14 @@ class ExplodingGradientRule(Rule):
             warm.write_back(self._history)
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        runaways = self._runaways
+        if runaways is not None and record.source in ("optimizer", "manual"):
+            runaway = runaways.get(record.optimizer)
+            if runaway is None:
+                runaway = runaways[record.optimizer] = _Runaway()
+            found = self._diverging(runaway, record)
+            if found is not None:
+                return [found]
         if not record.restarted_layers and record.source in ("optimizer", "manual"):
             warm = self._warm.get(tuple(record.layer_norms))
             if warm is not None and self._moved_in_c(warm, record):
@@ -123,6 +155,49 @@ class ExplodingGradientRule(Rule):
         if not alerts and not record.restarted_layers:
             self._keep_warm(record)
         return alerts
+
+    def _diverging(self, runaway: _Runaway, record: StepRecord) -> Alert | None:
+        """A learning rate far too high from the start: the warm-up hides it from the
+        per-layer averages, but the total norm grows tenfold step after step.
+
+        Healthy first steps move the norms by an order of magnitude once or
+        twice, not three times in a row to a thousand times where they began.
+        """
+        runaway.steps += 1
+        if runaway.steps > self.config.warmup:
+            return None  # the per-layer averages have taken over
+        total = record.total_norm
+        if total is None or not 0.0 < total < math.inf:
+            return None  # nothing to compare (the non-finite rules own a NaN)
+        if runaway.first is None:
+            runaway.first, runaway.first_step = total, record.step
+        elif runaway.last is not None and total >= _RUNAWAY_GROWTH * runaway.last:
+            runaway.streak += 1
+        else:
+            runaway.streak = 0
+        runaway.last = total
+        if runaway.streak < _RUNAWAY_STEPS or total < _RUNAWAY_TOTAL * runaway.first:
+            return None
+        self._runaways = None  # one finding a run
+        grown = total / runaway.first
+        return self.alert(
+            record.step,
+            None,
+            f"the total gradient norm grew {grown:.3g}x since step {runaway.first_step} "
+            f"({runaway.first:.3g} to {total:.3g}), at least {_RUNAWAY_GROWTH:g}x a step for "
+            f"the last {runaway.streak} steps: training is diverging from the start",
+            "the learning rate is far too high for this model (or the loss scale of a "
+            "hand-rolled mixed precision is wrong): lower it by orders of magnitude, add "
+            "warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_).",
+            {
+                "norm": total,
+                "first_norm": runaway.first,
+                "growth": grown,
+                "steps_growing": runaway.streak,
+                "total_norm": total,
+                "kind": "diverging",
+            },
+        )
 
     def _moved_in_c(self, warm: _WarmLayers, record: StepRecord) -> bool:
         """The usual step, with no Python per layer: every norm finite and above zero,

@@ -97,9 +97,12 @@ class NonfiniteJudge:
         reported: Collection[str],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
-        if self._judge(
-            record, window, values, checked_params, param_norms, modules, reported, info
-        ) and "exploding_gradient" in reported:
+        if (
+            self._judge(
+                record, window, values, checked_params, param_norms, modules, reported, info
+            )
+            and "exploding_gradient" in reported
+        ):
             for report in (
                 record.nonfinite_forward,
                 record.nonfinite_backward,
