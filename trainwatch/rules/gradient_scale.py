@@ -116,7 +116,8 @@ class ExplodingGradientRule(Rule):
         self._warm: dict[tuple[str, ...], _WarmLayers] = {}
         # During the warm-up, when no layer has a past to be judged against:
         # each optimizer's total norm and its run of steps each 10x the last
-        # (None once told).
+        # (None once told, or once every warm-up is over: a later optimizer,
+        # a new phase, is judged by the per-layer averages alone).
         self._runaways: dict[int | None, _Runaway] | None = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -165,7 +166,14 @@ class ExplodingGradientRule(Rule):
         """
         runaway.steps += 1
         if runaway.steps > self.config.warmup:
-            return None  # the per-layer averages have taken over
+            # The per-layer averages have taken over: once every optimizer's
+            # warm-up is over, a step pays nothing for this check.
+            runaways = self._runaways
+            if runaways is not None:
+                runaways.pop(record.optimizer, None)
+                if not runaways:
+                    self._runaways = None
+            return None
         total = record.total_norm
         if total is None or not 0.0 < total < math.inf:
             return None  # nothing to compare (the non-finite rules own a NaN)

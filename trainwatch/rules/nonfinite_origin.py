@@ -47,6 +47,15 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
+def _mark_after_exploding(record: StepRecord, reported: Collection[str]) -> None:
+    """Reports made after exploding_gradient fired: where that led, most likely."""
+    if "exploding_gradient" not in reported:
+        return
+    for report in (record.nonfinite_forward, record.nonfinite_backward, record.nonfinite_loss):
+        if report is not None:
+            report.after_exploding = True
+
+
 class NonfiniteJudge:
     def __init__(self, names: list[str]) -> None:
         self.names = names
@@ -97,32 +106,6 @@ class NonfiniteJudge:
         reported: Collection[str],
         info: Callable[[torch.Tensor], ParamInfo] | None = None,
     ) -> None:
-        if (
-            self._judge(
-                record, window, values, checked_params, param_norms, modules, reported, info
-            )
-            and "exploding_gradient" in reported
-        ):
-            for report in (
-                record.nonfinite_forward,
-                record.nonfinite_backward,
-                record.nonfinite_loss,
-            ):
-                if report is not None:
-                    report.after_exploding = True
-
-    def _judge(
-        self,
-        record: StepRecord,
-        window: StepWindow | None,
-        values: dict[str, list[float]],
-        checked_params: list[ParamInfo],
-        param_norms: list[float],
-        modules: Callable[[], list[nn.Module | None]],
-        reported: Collection[str],
-        info: Callable[[torch.Tensor], ParamInfo] | None = None,
-    ) -> bool:
-        """The step's reports on its record; False for the usual step (nothing off)."""
         isfinite = math.isfinite
         if (
             window is not None
@@ -137,7 +120,7 @@ class NonfiniteJudge:
             and isfinite(sum(record.param_norms))
             and isfinite(sum(param_norms))
         ):
-            return False  # the usual step: nothing anywhere is non-finite
+            return  # the usual step: nothing anywhere is non-finite
         bad_grads = [
             param for param, norm in zip(record.present, record.param_norms) if not isfinite(norm)
         ]
@@ -166,7 +149,8 @@ class NonfiniteJudge:
         if window is not None and not window.forward_seen and (bad_grads or loss_bad):
             if not knock_on(reported):
                 self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
-            return True
+            _mark_after_exploding(record, reported)
+            return
         if bad_grads and forward_clean and window is not None:
             self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -179,7 +163,7 @@ class NonfiniteJudge:
         ]
         if checked and not record.nonfinite_params:
             record.nonfinite_params = checked
-        return True
+        _mark_after_exploding(record, reported)
 
     def _forward(
         self,
