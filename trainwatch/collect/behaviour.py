@@ -214,10 +214,13 @@ class BehaviourWatch:
                 if report is not None:
                     record = StepRecord(step=self._step_of(), source="forward")
                     record.eval_in_train = report
-                    for due in self.eval_passes.nograd_pass(record):
+                    weights = _weights_fingerprint(model)
+                    for due in self.eval_passes.nograd_pass(record, weights):
                         self._publish(due)
-            if grad and self.eval_passes.in_a_row:
-                self.eval_passes.training_pass()
+            if grad:
+                passes = self.eval_passes
+                if passes.in_a_row or not passes.trained:  # else it has nothing to do
+                    passes.training_pass()
             if grad and self.check_train_step and self.train_in_eval is None and modes.listed:
                 report = modes.in_mode(False)
                 if report is not None:
@@ -297,3 +300,10 @@ class BehaviourWatch:
         if self.sampler is not None:
             self.sampler.detach()
         self._structure.detach()
+
+
+def _weights_fingerprint(model: nn.Module | None) -> tuple[int, int] | None:
+    """The first parameter's version counter and storage: they change when the weights
+    are updated in place under ``no_grad`` or reassigned (``param.data = ...``)."""
+    first = next(model.parameters(), None) if model is not None else None
+    return None if first is None else (first._version, first.data_ptr())

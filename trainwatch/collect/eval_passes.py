@@ -13,6 +13,14 @@ batch norm in training mode there. So:
   reported then, with the step it ran in.
 
 Whatever is still held when the monitor closes is reported then.
+
+A model whose weights changed between two such passes with no training pass
+of its own between them is trained another way: an EMA or momentum target
+(BYOL, MoCo, a mean teacher), copied from the online network every step,
+runs in training mode under ``no_grad`` on purpose. The weights are told by
+their first parameter's version counter and storage (an in-place update
+under ``no_grad``, ``param.data = ...``); an update written into
+``param.data`` in place changes neither and is still taken for an evaluation.
 """
 
 from __future__ import annotations
@@ -27,13 +35,32 @@ class EvalPassJudge:
         self._isolated_now = False  # this interval had one, followed by a training pass
         self._isolated_before = False  # and so had the interval before
         self._recurring = False  # it happens every step: part of training
+        self._weights: object = None  # what the weights were at the last such pass
+        self.trained = False  # a training pass of this model was seen
 
-    def nograd_pass(self, record: StepRecord) -> list[StepRecord]:
-        """A no-grad pass with mode-dependent modules in training mode."""
+    def nograd_pass(self, record: StepRecord, weights: object = None) -> list[StepRecord]:
+        """A no-grad pass with mode-dependent modules in training mode.
+
+        ``weights``: a fingerprint of the model's weights now (None: unknown).
+        """
         self.in_a_row += 1
-        if self.in_a_row >= 2:
+        moved = weights is not None and self._weights is not None and weights != self._weights
+        self._weights = weights
+        if moved and self.in_a_row >= 2:
+            # Updated since the last one, by no training pass of its own: a target
+            # network. Its passes are part of training, this one and those held.
+            self.in_a_row = 1
+            self._held = []
+            return []
+        # A model never trained by backward here may be a target called on two
+        # views a step (BYOL): only a third pass on the same weights is an
+        # evaluation loop. Those held are reported at the step boundary or close.
+        if self.in_a_row >= (2 if self.trained else 3):
             due, self._held = [*self._held, record], []
             return due
+        if self.in_a_row >= 2:
+            self._held.append(record)
+            return []
         if self._recurring:
             return []
         self._held.append(record)
@@ -43,6 +70,7 @@ class EvalPassJudge:
         if self.in_a_row == 1:
             self._isolated_now = True
         self.in_a_row = 0
+        self.trained = True
 
     def step_boundary(self) -> list[StepRecord]:
         isolated, self._isolated_now = self._isolated_now, False
@@ -52,12 +80,16 @@ class EvalPassJudge:
         elif not isolated:
             self._recurring = False
         self._isolated_before = isolated
-        if self._held and not isolated:
-            # The held pass did not come back this step: an evaluation.
+        if self._held and not isolated and self.trained:
+            # The held pass did not come back this step: an evaluation. (A model
+            # never trained by backward here keeps them: its next pass tells
+            # whether its weights moved meanwhile, a target, or not.)
             due, self._held = self._held, []
             return due
         return []
 
     def flush(self) -> list[StepRecord]:
         due, self._held = self._held, []
-        return due
+        # A model never trained by backward here: its last passes were never told
+        # apart from a target's (no next pass to show its weights moving).
+        return due if self.trained else []

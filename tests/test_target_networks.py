@@ -1,0 +1,85 @@
+"""A momentum or EMA target network in training mode under no_grad is part of training.
+
+BYOL, MoCo and mean-teacher loops run a copy of the online network, updated from
+it every step and never by backward, in training mode under ``no_grad`` on
+purpose (its batch norm uses the batch's statistics). ``trainwatch run`` watches
+that copy as a model of its own: its passes are not an evaluation that forgot
+``model.eval()``. A frozen network that is never updated, run the same way (a
+feature extractor for a perceptual loss left in training mode), still is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainwatch.runner import run_script
+
+SCRIPT = """
+import copy
+import sys
+import torch
+from torch import nn
+
+how, views = sys.argv[1], int(sys.argv[2])
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+torch.manual_seed(0)
+online = Encoder()
+predictor = nn.Sequential(nn.Linear(8, 8))
+target = copy.deepcopy(online)
+target.requires_grad_(False)
+opt = torch.optim.Adam([*online.parameters(), *predictor.parameters()], lr=1e-3)
+for step in range(12):
+    x = torch.randn(32, 16)
+    view1, view2 = x + 0.1 * torch.randn_like(x), x + 0.1 * torch.randn_like(x)
+    with torch.no_grad():  # in training mode, on purpose
+        aims = [target(view2)] + ([target(view1)] if views == 2 else [])
+    similar = nn.functional.cosine_similarity
+    loss = 2 - 2 * similar(predictor(online(view1)), aims[0]).mean()
+    if views == 2:
+        loss = loss + 2 - 2 * similar(predictor(online(view2)), aims[1]).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if how == "lerp":  # timm-style EMA
+        with torch.no_grad():
+            for t, o in zip(target.parameters(), online.parameters()):
+                t.lerp_(o, 0.01)
+    elif how == "data":  # MoCo's own code
+        for t, o in zip(target.parameters(), online.parameters()):
+            t.data = t.data * 0.99 + o.data * 0.01
+"""
+
+
+def _eval_in_train(tmp_path, how: str, views: int) -> list[tuple[int, str | None]]:
+    script = tmp_path / "byol.py"
+    script.write_text(SCRIPT)
+    run_script(script, [how, str(views)], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    return [
+        (a["step"], a["module"])
+        for a in map(json.loads, lines)
+        if a["rule"] == "eval_in_train_mode"
+    ]
+
+
+@pytest.mark.parametrize("views", [1, 2])
+@pytest.mark.parametrize("how", ["lerp", "data"])
+def test_an_ema_target_in_training_mode_under_no_grad_is_silent(tmp_path, how, views):
+    assert _eval_in_train(tmp_path, how, views) == []
+
+
+@pytest.mark.parametrize("views", [1, 2])
+def test_a_frozen_network_never_updated_in_training_mode_under_no_grad_warns(tmp_path, views):
+    assert _eval_in_train(tmp_path, "never", views) != []
