@@ -229,6 +229,42 @@ def test_a_frozen_teacher_in_eval_inside_the_model_is_no_warning(quiet_watch):
     assert (warning.rule, warning.module) == ("train_in_eval_mode", "student.bn")
 
 
+def _recalibrate_batch_norm(model: nn.Module, cumulative: bool) -> None:
+    """PreciseBN: the running statistics recomputed over a few batches, in training
+    mode under no_grad, as a cumulative average (``momentum = None``)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    kept = [bn.momentum for bn in norms]
+    for bn in norms:
+        bn.reset_running_stats()
+        if cumulative:
+            bn.momentum = None
+    model.train()
+    _evaluate(model, 4)
+    for bn, momentum in zip(norms, kept):
+        bn.momentum = momentum
+
+
+@pytest.mark.parametrize("how", ["precise_bn", "swa_update_bn"])
+def test_batch_norm_statistics_recomputed_on_purpose_are_silent(quiet_watch, how):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 4)
+    if how == "precise_bn":
+        _recalibrate_batch_norm(model, cumulative=True)
+    else:
+        loader = [x for x, _ in batches(4, seed=9)]
+        torch.optim.swa_utils.update_bn(loader, model)
+    _train(model, opt, 4, seed=1)
+    assert rules_of(monitor) == []
+
+
+def test_the_same_passes_with_the_usual_momentum_are_an_evaluation_in_training_mode(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 4)
+    _recalibrate_batch_norm(model, cumulative=False)
+    _train(model, opt, 4, seed=1)
+    assert [a.rule for a in monitor.alerts if a.severity == "warning"] == ["eval_in_train_mode"]
+
+
 def test_validation_with_gradients_on_in_eval_mode_is_not_a_training_step(quiet_watch):
     model, opt, monitor = _setup(quiet_watch)
     _train(model, opt, 2)

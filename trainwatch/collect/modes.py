@@ -182,6 +182,11 @@ class ModeWatch:
             module = ref()
             if module is None or module.training != training:
                 continue
+            if training and kind == "norm" and getattr(module, "momentum", 0.0) is None:
+                # A batch norm averaging over every batch it sees (momentum None):
+                # its statistics are being recomputed on purpose (PreciseBN,
+                # swa_utils.update_bn), in training mode under no_grad.
+                return None
             if skip_dropout and kind == "dropout":
                 continue
             names.append(name)
