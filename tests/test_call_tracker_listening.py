@@ -79,7 +79,9 @@ def _grow(model: _Grown) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def test_layers_added_after_every_layer_was_called_are_tracked_again():
+def _two_phases(keep_unused: bool) -> tw.Monitor:
+    """Three steps of the trunk alone, then eight with the heads ``_grow`` adds
+    (``keep_unused``: False, the cut and the spare removed again)."""
     torch.manual_seed(0)
     model = _Grown()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -87,8 +89,17 @@ def test_layers_added_after_every_layer_was_called_are_tracked_again():
         _steps(model, opt, 3)
         assert not _listening(monitor)
         opt = _grow(model)
+        if not keep_unused:
+            del model.spare, model.cut
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         monitor.add_optimizer(opt)
         _steps(model, opt, 8)
+        assert _listening(monitor) == keep_unused  # the spare still waits for a call
+    return monitor
+
+
+def test_layers_added_after_every_layer_was_called_are_tracked_again():
+    monitor = _two_phases(keep_unused=True)
     found = [(a.rule, a.module, a.data.get("kind")) for a in monitor.alerts if a.severity != "info"]
     assert ("zero_gradient", "spare", "never_called") in found
     assert ("zero_gradient", "cut", "never_called") not in found
@@ -97,15 +108,5 @@ def test_layers_added_after_every_layer_was_called_are_tracked_again():
 
 
 def test_layers_added_and_all_called_are_clean():
-    torch.manual_seed(0)
-    model = _Grown()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with tw.watch(model, opt, console=io.StringIO()) as monitor:
-        _steps(model, opt, 3)
-        opt = _grow(model)
-        del model.spare, model.cut
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        monitor.add_optimizer(opt)
-        _steps(model, opt, 8)
-        assert not _listening(monitor)
+    monitor = _two_phases(keep_unused=False)
     assert [a for a in monitor.alerts if a.severity != "info"] == []

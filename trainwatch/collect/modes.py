@@ -178,6 +178,7 @@ class ModeWatch:
             pass  # a module gone (its reference dead): the loop below skips it
         names: list[str] = []
         kinds: list[str] = []
+        found_kinds: list[str] = []
         for name, kind, label, ref in self.listed:
             module = ref()
             if module is None or module.training != training:
@@ -191,12 +192,15 @@ class ModeWatch:
                 continue
             names.append(name)
             kinds.append(label)
+            found_kinds.append(kind)
         if not names:
             return None
         root = self._root()
         whole = root is not None and root.training == training
         report = ModeReport(names, kinds, whole, len(self.listed))
-        if not training and root is not None:
+        if not training and root is not None and any(k != "norm" for k in found_kinds):
+            # Only where it can matter: normalisation layers in eval are an idiom
+            # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
             report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name)]
         return report
 
@@ -214,9 +218,10 @@ def _in_frozen_part(root: nn.Module, name: str) -> bool:
             module = root.get_submodule(".".join(path))
         except AttributeError:
             return False
-        params = list(module.parameters())
-        if params:
-            return not any(p.requires_grad for p in params)
+        params = module.parameters()
+        first = next(params, None)
+        if first is not None:  # the nearest holding parameters: stop at its first trainable
+            return not first.requires_grad and not any(p.requires_grad for p in params)
         if not path:
             return False
         path.pop()

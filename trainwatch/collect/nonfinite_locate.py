@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,30 +277,27 @@ def _node_op(name: str) -> str:
     return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
 
 
-def _reaches(grad_fn: Any, stop: set[int], target: Any, limit: int) -> bool:
-    """Whether ``target`` lies between the module's output node and its inputs'."""
+def _module_nodes(grad_fn: Any, stop: set[int], limit: int) -> Iterator[Any]:
+    """The backward nodes between a module's output node and its inputs', nearest first."""
     seen: set[int] = set()
     queue = [grad_fn]
     while queue and len(seen) < limit:
         node = queue.pop(0)
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        if node is target:
-            return True
         seen.add(id(node))
+        yield node
         queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
-    return False
+
+
+def _reaches(grad_fn: Any, stop: set[int], target: Any, limit: int) -> bool:
+    """Whether ``target`` lies between the module's output node and its inputs'."""
+    return any(node is target for node in _module_nodes(grad_fn, stop, limit))
 
 
 def _edge_op(grad_fn: Any, stop: set[int], limit: int) -> str | None:
-    seen: set[int] = set()
-    queue = [grad_fn]
     first_name: str | None = None
-    while queue and len(seen) < limit:
-        node = queue.pop(0)
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen.add(id(node))
+    for node in _module_nodes(grad_fn, stop, limit):
         name = type(node).__name__
         if name == "AccumulateGrad":
             continue
@@ -308,7 +305,4 @@ def _edge_op(grad_fn: Any, stop: set[int], limit: int) -> str | None:
             first_name = name
         if _DOMAIN_EDGE.match(name):
             return _node_op(name)
-        queue.extend(fn for fn, _ in getattr(node, "next_functions", ()))
-    if first_name is None:
-        return None
-    return _node_op(first_name)
+    return _node_op(first_name) if first_name is not None else None
