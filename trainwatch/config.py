@@ -129,8 +129,9 @@ class DeadUnitsConfig(RuleConfig):
     every: int = field(default=25, metadata=_range(1))
     first_steps: int = field(default=5, metadata=_range(0))
     rows: int = field(default=16, metadata=_range(1))
-    # Fraction of the sampled outputs that are exactly zero; a healthy ReLU
-    # layer sits near 0.5, sparse ones rarely above 0.95.
+    # Fraction of units (output positions) exactly zero in every sampled row.
+    # A healthy ReLU layer has almost none; a sparse code (most outputs zero,
+    # different units for each sample) few; a dead layer nearly all.
     threshold: float = field(default=0.99, metadata=_range(0.0, 1.0))
     patience: int = field(default=2, metadata=_range(1))
 

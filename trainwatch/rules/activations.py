@@ -193,17 +193,26 @@ class DeadUnitsRule(Rule):
         self._states: dict[str, _State] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        """Judged on the units zero for every sampled row, not on the zeros alone.
+
+        A sparse code (a sparse autoencoder's latents at 1% density, k-sparse
+        features) is zero for 99% of units and samples by design, but each
+        sample's few active units are different ones, so most units fire in
+        some sampled row. A dead layer's zeros are the same units in every row.
+        The dead share is never above the zero share, and for a dead layer the
+        two are equal within the live units' own zeros.
+        """
         alerts = []
         for stats in record.activations:
             zero = stats.zero_fraction
-            if zero is None or not math.isfinite(zero):
+            dead = stats.dead_fraction
+            if zero is None or dead is None or not math.isfinite(dead):
                 continue
             state = self._states.get(stats.module)
             if state is None:
                 state = self._states[stats.module] = _State()
-            if not state.due(zero >= self.config.threshold, record.step, self.config.patience):
+            if not state.due(dead >= self.config.threshold, record.step, self.config.patience):
                 continue
-            dead = stats.dead_fraction or 0.0
             alerts.append(
                 self.alert(
                     state.start,
