@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from trainwatch.collect.weights_moved import weights_fingerprint
 from trainwatch.runner import run_script
 
 SCRIPT = """
@@ -59,6 +61,10 @@ for step in range(12):
     elif how == "data":  # MoCo's own code
         for t, o in zip(target.parameters(), online.parameters()):
             t.data = t.data * 0.99 + o.data * 0.01
+    elif how == "data_in_place":  # DINO's own code
+        with torch.no_grad():
+            for t, o in zip(target.parameters(), online.parameters()):
+                t.data.mul_(0.99).add_((1 - 0.99) * o.detach().data)
 """
 
 
@@ -75,7 +81,7 @@ def _eval_in_train(tmp_path, how: str, views: int) -> list[tuple[int, str | None
 
 
 @pytest.mark.parametrize("views", [1, 2])
-@pytest.mark.parametrize("how", ["lerp", "data"])
+@pytest.mark.parametrize("how", ["lerp", "data", "data_in_place"])
 def test_an_ema_target_in_training_mode_under_no_grad_is_silent(tmp_path, how, views):
     assert _eval_in_train(tmp_path, how, views) == []
 
@@ -83,3 +89,25 @@ def test_an_ema_target_in_training_mode_under_no_grad_is_silent(tmp_path, how, v
 @pytest.mark.parametrize("views", [1, 2])
 def test_a_frozen_network_never_updated_in_training_mode_under_no_grad_warns(tmp_path, views):
     assert _eval_in_train(tmp_path, "never", views) != []
+
+
+def _fingerprint_devices() -> list:
+    return ["cpu"] + (
+        [pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []
+    )
+
+
+@pytest.mark.parametrize("device", _fingerprint_devices())
+def test_weights_written_into_data_in_place_are_a_move(device):
+    layer = torch.nn.Linear(64, 64).to(device)
+    before = weights_fingerprint(layer)
+    layer.weight.data.mul_(0.99).add_(0.01)  # neither version counter nor storage changes
+    assert weights_fingerprint(layer) != before
+
+
+@pytest.mark.parametrize("device", _fingerprint_devices())
+def test_weights_left_alone_are_no_move_even_with_a_nan(device):
+    layer = torch.nn.Linear(64, 64).to(device)
+    with torch.no_grad():
+        layer.weight.fill_(float("nan"))
+    assert weights_fingerprint(layer) == weights_fingerprint(layer)

@@ -41,6 +41,7 @@ from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
+from trainwatch.collect.weights_moved import weights_fingerprint
 from trainwatch.compiled import is_wrapper, unwrap
 from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
@@ -214,7 +215,7 @@ class BehaviourWatch:
                 if report is not None:
                     record = StepRecord(step=self._step_of(), source="forward")
                     record.eval_in_train = report
-                    weights = _weights_fingerprint(model)
+                    weights = weights_fingerprint(model)
                     for due in self.eval_passes.nograd_pass(record, weights):
                         self._publish(due)
             if grad:
@@ -300,10 +301,3 @@ class BehaviourWatch:
         if self.sampler is not None:
             self.sampler.detach()
         self._structure.detach()
-
-
-def _weights_fingerprint(model: nn.Module | None) -> tuple[int, int] | None:
-    """The first parameter's version counter and storage: they change when the weights
-    are updated in place under ``no_grad`` or reassigned (``param.data = ...``)."""
-    first = next(model.parameters(), None) if model is not None else None
-    return None if first is None else (first._version, first.data_ptr())

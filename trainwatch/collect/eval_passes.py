@@ -18,9 +18,9 @@ A model whose weights changed between two such passes with no training pass
 of its own between them is trained another way: an EMA or momentum target
 (BYOL, MoCo, a mean teacher), copied from the online network every step,
 runs in training mode under ``no_grad`` on purpose. The weights are told by
-their first parameter's version counter and storage (an in-place update
-under ``no_grad``, ``param.data = ...``); an update written into
-``param.data`` in place changes neither and is still taken for an evaluation.
+their first parameter (``weights_moved``): its version counter, its storage
+and a few of its values, so an EMA in place under ``no_grad``, one assigned
+to ``param.data`` and one written into ``param.data`` in place all show.
 """
 
 from __future__ import annotations
