@@ -23,6 +23,7 @@ only on CUDA; on CPU name it with ``--workloads gpt2`` (``--quick`` makes it tin
     python benchmarks/overhead.py --sinks         # with alerts.jsonl and TensorBoard written
     python benchmarks/overhead.py --steady-malloc # glibc's allocator pinned (_steady_malloc)
     python benchmarks/overhead.py --floor         # and the gradient norms alone (see measure)
+    python benchmarks/overhead.py --ideal         # and the same triggers written by hand
     python benchmarks/overhead.py --device cuda --config configs/strict.yaml  # and gpt2
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -301,6 +303,50 @@ def _gradient_norms_before_update(opt: torch.optim.Optimizer, args: object, kwar
         torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
+class _HandWrittenMonitor:
+    """What a hand-written monitor of trainwatch's healthy-step triggers pays: the
+    output's sum read at each forward pass, the gradient norms before each update,
+    read back after it and checked against a running average in a Python loop.
+
+    Nothing else: no record, no rules, no localisation. Its ratio is how close
+    a monitor of these numbers can come to the plain loop in this same run.
+    """
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.norms: torch.Tensor | None = None
+        self.averages: list[float] | None = None
+        self.alarms = 0
+        model.register_forward_hook(self._output)
+        opt.register_step_pre_hook(self._before_update)
+        opt.register_step_post_hook(self._after_update)
+
+    def _output(self, module: nn.Module, args: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            with torch.no_grad():
+                self.alarms += not math.isfinite(output.sum().item())
+
+    def _before_update(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        grads = [
+            p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None
+        ]
+        self.norms = (
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+        )
+
+    def _after_update(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self.norms is None:
+            return
+        values = self.norms.tolist()
+        averages = self.averages
+        if averages is None or len(averages) != len(values):
+            self.averages = values
+            return
+        for i, (value, average) in enumerate(zip(values, averages)):
+            if not math.isfinite(value) or value > 50.0 * average + 1e-12:
+                self.alarms += 1
+            averages[i] = 0.9 * average + 0.1 * value
+
+
 def measure(
     workload: Workload,
     device: torch.device,
@@ -308,6 +354,7 @@ def measure(
     from_step: int = 0,
     sinks: bool = False,
     floor: bool = False,
+    ideal: bool = False,
 ) -> dict[str, float]:
     """Interleaved rounds; ``from_step`` untimed steps first (past the first-steps audits).
 
@@ -322,6 +369,9 @@ def measure(
     however little else it does. Read right after backward, the gradients
     are no longer in cache: on one CPU thread that read costs more than the
     same kernel run on warm tensors.
+
+    ``ideal``: one more copy runs under :class:`_HandWrittenMonitor`, the
+    same triggers written by hand with nothing behind them.
     """
     torch.manual_seed(0)
     plain = workload.make_model().to(device)
@@ -334,8 +384,13 @@ def measure(
         opt_normed = torch.optim.AdamW(normed.parameters(), lr=1e-4)
         opt_normed.register_step_pre_hook(_gradient_norms_before_update)
         loops.append((normed, opt_normed))
+    if ideal:
+        by_hand = copy.deepcopy(plain)
+        opt_by_hand = torch.optim.AdamW(by_hand.parameters(), lr=1e-4)
+        _HandWrittenMonitor(by_hand, opt_by_hand)
+        loops.append((by_hand, opt_by_hand))
     batch = workload.make_batch(device)
-    ratios, plain_times, watched_times, floor_ratios = [], [], [], []
+    ratios, plain_times, watched_times, floor_ratios, ideal_ratios = [], [], [], [], []
     log_dir = tempfile.TemporaryDirectory() if sinks else None
     with (
         log_dir or nullcontext(),
@@ -367,7 +422,9 @@ def measure(
                 )
             ratios.append(times[id(watched)] / times[id(plain)])
             if floor:
-                floor_ratios.append(times[id(loops[2][0])] / times[id(plain)])
+                floor_ratios.append(times[id(normed)] / times[id(plain)])
+            if ideal:
+                ideal_ratios.append(times[id(by_hand)] / times[id(plain)])
             plain_times.append(times[id(plain)] / workload.steps_per_round)
             watched_times.append(times[id(watched)] / workload.steps_per_round)
     result = {
@@ -382,6 +439,8 @@ def measure(
     }
     if floor:
         result["floor_ratio_median"] = statistics.median(floor_ratios)
+    if ideal:
+        result["ideal_ratio_median"] = statistics.median(ideal_ratios)
     return result
 
 
@@ -408,19 +467,24 @@ def _steady_malloc() -> bool:
         return False
 
 
-def _header(floor: bool) -> str:
+def _header(floor: bool, ideal: bool = False) -> str:
     return (
         f"{'workload':<12} {'plain ms/step':>14} {'watched ms/step':>16} {'ratio':>7} "
-        f"{'median':>7} {'min':>6} {'max':>6}" + (f" {'floor':>6}" if floor else "")
+        f"{'median':>7} {'min':>6} {'max':>6}"
+        + (f" {'floor':>6}" if floor else "")
+        + (f" {'ideal':>6}" if ideal else "")
     )
 
 
 def _row(name: str, result: dict[str, float]) -> str:
     floor = result.get("floor_ratio_median")
+    ideal = result.get("ideal_ratio_median")
     return (
         f"{name:<12} {result['plain_ms_per_step']:>14.2f} {result['watched_ms_per_step']:>16.2f} "
         f"{result['ratio']:>7.3f} {result['ratio_median']:>7.3f} {result['ratio_min']:>6.3f} "
-        f"{result['ratio_max']:>6.3f}" + (f" {floor:>6.3f}" if floor is not None else "")
+        f"{result['ratio_max']:>6.3f}"
+        + (f" {floor:>6.3f}" if floor is not None else "")
+        + (f" {ideal:>6.3f}" if ideal is not None else "")
     )
 
 
@@ -465,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the plain loop plus only the gradient norms (median ratio: 'floor')",
     )
+    parser.add_argument(
+        "--ideal",
+        action="store_true",
+        help="also time a hand-written monitor of the same triggers (median ratio: 'ideal')",
+    )
     args = parser.parse_args(argv)
     if args.steady_malloc and not _steady_malloc():
         print("--steady-malloc: not glibc, left as it is", file=sys.stderr)
@@ -477,12 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [name for name in ALL_WORKLOADS if name not in names]
     if skipped and args.workloads is None:
         print(f"(not run on {device.type} by default: {', '.join(skipped)}; see --workloads)")
-    print(_header(args.floor))
+    print(_header(args.floor, args.ideal))
     for name in names:
         workload = ALL_WORKLOADS[name](args.quick)
         workload.rounds = max(3, round(workload.rounds * args.rounds))
         results[name] = measure(
-            workload, device, args.config, args.from_step, args.sinks, args.floor
+            workload, device, args.config, args.from_step, args.sinks, args.floor, args.ideal
         )
         print(_row(name, results[name]), flush=True)
     if args.json:

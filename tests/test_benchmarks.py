@@ -56,6 +56,43 @@ def test_overhead_benchmark_floor_times_the_plain_loop_with_only_the_gradient_no
     assert "floor_ratio_median" not in _overhead(tmp_path, "--workloads", "mlp")["mlp"]
 
 
+def test_overhead_benchmark_ideal_times_a_hand_written_monitor_beside_trainwatch(tmp_path):
+    results = _overhead(tmp_path, "--workloads", "mlp", "--ideal")["mlp"]
+    assert results["ideal_ratio_median"] > 0 and "floor_ratio_median" not in results
+
+
+def _hand_written_monitor():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from overhead import _HandWrittenMonitor
+    finally:
+        sys.path.pop(0)
+    return _HandWrittenMonitor
+
+
+def _steps_by_hand(poison_at: int | None) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = _hand_written_monitor()(model, opt)
+    for step in range(6):
+        x = torch.randn(16, 4)
+        if step == poison_at:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return monitor.alarms
+
+
+def test_hand_written_reference_monitor_catches_a_nan_it_is_timed_against():
+    assert _steps_by_hand(poison_at=3) > 0  # a real monitor, not an empty hook
+
+
+def test_hand_written_reference_monitor_is_silent_on_healthy_steps():
+    assert _steps_by_hand(poison_at=None) == 0
+
+
 def test_overhead_benchmark_rl_times_batch_of_one_passes_when_named(tmp_path):
     results = _overhead(tmp_path, "--workloads", "rl")
     assert list(results) == ["rl"] and results["rl"]["ratio"] > 0
