@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -66,3 +68,45 @@ def test_finite_loss_handed_over_after_the_step_is_silent(quiet_watch):
     opt.step()
     monitor.close()
     assert [a for a in monitor.alerts if a.rule.startswith("nonfinite")] == []
+
+
+def test_a_piece_read_on_the_host_already_is_kept_not_read_again():
+    frame = StepFrame()
+    norms = frame.add(torch.tensor([1.0, 2.0]), [1.0, 2.0])
+    other = frame.add(torch.tensor([3.0]))
+    frame.read()
+    assert norms.values() == [1.0, 2.0] and other.values() == [3.0]
+
+
+def _host_reads_in_a_healthy_step(quiet_watch) -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    quiet_watch(model, opt)
+    x, y = torch.randn(8, 8), torch.randn(8, 32)  # an output of 256 values: summed
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(7):  # past the first sampled steps
+        step()
+    reads = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "c_call" and "trainwatch" in frame.f_code.co_filename:
+            if getattr(arg, "__name__", "") == "tolist":
+                reads.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return len(reads)
+
+
+def test_a_cpu_step_reads_its_gradient_norms_to_the_host_once(quiet_watch):
+    # The trigger before the update reads them; the frame keeps that list.
+    assert _host_reads_in_a_healthy_step(quiet_watch) == 1

@@ -45,15 +45,22 @@ class StepFrame:
         self._event: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
         self._lists: list[list[float]] | None = None
+        self._known: dict[int, list[float]] = {}  # pieces read on the host already
         self.transfers = 0  # device-to-host copies made (0 or 1)
 
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def add(self, tensor: torch.Tensor) -> Slot:
-        """Read ``tensor`` (any shape, flattened) back with the step."""
+    def add(self, tensor: torch.Tensor, read: list[float] | None = None) -> Slot:
+        """Read ``tensor`` (any shape, flattened) back with the step.
+
+        ``read``: its values, read on the host already (a CPU trigger's look):
+        kept for the frame's read instead of reading that piece a second time.
+        """
         if self._lists is not None or self._host is not None:
             raise RuntimeError("this step's frame was already read back")
+        if read is not None:
+            self._known[len(self._pieces)] = read
         if tensor.requires_grad:
             tensor = tensor.detach()
         flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
@@ -82,7 +89,13 @@ class StepFrame:
         devices = self._devices
         if devices == _HOST:
             # Already on the host: no transfer, no concatenation.
-            self._lists = [p.tolist() for p in pieces]
+            known = self._known
+            if not known:
+                self._lists = [p.tolist() for p in pieces]
+            elif len(known) == len(pieces):  # keyed 0, 1, ... in the order added
+                self._lists = list(known.values())
+            else:
+                self._lists = [known.get(i) or p.tolist() for i, p in enumerate(pieces)]
             return
         self.transfers = 1
         if len(devices) > 1:

@@ -266,28 +266,33 @@ class StepPipeline:
             probe.note_skipped_pass(flag)
         self._on_new_pass()
 
-    def _locate_if_off(self, norms: torch.Tensor | None) -> None:
+    def _locate_if_off(self, norms: torch.Tensor | None) -> list[float] | None:
         """Trigger, then diagnose: bad gradients (or, on a device, a bad output) get
         located now, before the optimizer applies the step.
 
         On CPU the norms are read on the host for free; on a device the probe
         reads one scalar (``settle``). The backward replay must not look like
         training to the accumulation tracker, so it is paused meanwhile.
+
+        Returns the norms read on the host (None where they were not): the
+        step's frame keeps them instead of reading them again.
         """
         probe = self.probe
         if probe is None or not probe.on_the_spot:
             return
+        listed = None
         if probe.at_step:
             bad_grads = probe.settle(norms)
         else:
-            bad_grads = norms is not None and not all(map(math.isfinite, norms.tolist()))
-        if not bad_grads:
-            return
-        paused, self.tracker.enabled = self.tracker.enabled, False
-        try:
-            probe.replay_backward()
-        finally:
-            self.tracker.enabled = paused
+            listed = norms.tolist() if norms is not None else None
+            bad_grads = listed is not None and not all(map(math.isfinite, listed))
+        if bad_grads:
+            paused, self.tracker.enabled = self.tracker.enabled, False
+            try:
+                probe.replay_backward()
+            finally:
+                self.tracker.enabled = paused
+        return listed
 
     def applied(
         self, step: int, pending: PendingStep | None, params: list[torch.Tensor], whole: bool
@@ -466,10 +471,10 @@ class StepPipeline:
             pending.weights = (names, frame.add(weight_norms))
         else:
             norms = self._small_norms.norms(record, grads) if grads else None
+        listed = self._locate_if_off(norms)
         if norms is not None:
-            pending.norms = frame.add(norms)
+            pending.norms = frame.add(norms, listed)
             pending.norm_tensor = norms
-        self._locate_if_off(norms)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             flags = []
