@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch import registry, termination
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.collect import quiet
-from trainwatch.compiled import CompiledHookWarning, compiling, unwrap
+from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
@@ -324,10 +324,12 @@ class AutoWatch:
 
     # -- discovery -----------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if compiling() or quiet.replaying():
+        if compiling() or quiet.replaying() or transform_level() is not None:
             # Inside a compiled graph (torch.compile(model)'s wrapper, called
-            # eagerly around it, is where the model is found), or trainwatch
-            # re-running a watched model: not the script's call.
+            # eagerly around it, is where the model is found), trainwatch
+            # re-running a watched model, or a torch.func transform (whose
+            # functional_call stands other tensors in for the parameters):
+            # not the script's call of the model it trains.
             return None
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
@@ -348,7 +350,7 @@ class AutoWatch:
         return None
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if compiling() or quiet.replaying():
+        if compiling() or quiet.replaying() or transform_level() is not None:
             return None
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         return None

@@ -46,6 +46,20 @@ def _is_compiling_function() -> Any:
 # while tracing; eagerly it costs about 0.2 us a call.
 compiling = _is_compiling_function()
 
+
+def _no_transform() -> None:
+    return None
+
+
+# The level of the torch.func transform (vmap, grad, jacrev) running now, None
+# outside one: a C function, bound once. Inside a transform a module's call is
+# traced by functorch (per-sample gradients, DP-SGD): its outputs are wrapped
+# tensors without storage, its parameters may be stand-ins (functional_call),
+# and a backward it makes (torch.func.grad) is its own, not the loop's.
+transform_level = getattr(
+    getattr(torch._C, "_functorch", None), "maybe_current_level", _no_transform
+)
+
 _ORIG_MOD = "_orig_mod"
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from trainwatch.collect import quiet
-from trainwatch.compiled import unwrap
+from trainwatch.compiled import transform_level, unwrap
 from trainwatch.errors import TrainingHealthError
 from trainwatch.hooks import WeakHook
 
@@ -181,9 +181,14 @@ class ModelPasses:
         self._ends = tuple((name, item, item.pass_ends) for name, item, _ in self._listeners)
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        if (quiet.anywhere and quiet.replaying()) or id(module) not in self._hook_ids:
-            # trainwatch's own re-run of the model, or a copy that took the hooks
-            # along (a class whose own __deepcopy__ bypasses the reduction)
+        if (
+            (quiet.anywhere and quiet.replaying())
+            or id(module) not in self._hook_ids
+            or transform_level() is not None
+        ):
+            # trainwatch's own re-run of the model, a copy that took the hooks
+            # along (a class whose own __deepcopy__ bypasses the reduction), or
+            # a call inside a torch.func transform (per-sample gradients)
             return
         self._depth += 1
         if self._depth != 1:
@@ -200,7 +205,11 @@ class ModelPasses:
 
     def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Always called, even when the forward raised (the depth must come back down)."""
-        if (quiet.anywhere and quiet.replaying()) or id(module) not in self._hook_ids:
+        if (
+            (quiet.anywhere and quiet.replaying())
+            or id(module) not in self._hook_ids
+            or transform_level() is not None
+        ):
             return
         if output is None and self.on_raise is not None:
             self._raised(module)

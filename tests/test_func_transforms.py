@@ -1,0 +1,112 @@
+"""Per-sample gradients with torch.func (DP-SGD's shape): the model runs inside vmap/grad.
+
+Inside a torch.func transform a call of the model is functorch's trace: its
+outputs are wrapped tensors without storage, ``functional_call`` stands other
+tensors in for the parameters, and the backward it makes is its own. Those
+calls are not the loop's training passes: trainwatch steps aside for them
+(the NaN probe used to fail on the wrapped output and switch itself off, and
+``trainwatch run`` took the stand-ins for the model's parameters). The loop's
+own calls and the gradients it writes into ``.grad`` are still watched.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from trainwatch.runner import run_script
+
+
+def _per_sample_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, nan_at=None):
+    def loss_of_one(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x[None],)), y[None])
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, 0))
+    for step in range(steps):
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        if step == nan_at:
+            x[0, 0] = float("nan")
+        grads = per_sample({k: v.detach() for k, v in model.named_parameters()}, x, y)
+        opt.zero_grad()
+        for name, param in model.named_parameters():
+            clipped = grads[name].clamp(-1.0, 1.0)  # per-sample clipping, DP-SGD style
+            param.grad = clipped.mean(0) + 0.01 * torch.randn_like(param)
+        opt.step()
+        with torch.no_grad():  # the loop's own call: training accuracy
+            (model(x).argmax(1) == y).float().mean()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def test_per_sample_gradients_under_vmap_leave_the_nan_probe_on_and_raise_nothing(quiet_watch):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = quiet_watch(model, opt)
+    _per_sample_steps(model, opt, 8)
+    assert [(a.rule, a.severity) for a in monitor.alerts if a.severity != "info"] == []
+
+
+def test_a_nan_in_per_sample_gradients_is_still_caught(quiet_watch):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = quiet_watch(model, opt)
+    _per_sample_steps(model, opt, 8, nan_at=5)
+    found = {(a.rule, a.step) for a in monitor.alerts if a.rule.startswith("nonfinite")}
+    assert found and min(step for _, step in found) == 5
+
+
+SCRIPT = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def loss(params, x, y):
+    return F.cross_entropy(functional_call(model, params, (x,)), y)
+
+
+for step in range(8):
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    if sys.argv[1] == "nan" and step == 5:
+        x[0, 0] = float("nan")
+    grads = grad(loss)({k: v.detach() for k, v in model.named_parameters()}, x, y)
+    opt.zero_grad()
+    for name, param in model.named_parameters():
+        param.grad = grads[name]
+    opt.step()
+    if sys.argv[2] == "logged":
+        with torch.no_grad():
+            accuracy = (model(x).argmax(1) == y).float().mean()
+"""
+
+
+def _alerts_under_run(tmp_path, how: str, logged: str) -> list[tuple[str, int]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "dp_sgd.py"
+    script.write_text(SCRIPT)
+    run_script(script, [how, logged], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    return [(a["rule"], a["step"]) for a in map(json.loads, lines) if a["severity"] != "info"]
+
+
+def test_torch_func_gradients_under_trainwatch_run_are_no_missing_gradients(tmp_path):
+    assert _alerts_under_run(tmp_path, "healthy", "logged") == []
+    assert _alerts_under_run(tmp_path / "unlogged", "healthy", "unlogged") == []
+
+
+def test_a_nan_in_torch_func_gradients_under_trainwatch_run_is_caught(tmp_path):
+    found = _alerts_under_run(tmp_path, "nan", "logged")
+    assert found and all(rule.startswith("nonfinite") for rule, _ in found)
