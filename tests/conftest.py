@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import sys
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -97,6 +99,29 @@ def quiet_watch():
     yield make
     for monitor in opened:
         monitor.close()
+
+
+def calls_from_trainwatch(run: Callable[[], object], event: str = "call") -> list[str]:
+    """The names of the functions trainwatch's own code calls while ``run()`` runs, in
+    order, as ``sys.setprofile`` sees them: ``"call"`` for Python functions (the
+    callee's name), ``"c_call"`` for builtins and torch's C functions (``tolist``)."""
+    names: list[str] = []
+
+    def profile(frame, seen, arg) -> None:
+        if seen != event:
+            return
+        if event == "c_call":
+            if "/trainwatch/" in frame.f_code.co_filename:
+                names.append(getattr(arg, "__name__", ""))
+        elif "/trainwatch/" in frame.f_code.co_filename:
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return names
 
 
 def rules_of(monitor: tw.Monitor, severities=("warning", "error")) -> list[str]:

@@ -8,13 +8,11 @@ Each planted bug has its clean control beside it.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-from tests.conftest import TinyNet, train
+from tests.conftest import TinyNet, calls_from_trainwatch, train
 
 
 def _policy() -> nn.Module:
@@ -80,16 +78,5 @@ def test_a_many_pass_step_hooks_one_output_for_its_backward(quiet_watch):
     picked = [torch.log_softmax(model(torch.randn(1, 8)), -1)[0, 0] for _ in range(16)]
     opt.zero_grad()
     loss = -torch.stack(picked).sum()
-    starts = 0
-
-    def profile(frame, event, arg):
-        nonlocal starts
-        if event == "call" and frame.f_code.co_name == "backward_starts":
-            starts += 1
-
-    sys.setprofile(profile)
-    try:
-        loss.backward()
-    finally:
-        sys.setprofile(None)
+    starts = calls_from_trainwatch(loss.backward).count("backward_starts")
     assert 1 <= starts <= 2  # the output's hook and the one parameter's fallback

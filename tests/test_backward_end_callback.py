@@ -8,27 +8,14 @@ and a registered listener still get it.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
-from tests.conftest import TinyNet, batches, train
+from tests.conftest import TinyNet, batches, calls_from_trainwatch, train
 
 
 def _trainwatch_calls_in(run) -> set[str]:
-    names: set[str] = set()
-
-    def profile(frame, event, arg):
-        if event == "call" and "/trainwatch/" in frame.f_code.co_filename:
-            names.add(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return names
+    return set(calls_from_trainwatch(run))
 
 
 def _one_backward(model) -> set[str]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
-from tests.conftest import TinyNet, batches
+from tests.conftest import TinyNet, batches, calls_from_trainwatch
 from trainwatch.frame import StepFrame
 
 
@@ -92,19 +90,7 @@ def _host_reads_in_a_healthy_step(quiet_watch) -> int:
 
     for _ in range(7):  # past the first sampled steps
         step()
-    reads = []
-
-    def profile(frame, event, arg) -> None:
-        if event == "c_call" and "trainwatch" in frame.f_code.co_filename:
-            if getattr(arg, "__name__", "") == "tolist":
-                reads.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return len(reads)
+    return calls_from_trainwatch(step, "c_call").count("tolist")
 
 
 def test_a_cpu_step_reads_its_gradient_norms_to_the_host_once(quiet_watch):
