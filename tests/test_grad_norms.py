@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tests.conftest import TinyNet, batches
+from trainwatch.collect.small_norms import LARGE as SMALL_NORMS_LARGE
 
 
 def naive_layer_norms(model: nn.Module) -> dict[str, float]:
@@ -206,3 +207,48 @@ def test_a_parameter_given_new_data_of_another_shape_is_still_measured(quiet_wat
         opt.step()
         assert monitor.grad_norms() == {"offsets": pytest.approx(expected["offsets"], rel=1e-5)}
     assert not monitor.alerts
+
+
+class _Wide(nn.Module):
+    """Two weights past the size whose norm is taken by ``dot``, and small ones beside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(784, 256)
+        self.hidden = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(torch.relu(self.inp(x)))))
+
+
+def test_large_gradients_reduced_by_dot_give_each_layer_its_own_norm(quiet_watch):
+    model = _Wide()
+    assert model.inp.weight.numel() >= SMALL_NORMS_LARGE
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        expected = naive_layer_norms(model)
+        opt.step()
+        got = monitor.grad_norms()
+        assert got.keys() == expected.keys() == {"inp", "hidden", "head"}
+        for name in expected:
+            assert got[name] == pytest.approx(expected[name], rel=1e-5), name
+    assert not monitor.alerts
+
+
+def test_an_infinite_element_in_a_large_gradient_is_still_reported(quiet_watch):
+    model = _Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = quiet_watch(model, opt)
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    model.hidden.weight.grad[3, 7] = float("inf")
+    opt.step()
+    assert monitor.grad_norms()["hidden"] == math.inf
+    found = [a for a in monitor.alerts if a.rule == "nonfinite_backward"]
+    assert found and found[0].step == 0
