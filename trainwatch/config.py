@@ -164,7 +164,7 @@ class BroadcastConfig(RuleConfig):
 @dataclass
 class UnshuffledDataConfig(RuleConfig):
     # The loss's class targets are counted on every ``every``-th step (one
-    # scatter_add joining the step's readback); other steps pay nothing.
+    # bincount joining the step's readback); other steps pay nothing.
     every: int = field(default=5, metadata=_range(1))
     # Sampled batches compared with the run's targets, and how many it takes.
     window: int = field(default=8, metadata=_range(2))
