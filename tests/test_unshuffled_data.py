@@ -571,3 +571,24 @@ def test_sorted_data_after_a_regression_warm_up_phase_is_still_found():
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
     assert found(monitor.alerts)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_class_counts_count_each_class_and_leave_out_targets_outside_the_classes(dtype):
+    from trainwatch.collect.class_targets import class_counts
+
+    logits = torch.zeros(8, 5)
+    targets = torch.tensor([0, 4, 4, 2, 200, 2, 2, 1])  # 200: no class of these logits
+    if dtype is not torch.uint8:
+        targets[4] = -100  # cross_entropy's ignore_index
+    counts = class_counts(logits, targets.to(dtype), max_classes=1000)
+    assert counts.dtype == torch.float32
+    assert counts.tolist() == [1.0, 1.0, 3.0, 0.0, 2.0]
+
+
+def test_class_counts_leave_per_token_and_soft_targets_alone():
+    from trainwatch.collect.class_targets import class_counts
+
+    assert class_counts(torch.zeros(4, 5), torch.rand(4, 5), 1000) is None  # soft labels
+    assert class_counts(torch.zeros(4, 5, 7), torch.zeros(4, 7).long(), 1000) is None
+    assert class_counts(torch.zeros(4, 5), torch.zeros(4).long(), 3) is None  # too many classes
