@@ -146,10 +146,11 @@ _PLANS_KEPT = 16
 
 
 class _ReducePlan(NamedTuple):
-    """How one layout of a pass's measured tensors is reduced: which are stacked
-    together (one shape and device each), and where each row's fields are found."""
+    """How one layout of a pass's measured tensors is reduced: which are laid side by
+    side (one count of rows and device each), the measured tensor each of their
+    positions belongs to and each one's width, and where each row's fields are found."""
 
-    groups: list[list[int]]
+    groups: list[tuple[list[int], torch.Tensor, torch.Tensor]]
     picks: torch.Tensor
 
 
@@ -158,12 +159,16 @@ class _PendingRows:
 
     Every measured output (and the inputs whose spread is not an earlier
     output's) is kept as a small fp32 copy; at the step boundary the copies
-    of one shape are stacked and their statistics taken in one set of
-    kernels, instead of a dozen small kernels per module as it is called.
-    A copy is at most ``rows`` x ``_MAX_FEATURES`` values, and they live
-    for one pass. The grouping and the picking index depend only on the
-    layout (shapes and rows), which repeats from one sampled step to the
-    next: they are worked out once per layout, in ``plans``.
+    with the same rows are laid side by side, each position's statistics
+    across the rows are taken in one set of kernels, and one ``index_add``
+    sums each tensor's positions: about twenty kernels for the whole pass,
+    whatever its modules' shapes, instead of a dozen small kernels per module
+    as it is called. Summing within each tensor's own positions keeps a NaN
+    in one module's output out of every other module's row. A copy is at
+    most ``rows`` x ``_MAX_FEATURES`` values, and they live for one pass.
+    The layout (shapes and rows) repeats from one sampled step to the next:
+    the grouping and the index tensors are worked out once per layout, in
+    ``plans``.
     """
 
     def __init__(self, plans: dict[tuple[Any, ...], _ReducePlan]) -> None:
@@ -190,25 +195,25 @@ class _PendingRows:
                 self._plans.clear()
             plan = self._plans[key] = self._plan()
         parts = []
-        for members in plan.groups:
-            x = torch.stack([tensors[i] for i in members])  # (k, rows, positions)
-            # The spread is the mean over positions of the (biased) std across
-            # rows, written out: Tensor.std takes ~10x longer on CPU for these
-            # short, wide shapes.
-            spread = (x - x.mean(dim=1, keepdim=True)).square().mean(dim=1).sqrt().mean(dim=1)
-            zero = x == 0
-            parts.append(
-                torch.stack(
-                    [
-                        spread,
-                        x.square().mean(dim=(1, 2)).sqrt(),
-                        x.mean(dim=(1, 2)),
-                        zero.float().mean(dim=(1, 2)),
-                        zero.all(dim=1).float().mean(dim=1),
-                    ],
-                    dim=1,
-                )
-            )
+        for members, owners, widths in plan.groups:
+            x = torch.cat([tensors[i] for i in members], dim=1)  # (rows, every position)
+            rows = x.shape[0]
+            mean = x.mean(dim=0)
+            # Per position, across the rows: the (biased) std, written out
+            # (Tensor.std takes ~10x longer on CPU for these short, wide
+            # shapes); the mean square from it (no square of x); the share
+            # of zeros, and whether all are zero (that share exactly 1).
+            std = (x - mean).square_().mean(dim=0)
+            mean_square = std + mean.square()
+            std.sqrt_()
+            zeros = (x == 0).sum(dim=0).div(rows)
+            per_position = torch.stack([std, mean_square, mean, zeros, (zeros == 1.0).float()], 1)
+            # Each tensor's mean over its own positions: spread, rms (its root
+            # below), mean, zero_fraction, dead_fraction.
+            sums = per_position.new_zeros((len(members), 5)).index_add_(0, owners, per_position)
+            stats = sums.div_(widths)
+            stats[:, 1].sqrt_()
+            parts.append(stats)
         device = parts[0].device
         table = torch.cat([*(p.to(device) for p in parts), parts[0].new_full((1, 5), _NAN)])
         picks = plan.picks
@@ -218,11 +223,21 @@ class _PendingRows:
 
     def _plan(self) -> _ReducePlan:
         tensors = self.tensors
-        by_shape: dict[tuple[torch.Size, torch.device], list[int]] = {}
+        by_rows: dict[tuple[int, torch.device], list[int]] = {}
         for i, tensor in enumerate(tensors):
-            by_shape.setdefault((tensor.shape, tensor.device), []).append(i)
-        groups = list(by_shape.values())
-        order = [i for members in groups for i in members]
+            by_rows.setdefault((tensor.shape[0], tensor.device), []).append(i)
+        groups = []
+        for (_, device), members in by_rows.items():
+            widths = [tensors[i].shape[1] for i in members]
+            owners = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(widths))
+            groups.append(
+                (
+                    members,
+                    owners.to(device),
+                    torch.tensor(widths, dtype=torch.float32, device=device).unsqueeze(1),
+                )
+            )
+        order = [i for members, _, _ in groups for i in members]
         where = {tensor: position for position, tensor in enumerate(order)}
         nan = len(order)
         # (measured tensor, its field) for each of FIELDS, in their order.
