@@ -59,6 +59,10 @@ def rank_main(rank: int, out: str, check_every: int, init: str) -> None:
         "alerts": [a.to_dict() for a in monitor.alerts],
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    # Both ranks meet before the group is torn down: gloo torn down on one rank
+    # right after the last all-reduce aborts the other now and then (SIGABRT,
+    # 'terminate called without an active exception'), with or without trainwatch.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -42,6 +42,10 @@ def main() -> None:
         nn.functional.mse_loss(model(x), x[:, :1]).backward()
         progress.write_text(str(step + 1))
         optimizer.step()
+    # Both ranks meet before the group is torn down: gloo torn down on one rank
+    # right after the last all-reduce aborts the other now and then (SIGABRT,
+    # 'terminate called without an active exception'), with or without trainwatch.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -69,6 +69,10 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
             lines = (log_dir / "alerts.jsonl").read_text().splitlines()
             on_disk_after_8 = [json.loads(line) for line in lines]
     if mode == "destroy":
+        # Both ranks meet before the group is torn down: gloo torn down on one rank
+        # right after the last all-reduce aborts the other now and then (SIGABRT,
+        # 'terminate called without an active exception'), with or without trainwatch.
+        dist.barrier()
         dist.destroy_process_group()
         time.sleep(1.0 * rank)  # rank 1 closes a second after rank 0 began to
     monitor.close()
@@ -80,6 +84,10 @@ def rank_main(rank: int, out: str, mode: str, init: str) -> None:
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     if mode != "destroy":
+        # Both ranks meet before the group is torn down: gloo torn down on one rank
+        # right after the last all-reduce aborts the other now and then (SIGABRT,
+        # 'terminate called without an active exception'), with or without trainwatch.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -61,6 +61,10 @@ def rank_main(rank: int, out: str, init: str) -> None:
         handed.clear()
     record = {"still_held": still_held, "halts": halts}
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    # Both ranks meet before the group is torn down: gloo torn down on one rank
+    # right after the last all-reduce aborts the other now and then (SIGABRT,
+    # 'terminate called without an active exception'), with or without trainwatch.
+    dist.barrier()
     dist.destroy_process_group()
 
 
