@@ -146,3 +146,19 @@ def test_hook_costs_benchmark_prints_each_hook_of_a_watched_step():
     assert done.returncode == 0, done.stderr
     assert "Monitor._before_optimizer_step" in done.stdout
     assert "ModelPasses.enter" in done.stdout
+
+
+def test_phase_costs_prints_what_each_phase_of_the_loop_adds():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/phase_costs.py", "--quick"]
+        + ["--blocks", "2", "--block", "3", "--warm", "3", "--workloads", "mlp", "deep"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for phase in ("zero_grad", "forward", "loss", "backward", "step"):
+        assert sum(line.split()[0] == phase for line in lines if line.strip()) == 2
+    assert sum("whole step:" in line for line in lines) == 2
