@@ -574,16 +574,24 @@ def test_sorted_data_after_a_regression_warm_up_phase_is_still_found():
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
-def test_class_counts_count_each_class_and_leave_out_targets_outside_the_classes(dtype):
-    from trainwatch.collect.class_targets import class_counts
+@pytest.mark.parametrize("where", ["host", "bincount"])
+def test_class_counts_count_each_class_and_leave_out_targets_outside_the_classes(
+    dtype, where, monkeypatch
+):
+    """A small CPU batch is counted on the host, any other by one bincount: the same counts."""
+    from trainwatch.collect import class_targets
 
+    if where == "bincount":
+        monkeypatch.setattr(class_targets, "_COUNTED_ON_HOST", 0)
     logits = torch.zeros(8, 5)
     targets = torch.tensor([0, 4, 4, 2, 200, 2, 2, 1])  # 200: no class of these logits
     if dtype is not torch.uint8:
         targets[4] = -100  # cross_entropy's ignore_index
-    counts = class_counts(logits, targets.to(dtype), max_classes=1000)
-    assert counts.dtype == torch.float32
-    assert counts.tolist() == [1.0, 1.0, 3.0, 0.0, 2.0]
+    counts = class_targets.class_counts(logits, targets.to(dtype), max_classes=1000)
+    if where == "bincount":
+        assert counts.dtype == torch.float32
+        counts = counts.tolist()
+    assert counts == [1.0, 1.0, 3.0, 0.0, 2.0]
 
 
 def test_class_counts_leave_per_token_and_soft_targets_alone():

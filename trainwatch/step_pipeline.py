@@ -505,10 +505,13 @@ class StepPipeline:
         look = self.class_targets
         if look is not None and look.listening:  # a sampled step
             counts = self._guarded("class target look", look.take)
-            if counts is not None:
+            if isinstance(counts, torch.Tensor):
                 pending.class_counts = frame.add(counts)
             record.class_targets = ClassTargets(
-                [], look.per_position, self.data_order, self.own_batching
+                counts if isinstance(counts, list) else [],
+                look.per_position,
+                self.data_order,
+                self.own_batching,
             )
         if self.behaviour is not None:
             pending.behaviour = self._guarded(

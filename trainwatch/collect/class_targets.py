@@ -7,8 +7,9 @@ from the end of the model's forward pass (with gradients on) to the step
 boundary, the span in which the loss is computed; the first such loss call
 with integer targets (or the ``labels`` a model that computes its own loss is
 called with) has its targets counted per class on the device
-(a ``bincount``, no host sync), and the counts join the step's one
-readback. The monitor subscribes the look to the model's passes on sampled
+(a ``bincount``, no host sync), and the counts join the step's one readback;
+a CPU batch of up to 4096 targets is counted on the host instead, with no
+op (each small op costs a launch). The monitor subscribes the look to the model's passes on sampled
 steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
 within each sample, and the look stops for good. A run whose sampled steps
@@ -19,6 +20,7 @@ shows up again (a classifier trained after a pretext phase).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,8 @@ from trainwatch.collect.broadcast import _AuditMode, _call
 from trainwatch.collect.tensors import tensor_leaves
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
+# Targets of a CPU batch up to this many are counted on the host, with no op.
+_COUNTED_ON_HOST = 4096
 # A run whose loss is no class loss (a regression, a reconstruction) pays for
 # the look's span on every sampled step for nothing: after this many sampled
 # steps in a row without one, the look comes half as often, down to once per
@@ -75,8 +79,9 @@ def per_position(logits: Any, target: Any, batch: int | None) -> bool:
 
 def class_counts(
     logits: Any, target: Any, max_classes: int, batch: int | None = None
-) -> torch.Tensor | None:
-    """Per-class counts of ``target`` as a float vector on its device, or None.
+) -> torch.Tensor | list[float] | None:
+    """Per-class counts of ``target``, or None: a float vector on its device, or, for
+    a small batch of targets on the CPU, a list of floats counted on the host.
 
     Classes only: one integer target per sample (``(N,)``, ``N`` the model's
     batch when known) against logits (or log-probabilities) whose axis 1
@@ -96,9 +101,18 @@ def class_counts(
     classes = logits.shape[1]
     if classes < 2 or classes > max_classes:
         return None
+    flat = target.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.numel() <= _COUNTED_ON_HOST:
+        # Read as ints and counted in one C loop: no op at all (each small op
+        # on a sampled step costs a launch, about as much as this whole count).
+        counts = [0.0] * classes
+        for value, times in Counter(flat.tolist()).items():
+            if 0 <= value < classes:
+                counts[value] += times
+        return counts
     # Every target outside the classes lands in one of two end bins, cut off
     # after: a handful of small ops on a sampled step (one per op's launch).
-    bins = target.detach().reshape(-1).long().clamp(-1, classes).add_(1)
+    bins = flat.long().clamp(-1, classes).add_(1)
     return torch.bincount(bins, minlength=classes + 2)[1 : classes + 1].float()
 
 
@@ -156,7 +170,7 @@ class ClassTargetLook:
         self._on_error = on_error
         self._mode = _TargetMode(self)
         self._depth: int | None = None  # the mode stack's depth with ours on top
-        self.counts: torch.Tensor | None = None
+        self.counts: torch.Tensor | list[float] | None = None
         self.batch: int | None = None  # the first dimension of the model's output
         # A class loss over tokens or pixels was seen: targets vary within each sample.
         self.per_position = False
@@ -193,7 +207,7 @@ class ClassTargetLook:
         """The step boundary is reached: no loss is computed any more."""
         self._stop()
 
-    def take(self) -> torch.Tensor | None:
+    def take(self) -> torch.Tensor | list[float] | None:
         """At the step boundary: the step's counts (None when not sampled or not seen)."""
         self._stop()
         found, self.counts = self.counts, None
