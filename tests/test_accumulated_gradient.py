@@ -204,6 +204,83 @@ def test_gan_discriminator_missing_zero_grad_fires(quiet_watch):
     assert alert.data["modules"] == ["discriminator.0", "discriminator.2"]
 
 
+def _gan_run_without_generator_reset(quiet_watch):
+    torch.manual_seed(0)
+    gan = _Gan()
+    opt_g = torch.optim.Adam(gan.generator.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=1e-3)
+    monitor = quiet_watch(gan, [opt_d, opt_g])
+    bce = nn.BCEWithLogitsLoss()
+    opt_g.zero_grad()
+    for _ in range(4):
+        real = torch.randn(16, 8) + 2.0
+        fake = gan.generator(torch.randn(16, 4))
+        opt_d.zero_grad()
+        d_loss = bce(gan.discriminator(real), torch.ones(16, 1)) + bce(
+            gan.discriminator(fake.detach()), torch.zeros(16, 1)
+        )
+        d_loss.backward()
+        opt_d.step()
+        bce(gan.discriminator(fake), torch.ones(16, 1)).backward()  # opt_g.zero_grad() missing
+        opt_g.step()
+    return monitor
+
+
+def test_gan_generator_missing_zero_grad_fires_though_its_optimizer_steps_second(quiet_watch):
+    """The generator's optimizer steps after the discriminator's: the discriminator's
+    reset and step in between must not hide the generator's stale gradients."""
+    (alert,) = accumulation_alerts(_gan_run_without_generator_reset(quiet_watch))
+    assert alert.step == 3  # the generator's second step (opt_g steps at 1, 3, 5...)
+    assert alert.data["optimizer"] == 1
+    assert alert.data["modules"] == ["generator.0", "generator.2"]
+    assert "step 1 had already used" in alert.message  # its own last step, not step 2
+
+
+def _two_optimizers_over_one_model(quiet_watch, zeroed: tuple[bool, bool], iterations: int = 6):
+    """One network, its trunk and its head each with an optimizer, both stepped each
+    iteration; from iteration 3 on, only the optimizers ``zeroed`` says are reset."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizers = [
+        torch.optim.Adam(model[0].parameters(), lr=1e-3),
+        torch.optim.Adam(model[2].parameters(), lr=1e-3),
+    ]
+    monitor = quiet_watch(model, optimizers)
+    for iteration in range(iterations):
+        x = torch.randn(64, 8)
+        for opt, reset in zip(optimizers, zeroed):
+            if reset or iteration < 3:
+                opt.zero_grad()
+        nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        for opt in optimizers:
+            opt.step()
+    return monitor
+
+
+@pytest.mark.parametrize(
+    ("zeroed", "step", "optimizer", "modules", "used_at"),
+    [
+        ((False, True), 6, 0, ["0"], 4),  # the trunk's: iteration 3's first step
+        ((True, False), 7, 1, ["2"], 5),  # the head's: iteration 3's second step
+    ],
+    ids=["first optimizer's reset missing", "second optimizer's reset missing"],
+)
+def test_two_optimizers_of_one_model_each_missing_its_reset_fires_at_its_own_step(
+    quiet_watch, zeroed, step, optimizer, modules, used_at
+):
+    (alert,) = accumulation_alerts(_two_optimizers_over_one_model(quiet_watch, zeroed))
+    assert alert.step == step
+    assert alert.data["optimizer"] == optimizer
+    assert alert.data["modules"] == modules
+    assert f"step {used_at} had already used" in alert.message
+
+
+def test_two_optimizers_of_one_model_both_reset_every_iteration_are_clean(quiet_watch):
+    monitor = _two_optimizers_over_one_model(quiet_watch, (True, True))
+    assert monitor.step_count == 12
+    assert rules_of(monitor) == []
+
+
 def _manual_sgd(model, monitor, steps, reset: bool):
     for x, y in batches(steps):
         nn.functional.mse_loss(model(x), y).backward()
@@ -231,3 +308,44 @@ def test_without_optimizer_resetting_gradients_is_clean(quiet_watch):
     monitor = quiet_watch(model)
     _manual_sgd(model, monitor, 5, reset=True)
     assert rules_of(monitor) == []
+
+
+TWO_OPTIMIZER_SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+trunk = torch.optim.Adam(model[0].parameters(), lr=1e-3)
+head = torch.optim.Adam(model[2].parameters(), lr=1e-3)
+forget_head = sys.argv[1] == "forget-head"
+for iteration in range(8):
+    x = torch.randn(64, 8)
+    trunk.zero_grad()
+    if not forget_head or iteration < 3:
+        head.zero_grad()
+    nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+    trunk.step()
+    head.step()
+"""
+
+
+@pytest.mark.parametrize("mode", ["forget-head", "reset-both"])
+def test_trainwatch_run_finds_the_second_optimizers_missing_reset_in_an_unmodified_script(
+    tmp_path, mode
+):
+    import json
+
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "two_optimizers.py"
+    script.write_text(TWO_OPTIMIZER_SCRIPT)
+    assert run_script(script, [mode], log_dir=tmp_path / "log", console=False) == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [a for a in map(json.loads, lines) if a["rule"] == "accumulated_gradient"]
+    if mode == "reset-both":
+        assert found == []
+        return
+    (alert,) = found
+    assert alert["step"] == 7 and alert["data"]["modules"] == ["2"]

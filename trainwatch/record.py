@@ -185,6 +185,8 @@ class StepRecord:
     # backward added onto it, and how that was established.
     accumulated: list[ParamInfo] = field(default_factory=list)
     accumulation_method: str | None = None
+    # The step that last applied this optimizer's gradients (None: not known).
+    used_at: int | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
     # The layout of ``present`` kept across steps (a GradientLayout), when its
     # norms were planned: its per-layer sums, and a layout rules saw before.

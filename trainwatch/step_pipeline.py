@@ -173,6 +173,9 @@ class StepPipeline:
         self.tracker.attach(layers.parameters())
         self.passes.subscribe("accumulation tracker", self.tracker, starts=False)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
+        # Each optimizer's latest step (None: monitor.step()): with several, the
+        # step before this one is often another optimizer's.
+        self._applied_at: dict[int | None, int] = {}
         self._hand_updates = HandUpdates()
         self.structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
@@ -307,6 +310,7 @@ class StepPipeline:
             self.tracker.arm(params, whole=whole)
         if pending is None:
             return
+        self._applied_at[pending.record.optimizer] = step
         every = self._parameter_every
         if every and step % every == 0:
             self._guarded("parameter check", self._check_parameters, pending, params)
@@ -477,6 +481,7 @@ class StepPipeline:
             pending.norm_tensor = norms
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
+            record.used_at = self._applied_at.get(index)
             flags = []
             for param, content in self.tracker.suspects(params):
                 slot = None

@@ -64,6 +64,7 @@ def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
 _CDATA = attrgetter("_cdata")
+_ACCUMULATED = attrgetter("accumulated")
 
 
 def _never(_: object = None) -> bool:
@@ -457,3 +458,7 @@ class GradResetTracker:
                 state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
             else:
                 state.grad_ref, state.grad_key = weakref.ref(grad), None
+        if not whole:
+            # Another optimizer's parameters, not armed here, may still hold stale
+            # gradients its own step has yet to find.
+            self._any_accumulated = any(map(_ACCUMULATED, states.values()))

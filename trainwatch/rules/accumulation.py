@@ -32,7 +32,8 @@ class AccumulatedGradientRule(Rule):
             f"an update had already used (the weights changed since step {record.step - 1}, "
             "their gradients were not reset)"
             if by_hand
-            else f"step {record.step - 1} had already used"
+            else f"step {record.step - 1 if record.used_at is None else record.used_at} "
+            "had already used"
         )
         return [
             self.alert(
