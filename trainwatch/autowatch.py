@@ -110,6 +110,14 @@ class _BackwardEnd:
         owner._manual_step(monitor)
 
 
+def _part_of(monitor: Monitor, module: nn.Module) -> bool:
+    """The monitor is ours, has watched no step, and watches a submodule of ``module``."""
+    if monitor.closed or monitor.step_count:
+        return False
+    part = monitor.model
+    return any(sub is part for sub in module.modules())
+
+
 class AutoWatch:
     """Global hooks that give each model a Monitor and each optimizer its monitor."""
 
@@ -359,10 +367,21 @@ class AutoWatch:
         if getattr(module, "_is_replica", False):
             return  # a DataParallel replica: its original is the model
         params = list(module.parameters())
-        # No parameters (a loss module), or already watched: by us as part of
-        # a bigger model, or by the script's own tw.watch / Lightning callback.
-        if not params or any(registry.owner_of(p) is not None for p in params):
-            return
+        if not params:
+            return  # a loss module
+        owners = {id(o): o for o in map(registry.owner_of, params) if o is not None}
+        if owners:
+            # Already watched: by us as part of a bigger model, or by the
+            # script's own tw.watch / Lightning callback; or by us as a part of
+            # this module called on its own before any step (a shape check on
+            # its encoder, spectral_norm's parametrization run while the layer
+            # was built): then this module is the model, and the part's monitor
+            # gives way to it.
+            parts = [m for m in self.monitors if id(m) in owners and _part_of(m, module)]
+            if len(parts) < len(owners):
+                return
+            for part in parts:
+                self._give_way(part)
         name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
@@ -386,6 +405,18 @@ class AutoWatch:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
             self._find_optimizers(monitor)
+
+    def _give_way(self, monitor: Monitor) -> None:
+        """A part's monitor, which has watched no step, closes for the model holding it;
+        its optimizers wait for the model's monitor."""
+        index = self.monitors.index(monitor)
+        del self.monitors[index]
+        del self.views[index]
+        for handle in self._backward_ends.pop(id(monitor), []):
+            handle.remove()
+        for optimizer in monitor.optimizers:
+            self._pending.add(optimizer)
+        monitor.close()
 
     def _unique_name(self, base: str) -> str:
         name, n = base, 1
