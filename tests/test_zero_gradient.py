@@ -143,3 +143,107 @@ def test_a_bias_before_batch_norm_is_silent(quiet_watch):
     monitor = quiet_watch(model, opt)
     train(model, opt, 6)
     assert rules_of(monitor) == []
+
+
+class _Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.net(x), dim=-1)
+
+
+def _triplets(generator: torch.Generator, centres: torch.Tensor, n: int = 64):
+    anchor_class = torch.randint(0, len(centres), (n,), generator=generator)
+    other = (anchor_class + torch.randint(1, len(centres), (n,), generator=generator)) % len(
+        centres
+    )
+
+    def noisy(classes: torch.Tensor) -> torch.Tensor:
+        return centres[classes] + 0.1 * torch.randn(n, centres.shape[1], generator=generator)
+
+    return noisy(anchor_class), noisy(anchor_class), noisy(other)
+
+
+@pytest.mark.parametrize("dead", [False, True])
+def test_a_triplet_loss_every_sample_satisfies_is_silent_but_a_dead_layer_is_not(quiet_watch, dead):
+    """Well separated clusters: past the first steps the margin holds for every
+    triplet and the loss, and every gradient, is exactly zero on most steps. The
+    gradient entering the model is zero too: nothing says a layer is dead. A
+    layer whose units are all stuck at zero is still found."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(8, 16) * 4
+    model = _Embedder()
+    if dead:
+        with torch.no_grad():
+            model.net[0].bias.fill_(-1e3)  # every ReLU unit of the hidden layer at zero
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    monitor = quiet_watch(model, opt)
+    criterion = nn.TripletMarginLoss(margin=0.2)
+    zero_loss_steps = 0
+    for _ in range(60):
+        anchor, positive, negative = _triplets(generator, centres)
+        loss = criterion(model(anchor), model(positive), model(negative))
+        zero_loss_steps += loss.item() == 0.0
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    found = [(a.module, a.severity) for a in monitor.alerts if a.rule == "zero_gradient"]
+    if dead:
+        assert ("net.0", "warning") in found
+    else:
+        assert zero_loss_steps >= 20  # the shape this pins: many steps of zero loss
+        # No layer named; at most the note that the loss has sent nothing for long.
+        assert [f for f in found if f != (None, "info")] == []
+
+
+def test_a_loss_that_sends_nothing_into_the_model_for_long_is_one_note(quiet_watch):
+    """A loss multiplied by zero: no layer is named; after 50 steps, one info line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for _ in range(60):
+        x = torch.randn(32, 8)
+        opt.zero_grad()
+        (nn.functional.mse_loss(model(x), x[:, :1]) * 0.0).backward()
+        opt.step()
+    found = [a for a in monitor.alerts if a.rule == "zero_gradient"]
+    assert [(a.module, a.severity, a.step, a.data["kind"]) for a in found] == [
+        (None, "info", 0, "no_signal")
+    ]
+    assert "for 50 consecutive steps" in found[0].message
+
+
+HINGE_SCRIPT = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+centres = torch.randn(4, 10) * 5
+model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+criterion = nn.MultiMarginLoss(margin=0.5)  # a multi-class SVM's hinge
+for step in range(80):
+    y = torch.randint(0, 4, (64,))
+    x = centres[y] + 0.1 * torch.randn(64, 10)
+    loss = criterion(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_trainwatch_run_on_a_hinge_loss_at_rest_names_no_layer(tmp_path):
+    import json
+
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "svm.py"
+    script.write_text(HINGE_SCRIPT)
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [(a["rule"], a["severity"], a["module"]) for a in map(json.loads, lines)]
+    assert [f for f in found if f[1] != "info"] == []

@@ -179,6 +179,10 @@ class StepRecord:
     # Without an optimizer: parameters whose gradient was rewritten in place after
     # backward reached them (reset by hand, clipped) before monitor.step().
     rewritten: frozenset[str] = frozenset()
+    # Every gradient of the step exactly zero, and so was the gradient that entered
+    # the model's output: the loss sent nothing (a margin loss every sample
+    # satisfies), which says nothing of any layer.
+    no_signal: bool = False
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # Parameters whose gradient still held the previous step's values when

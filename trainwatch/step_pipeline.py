@@ -476,6 +476,10 @@ class StepPipeline:
         else:
             norms = self._small_norms.norms(record, grads) if grads else None
         listed = self._locate_if_off(norms)
+        if listed and self.probe is not None and not any(listed):
+            # Every gradient exactly zero (rare; read on the host already): did the
+            # loss send anything into the model at all?
+            record.no_signal = self._guarded("zero signal", self.probe.entering_all_zero) is True
         if norms is not None:
             pending.norms = frame.add(norms, listed)
             pending.norm_tensor = norms

@@ -554,6 +554,15 @@ class NonfiniteProbe:
             this.replay_seq = seq
             this.last_call, this.grad_entering = call, entering
 
+    def entering_all_zero(self) -> bool:
+        """Whether the gradient that entered the model in the step's last backward was
+        exactly zero everywhere (a loss that sent nothing back). Asked only on a step
+        whose every gradient is zero: one small reduction per output, read at once."""
+        grads = [
+            g for g in self._this_pass.grad_entering if g is not None and g.is_floating_point()
+        ]
+        return bool(grads) and not any(bool(g.detach().any()) for g in grads)
+
     def _entering_flag(self) -> torch.Tensor | float:
         """Whether the gradient that entered the model in the last backward was non-finite:
         a device flag when verdicts wait for the step, else a host float."""

@@ -66,6 +66,16 @@ def _shift_free_biases(record: StepRecord) -> frozenset[str]:
     )
 
 
+# Steps in a row without any gradient from the loss before it is noted (once).
+_NO_SIGNAL_STEPS = 50
+_NO_SIGNAL_HINT = (
+    "nothing is learned while this lasts. Fine for a margin, hinge or triplet loss that "
+    "every sample already satisfies (the model has converged on this data: harder "
+    "examples or a larger margin give it work again); otherwise the loss does not depend "
+    "on the model's output (multiplied by zero, every target masked or ignored)."
+)
+
+
 class _Streak:
     __slots__ = ("start", "count", "kind", "reported")
 
@@ -85,6 +95,9 @@ class ZeroGradientRule(Rule):
         super().__init__(config)
         self._streaks: dict[str, _Streak] = {}
         self._first_step: int | None = None
+        # Steps in a row where the loss sent no gradient into the model (from when).
+        self._no_signal: tuple[int, int] | None = None
+        self._no_signal_told = False
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -99,6 +112,12 @@ class ZeroGradientRule(Rule):
         # is unused_parameter's finding, made at once already.
         if self._first_step is None:
             self._first_step = record.step
+        if record.no_signal:
+            # Every gradient zero because the gradient entering the model was: a
+            # margin or hinge loss every sample satisfies, a batch whose every
+            # target is masked. No layer's streak moves either way.
+            return self._without_signal(record)
+        self._no_signal = None
         at_once = record.distributed == "ddp" and record.source == "optimizer"
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
@@ -188,3 +207,22 @@ class ZeroGradientRule(Rule):
                 )
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
+
+    def _without_signal(self, record: StepRecord) -> list[Alert]:
+        """Told once, as a note, when the loss has sent nothing for many steps in a row."""
+        since, count = self._no_signal or (record.step, 0)
+        self._no_signal = (since, count + 1)
+        if count + 1 < _NO_SIGNAL_STEPS or self._no_signal_told:
+            return []
+        self._no_signal_told = True
+        return [
+            self.alert(
+                since,
+                None,
+                f"the loss sent no gradient into the model for {count + 1} consecutive steps "
+                f"since step {since}: every gradient entering its output was exactly zero",
+                _NO_SIGNAL_HINT,
+                {"kind": "no_signal", "since_step": since, "steps": count + 1},
+                severity="info",
+            )
+        ]
