@@ -170,6 +170,11 @@ class StepRecord:
     # How the model trains under DDP ("ddp"; "find_unused" for a model built
     # with find_unused_parameters=True; "" when not); filled with ``never_called``.
     distributed: str = ""
+    # Layers followed since they went without a gradient, and those of them called
+    # in this step's passes (None: not knowable, a compiled pass).
+    calls_followed: frozenset[str] = frozenset()
+    called_now: frozenset[str] | None = None
+    calls_ran: frozenset[str] = frozenset()  # of those, the ones seen running in some step
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)

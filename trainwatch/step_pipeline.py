@@ -35,6 +35,7 @@ from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
 from trainwatch.collect.stall import FirstBatchProbe
+from trainwatch.collect.step_calls import StepCalls
 from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
@@ -51,6 +52,12 @@ from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
 from trainwatch.weak import weak_callback
 from trainwatch.whole_layers import WholeLayerNorms
+
+# An optimizer's step whose every parameter had a gradient.
+_NONE_MISSING: frozenset[str] = frozenset()
+# Steps a followed layer is seen running without a gradient before it counts as
+# cut off (a .detach() after it) and is no longer followed.
+_CALLED_CUT = 3
 
 # Steps with gradients but no pass seen after which the search for a
 # torch.compile wrapper made after watching (around which the passes run) stops.
@@ -184,6 +191,10 @@ class StepPipeline:
         if self._tracks_calls:
             self._calls.track(root, layers.layers)
             self._calls.listen(self.passes)
+        # Layers that went without a gradient, followed to see whether they run;
+        # per optimizer, the layers without one at its last step.
+        self._step_calls = StepCalls() if "zero_gradient" in self._rule_ids else None
+        self._missing_before: dict[int | None, frozenset[str]] = {}
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:
             self.probe = NonfiniteProbe(
@@ -235,6 +246,7 @@ class StepPipeline:
             self.tracker,
             self.structure,
             self._calls,
+            self._step_calls,
             self._compile_warning,
             self.probe,
             self.behaviour,
@@ -316,6 +328,43 @@ class StepPipeline:
             self._guarded("parameter check", self._check_parameters, pending, params)
         if pending.stall_due:
             self._guarded("stalled training", self._measure_stall, step, pending)
+
+    def _follow_calls(self, index: int | None, record: StepRecord) -> None:
+        """From the next pass on, see whether the layers without a gradient run at all.
+
+        A layer never called at all (an unused pooler) is the call tracker's
+        finding and is not followed; one seen running without a gradient for
+        ``_CALLED_CUT`` steps (a ``.detach()`` after it) is cut, which is
+        established: following it stops. What is left followed is skipped on
+        some steps by design, and each of its passes pays a hook on every
+        module call while it is.
+        """
+        step_calls = self._step_calls
+        owners = {info.owner for info in record.missing if info.in_model}
+        before = self._missing_before.get(index)
+        self._missing_before[index] = frozenset(owners)
+        if before is not None:
+            # With a gradient at this optimizer's last step: they ran then.
+            step_calls.ran |= owners - before
+        called = record.called_now
+        if called is not None:
+            for owner in owners & called & record.calls_followed:
+                runs = step_calls.cut_runs[owner] = step_calls.cut_runs.get(owner, 0) + 1
+                if runs >= _CALLED_CUT:
+                    step_calls.unfollow(owner)
+        for owner in record.never_called & step_calls.followed:
+            step_calls.unfollow(owner)  # the call tracker's finding: nothing to follow
+        wanted = owners - record.never_called - step_calls.followed - set(step_calls.cut_runs)
+        if not wanted:
+            return
+        found = {}
+        for raw, module in self._root.named_modules():
+            name = user_name(raw)
+            if name in wanted and not is_wrapper(module):
+                found[name] = module
+        step_calls.follow(found)
+        if step_calls.following and not self.passes.listens(step_calls):
+            self.passes.subscribe("step calls", step_calls)
 
     def _check_parameters(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
         """Norms of the weights just updated: one batched kernel, read with the step."""
@@ -417,10 +466,19 @@ class StepPipeline:
             record.rewritten = frozenset(
                 known[id(p)].name for p in self.tracker.rewritten() if id(p) in known
             )
+        step_calls = self._step_calls
+        if step_calls is not None and step_calls.following:
+            record.calls_followed = step_calls.followed
+            record.called_now = step_calls.take()
+            record.calls_ran = frozenset(step_calls.ran)
         if record.missing:
             # Parameters without a gradient: under DDP the next iteration fails.
             record.never_called = self._calls.never_called()
             record.distributed = runs_distributed(self.model)
+            if step_calls is not None and not attach:
+                self._guarded("step calls", self._follow_calls, index, record)
+        elif step_calls is not None and self._missing_before.get(index) is not _NONE_MISSING:
+            self._missing_before[index] = _NONE_MISSING
         info = self.layers.info
         if record.frozen:
             for param in params:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainwatch.alert import Alert
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
@@ -66,6 +68,10 @@ def _shift_free_biases(record: StepRecord) -> frozenset[str]:
     )
 
 
+# Steps a layer seen not running (and never seen running) is given beyond
+# ``patience`` before it counts as never called: a block skipped at random, an
+# expert given no token, may simply not have run yet.
+_NOT_YET_RAN = 10
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
 _NO_SIGNAL_HINT = (
@@ -77,13 +83,16 @@ _NO_SIGNAL_HINT = (
 
 
 class _Streak:
-    __slots__ = ("start", "count", "kind", "reported")
+    __slots__ = ("start", "count", "kind", "reported", "called", "skipped")
 
     def __init__(self, start: int, kind: str) -> None:
         self.start = start
         self.count = 0
         self.kind = kind
         self.reported = False
+        # Steps of the streak its layer was seen called / seen not called at all.
+        self.called = False
+        self.skipped = 0
 
 
 class ZeroGradientRule(Rule):
@@ -98,6 +107,12 @@ class ZeroGradientRule(Rule):
         # Steps in a row where the loss sent no gradient into the model (from when).
         self._no_signal: tuple[int, int] | None = None
         self._no_signal_told = False
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for streak in self._streaks.values():
+            if not hasattr(streak, "called"):  # saved before the call evidence existed
+                streak.called, streak.skipped = False, 0
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -142,15 +157,33 @@ class ZeroGradientRule(Rule):
                 self._streaks.pop(info.name, None)
 
         due: list[ParamInfo] = []
+        followed, called = record.calls_followed, record.called_now
         for info, kind in silent:
             streak = self._streaks.get(info.name)
             if streak is None:
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
             streak.count += 1
+            if kind == "none" and called is not None and info.owner in followed:
+                if info.owner in called:
+                    streak.called = True
+                else:
+                    streak.skipped += 1
             needed = self.config.patience
+            # A layer seen not running on its steps without a gradient, and never
+            # seen running on them, is skipped by design (a block stochastic depth
+            # drops, an expert given no token) once it is seen running on other
+            # steps: unused_parameter's story, not a cut. One not seen running yet
+            # may be skipped by design from the first step: unless the call
+            # tracker saw the module holding it run without it (a head defined but
+            # never called), it is given _NOT_YET_RAN more steps to run.
+            skipped = streak.skipped and not streak.called
+            if skipped and info.owner not in record.calls_ran:
+                skipped = False
+                if info.owner not in record.never_called:  # its holder skipped too
+                    needed += _NOT_YET_RAN
             if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
-            if streak.count >= needed and not streak.reported:
+            if streak.count >= needed and not streak.reported and not skipped:
                 streak.reported = True
                 due.append(info)
 

@@ -1,0 +1,117 @@
+"""Whether the layers that went without a gradient were called in this step's passes.
+
+A layer skipped on some steps by design (a block stochastic depth drops, an
+expert the router sent no token) gets no gradient on those steps, exactly
+like a layer whose output a ``.detach()`` cuts off, which is called every
+step. What tells them apart is whether the layer ran. Nothing is watched on
+a model whose every parameter gets its gradient: a layer is followed only
+from the step after it first went without one (the cheap trigger is the
+step's own list of parameters with no gradient), and then only through one
+global forward pre-hook installed for the model's passes and removed at their
+end (a hook on the layer itself would travel with the model into
+``torch.save`` and ``copy.deepcopy``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from trainwatch.collect import quiet
+from trainwatch.compiled import compiling, is_wrapper, unwrap
+from trainwatch.hooks import WeakHook
+
+
+class StepCalls:
+    """Listens to the model's passes while some layer is followed."""
+
+    def __init__(self) -> None:
+        # id(module) -> (a weak reference to it, its name)
+        self._followed: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
+        self.following = False  # whether any layer is (a plain attribute: read every step)
+        self._called: set[str] = set()
+        self._blind = False  # a pass ran where module calls are not seen (compiled)
+        self._inner_calls = 0  # module calls seen inside the pass in progress
+        self._passes = 0  # passes with gradients seen since the last step boundary
+        self._handle: RemovableHandle | None = None
+        # Layers seen running without a gradient, how many steps (the pipeline's count).
+        self.cut_runs: dict[str, int] = {}
+        # Followed layers seen running in some step: skipped by design on the others.
+        self.ran: set[str] = set()
+
+    @property
+    def followed(self) -> frozenset[str]:
+        return frozenset(name for _, name in self._followed.values())
+
+    def follow(self, modules: dict[str, nn.Module]) -> None:
+        """Follow these layers (by name) from the next pass on."""
+        for name, module in modules.items():
+            self._followed[id(module)] = (weakref.ref(module), name)
+        self.following = bool(self._followed)
+
+    def unfollow(self, name: str) -> None:
+        self._followed = {key: item for key, item in self._followed.items() if item[1] != name}
+        self.following = bool(self._followed)
+        if not self._followed:
+            self._unhook()
+
+    def take(self) -> frozenset[str] | None:
+        """The followed layers called since the last step boundary (None: not knowable:
+        no pass with gradients was seen, or one ran where module calls are not)."""
+        called, blind = frozenset(self._called), self._blind or not self._passes
+        self._called.clear()
+        self._blind, self._passes = False, 0
+        if blind:
+            return None  # no pass seen (compiled in place: its hooks are traced) or a blind one
+        self.ran |= called
+        return called
+
+    # -- the model's passes (ModelPasses) ----------------------------------
+    def pass_starts(self, module: nn.Module) -> None:
+        if self._handle is not None or not self._followed or not torch.is_grad_enabled():
+            return  # a pass without gradients (an evaluation) makes no step's gradients
+        if is_wrapper(module):
+            self._blind = True  # inside a compiled graph no module call is seen
+            return
+        self._mark(unwrap(module))  # its own hooks are already running
+        self._inner_calls = 0
+        self._passes += 1
+        self._handle = register_module_forward_pre_hook(WeakHook(self, "called"))
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._handle is not None and not self._inner_calls:
+            # Not one module call seen inside the pass: compiled in place
+            # (``model.compile()``), where hooks do not run. Nothing is known.
+            self._blind = True
+        self._unhook()
+
+    def called(self, module: nn.Module, args: Any = None) -> None:
+        if compiling() or (quiet.anywhere and quiet.replaying()) or not torch.is_grad_enabled():
+            return  # trainwatch's own re-run of the model inside the pass (no gradients)
+        self._inner_calls += 1
+        self._mark(module)
+
+    def _mark(self, module: nn.Module) -> None:
+        found = self._followed.get(id(module))
+        if found is not None and found[0]() is module:
+            self._called.add(found[1])
+
+    def fail(self, exc: BaseException) -> None:
+        """Knowing nothing, it claims nothing: every followed layer counts as called."""
+        self.detach()
+
+    def detach(self) -> None:
+        self._unhook()
+        self._followed.clear()
+        self.following = False
+        self._called.clear()
+
+    def _unhook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
