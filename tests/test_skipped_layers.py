@@ -178,3 +178,38 @@ def test_trainwatch_run_on_experts_given_no_token_names_only_a_detached_one(tmp_
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     found = {a["module"] for a in map(json.loads, lines) if a["rule"] == "zero_gradient"}
     assert found == (set() if mode == "clean" else {"experts.0"})
+
+
+def test_nothing_is_followed_on_a_model_whose_every_layer_gets_its_gradient(quiet_watch):
+    """The usual model pays nothing for this: no layer followed, no global hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for _ in range(10):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+    step_calls = monitor._pipeline._step_calls
+    assert not step_calls.following
+    assert "step calls" not in monitor._pipeline.passes.listener_names()
+
+
+def test_a_never_called_head_and_a_cut_layer_stop_being_followed(quiet_watch):
+    """A head defined but never called is the call tracker's finding; a block seen
+    running without a gradient for 3 steps is cut: neither is followed for good."""
+    torch.manual_seed(0)
+    model = LayerDrop(cut=1)
+    model.unused_head = nn.Linear(16, 1)  # never called
+    model.drop = [0.0] * len(model.drop)  # no block skipped
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for _ in range(10):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+    found = {a.module: a.data["kind"] for a in monitor.alerts if a.rule == "zero_gradient"}
+    assert found == {"blocks.1.0": "none", "unused_head": "never_called"}
+    assert not monitor._pipeline._step_calls.following
