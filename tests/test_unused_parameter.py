@@ -72,3 +72,32 @@ def test_frozen_parameters_are_not_unused(quiet_watch):
     monitor = quiet_watch(model, opt)
     _train(model, opt, 6, lambda step: step % 2 == 0)
     assert "unused_parameter" not in rules_of(monitor)
+
+
+def _skipped_at_step_3(quiet_watch, **config):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, **config)
+    _train(model, opt, 6, lambda step: step != 3)
+    return [a for a in monitor.alerts if a.rule == "unused_parameter"]
+
+
+def test_a_branch_used_on_some_steps_is_a_note_on_one_device(quiet_watch):
+    """Harmless without DDP (stochastic depth, experts, a head trained every k steps):
+    a healthy single-device run does not fail ``--fail-on warning`` for it."""
+    (alert,) = _skipped_at_step_3(quiet_watch)
+    assert alert.severity == "info" and alert.module == "aux"
+
+
+def test_a_branch_used_on_some_steps_is_a_warning_under_a_process_group(quiet_watch):
+    from tests.test_never_called_in_optimizer import one_process_group
+
+    with one_process_group():
+        (alert,) = _skipped_at_step_3(quiet_watch)
+    assert alert.severity == "warning" and alert.module == "aux"
+
+
+def test_a_configured_severity_holds_on_one_device(quiet_watch):
+    (alert,) = _skipped_at_step_3(quiet_watch, config={"unused_parameter": {"severity": "error"}})
+    assert alert.severity == "error"

@@ -178,7 +178,11 @@ class UnshuffledDataConfig(RuleConfig):
 
 @dataclass
 class UnusedParameterConfig(RuleConfig):
-    pass
+    # A note on one device, where a branch used on some steps is harmless (a
+    # mixture-of-experts router, stochastic depth, a head trained every k steps);
+    # under DDP (a DistributedDataParallel model or a process group) at least a
+    # warning, since the reducer waits for every parameter's gradient.
+    severity: SeverityName = "info"
 
 
 @dataclass

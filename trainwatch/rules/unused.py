@@ -11,7 +11,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from trainwatch.alert import Alert
+import torch
+
+from trainwatch.alert import Alert, severity_rank
 from trainwatch.config import UnusedParameterConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
@@ -69,6 +71,12 @@ class UnusedParameterRule(Rule):
             return []
         for info, _, _ in found:
             self._reported.add(info.name)
+        # Harmless on one device; under DDP the reducer waits for every gradient.
+        severity = None
+        if (record.distributed or _process_group_up()) and severity_rank(
+            self.config.severity
+        ) < severity_rank("warning"):
+            severity = "warning"
         alerts = []
         for owner, params in by_owner(info for info, _, _ in found).items():
             rows = [row for row in found if row[0].owner == owner]
@@ -91,6 +99,12 @@ class UnusedParameterRule(Rule):
                         "unused_step": unused_since,
                         "missing_now": now_missing,
                     },
+                    severity=severity,
                 )
             )
         return alerts
+
+
+def _process_group_up() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
