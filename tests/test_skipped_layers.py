@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.conftest import train
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
@@ -66,11 +67,7 @@ def test_blocks_stochastic_depth_skips_are_silent_and_a_detached_block_is_found(
     model = LayerDrop(cut=cut)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = quiet_watch(model, opt)
-    for _ in range(80):
-        x = torch.randn(32, 8)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), x[:, :1]).backward()
-        opt.step()
+    train(model, opt, 80)
     assert _longest_skip_run(model.skips, 3) >= 3  # the shape: 3 skips in a row happened
     found = _zero_gradient(monitor.alerts)
     if cut is None:
@@ -186,11 +183,7 @@ def test_nothing_is_followed_on_a_model_whose_every_layer_gets_its_gradient(quie
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt)
-    for _ in range(10):
-        x = torch.randn(16, 8)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), x[:, :1]).backward()
-        opt.step()
+    train(model, opt, 10)
     step_calls = monitor._pipeline._step_calls
     assert not step_calls.following
     assert "step calls" not in monitor._pipeline.passes.listener_names()
@@ -205,11 +198,7 @@ def test_a_never_called_head_and_a_cut_layer_stop_being_followed(quiet_watch):
     model.drop = [0.0] * len(model.drop)  # no block skipped
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt)
-    for _ in range(10):
-        x = torch.randn(16, 8)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), x[:, :1]).backward()
-        opt.step()
+    train(model, opt, 10)
     found = {a.module: a.data["kind"] for a in monitor.alerts if a.rule == "zero_gradient"}
     assert found == {"blocks.1.0": "none", "unused_head": "never_called"}
     assert not monitor._pipeline._step_calls.following

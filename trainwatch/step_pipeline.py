@@ -55,9 +55,6 @@ from trainwatch.whole_layers import WholeLayerNorms
 
 # An optimizer's step whose every parameter had a gradient.
 _NONE_MISSING: frozenset[str] = frozenset()
-# Steps a followed layer is seen running without a gradient before it counts as
-# cut off (a .detach() after it) and is no longer followed.
-_CALLED_CUT = 3
 
 # Steps with gradients but no pass seen after which the search for a
 # torch.compile wrapper made after watching (around which the passes run) stops.
@@ -332,29 +329,20 @@ class StepPipeline:
     def _follow_calls(self, index: int | None, record: StepRecord) -> None:
         """From the next pass on, see whether the layers without a gradient run at all.
 
-        A layer never called at all (an unused pooler) is the call tracker's
-        finding and is not followed; one seen running without a gradient for
-        ``_CALLED_CUT`` steps (a ``.detach()`` after it) is cut, which is
-        established: following it stops. What is left followed is skipped on
-        some steps by design, and each of its passes pays a hook on every
-        module call while it is.
+        Layers with a gradient at this optimizer's last step ran then. Which
+        layers to follow is ``StepCalls.without_gradient``'s decision; here
+        they are found in the model.
         """
         step_calls = self._step_calls
-        owners = {info.owner for info in record.missing if info.in_model}
+        owners = frozenset(info.owner for info in record.missing if info.in_model)
         before = self._missing_before.get(index)
-        self._missing_before[index] = frozenset(owners)
-        if before is not None:
-            # With a gradient at this optimizer's last step: they ran then.
-            step_calls.ran |= owners - before
-        called = record.called_now
-        if called is not None:
-            for owner in owners & called & record.calls_followed:
-                runs = step_calls.cut_runs[owner] = step_calls.cut_runs.get(owner, 0) + 1
-                if runs >= _CALLED_CUT:
-                    step_calls.unfollow(owner)
-        for owner in record.never_called & step_calls.followed:
-            step_calls.unfollow(owner)  # the call tracker's finding: nothing to follow
-        wanted = owners - record.never_called - step_calls.followed - set(step_calls.cut_runs)
+        self._missing_before[index] = owners
+        wanted = step_calls.without_gradient(
+            owners,
+            ran=owners - before if before is not None else frozenset(),
+            called=record.called_now,
+            never_called=record.never_called,
+        )
         if not wanted:
             return
         found = {}

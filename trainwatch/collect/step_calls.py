@@ -26,6 +26,10 @@ from trainwatch.collect import quiet
 from trainwatch.compiled import compiling, is_wrapper, unwrap
 from trainwatch.hooks import WeakHook
 
+# Steps a followed layer is seen running without a gradient before it counts as
+# cut off (a .detach() after it) and is no longer followed.
+_CALLED_CUT = 3
+
 
 class StepCalls:
     """Listens to the model's passes while some layer is followed."""
@@ -53,6 +57,35 @@ class StepCalls:
         for name, module in modules.items():
             self._followed[id(module)] = (weakref.ref(module), name)
         self.following = bool(self._followed)
+
+    def without_gradient(
+        self,
+        names: frozenset[str],
+        *,
+        ran: frozenset[str],
+        called: frozenset[str] | None,
+        never_called: frozenset[str],
+    ) -> frozenset[str]:
+        """A step's layers without a gradient: the ones to follow from now on.
+
+        ``ran``: of them, those that had a gradient at the last step (they ran
+        then); ``called``: the followed layers called in this step's passes
+        (None: not knowable). A layer never called at all (an unused pooler)
+        is the call tracker's finding and is not followed; one seen running
+        without a gradient for ``_CALLED_CUT`` steps (a ``.detach()`` after
+        it) is cut, which is established: following it stops. What stays
+        followed is skipped on some steps by design, and each pass pays a hook
+        on every module call while it does.
+        """
+        self.ran |= ran
+        if called is not None:
+            for name in names & called & self.followed:
+                runs = self.cut_runs[name] = self.cut_runs.get(name, 0) + 1
+                if runs >= _CALLED_CUT:
+                    self.unfollow(name)
+        for name in never_called & self.followed:
+            self.unfollow(name)
+        return names - never_called - self.followed - self.cut_runs.keys()
 
     def unfollow(self, name: str) -> None:
         self._followed = {key: item for key, item in self._followed.items() if item[1] != name}
