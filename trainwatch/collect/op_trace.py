@@ -36,6 +36,15 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRAINWATCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _TRAINWATCH_DIR)
 
+# Ops whose output is uninitialised memory: it may hold NaN bits by chance
+# (a freed block reused), which the op did not make. The op that fills it
+# (a copy, an out= kernel) is judged instead.
+_UNINITIALISED = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
+    if hasattr(torch.ops.aten, name)
+)
+
 
 @dataclass(frozen=True)
 class OpFinding:
@@ -167,7 +176,7 @@ class _FirstNonfinite(TorchDispatchMode):
             before = _judge_inputs(args, kwargs, func)
             masking = mask_arithmetic(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        if self.found is None:
+        if self.found is None and getattr(func, "overloadpacket", None) not in _UNINITIALISED:
             results = list(floating_tensors(out))
             if results and not _all_finite(results):
                 finite, finite_or_masks = before or _judge_inputs(args, kwargs, func)
