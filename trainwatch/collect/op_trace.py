@@ -100,6 +100,9 @@ def _judge_inputs(args: Any, kwargs: Any, func: Any = None) -> tuple[bool, bool]
         # Training-mode batch norm does not read its running statistics (it
         # updates them): poisoned ones are no input of this op.
         args, kwargs = args[:3], {}
+    if kwargs and "out" in kwargs:
+        # Written, not read: an ``out=`` buffer fresh from ``empty`` may hold NaN bits.
+        kwargs = {name: value for name, value in kwargs.items() if name != "out"}
     inputs = list(floating_tensors([args, kwargs]))
     finite = _all_finite(inputs)
     return finite, finite or _only_negative_inf(inputs)
