@@ -6,14 +6,15 @@ about 2 us, is nearly all of it: a model of many small layers pays it for
 every parameter at every step. Small gradients of one shape are stacked and
 reduced together instead, one copy and one kernel per shape, which is a
 cost set by the model's distinct shapes, not its depth. Shapes met only
-once still go through ``_foreach_norm``.
+once, and large gradients, still go through ``_foreach_norm``.
 
-A large fp32 gradient (copying it would cost more than the launch it
-saves) is reduced as its dot product with itself instead: BLAS's ``dot``
-reads it about twice as fast as the norm kernel on CPU (about 130 against
-200 us for a 670k-parameter MLP's weights read cold). Both accumulate the
-squares in fp32, so both read a norm past fp32's range (about 1.8e19) as
-infinite alike.
+Large gradients are not reduced some faster-looking way (``dot`` with
+itself reads a large fp32 tensor as fast or faster): right after backward
+every distinct kernel a step adds runs cold, and on a 670k-parameter MLP
+(one thread) the two dots, their stack, root and concatenation cost about
+85 us more than one ``_foreach_norm`` over every gradient and its stack
+(about 580 against 490 us, medians over 200 steps each, read right after
+backward). Fewer ops win.
 
 The norms come back in the plan's order, not the input's: a reordering op
 would cost as much as a group saves, and every reader pairs norms with the
@@ -39,18 +40,15 @@ from trainwatch.record import StepRecord
 SMALL = 1 << 14
 # Fewer gradients of one shape than this are not worth a group of their own.
 _MIN_GROUP = 4
-# A gradient of at least this many elements (fp32, contiguous) is reduced by ``dot``.
-LARGE = 1 << 16
 
 
 class NormPlan:
     """How one layout of gradients (their shapes, in order) is reduced."""
 
-    __slots__ = ("groups", "large", "rest", "order", "identity", "_picks")
+    __slots__ = ("groups", "rest", "order", "identity", "_picks")
 
     def __init__(self, grads: Sequence[torch.Tensor]) -> None:
         by_shape: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
-        large: list[int] = []
         rest: list[int] = []
         plain = torch.Tensor
         cpu = torch.device("cpu")
@@ -58,12 +56,10 @@ class NormPlan:
             if grad.device != cpu or type(grad) is not plain or grad.layout != torch.strided:
                 # A GPU's _foreach_norm is a few batched kernels already; shards
                 # and sparse gradients are read the general way.
-                by_shape, large, rest = {}, [], list(range(len(grads)))
+                by_shape, rest = {}, list(range(len(grads)))
                 break
             if grad.dim() > 0 and grad.numel() <= SMALL and not grad.is_complex():
                 by_shape.setdefault((grad.shape, grad.dtype), []).append(index)
-            elif grad.numel() >= LARGE and grad.dtype == torch.float32 and grad.is_contiguous():
-                large.append(index)
             else:
                 rest.append(index)
         groups = []
@@ -74,13 +70,11 @@ class NormPlan:
                 rest.extend(members)
         rest.sort()
         self.groups = groups
-        self.large = large
         self.rest = rest
-        # The norms come out as the groups' members, then the large, then the rest.
+        # The norms come out as the groups' members, then the rest.
         self.order = [index for members in groups for index in members]
-        self.order += large
         self.order += rest
-        self.identity = not groups and not large  # the input's own order, one foreach
+        self.identity = not groups  # the input's own order, one foreach
         # Per group, planned once: its members' getter (a group has at least
         # _MIN_GROUP, so the getter gives a tuple) and the dimensions reduced.
         dims = [tuple(range(1, grads[members[0]].dim() + 1)) for members in groups]
@@ -99,10 +93,6 @@ class NormPlan:
                 if stacked.dim() != len(dims) + 1:
                     raise RuntimeError("a gradient changed shape since the plan")
                 pieces.append(torch.linalg.vector_norm(stacked, 2, dim=dims, dtype=torch.float32))
-            if self.large:
-                flat = [grads[index].view(-1) for index in self.large]
-                squares = torch.stack([torch.dot(g, g) for g in flat])
-                pieces.append(squares.sqrt_())
             if self.rest:
                 rest = list(map(grads.__getitem__, self.rest))
                 pieces.append(torch.stack(torch._foreach_norm(rest, 2, dtype=torch.float32)))
