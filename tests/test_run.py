@@ -661,3 +661,48 @@ def test_a_model_built_after_the_first_settled_is_counted_from_its_first_step(tm
     assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
     found = [(a["rule"], a["step"], a["data"]["model"]) for a in alerts(tmp_path / "log")]
     assert found == [("accumulated_gradient", 5, "Net#2")]
+
+
+NAN_FROM = """
+import sys
+import torch
+from torch import nn
+
+
+class LogOfNegatives(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bug_on = False
+
+    def forward(self, h):
+        return torch.log(h) if self.bug_on else h
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), LogOfNegatives(), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+BUG_AT = int(sys.argv[1])
+for step in range(6):
+    model[1].bug_on = step >= BUG_AT
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("bug_at", [0, 3])
+def test_a_nan_born_in_forward_is_one_alert_even_at_the_first_step(tmp_path, bug_at):
+    # At step 0 the monitor is made inside the model's first call and sees only
+    # that pass's end: the gradients it poisons are still the forward's knock-on.
+    script = write(tmp_path, "train.py", NAN_FROM)
+    assert run_script(script, [str(bug_at)], log_dir=tmp_path / "log", console=False) == 0
+    found = [(a["rule"], a["step"], a["module"]) for a in alerts(tmp_path / "log")]
+    assert found == [("nonfinite_forward", bug_at, "1")]
+
+
+def test_a_clean_run_of_the_nan_script_has_no_alert(tmp_path):
+    script = write(tmp_path, "train.py", NAN_FROM)
+    assert run_script(script, ["6"], log_dir=tmp_path / "log", console=False) == 0
+    assert alerts(tmp_path / "log") == []

@@ -146,7 +146,12 @@ class NonfiniteJudge:
                 record.amp = AmpReport(record.skipped_backward_passes, self.passes_per_step)
         forward_clean = not forward_bad
         loss_bad = record.loss is not None and not _finite(record.loss)
-        if window is not None and not window.forward_seen and (bad_grads or loss_bad):
+        if (
+            window is not None
+            and not window.forward_seen
+            and not forward_bad  # the forward's origin was found: it was seen
+            and (bad_grads or loss_bad)
+        ):
             if not knock_on(reported):
                 self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
             _mark_after_exploding(record, reported)
