@@ -111,3 +111,54 @@ def test_weights_left_alone_are_no_move_even_with_a_nan(device):
     with torch.no_grad():
         layer.weight.fill_(float("nan"))
     assert weights_fingerprint(layer) == weights_fingerprint(layer)
+
+
+EMA_EVALUATED = """
+import copy
+import sys
+import torch
+from torch import nn
+
+forgot_eval = sys.argv[1] == "forgot_eval"
+torch.manual_seed(0)
+model = nn.Sequential(
+    nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4)
+)
+ema = copy.deepcopy(model)
+ema.requires_grad_(False)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x_val, y_val = torch.randn(1024, 16), torch.randint(0, 4, (1024,))
+for step in range(60):
+    if step % 25 == 0:  # the EMA copy's validation, one large batch
+        if not forgot_eval:
+            ema.eval()
+        with torch.no_grad():
+            accuracy = (ema(x_val).argmax(1) == y_val).float().mean().item()
+        ema.train()
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.mul_(0.99).add_(p, alpha=0.01)
+"""
+
+
+def _ema_alerts(tmp_path, how: str) -> list[tuple[str, str | None]]:
+    script = tmp_path / "ema.py"
+    script.write_text(EMA_EVALUATED)
+    run_script(script, [how], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    return [(a["rule"], a["module"]) for a in map(json.loads, lines)]
+
+
+def test_an_ema_copy_evaluated_now_and_then_in_training_mode_warns(tmp_path):
+    # Its weights move between its passes as a target's do, but a target runs at
+    # every step: passes 25 steps apart are an evaluation that forgot ema.eval().
+    assert ("eval_in_train_mode", "1") in _ema_alerts(tmp_path, "forgot_eval")
+
+
+def test_an_ema_copy_evaluated_in_eval_mode_is_silent(tmp_path):
+    assert _ema_alerts(tmp_path, "eval") == []

@@ -31,6 +31,7 @@ from trainwatch.guard import Guard
 from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
+from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.raised import note_raise
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
@@ -467,6 +468,7 @@ class Monitor:
         """Count the step first, so a failure or a halt later cannot lose it."""
         self._step += 1
         self._steps_here += 1
+        PROCESS_STEPS.taken += 1
         look = self._pipeline.class_targets
         if look is not None and (self._step % look.every == 0) != look.listening:
             self._guarded("class target look", self._pipeline.listen_for_targets, look)

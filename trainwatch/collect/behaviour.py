@@ -47,6 +47,7 @@ from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.hooks import WeakHook, hook_pass_tensor
+from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules import rules_needing
 
@@ -216,7 +217,8 @@ class BehaviourWatch:
                     record = StepRecord(step=self._step_of(), source="forward")
                     record.eval_in_train = report
                     weights = weights_fingerprint(model)
-                    for due in self.eval_passes.nograd_pass(record, weights):
+                    clock = PROCESS_STEPS.taken
+                    for due in self.eval_passes.nograd_pass(record, weights, clock):
                         self._publish(due)
             if grad:
                 passes = self.eval_passes

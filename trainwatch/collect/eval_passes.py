@@ -21,11 +21,23 @@ runs in training mode under ``no_grad`` on purpose. The weights are told by
 their first parameter (``weights_moved``): its version counter, its storage
 and a few of its values, so an EMA in place under ``no_grad``, one assigned
 to ``param.data`` and one written into ``param.data`` in place all show.
+
+A target runs at every step of the network it follows (once or twice per
+step, per view). An EMA copy kept for evaluation moves just the same, but is
+run only now and then: passes :data:`SPARSE_GAP` or more steps of the
+process apart (every model's steps, on one clock) with its weights moved in
+between are an evaluation of that copy, one that forgot ``ema.eval()``.
 """
 
 from __future__ import annotations
 
 from trainwatch.record import StepRecord
+
+# Process steps between two no-grad passes of a model trained elsewhere from
+# which they are an evaluation, not a target's: a target runs at every step
+# (a GAN-like loop of two or three optimizers steps that many times per
+# iteration).
+SPARSE_GAP = 4
 
 
 class EvalPassJudge:
@@ -36,16 +48,28 @@ class EvalPassJudge:
         self._isolated_before = False  # and so had the interval before
         self._recurring = False  # it happens every step: part of training
         self._weights: object = None  # what the weights were at the last such pass
+        self._clock: int | None = None  # the process's steps at the last such pass
         self.trained = False  # a training pass of this model was seen
 
-    def nograd_pass(self, record: StepRecord, weights: object = None) -> list[StepRecord]:
+    def nograd_pass(
+        self, record: StepRecord, weights: object = None, clock: int | None = None
+    ) -> list[StepRecord]:
         """A no-grad pass with mode-dependent modules in training mode.
 
         ``weights``: a fingerprint of the model's weights now (None: unknown).
+        ``clock``: the optimizer steps this process has taken (None: unknown).
         """
         self.in_a_row += 1
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights = weights
+        gap = clock - self._clock if clock is not None and self._clock is not None else 0
+        self._clock = clock
+        if moved and self.in_a_row >= 2 and not self.trained and gap >= SPARSE_GAP:
+            # Moved by training elsewhere, yet run only now and then: an EMA
+            # copy's evaluation, not a target's pass.
+            self.in_a_row = 1
+            due, self._held = [*self._held, record], []
+            return due
         if moved and self.in_a_row >= 2:
             # Updated since the last one, by no training pass of its own: a target
             # network. Its passes are part of training, this one and those held.
