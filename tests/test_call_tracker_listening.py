@@ -110,3 +110,48 @@ def test_layers_added_after_every_layer_was_called_are_tracked_again():
 def test_layers_added_and_all_called_are_clean():
     monitor = _two_phases(keep_unused=False)
     assert [a for a in monitor.alerts if a.severity != "info"] == []
+
+
+class _Attending(nn.Module):
+    """Self-attention over 4 tokens; ``cut``: the attention's output is detached."""
+
+    def __init__(self, cut: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.reshape(-1, 4, 2))
+        attended = self.attn(h, h, h, need_weights=False)[0]
+        if self.cut:
+            attended = attended.detach()
+        return self.head(attended + h).mean(dim=1)
+
+
+def test_multihead_attention_out_proj_counts_as_called():
+    # MultiheadAttention reads out_proj's weight itself and never calls it: it is
+    # no layer waiting for a first call, so a model using it stops listening.
+    torch.manual_seed(0)
+    model = _Attending()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 2)
+        assert not _listening(monitor)
+        _steps(model, opt, 4)
+    assert monitor.alerts == []
+
+
+def test_an_attention_cut_by_detach_is_a_cut_not_a_layer_never_called():
+    torch.manual_seed(0)
+    model = _Attending(cut=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 6)
+    found = {(a.rule, a.module, a.data.get("kind")) for a in monitor.alerts}
+    assert {module for rule, module, _ in found if rule == "zero_gradient"} == {
+        "attn",
+        "attn.out_proj",
+    }
+    assert all(kind != "never_called" for _, _, kind in found), found

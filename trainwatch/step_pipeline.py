@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
-from trainwatch.collect.calls import CallTracker, runs_distributed
+from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
@@ -346,9 +346,10 @@ class StepPipeline:
         if not wanted:
             return
         found = {}
+        read_only = weights_read_by_holder(self._root)  # never called: nothing to follow
         for raw, module in self._root.named_modules():
             name = user_name(raw)
-            if name in wanted and not is_wrapper(module):
+            if name in wanted and not is_wrapper(module) and id(module) not in read_only:
                 found[name] = module
         step_calls.follow(found)
         if step_calls.following and not self.passes.listens(step_calls):

@@ -49,6 +49,23 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+# Modules whose children hold weights the holder's own code reads without
+# calling them: nn.MultiheadAttention's ``out_proj`` goes to
+# F.multi_head_attention_forward as a weight, so it is never called at all.
+_READS_CHILDREN_WEIGHTS = (nn.MultiheadAttention,)
+
+
+def weights_read_by_holder(model: nn.Module) -> set[int]:
+    """Ids of the modules whose holder reads their weights instead of calling them."""
+    return {
+        id(child)
+        for holder in model.modules()
+        if isinstance(holder, _READS_CHILDREN_WEIGHTS)
+        for child in holder.modules()
+        if child is not holder
+    }
+
+
 _FIRST_STEPS = 5
 _EVERY = 25
 
@@ -78,10 +95,13 @@ class CallTracker:
                 if not name:
                     break
                 name = _parent(name)
+        read_not_called = weights_read_by_holder(model)
         for raw, module in model.named_modules():
             name = user_name(raw)
             if is_wrapper(module) or name not in wanted or name in self._seen_names:
                 continue
+            if id(module) in read_not_called:
+                continue  # its weights are used by its holder's code, never by a call of it
             self._waiting.setdefault(id(module), name)
             self._keep[id(module)] = module
 
