@@ -365,3 +365,48 @@ def test_negative_inf_from_functional_code_names_the_module_whose_forward_made_i
             continue
         first = first_nonfinite(monitor.alerts)
         assert (first.step, first.module, first.data["op"]) == (FAULT_STEP, named, "aten::log")
+
+
+class ScoresWithMask(nn.Module):
+    """Takes an additive -inf mask as an input; its own log makes NaN once ``bug`` is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.bug = False
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(x)
+        if self.bug:
+            scores = torch.log(scores)  # negative scores: NaN
+        return torch.softmax(scores + mask, dim=-1)
+
+
+class MaskedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = ScoresWithMask()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scores(x, mask))
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_inputs_holding_a_mask_are_not_called_finite(masked):
+    torch.manual_seed(0)
+    model = MaskedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mask = torch.zeros(6)
+    if masked:
+        mask[4:] = float("-inf")
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(3):
+            model.scores.bug = step == 2
+            opt.zero_grad()
+            model(torch.randn(8, 6), mask).sum().backward()
+            opt.step()
+    first = first_nonfinite(monitor.alerts)
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 2, "scores")
+    said = "from inputs finite but for a -inf mask in [-inf," if masked else "from finite inputs in"
+    assert said in first.message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from trainwatch.alert import Alert
@@ -168,7 +169,11 @@ class NonfiniteForwardRule(_ReportRule):
             )
         inputs = ""
         if report.input_min is not None:
-            inputs = f" from finite inputs in [{report.input_min:.4g}, {report.input_max:.4g}]"
+            low, high = report.input_min, report.input_max
+            # An input may hold -inf only as a deliberate mask (an attention mask):
+            # the values it was made from are finite otherwise.
+            finite = "inputs finite but for a -inf mask" if low == -math.inf else "finite inputs"
+            inputs = f" from {finite} in [{low:.4g}, {high:.4g}]"
         return (
             f"first non-finite value of the forward pass: {_what(report)}{inputs}{spread}",
             _hint(
