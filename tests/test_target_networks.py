@@ -162,3 +162,17 @@ def test_an_ema_copy_evaluated_now_and_then_in_training_mode_warns(tmp_path):
 
 def test_an_ema_copy_evaluated_in_eval_mode_is_silent(tmp_path):
     assert _ema_alerts(tmp_path, "eval") == []
+
+
+def test_a_target_network_lets_the_global_forward_hooks_come_off(tmp_path, capsys):
+    # The hooks that find new models cost every module call in the process; a
+    # target never trained by backward is no model still waiting for its optimizer.
+    script = tmp_path / "byol.py"
+    script.write_text(
+        SCRIPT
+        + "\nfrom torch.nn.modules import module as hooks\n"
+        + "print('global forward hooks:', len(hooks._global_forward_pre_hooks))\n"
+    )
+    run_script(script, ["lerp", "2"], log_dir=tmp_path / "log", console=False)
+    assert "global forward hooks: 0" in capsys.readouterr().out
+    assert (tmp_path / "log" / "alerts.jsonl").read_text() == ""

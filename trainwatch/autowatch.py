@@ -44,8 +44,8 @@ from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
 
-# Steps after which, every model found training with an optimizer, the global
-# forward hooks come off.
+# Steps after which, every model found training with an optimizer (or never
+# trained at all), the global forward hooks come off.
 _SETTLED_AFTER = 2
 
 
@@ -179,8 +179,10 @@ class AutoWatch:
 
         They cost every module call of every model, so they are on only while
         a model may still appear: until every model found trains with an
-        optimizer for two steps, and again from the first step of an
-        optimizer whose parameters no model of ours holds.
+        optimizer (or is never trained: a target network, an EMA copy) for
+        two steps, and again from the first step of an optimizer whose
+        parameters no model of ours holds. A model first called after that
+        (an EMA copy first validated at step 500) is not found.
         """
         if self._forward_handles or self._closed:
             return
@@ -533,9 +535,12 @@ class AutoWatch:
             and self.steps >= _SETTLED_AFTER
             and not self._pending
             and self.monitors
-            and all(m.optimizers or m.closed for m in self.monitors)
+            and all(m.optimizers or m.closed or not m.step_count for m in self.monitors)
         ):
-            self._unhook_forwards()  # every model found steps with an optimizer
+            # Every model found steps with an optimizer, or takes no steps at all
+            # (a momentum target, an EMA copy, a frozen teacher: run, never
+            # trained by backward; their own pass hooks stay).
+            self._unhook_forwards()
         return None
 
     def _manual_step(self, monitor: Monitor) -> None:
