@@ -155,3 +155,59 @@ def test_an_attention_cut_by_detach_is_a_cut_not_a_layer_never_called():
         "attn.out_proj",
     }
     assert all(kind != "never_called" for _, _, kind in found), found
+
+
+class _HeadsInAList(nn.Module):
+    """Heads kept in a ModuleList (never called itself); ``heads[2]`` unused unless ``all``."""
+
+    def __init__(self, use_all: bool) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.heads = nn.ModuleList(nn.Linear(16, 1) for _ in range(3))
+        self.use_all = use_all
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        used = self.heads if self.use_all else self.heads[:2]
+        return sum(head(h) for head in used)
+
+
+def test_a_head_in_a_module_list_never_called_is_still_reported_without_the_claim():
+    # A ModuleList is never called itself, so its children are never claimed
+    # uncalled (a mixture's rare expert must not be); the head still goes without
+    # a gradient, and zero_gradient says so.
+    torch.manual_seed(0)
+    model = _HeadsInAList(use_all=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 14)  # the patience, and the steps a layer not yet run is given
+    assert [(a.rule, a.module) for a in monitor.alerts] == [("zero_gradient", "heads.2")]
+    assert monitor.alerts[0].data["kind"] != "never_called"
+
+
+def test_layers_in_containers_all_called_stop_the_listening():
+    torch.manual_seed(0)
+    model = _HeadsInAList(use_all=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, 2)
+        assert not _listening(monitor)
+        _steps(model, opt, 4)
+    assert monitor.alerts == []
+
+
+def test_a_transformer_encoder_stops_the_listening():
+    # Its layers sit in a ModuleList and its attention's out_proj is never called.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        for _ in range(3):
+            x = torch.randn(16, 1, 8)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, 0, :1]).backward()
+            opt.step()
+        assert not _listening(monitor)
+    assert monitor.alerts == []

@@ -354,7 +354,7 @@ class AutoWatch:
         try:
             # Hooks attached now see this very call (the module's own pre-hooks
             # excepted: PyTorch has already gathered them), so step 0 is checked.
-            self._discover(module)
+            self._discover(module, args)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: model discovery", exc, self.steps)
         return None
@@ -365,7 +365,7 @@ class AutoWatch:
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         return None
 
-    def _discover(self, module: nn.Module) -> None:
+    def _discover(self, module: nn.Module, args: Any = ()) -> None:
         if getattr(module, "_is_replica", False):
             return  # a DataParallel replica: its original is the model
         params = list(module.parameters())
@@ -407,6 +407,7 @@ class AutoWatch:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
             self._find_optimizers(monitor)
+        monitor.pass_started(module, args)  # this very call is the model's first pass
 
     def _give_way(self, monitor: Monitor) -> None:
         """A part's monitor, which has watched no step, closes for the model holding it;

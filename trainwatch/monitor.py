@@ -365,6 +365,16 @@ class Monitor:
         Returns a handle whose ``remove()`` stops it."""
         return self._pipeline.tracker.on_backward_end(callback)
 
+    def pass_started(self, module: nn.Module, args: Any) -> None:
+        """``module``'s call, already begun, is one of the model's passes.
+
+        A monitor made inside the model's first call (``trainwatch run`` finds
+        the model there) missed that call's start: PyTorch had gathered the
+        module's own pre-hooks already. Called from that call's pre-hook, before
+        any submodule runs, so this pass is seen whole.
+        """
+        self._guarded("model passes", self._pipeline.passes.enter, module, args)
+
     def collect_before_step(self, optimizer: Optimizer, *, hold: bool = False) -> None:
         """Gather ``optimizer``'s gradients now instead of in its step pre-hook.
 

@@ -66,6 +66,9 @@ def weights_read_by_holder(model: nn.Module) -> set[int]:
     }
 
 
+# Holders of modules that are never called themselves.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
 _FIRST_STEPS = 5
 _EVERY = 25
 
@@ -102,6 +105,11 @@ class CallTracker:
                 continue
             if id(module) in read_not_called:
                 continue  # its weights are used by its holder's code, never by a call of it
+            if isinstance(module, _CONTAINERS):
+                # Never called itself. Its children are never claimed uncalled
+                # either (their holder is never seen): a rare expert of a
+                # mixture, skipped on the steps watched, is not an unused head.
+                continue
             self._waiting.setdefault(id(module), name)
             self._keep[id(module)] = module
 
@@ -144,6 +152,16 @@ class CallTracker:
         if not self._waiting:
             self._unhook()
             self._stop_listening()
+
+    def had_gradients(self, names: frozenset[str]) -> None:
+        """These layers had a gradient at the step before: they ran then, on a step
+        whose calls were not watched (a rare expert, a layer the first pass of a
+        monitor made inside it ran)."""
+        if not self._waiting or not names:
+            return
+        for module_id, name in list(self._waiting.items()):
+            if name in names:
+                self.seen(self._keep[module_id])
 
     def fail(self, exc: BaseException) -> None:
         """Knowing nothing, it claims nothing: every layer counts as called."""
