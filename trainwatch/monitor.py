@@ -373,7 +373,7 @@ class Monitor:
         module's own pre-hooks already. Called from that call's pre-hook, before
         any submodule runs, so this pass is seen whole.
         """
-        self._guarded("model passes", self._pipeline.passes.enter, module, args)
+        self._guarded("model passes", self._pipeline.passes.started, module, args)
 
     def collect_before_step(self, optimizer: Optimizer, *, hold: bool = False) -> None:
         """Gather ``optimizer``'s gradients now instead of in its step pre-hook.

@@ -123,6 +123,9 @@ class ModelPasses:
         self.on_raise: Callable[[BaseException], None] | None = None
         # The arguments of the pass in progress (a loss computed in forward reads its labels).
         self.inputs: tuple[Any, dict[str, Any]] | None = None
+        # id of the module whose call in progress was started by hand (``started``):
+        # its own pre-hook, if PyTorch still runs it, is that same call.
+        self._started_by_hand: int | None = None
 
     def hook(self, module: nn.Module) -> None:
         """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper)."""
@@ -180,7 +183,22 @@ class ModelPasses:
         )
         self._ends = tuple((name, item, item.pass_ends) for name, item, _ in self._listeners)
 
+    def started(self, module: nn.Module, args: Any) -> None:
+        """A call of ``module`` already in progress is a pass (hooked during it).
+
+        Whether PyTorch still runs the pre-hooks added during a call depends on
+        how the call came in; when it does, that pre-hook is this same call.
+        """
+        if self._depth or id(module) not in self._hook_ids:
+            return
+        self.enter(module, args)
+        self._started_by_hand = id(module) if self._depth == 1 else None
+
     def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        if self._started_by_hand is not None:
+            started, self._started_by_hand = self._started_by_hand, None
+            if started == id(module) and self._depth == 1:
+                return  # the pre-hook of the call started by hand
         if (
             (quiet.anywhere and quiet.replaying())
             or id(module) not in self._hook_ids
@@ -211,6 +229,7 @@ class ModelPasses:
             or transform_level() is not None
         ):
             return
+        self._started_by_hand = None
         if output is None and self.on_raise is not None:
             self._raised(module)
         depth = self._depth - 1
