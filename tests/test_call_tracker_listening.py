@@ -130,25 +130,33 @@ class _Attending(nn.Module):
         return self.head(attended + h).mean(dim=1)
 
 
-def test_multihead_attention_out_proj_counts_as_called():
-    # MultiheadAttention reads out_proj's weight itself and never calls it: it is
-    # no layer waiting for a first call, so a model using it stops listening.
-    torch.manual_seed(0)
-    model = _Attending()
+def _stops_listening(model: nn.Module) -> tw.Monitor:
+    """Two steps, after which the tracker must have stopped listening, then four more."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with tw.watch(model, opt, console=io.StringIO()) as monitor:
         _steps(model, opt, 2)
         assert not _listening(monitor)
         _steps(model, opt, 4)
-    assert monitor.alerts == []
+    return monitor
+
+
+def _watched(model: nn.Module, steps: int) -> tw.Monitor:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=io.StringIO()) as monitor:
+        _steps(model, opt, steps)
+    return monitor
+
+
+def test_multihead_attention_out_proj_counts_as_called():
+    # MultiheadAttention reads out_proj's weight itself and never calls it: it is
+    # no layer waiting for a first call, so a model using it stops listening.
+    torch.manual_seed(0)
+    assert _stops_listening(_Attending()).alerts == []
 
 
 def test_an_attention_cut_by_detach_is_a_cut_not_a_layer_never_called():
     torch.manual_seed(0)
-    model = _Attending(cut=True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with tw.watch(model, opt, console=io.StringIO()) as monitor:
-        _steps(model, opt, 6)
+    monitor = _watched(_Attending(cut=True), 6)
     found = {(a.rule, a.module, a.data.get("kind")) for a in monitor.alerts}
     assert {module for rule, module, _ in found if rule == "zero_gradient"} == {
         "attn",
@@ -177,23 +185,15 @@ def test_a_head_in_a_module_list_never_called_is_still_reported_without_the_clai
     # uncalled (a mixture's rare expert must not be); the head still goes without
     # a gradient, and zero_gradient says so.
     torch.manual_seed(0)
-    model = _HeadsInAList(use_all=False)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with tw.watch(model, opt, console=io.StringIO()) as monitor:
-        _steps(model, opt, 14)  # the patience, and the steps a layer not yet run is given
+    # 14 steps: the patience, and the steps a layer not yet run is given.
+    monitor = _watched(_HeadsInAList(use_all=False), 14)
     assert [(a.rule, a.module) for a in monitor.alerts] == [("zero_gradient", "heads.2")]
     assert monitor.alerts[0].data["kind"] != "never_called"
 
 
 def test_layers_in_containers_all_called_stop_the_listening():
     torch.manual_seed(0)
-    model = _HeadsInAList(use_all=True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with tw.watch(model, opt, console=io.StringIO()) as monitor:
-        _steps(model, opt, 2)
-        assert not _listening(monitor)
-        _steps(model, opt, 4)
-    assert monitor.alerts == []
+    assert _stops_listening(_HeadsInAList(use_all=True)).alerts == []
 
 
 def test_a_transformer_encoder_stops_the_listening():

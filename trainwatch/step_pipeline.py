@@ -462,10 +462,6 @@ class StepPipeline:
             record.calls_ran = frozenset(step_calls.ran)
         if record.missing:
             # Parameters without a gradient: under DDP the next iteration fails.
-            before = self._missing_before.get(index)
-            if before is not None and self._tracks_calls:
-                owners = frozenset(info.owner for info in record.missing if info.in_model)
-                self._calls.had_gradients(owners - before)  # they ran at the last step
             record.never_called = self._calls.never_called()
             record.distributed = runs_distributed(self.model)
             if step_calls is not None and not attach:

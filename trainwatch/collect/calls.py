@@ -153,16 +153,6 @@ class CallTracker:
             self._unhook()
             self._stop_listening()
 
-    def had_gradients(self, names: frozenset[str]) -> None:
-        """These layers had a gradient at the step before: they ran then, on a step
-        whose calls were not watched (a rare expert, a layer the first pass of a
-        monitor made inside it ran)."""
-        if not self._waiting or not names:
-            return
-        for module_id, name in list(self._waiting.items()):
-            if name in names:
-                self.seen(self._keep[module_id])
-
     def fail(self, exc: BaseException) -> None:
         """Knowing nothing, it claims nothing: every layer counts as called."""
         self.detach()

@@ -319,9 +319,6 @@ class NonfiniteProbe:
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:
             return
-        # A pass that ends was seen, even when its start was not: a monitor
-        # made inside the model's first call (``trainwatch run``) sees its end only.
-        self._this_step.saw_pass = True
         if self.on_the_spot and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
 
