@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# The CUDA tests in one process (-n 0): they share the one GPU.
 STEPS: list[tuple[str, list[str]]] = [
-    ("CUDA tests", ["-m", "pytest", "-q", "-m", "cuda", "tests"]),
+    ("CUDA tests", ["-m", "pytest", "-q", "-n", "0", "-m", "cuda", "tests"]),
     ("op counts", ["benchmarks/opcount.py", "--depths", "4", "64"]),
     (
         "CUDA overhead",
