@@ -13,9 +13,10 @@ the callback meets it:
   there, when ``accelerate`` says this micro-batch syncs (the last one of the
   accumulation), the step's gradients are gathered, before any clipping.
 * fp16 with a ``GradScaler``: the gradients are still scaled where backward
-  ends, so they are gathered in the optimizer's step hook, as in a plain AMP
-  loop: after the Trainer unscaled and clipped them (skipped steps are the
-  scaler's own and stay silent). bf16 and fp32 are gathered before clipping.
+  ends, so they are gathered as in a plain AMP loop: just before the Trainer's
+  ``clip_grad_norm_`` rescales them, once unscaled (in the optimizer's step
+  hook when nothing clips); skipped steps are the scaler's own and stay
+  silent. bf16 and fp32 are gathered where backward ends.
 * Gradient accumulation: the optimizer steps once per ``gradient_accumulation_steps``
   micro-batches, so the Monitor's steps are ``state.global_step``.
 * ``halt_on``: the alert is on disk when the Trainer's step ends; the callback

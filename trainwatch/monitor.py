@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch import registry, termination
+from trainwatch import clip_hook, registry, termination
 from trainwatch.alert import Alert
 from trainwatch.collect.data_order import own_batching, sequential_order
 from trainwatch.compiled import unwrap
@@ -106,6 +106,10 @@ class Monitor:
         self._pending: dict[int, PendingStep] = {}
         # Optimizers whose pending step was gathered before clipping (collect_before_step).
         self._held_early: set[int] = set()
+        # Per optimizer, the forward passes seen when it was last gathered early:
+        # a clip after that gathering (Lightning clips after its hook) keeps it.
+        self._gathered_at_pass: dict[int, int] = {}
+        self._clipped_holder: tuple[int, int, int] | None = None  # (id(param), len, index)
         self._in_flight: PendingStep | None = None  # lagged readback: read at the next step
         self._guard = Guard(weak_callback(self._internal_error))
         self._disabled = self._guard.disabled
@@ -135,6 +139,7 @@ class Monitor:
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         weakref.finalize(self, _collected, self._handles, *self._pipeline.parts)
         _OPEN.add(self)
+        clip_hook.install(self)
         for opt in optimizers:
             self.add_optimizer(opt)
         self._attaching = False
@@ -329,6 +334,7 @@ class Monitor:
         finally:
             self.closed = True
             _OPEN.discard(self)
+            clip_hook.release(self)
             try:
                 self._shut()
             finally:
@@ -387,9 +393,46 @@ class Monitor:
         for index, opt in enumerate(self._optimizers):
             if opt is optimizer:
                 self._guarded("step collector", self._gather_into_pending, index)
-                if hold and index in self._pending:
-                    self._held_early.add(index)
+                if index in self._pending:
+                    self._gathered_at_pass[index] = self._pipeline.passes.passes
+                    if hold:
+                        self._held_early.add(index)
                 return
+
+    def before_clipping(self, param: torch.Tensor) -> None:
+        """``clip_grad_norm_`` is about to rescale the gradients ``param`` is among.
+
+        The optimizer holding ``param`` is gathered now, and its step keeps
+        that gathering: the norms and the rules see the gradients backward
+        made, not the clipped ones. Not when it was gathered already for these
+        passes (a framework's hook before its own clipping), nor while a
+        GradScaler has not unscaled them yet (clipping scaled gradients).
+        """
+        if self.closed or "step collector" in self._disabled:
+            return
+        index = self._optimizer_holding(param)
+        if index is None:
+            return
+        if index in self._pending and self._gathered_at_pass.get(index) == (
+            self._pipeline.passes.passes
+        ):
+            return
+        optimizer = self._optimizers[index]
+        if not _unscaled(self._pipeline.scaler, optimizer):
+            return
+        self.collect_before_step(optimizer, hold=True)
+
+    def _optimizer_holding(self, param: torch.Tensor) -> int | None:
+        """Which optimizer holds ``param`` (remembered: a loop clips the same ones)."""
+        known = self._clipped_holder
+        count = len(self._optimizers)
+        if known is not None and known[0] == id(param) and known[1] == count:
+            return known[2]
+        for index, opt in enumerate(self._optimizers):
+            if any(p is param for group in opt.param_groups for p in group["params"]):
+                self._clipped_holder = (id(param), count, index)
+                return index
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the step count, which (rule, module) already
@@ -625,6 +668,16 @@ def _collected(handles: HookGroup, *parts: Any) -> None:
     """A monitor garbage-collected without close(): its hooks and claims go with it."""
     _remove_handles(handles, *parts)
     registry.forget_collected()
+
+
+def _unscaled(scaler: Any, optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients are free of ``scaler``'s loss scale."""
+    if scaler is None or not getattr(scaler, "_enabled", False):
+        return True
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
 
 
 @atexit.register
