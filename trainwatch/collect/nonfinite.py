@@ -53,8 +53,10 @@ from trainwatch.collect.nonfinite_locate import (
     NonfiniteFinding,
     StepWindow,
     backward_op,
+    innermost_holding,
     locate_backward,
     locate_forward,
+    op_of_node,
     sums_as_codes,
 )
 from trainwatch.collect.nonfinite_replay import (
@@ -630,12 +632,14 @@ class NonfiniteProbe:
             pairs = [(o, g) for o, g in zip(outs, self._this_pass.grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]
             if pairs and params:
-                self._backward_watch = FirstNonfiniteBackward()
+                watch = self._backward_watch = FirstNonfiniteBackward()
                 try:
-                    with self._backward_watch:
+                    with watch:
                         backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
                 finally:
                     self._backward_watch = None  # the graph it saw goes with the replay
+                if watch.node is not None:
+                    self._place_backward_birth(watch.node)
                 self._this_step.backward_replayed = True
         return True
 
@@ -907,6 +911,32 @@ class NonfiniteProbe:
         op = backward_op(grad_fn, stop, seen_bad=watch.node if watch is not None else None)
         if op is not None:
             finding.op, finding.op_basis = op
+        self._this_step.backward_origin = finding
+
+    def _place_backward_birth(self, node: Any) -> None:
+        """The replay saw the autograd node that made the first NaN/Inf from finite
+        values: the innermost module call whose part of the graph holds it made it.
+
+        The gradient hooks alone can name the wrong module when the NaN is born
+        in a module's own code (``torch.sqrt`` in its ``forward``): a child
+        reading the same tensor sees that tensor's whole gradient, every
+        reader's share summed, and looks like the origin; with no child
+        around the op, the NaN would look as if it came from the loss.
+        """
+        found = innermost_holding(self._this_step.calls, self._this_pass.grad_fns, node)
+        if found is None:
+            return  # outside every module: the gradient entering the model says so
+        origin = self._this_step.backward_origin
+        if origin is not None and origin.module == found.module:
+            return
+        finding = NonfiniteFinding(
+            module=found.module,
+            direction="backward",
+            cause="module",
+            kind=origin.kind if origin is not None else None,
+            device=found.device,
+        )
+        finding.op, finding.op_basis = op_of_node(node), "re-run"
         self._this_step.backward_origin = finding
 
     def _grad_index(self, grad: torch.Tensor) -> int | None:

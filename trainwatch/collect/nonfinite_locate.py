@@ -272,6 +272,31 @@ def backward_op(
     return (op, "autograd graph") if op is not None else None
 
 
+def innermost_holding(
+    calls: list[ForwardCall],
+    regions: dict[int, tuple[Any, set[int]]],
+    node: Any,
+    limit: int = 4096,
+) -> ForwardCall | None:
+    """The innermost module call whose part of the graph holds ``node``.
+
+    ``calls`` in the order they ended (a module's calls before its parent's);
+    ``regions``: per call, its output's node and its inputs' nodes (where its
+    part of the graph stops). A parent's part holds its children's, so the
+    first call that holds the node is the innermost.
+    """
+    for call in calls:
+        region = regions.get(id(call))
+        if region is not None and _reaches(region[0], region[1], node, limit):
+            return call
+    return None
+
+
+def op_of_node(node: Any) -> str:
+    """The forward op an autograd node differentiates (``SqrtBackward0``: ``aten::sqrt``)."""
+    return _node_op(type(node).__name__)
+
+
 def _node_op(name: str) -> str:
     """``SqrtBackward0`` -> ``aten::sqrt``: the forward op a backward node differentiates."""
     return "aten::" + _snake(re.sub(r"Backward\d*$", "", name))
