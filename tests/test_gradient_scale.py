@@ -306,3 +306,43 @@ def test_a_usual_learning_rate_grows_no_runaway_in_the_warm_up(quiet_watch, opti
     assert [
         a for a in _too_high_from_the_start(lr, quiet_watch, optimizer) if a.severity != "info"
     ] == []
+
+
+def _linear_regression(lr: float, quiet_watch, zero_head: bool = False, steps: int = 40) -> list:
+    """Plain SGD on least squares. One linear layer past its stable learning rate
+    grows about 3x a step; ``zero_head``: two layers, the second initialised to zero
+    (its norms start from almost nothing and grow as the head learns)."""
+    torch.manual_seed(0)
+    if zero_head:
+        model = nn.Sequential(nn.Linear(20, 16), nn.Linear(16, 1))
+        nn.init.zeros_(model[1].weight)
+    else:
+        model = nn.Sequential(nn.Linear(20, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    monitor = quiet_watch(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 1, generator=gen)
+    for _ in range(steps):
+        x = torch.randn(256, 20, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x @ w).backward()
+        opt.step()
+    return monitor.alerts
+
+
+def test_a_learning_rate_that_diverges_a_few_times_a_step_is_diverging_within_the_warm_up(
+    quiet_watch,
+):
+    """Three times a step, never tenfold: doubling six steps running is a runaway too."""
+    found = [a for a in _linear_regression(2.0, quiet_watch) if a.severity != "info"]
+    assert found, "no alert"
+    alert = found[0]
+    assert (alert.rule, alert.data["kind"]) == ("exploding_gradient", "diverging")
+    assert alert.step <= 12 and alert.data["steps_growing"] >= 6
+    assert "at least 2x a step" in alert.message
+
+
+@pytest.mark.parametrize(("lr", "zero_head"), [(0.05, False), (0.02, True), (0.1, True)])
+def test_the_same_regression_at_a_stable_learning_rate_grows_no_runaway(quiet_watch, lr, zero_head):
+    found = _linear_regression(lr, quiet_watch, zero_head=zero_head)
+    assert [a for a in found if a.severity != "info"] == []

@@ -88,12 +88,17 @@ class _WarmLayers:
 _RUNAWAY_GROWTH = 10.0
 _RUNAWAY_STEPS = 3
 _RUNAWAY_TOTAL = 1e3
+# Or a slower geometric runaway (plain SGD on a quadratic with the learning rate
+# past its stability bound grows about 3x a step): at least doubling, this many
+# steps in a row. Healthy first steps do not double six times running.
+_SUSTAINED_GROWTH = 2.0
+_SUSTAINED_STEPS = 6
 
 
 class _Runaway:
     """The total norm over the warm-up: where it began and its run of tenfold steps."""
 
-    __slots__ = ("steps", "first", "first_step", "last", "streak")
+    __slots__ = ("steps", "first", "first_step", "last", "streak", "doubling")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -101,6 +106,7 @@ class _Runaway:
         self.first_step = 0
         self.last: float | None = None
         self.streak = 0
+        self.doubling = 0  # steps in a row at least _SUSTAINED_GROWTH times the last
 
 
 class ExplodingGradientRule(Rule):
@@ -177,14 +183,22 @@ class ExplodingGradientRule(Rule):
         total = record.total_norm
         if total is None or not 0.0 < total < math.inf:
             return None  # nothing to compare (the non-finite rules own a NaN)
+        last = runaway.last
         if runaway.first is None:
             runaway.first, runaway.first_step = total, record.step
-        elif runaway.last is not None and total >= _RUNAWAY_GROWTH * runaway.last:
-            runaway.streak += 1
         else:
-            runaway.streak = 0
+            growing = last is not None and total >= _RUNAWAY_GROWTH * last
+            runaway.streak = runaway.streak + 1 if growing else 0
+            doubling = last is not None and total >= _SUSTAINED_GROWTH * last
+            runaway.doubling = runaway.doubling + 1 if doubling else 0
         runaway.last = total
-        if runaway.streak < _RUNAWAY_STEPS or total < _RUNAWAY_TOTAL * runaway.first:
+        if total < _RUNAWAY_TOTAL * runaway.first:
+            return None
+        if runaway.streak >= _RUNAWAY_STEPS:
+            rate, steps = _RUNAWAY_GROWTH, runaway.streak
+        elif runaway.doubling >= _SUSTAINED_STEPS:
+            rate, steps = _SUSTAINED_GROWTH, runaway.doubling
+        else:
             return None
         self._runaways = None  # one finding a run
         grown = total / runaway.first
@@ -192,8 +206,8 @@ class ExplodingGradientRule(Rule):
             record.step,
             None,
             f"the total gradient norm grew {grown:.3g}x since step {runaway.first_step} "
-            f"({runaway.first:.3g} to {total:.3g}), at least {_RUNAWAY_GROWTH:g}x a step for "
-            f"the last {runaway.streak} steps: training is diverging from the start",
+            f"({runaway.first:.3g} to {total:.3g}), at least {rate:g}x a step for "
+            f"the last {steps} steps: training is diverging from the start",
             "the learning rate is far too high for this model (or the loss scale of a "
             "hand-rolled mixed precision is wrong): lower it by orders of magnitude, add "
             "warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_).",
@@ -201,7 +215,7 @@ class ExplodingGradientRule(Rule):
                 "norm": total,
                 "first_norm": runaway.first,
                 "growth": grown,
-                "steps_growing": runaway.streak,
+                "steps_growing": steps,
                 "total_norm": total,
                 "kind": "diverging",
             },
