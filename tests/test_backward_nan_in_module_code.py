@@ -11,6 +11,7 @@ Each planted bug has its clean control beside it.
 
 from __future__ import annotations
 
+import inspect
 import io
 
 import torch
@@ -167,34 +168,16 @@ def test_a_nan_born_inside_a_child_stays_with_the_child():
     assert _backward_origins(monitor)[0] == ("distance", 4, "aten::sqrt")
 
 
-GRAPH_SCRIPT = """
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, h, src, dst):
-        dist = torch.sqrt(((h[src] - h[dst]) ** 2).sum(-1))
-        return torch.zeros_like(h).index_add_(0, dst, self.lin(h)[src] * torch.exp(-dist)[:, None])
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.block = Block()
-        self.out = nn.Linear(8, 2)
-
-    def forward(self, x, src, dst):
-        return self.out(torch.relu(self.block(self.inp(x), src, dst)))
-
+# The same two classes, written out as an unmodified script's own.
+GRAPH_SCRIPT = (
+    "import torch\nfrom torch import nn\n\n\n"
+    + inspect.getsource(MessageBlock)
+    + "\n\n"
+    + inspect.getsource(GraphNet)
+    + """
 
 torch.manual_seed(0)
-net = Net()
+net = GraphNet()
 opt = torch.optim.SGD(net.parameters(), lr=0.05)
 x, labels = torch.randn(10, 4), torch.randint(0, 2, (10,))
 for step in range(6):
@@ -203,6 +186,7 @@ for step in range(6):
     nn.functional.cross_entropy(net(x, torch.arange(6), dst), labels).backward()
     opt.step()
 """
+)
 
 
 def test_trainwatch_run_names_the_block_whose_own_code_made_the_nan(tmp_path):

@@ -26,17 +26,13 @@ import weakref
 from typing import Any
 
 import torch
+from torch.nn.utils import clip_grad as _clip_grad
 
 from trainwatch import registry
 from trainwatch.errors import TrainingHealthError
 
-try:
-    from torch.nn.utils import clip_grad as _clip_grad
-except ImportError:  # pragma: no cover - every supported torch has it
-    _clip_grad = None  # type: ignore[assignment]
-
 _NAME = "_clip_grads_with_norm_"
-_original: Any = None
+_ORIGINAL: Any = getattr(_clip_grad, _NAME, None)  # None: torch before 2.6
 _users: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -54,49 +50,39 @@ def _before_clipping(parameters: Any) -> None:
 def _clip_grads_with_norm_(
     parameters: Any, max_norm: Any, total_norm: Any, foreach: Any = None
 ) -> None:
-    original = _original
-    if _users:
-        try:
-            _before_clipping(parameters)
-        except TrainingHealthError:
-            raise
-        except Exception:  # a monitor reports its own failures; clipping goes on
-            pass
-    elif original is not None:
-        _restore()
-    if original is None:  # pragma: no cover - restored under a concurrent call
-        original = getattr(_clip_grad, _NAME)
-    return original(parameters, max_norm, total_norm, foreach)
+    try:
+        _before_clipping(parameters)
+    except TrainingHealthError:
+        raise
+    except Exception:  # the monitor reports its own failures; clipping goes on
+        pass
+    return _ORIGINAL(parameters, max_norm, total_norm, foreach)
 
 
 def install(monitor: Any) -> None:
     """Wrap the clipping function while ``monitor`` is open (once for all monitors)."""
-    global _original
     _users.add(monitor)
-    if _original is not None or _clip_grad is None:
-        return
-    current = getattr(_clip_grad, _NAME, None)
-    if current is None or current is _clip_grads_with_norm_:
-        return
-    _original = current
-    setattr(_clip_grad, _NAME, _clip_grads_with_norm_)
+    if _ORIGINAL is not None and getattr(_clip_grad, _NAME) is _ORIGINAL:
+        setattr(_clip_grad, _NAME, _clip_grads_with_norm_)
 
 
 def release(monitor: Any) -> None:
     """``monitor`` closed: the wrapper comes off once no monitor is open."""
     _users.discard(monitor)
-    if not _users:
-        _restore()
-
-
-def _restore() -> None:
-    global _original
-    if _original is None:
-        return
-    if getattr(_clip_grad, _NAME, None) is _clip_grads_with_norm_:
-        setattr(_clip_grad, _NAME, _original)
-    _original = None
+    if not _users and installed():
+        setattr(_clip_grad, _NAME, _ORIGINAL)
 
 
 def installed() -> bool:
-    return _original is not None
+    return getattr(_clip_grad, _NAME, None) is _clip_grads_with_norm_
+
+
+def grads_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """Whether ``optimizer``'s gradients are free of ``scaler``'s loss scale
+    (no enabled GradScaler, or its ``unscale_`` ran for this optimizer's step)."""
+    if scaler is None or not getattr(scaler, "_enabled", False):
+        return True
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"

@@ -408,8 +408,10 @@ class Monitor:
         passes (a framework's hook before its own clipping), nor while a
         GradScaler has not unscaled them yet (clipping scaled gradients).
         """
-        if self.closed or "step collector" in self._disabled:
-            return
+        if not self.closed and "step collector" not in self._disabled:
+            self._guarded("step collector", self._gather_before_clipping, param)
+
+    def _gather_before_clipping(self, param: torch.Tensor) -> None:
         index = self._optimizer_holding(param)
         if index is None:
             return
@@ -418,7 +420,7 @@ class Monitor:
         ):
             return
         optimizer = self._optimizers[index]
-        if not _unscaled(self._pipeline.scaler, optimizer):
+        if not clip_hook.grads_unscaled(self._pipeline.scaler, optimizer):
             return
         self.collect_before_step(optimizer, hold=True)
 
@@ -668,16 +670,6 @@ def _collected(handles: HookGroup, *parts: Any) -> None:
     """A monitor garbage-collected without close(): its hooks and claims go with it."""
     _remove_handles(handles, *parts)
     registry.forget_collected()
-
-
-def _unscaled(scaler: Any, optimizer: Optimizer) -> bool:
-    """Whether ``optimizer``'s gradients are free of ``scaler``'s loss scale."""
-    if scaler is None or not getattr(scaler, "_enabled", False):
-        return True
-    states = getattr(scaler, "_per_optimizer_states", None)
-    state = states.get(id(optimizer)) if isinstance(states, dict) else None
-    stage = state.get("stage") if isinstance(state, dict) else None
-    return getattr(stage, "name", None) == "UNSCALED"
 
 
 @atexit.register
