@@ -39,6 +39,7 @@ from trainwatch.compiled import CompiledHookWarning, compiling, transform_level,
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
+from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
@@ -164,6 +165,9 @@ class AutoWatch:
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
         self._train_loader: weakref.ref[Any] | None = None
         self._loader_iter: Any = None
+        # Turns the forward hooks on in no_grad / inference_mode blocks once they
+        # are off, so a model first evaluated late is found (trainwatch.late_models).
+        self._lookout = NoGradLookout(self)
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
@@ -172,6 +176,7 @@ class AutoWatch:
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
         self._compile_warning = CompiledHookWarning()
         self._watch_loaders()
+        self._lookout.install()
         termination.hold(self)  # a SIGTERM'd script still gets its files closed
 
     def _hook_forwards(self) -> None:
@@ -181,8 +186,11 @@ class AutoWatch:
         a model may still appear: until every model found trains with an
         optimizer (or is never trained: a target network, an EMA copy) for
         two steps, and again from the first step of an optimizer whose
-        parameters no model of ours holds. A model first called after that
-        (an EMA copy first validated at step 500) is not found.
+        parameters no model of ours holds. After that, a model first called in
+        a ``no_grad`` or ``inference_mode`` block (an EMA copy first validated
+        at step 500) is found by the lookout, which turns them on for the block
+        (see :mod:`trainwatch.late_models`); one first called outside such a
+        block, and never trained with an optimizer, is not.
         """
         if self._forward_handles or self._closed:
             return
@@ -226,6 +234,23 @@ class AutoWatch:
             if not monitor.closed:
                 monitor.watch_data(loader)
 
+    # -- the no_grad lookout (trainwatch.late_models) --------------------------
+    def look_wanted(self) -> bool:
+        return not self._closed and not self._forward_handles and bool(self.monitors)
+
+    def look(self) -> int:
+        self._hook_forwards()
+        return len(self.monitors)
+
+    def looked(self, models_before: int) -> None:
+        """A looking block ended: without a new model the hooks go off again (one that
+        was found keeps them until it settles, at a step's end)."""
+        if len(self.monitors) == models_before and not self._pending:
+            self._unhook_forwards()
+
+    def lookout_failed(self, exc: BaseException) -> None:
+        self._internal.internal_error("trainwatch run: no_grad lookout", exc, self.steps)
+
     def _unhook_forwards(self) -> None:
         handles, self._forward_handles = self._forward_handles, []
         for handle in handles:
@@ -237,6 +262,7 @@ class AutoWatch:
         if self._closed:
             return
         self._closed = True
+        self._lookout.remove()
         self._unhook_forwards()
         for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
             handle.remove()

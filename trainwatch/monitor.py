@@ -334,6 +334,8 @@ class Monitor:
         finally:
             self.closed = True
             _OPEN.discard(self)
+            if not _OPEN:
+                PROCESS_STEPS.now = 0  # no training under way: the next run starts at 0
             clip_hook.release(self)
             try:
                 self._shut()
@@ -524,6 +526,7 @@ class Monitor:
         self._step += 1
         self._steps_here += 1
         PROCESS_STEPS.taken += 1
+        PROCESS_STEPS.now = self._step
         look = self._pipeline.class_targets
         if look is not None and (self._step % look.every == 0) != look.listening:
             self._guarded("class target look", self._pipeline.listen_for_targets, look)

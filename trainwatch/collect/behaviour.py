@@ -214,7 +214,11 @@ class BehaviourWatch:
                     True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
                 )
                 if report is not None:
-                    record = StepRecord(step=self._step_of(), source="forward")
+                    step = self._step_of()
+                    if not self.eval_passes.trained:
+                        # No steps of its own (an EMA copy): the step the training is in.
+                        step = max(step, PROCESS_STEPS.now)
+                    record = StepRecord(step=step, source="forward")
                     record.eval_in_train = report
                     weights = weights_fingerprint(model)
                     clock = PROCESS_STEPS.taken
