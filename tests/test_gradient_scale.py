@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainwatch as tw
 from tests.conftest import TinyNet, batches, rules_of
 from trainwatch.config import ExplodingGradientConfig
 from trainwatch.record import StepRecord
@@ -346,3 +347,46 @@ def test_a_learning_rate_that_diverges_a_few_times_a_step_is_diverging_within_th
 def test_the_same_regression_at_a_stable_learning_rate_grows_no_runaway(quiet_watch, lr, zero_head):
     found = _linear_regression(lr, quiet_watch, zero_head=zero_head)
     assert [a for a in found if a.severity != "info"] == []
+
+
+def _saturating_classifier(seed: int, lr_factor_at: tuple[int, float] | None = None) -> list:
+    """Well-separated clusters, SGD with Nesterov momentum: the loss reaches 1e-3
+    to 1e-6 within 100 steps, and from then on the gradients are near zero but
+    for the odd hard example, which lifts them 50-150x for one step."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(16, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 4),
+    )
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9, nesterov=True)
+    centres = torch.randn(4, 16) * 2
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(300):
+            if lr_factor_at is not None and step == lr_factor_at[0]:
+                for group in opt.param_groups:
+                    group["lr"] *= lr_factor_at[1]
+            y = torch.randint(0, 4, (32,))
+            loss = nn.functional.cross_entropy(model(centres[y] + torch.randn(32, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return [a for a in monitor.alerts if a.rule == "exploding_gradient"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_classifier_trained_to_a_near_zero_loss_spikes_without_an_alarm(seed):
+    # Its layers' norms move about 1.5 (log) a step; one hard example is 4-5 of
+    # those moves, and below the highest typical norm each layer has had.
+    assert _saturating_classifier(seed) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_learning_rate_raised_100x_on_that_classifier_still_fires(seed):
+    alerts = _saturating_classifier(seed, lr_factor_at=(200, 100.0))
+    assert alerts and 200 <= alerts[0].step <= 220
+    assert alerts[0].data["ratio"] > 100

@@ -9,7 +9,11 @@ layer in Python only past a cheap trigger.
 Exploding compares each layer with its own recent past (an exponential
 average of log norms: scale-free, so one default fits layers whose norms
 differ by orders of magnitude), requires the jump to reach the median of the
-layers' typical norms, and optionally checks an absolute bound.
+layers' typical norms, and optionally checks an absolute bound. A layer whose
+norm is noisy by nature needs a jump beyond its own noise too: a classifier
+trained to a near-zero loss has near-zero gradients but for the odd hard
+example, which lifts its norms 50-150x for one step, healthily (its log norm
+moves by about 1.5 a step, against 0.1-0.3 for most layers most of the time).
 Vanishing compares each layer with the other layers of the same step, for
 several steps in a row: a layer that is merely small (a rarely used
 embedding) is still within a few orders of magnitude of the rest.
@@ -46,17 +50,31 @@ _VANISHING_HINT = (
 _ABOVE_OTHERS = 10.0
 # Steps the short-term average spans: a jump is sudden against it too.
 _RECENT_WINDOW = 4
+# A jump is this many times the layer's usual step-to-step move above its
+# average, at least (the move: an exponential mean of |log norm - the
+# short-term average|, which one level shift, a layer waking up, barely
+# raises). Six healthy saturated classifiers (300 steps each, SGD with
+# momentum) jumped by up to 4.9 of theirs; a steady layer's move (0.1-0.3)
+# leaves the ``factor`` bound in charge. A jump well above the highest typical
+# norm the layer ever had is one however noisy the layer (a learning rate
+# raised 100x on such a classifier: 19x its highest; its healthy spikes: 1.5x).
+_SPREAD_UNITS = 6.0
+_ABOVE_PEAK = 5.0
 
 
 class _LogAverage:
-    """A layer's typical log norm (about ``window`` steps) and its recent one (a few)."""
+    """A layer's typical log norm (about ``window`` steps), its recent one (a few),
+    its usual move away from the recent one (``spread``, about ``window`` steps)
+    and the highest typical log norm it has had (``peak``)."""
 
-    __slots__ = ("mean", "count", "recent")
+    __slots__ = ("mean", "count", "recent", "spread", "peak")
 
     def __init__(self) -> None:
         self.mean = 0.0
         self.count = 0
         self.recent = 0.0
+        self.spread = 0.0
+        self.peak = 0.0
 
 
 class _WarmLayers:
@@ -67,18 +85,21 @@ class _WarmLayers:
     ``steps``: the steps moved here since the layers' counts were last written.
     """
 
-    __slots__ = ("names", "means", "recents", "steps")
+    __slots__ = ("names", "means", "recents", "spreads", "peaks", "steps")
 
     def __init__(self, names: tuple[str, ...], histories: dict[str, _LogAverage]) -> None:
         self.names = names
         self.means = [histories[name].mean for name in names]
         self.recents = [histories[name].recent for name in names]
+        self.spreads = [histories[name].spread for name in names]
+        self.peaks = [histories[name].peak for name in names]
         self.steps = 0
 
     def write_back(self, histories: dict[str, _LogAverage]) -> None:
-        for name, mean, recent in zip(self.names, self.means, self.recents):
+        rows = zip(self.names, self.means, self.recents, self.spreads, self.peaks)
+        for name, mean, recent, spread, peak in rows:
             history = histories[name]
-            history.mean, history.recent = mean, recent
+            history.mean, history.recent, history.spread, history.peak = mean, recent, spread, peak
             history.count += self.steps
         self.steps = 0
 
@@ -136,6 +157,9 @@ class ExplodingGradientRule(Rule):
         for history in self._history.values():
             if not hasattr(history, "recent"):  # saved before the short-term average existed
                 history.recent = history.mean
+            if not hasattr(history, "spread"):  # saved before the spread was kept
+                history.spread = 0.0
+                history.peak = history.mean
 
     def _write_back(self) -> None:
         """The histories up to date; the lists stay, equal to them."""
@@ -227,8 +251,10 @@ class ExplodingGradientRule(Rule):
         cheap trigger: past it, the per-layer look decides). False: nothing moved.
 
         Whatever it moves, the per-layer look would have moved the same way:
-        with no layer past the trigger it reports nothing, and its arithmetic,
-        ``mean += alpha * (log - mean)``, gives the same floats.
+        with no layer past the trigger it reports nothing (a jump must pass
+        ``factor`` whatever the spread), and its arithmetic, ``mean += alpha *
+        (log - mean)`` and ``spread += alpha * (abs(log - recent) - spread)``
+        before ``recent`` moves, ``peak = max(peak, mean)``, gives the same floats.
         """
         values = list(record.layer_norms.values())
         if 0.0 in values or not all(map(math.isfinite, values)):
@@ -243,7 +269,10 @@ class ExplodingGradientRule(Rule):
         alpha = 2.0 / (self.config.window + 1)
         fast = 2.0 / (_RECENT_WINDOW + 1)
         warm.means = list(map(add, means, map(mul, repeat(alpha), map(sub, logs, means))))
-        recents = warm.recents
+        warm.peaks = list(map(max, warm.peaks, warm.means))
+        recents, spreads = warm.recents, warm.spreads
+        moves = map(sub, map(abs, map(sub, logs, recents)), spreads)
+        warm.spreads = list(map(add, spreads, map(mul, repeat(alpha), moves)))
         warm.recents = list(map(add, recents, map(mul, repeat(fast), map(sub, logs, recents))))
         warm.steps += 1
         return True
@@ -272,6 +301,7 @@ class ExplodingGradientRule(Rule):
         alpha = 2.0 / (config.window + 1)
         limit = math.log(config.factor)
         sudden = limit / 2.0  # sqrt(factor) above the last few steps
+        above_peak = math.log(_ABOVE_PEAK)
         fast = 2.0 / (_RECENT_WINDOW + 1)
         max_norm = config.max_norm
         warmup = config.warmup
@@ -291,6 +321,10 @@ class ExplodingGradientRule(Rule):
             jump = (
                 history.count > 0
                 and log_norm - history.mean > limit
+                and (
+                    log_norm - history.mean > _SPREAD_UNITS * history.spread
+                    or log_norm - history.peak > above_peak
+                )
                 and log_norm - history.recent > sudden
             )
             suspect = suspect or jump
@@ -319,9 +353,11 @@ class ExplodingGradientRule(Rule):
             # Written out, not a method: this runs for every layer at every step.
             history.count = count + 1
             if count == 0:
-                history.mean = history.recent = log_norm
+                history.mean = history.recent = history.peak = log_norm
             else:
                 history.mean += alpha * (log_norm - history.mean)
+                history.peak = max(history.peak, history.mean)
+                history.spread += alpha * (abs(log_norm - history.recent) - history.spread)
                 history.recent += fast * (log_norm - history.recent)
         if not spikes:
             return []
