@@ -46,3 +46,62 @@ def test_passes_just_under_the_gap_are_still_a_target():
 def test_a_copy_that_never_moves_is_an_evaluation_on_its_third_pass():
     found = _passes([0, 1, 2], moves=False)
     assert [len(due) for due in found] == [0, 0, 3]
+
+
+def _steps(pattern, steps: int) -> list[int]:
+    """A trained model's steps, each its passes in order ('t': training, 'n': no-grad);
+    the steps at which the judge reports an evaluation."""
+    judge = EvalPassJudge()
+    told = []
+    for step in range(steps):
+        for kind in pattern(step) if callable(pattern) else pattern:
+            if kind == "t":
+                judge.training_pass()
+            else:
+                told += [r.step for r in judge.nograd_pass(StepRecord(step=step, source="forward"))]
+        told += [r.step for r in judge.step_boundary()]
+    return told
+
+
+def test_pseudo_labels_computed_after_the_training_passes_every_step_are_silent():
+    # FixMatch-like: the supervised and the strong-view passes, then the weak
+    # view's pseudo-labels under no_grad just before backward.
+    assert _steps("ttn", 30) == []
+
+
+def test_pseudo_labels_computed_before_the_training_passes_every_step_are_silent():
+    assert _steps("ntt", 30) == []
+
+
+def test_one_validation_pass_after_a_step_s_training_pass_is_still_an_evaluation():
+    # Control: the same pass at step 10 only is reported, with its step.
+    assert _steps(lambda step: "tn" if step == 10 else "t", 30) == [10]
+
+
+def test_one_validation_pass_before_a_step_s_training_pass_is_still_an_evaluation():
+    assert _steps(lambda step: "nt" if step == 10 else "t", 30) == [10]
+
+
+def test_a_watched_pseudo_labelling_loop_with_its_no_grad_pass_last_is_silent():
+    """The shape a user writes: a model with batch norm in training mode on purpose."""
+    import torch
+    from torch import nn
+
+    import trainwatch as tw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(40):
+            labelled, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            unlabelled = torch.randn(64, 16)
+            supervised = nn.functional.cross_entropy(model(labelled), y)
+            strong = model(unlabelled + 0.5 * torch.randn_like(unlabelled))
+            with torch.no_grad():
+                pseudo = model(unlabelled).argmax(-1)
+            loss = supervised + nn.functional.cross_entropy(strong, pseudo)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [a.rule for a in monitor.alerts if a.severity != "info"] == []

@@ -7,10 +7,11 @@ batch norm in training mode there. So:
 
 - two no-grad passes in a row (no training pass between): an evaluation loop,
   reported at once;
-- a single one between training passes: held until the next step boundary
-  has shown whether it recurs. Recurring every step, it is part of training
-  and stays silent; not recurring, it is a periodic evaluation and is
-  reported then, with the step it ran in.
+- a single one between training passes, or after the step's training passes
+  (pseudo-labels computed last, just before backward): held until the next
+  step boundary has shown whether it recurs. Recurring every step, it is part
+  of training and stays silent; not recurring, it is a periodic evaluation
+  and is reported then, with the step it ran in.
 
 Whatever is still held when the monitor closes is reported then.
 
@@ -47,6 +48,7 @@ class EvalPassJudge:
         self._isolated_now = False  # this interval had one, followed by a training pass
         self._isolated_before = False  # and so had the interval before
         self._recurring = False  # it happens every step: part of training
+        self._follows_training = False  # the latest one came right after a training pass
         self._weights: object = None  # what the weights were at the last such pass
         self._clock: int | None = None  # the process's steps at the last such pass
         self.trained = False  # a training pass of this model was seen
@@ -59,6 +61,7 @@ class EvalPassJudge:
         ``weights``: a fingerprint of the model's weights now (None: unknown).
         ``clock``: the optimizer steps this process has taken (None: unknown).
         """
+        self._follows_training = self.in_a_row == 0 and self.trained
         self.in_a_row += 1
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights = weights
@@ -97,6 +100,12 @@ class EvalPassJudge:
         self.trained = True
 
     def step_boundary(self) -> list[StepRecord]:
+        if self.in_a_row == 1 and self._follows_training:
+            # One no-grad pass after this step's training passes: one of this
+            # step, as one before them is (the next step's first training pass
+            # must not count it again).
+            self._isolated_now = True
+            self.in_a_row = 0
         isolated, self._isolated_now = self._isolated_now, False
         if isolated and self._isolated_before:
             self._recurring = True
