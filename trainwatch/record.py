@@ -70,6 +70,9 @@ class ModeReport:
     # holding parameters, itself or an ancestor, has none that trains): a frozen
     # backbone, teacher or loss network kept in eval on purpose.
     in_frozen_parts: list[str] = field(default_factory=list)
+    # Found on a training pass: a large frozen part (a teacher, a backbone) ran in
+    # training mode while the rest of the model trains.
+    during_training: bool = False
 
 
 @dataclass

@@ -493,6 +493,8 @@ class StepPipeline:
             if setup.signatures.get(index) != signature:
                 setup.signatures[index] = signature
                 setup.due = True
+                if self.behaviour is not None:
+                    self._guarded("behaviour checks", self.behaviour.parameters_changed)
             if not attach:
                 if setup.due:
                     step = now - 1 if manual else now

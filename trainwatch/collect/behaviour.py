@@ -81,6 +81,7 @@ class BehaviourWatch:
         self.check_train_step = "train_in_eval_mode" in rule_ids
         checks_modes = self.check_eval_pass or self.check_train_step
         self.modes = ModeWatch(model, on_error) if checks_modes else None
+        self._told_frozen = False  # a frozen part in training mode: one finding a run
         self.train_in_eval: ModeReport | None = None
         evals = config.eval_in_train_mode
         self.functional = (
@@ -228,6 +229,8 @@ class BehaviourWatch:
                 passes = self.eval_passes
                 if passes.in_a_row or not passes.trained:  # else it has nothing to do
                     passes.training_pass()
+            if grad and modes.in_frozen and not self._told_frozen and self.check_eval_pass:
+                self._frozen_in_training(modes)
             if grad and self.check_train_step and self.train_in_eval is None and modes.listed:
                 report = modes.in_mode(False)
                 if report is not None:
@@ -238,6 +241,22 @@ class BehaviourWatch:
                             break
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad)
+
+    def _frozen_in_training(self, modes: ModeWatch) -> None:
+        """A training pass ran a large frozen part in training mode: told once a run."""
+        report = modes.frozen_in_training()
+        if report is None:
+            return
+        self._told_frozen = True
+        report.during_training = True
+        record = StepRecord(step=self._step_of(), source="forward")
+        record.eval_in_train = report
+        self._publish(record)
+
+    def parameters_changed(self) -> None:
+        """Parameters were frozen or unfrozen: which parts are frozen, asked again."""
+        if self.modes is not None:
+            self.modes.find_frozen_parts()
 
     def _rebuild(self) -> None:
         model = self._model()

@@ -90,6 +90,9 @@ class ModeWatch:
         self.ordered = False
         self.learning = HookGroup()  # the one-pass pre-hooks that learn the order
         self._calls: list[int] = []  # indices into listed, in the order called
+        # The listed modules inside a large frozen part of a model that trains
+        # (a teacher, a backbone): read on training passes (see frozen_parts).
+        self.in_frozen: list[Listed] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -109,6 +112,62 @@ class ModeWatch:
             elif id(module) in functional:
                 self.listed.append(functional[id(module)]._replace(name=user_name(name)))
         self.ordered = not self.listed  # nothing to order
+        self.find_frozen_parts()
+
+    def find_frozen_parts(self) -> None:
+        """The listed modules inside a large frozen part: asked again when the
+        parameters' ``requires_grad`` flags change (one walk of the model then).
+
+        A large frozen part is a subtree that trains no parameter while the
+        module around it does, holding at least :data:`FROZEN_SHARE` of the
+        model's parameters: a teacher, a frozen backbone. The frozen base
+        layers of a LoRA model are many small subtrees beside trained adapters,
+        frozen embeddings a small share: neither is one, and their dropout is
+        meant to be on.
+        """
+        model = self._root()
+        self.in_frozen = []
+        if model is None or not self.listed:
+            return
+        total, trained = _counts(model)
+        if not trained or not total:
+            return
+        parts = []
+        for name, module in model.named_modules():
+            if any(name.startswith(part + ".") for part in parts):
+                continue
+            size, trains = _counts(module)
+            if size and not trains and size >= FROZEN_SHARE * total:
+                parts.append(user_name(name))
+        if parts:
+            self.in_frozen = [
+                item for item in self.listed if any(_inside(item.name, part) for part in parts)
+            ]
+
+    def frozen_in_training(self) -> ModeReport | None:
+        """Listed modules of a large frozen part in training mode (None: none is).
+
+        Cheap on the usual step: the list is empty unless a part is frozen, and
+        then its flags are read in C loops.
+        """
+        listed = self.in_frozen
+        if not listed:
+            return None
+        try:
+            if True not in map(_TRAINING, map(_DEREF, map(_REF, listed))):
+                return None
+        except AttributeError:
+            return None  # a module gone: the next rebuild lists what is there
+        found = [item for item in listed if (module := item.ref()) is not None and module.training]
+        if not found:
+            return None
+        return ModeReport(
+            [item.name for item in found],
+            [item.label for item in found],
+            False,
+            len(self.listed),
+            in_frozen_parts=[item.name for item in found],
+        )
 
     def learn_functional(self, found: list[Listed]) -> None:
         """Add modules seen calling dropout or batch norm as functions, in the order seen."""
@@ -203,6 +262,26 @@ class ModeWatch:
             # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
             report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name)]
         return report
+
+
+# A frozen subtree holding at least this share of the model's parameters is a
+# frozen part of its own (a teacher, a backbone), not a frozen layer.
+FROZEN_SHARE = 1 / 3
+
+
+def _counts(module: nn.Module) -> tuple[int, int]:
+    """(parameters, those that train), in elements."""
+    total = trained = 0
+    for param in module.parameters():
+        size = param.numel()
+        total += size
+        if param.requires_grad:
+            trained += size
+    return total, trained
+
+
+def _inside(name: str, part: str) -> bool:
+    return not part or name == part or name.startswith(part + ".")
 
 
 def _in_frozen_part(root: nn.Module, name: str) -> bool:

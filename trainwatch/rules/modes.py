@@ -36,6 +36,8 @@ class EvalInTrainModeRule(Rule):
         report = record.eval_in_train
         if report is None:
             return []
+        if report.during_training:
+            return [self._frozen_part(record.step, report)]
         return [
             self.alert(
                 record.step,
@@ -52,6 +54,31 @@ class EvalInTrainModeRule(Rule):
                 _data(report),
             )
         ]
+
+
+    def _frozen_part(self, step: int, report: ModeReport) -> Alert:
+        """Info: training mode may be the intent (a frozen backbone's batch norm
+        adapting its statistics to new data), but a frozen teacher or feature
+        extractor run with dropout on gives noisy targets or features."""
+        dropout = any("norm" not in kind.lower() for kind in report.kinds)
+        effect = (
+            "its dropout is on, so what it computes for the rest of the model is noisy"
+            if dropout
+            else "its batch norm normalises with each batch's statistics and keeps "
+            "overwriting its running averages"
+        )
+        alert = self.alert(
+            step,
+            report.modules[0],
+            f"a frozen part of the model (no parameter of it trains) runs in training "
+            f"mode while the rest trains: {_listing(report)}; {effect}",
+            "a frozen teacher, backbone or feature extractor is usually kept in eval "
+            "mode: call .eval() on it after every model.train() (or override train() "
+            "to keep it there). Nothing to do if its training-mode behaviour is the "
+            "intent (batch-norm statistics adapting to new data).",
+            {**_data(report), "finding": "frozen part in training mode"},
+        )
+        return dataclasses.replace(alert, severity="info")
 
 
 class TrainInEvalModeRule(Rule):

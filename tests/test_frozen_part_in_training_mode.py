@@ -1,0 +1,204 @@
+"""A large frozen part of a model that trains, left in training mode: one info line.
+
+A frozen teacher inside a distillation wrapper, or a frozen backbone under a
+trained head, is usually kept in eval mode; ``model.train()`` puts it back in
+training mode, where the teacher's dropout makes its targets noisy and the
+backbone's batch norm keeps overwriting its running statistics. Nothing was
+said of it: the no-grad pass check sees whole passes, and the train-in-eval
+check the opposite mode. Frozen layers beside trained adapters (LoRA) and
+frozen embeddings are no such part: their dropout is meant to be on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import trainwatch as tw
+from trainwatch.runner import run_script
+
+
+class Distiller(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.teacher = nn.Sequential(
+            nn.Linear(16, 128), nn.ReLU(), nn.Dropout(0.3), nn.Linear(128, 4)
+        )
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            target = self.teacher(x).softmax(-1)
+        return self.student(x), target
+
+
+def _distil(model: Distiller, keep_teacher_in_eval: bool, steps: int = 12) -> list:
+    opt = torch.optim.Adam(model.student.parameters(), 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(steps):
+            model.train()
+            if keep_teacher_in_eval:
+                model.teacher.eval()
+            logits, target = model(torch.randn(32, 16))
+            loss = nn.functional.kl_div(logits.log_softmax(-1), target, reduction="batchmean")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return monitor.alerts
+
+
+def _frozen_findings(alerts: list) -> list[tuple[int, str | None, str]]:
+    return [
+        (a.step, a.module, a.severity)
+        for a in alerts
+        if a.data.get("finding") == "frozen part in training mode"
+    ]
+
+
+def test_a_frozen_teacher_left_in_training_mode_is_one_info_line():
+    torch.manual_seed(0)
+    alerts = _distil(Distiller(), keep_teacher_in_eval=False)
+    assert _frozen_findings(alerts) == [(0, "teacher.2", "info")]
+    (alert,) = [a for a in alerts if a.data.get("finding")]
+    assert alert.rule == "eval_in_train_mode" and "dropout is on" in alert.message
+
+
+def test_a_frozen_teacher_kept_in_eval_mode_says_nothing_of_it():
+    torch.manual_seed(0)
+    alerts = _distil(Distiller(), keep_teacher_in_eval=True)
+    assert _frozen_findings(alerts) == []
+    assert all(a.severity == "info" for a in alerts)
+
+
+def _linear_probe(backbone_in_eval: bool, freeze_at: int = 0) -> list:
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(16, 128), nn.BatchNorm1d(128), nn.ReLU())
+    model = nn.Sequential(backbone, nn.Linear(128, 4))
+    if freeze_at == 0:  # the usual linear probe: frozen, and the optimizer over the head
+        backbone.requires_grad_(False)
+        opt = torch.optim.SGD(model[1].parameters(), lr=0.05)
+    else:  # trained end to end, then frozen
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(20):
+            if step == freeze_at:
+                backbone.requires_grad_(False)
+            model.train()
+            if backbone_in_eval:
+                backbone.eval()
+            y = torch.randint(0, 4, (32,))
+            loss = nn.functional.cross_entropy(model(torch.randn(32, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return monitor.alerts
+
+
+def test_a_frozen_backbone_whose_batch_norm_trains_is_one_info_line():
+    found = _frozen_findings(_linear_probe(backbone_in_eval=False))
+    assert found == [(0, "0.1", "info")]
+
+
+def test_a_frozen_backbone_kept_in_eval_mode_is_the_usual_fine_tuning_line_only():
+    alerts = _linear_probe(backbone_in_eval=True)
+    assert _frozen_findings(alerts) == []
+    assert [(a.rule, a.severity) for a in alerts] == [("train_in_eval_mode", "info")]
+
+
+def test_a_backbone_frozen_after_some_steps_is_told_from_then_on():
+    found = _frozen_findings(_linear_probe(backbone_in_eval=False, freeze_at=8))
+    assert len(found) == 1 and 8 <= found[0][0] <= 9
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(4, d) * 0.01)
+        self.b = nn.Parameter(torch.zeros(d, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = LoRALinear(d)
+        self.ff = nn.Sequential(nn.Linear(d, d), nn.Dropout(0.1))
+        self.ff.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(self.attn(x))
+
+
+def test_frozen_base_layers_beside_trained_adapters_keep_their_dropout_silently():
+    torch.manual_seed(0)
+    embed = nn.Embedding(100, 32)
+    embed.requires_grad_(False)  # frozen embeddings: a small share of the model
+    model = nn.Sequential(embed, nn.Dropout(0.1), *[Block(32) for _ in range(4)], nn.Linear(32, 2))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(12):
+            out = model(torch.randint(0, 100, (8, 6))).mean(1)
+            loss = nn.functional.cross_entropy(out, torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert _frozen_findings(monitor.alerts) == []
+
+
+SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+keep_eval = sys.argv[1] == "eval"
+torch.manual_seed(0)
+student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+teacher = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Dropout(0.3), nn.Linear(128, 4))
+
+
+class Distiller(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = student, teacher
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x).softmax(-1)
+        return self.student(x), target
+
+
+model = Distiller()
+opt = torch.optim.Adam(model.student.parameters(), 1e-3)
+for step in range(10):
+    model.train()
+    if keep_eval:
+        model.teacher.eval()
+    logits, target = model(torch.randn(32, 16))
+    loss = nn.functional.kl_div(logits.log_softmax(-1), target, reduction="batchmean")
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("how", ["train", "eval"])
+def test_trainwatch_run_tells_the_frozen_teacher_in_training_mode(tmp_path, how):
+    script = tmp_path / "distil.py"
+    script.write_text(SCRIPT)
+    run_script(script, [how], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [
+        (a["step"], a["module"])
+        for a in map(json.loads, lines)
+        if a["data"].get("finding") == "frozen part in training mode"
+    ]
+    assert found == ([(0, "teacher.2")] if how == "train" else [])
