@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
+from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.op_trace import _SKIP_DIRS, _user_line
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import BroadcastReport
@@ -405,8 +406,7 @@ class BroadcastAudit:
         """
         if self._depth is None:
             return
-        if torch._C._len_torch_function_stack() == self._depth:
-            self._mode.__exit__(None, None, None)
+        if leave_mode(self._mode):
             self._depth = None
         # Otherwise another mode entered after ours is still active: popping
         # now would pop it. Ours stays, inert once the audit ends, and is

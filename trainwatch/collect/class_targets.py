@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect.broadcast import _AuditMode, _call
+from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.tensors import tensor_leaves
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
@@ -228,8 +229,7 @@ class ClassTargetLook:
     def _stop(self) -> None:
         if self._depth is None:
             return
-        if torch._C._len_torch_function_stack() == self._depth:
-            self._mode.__exit__(None, None, None)
+        if leave_mode(self._mode):
             self._depth = None
         # Otherwise a mode entered after ours is still active: ours stays,
         # inert once counts are taken, and is popped at a later boundary.

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.broadcast import _stack_is_ours_to_use
+from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.modes import Listed
 from trainwatch.compiled import user_name
 from trainwatch.hooks import HookGroup, WeakHook
@@ -219,8 +220,7 @@ class FunctionalLook:
 
     def release(self) -> None:
         """Pop our mode if it is on top of the stack (``__exit__`` pops whatever is)."""
-        if self._depth is not None and torch._C._len_torch_function_stack() == self._depth:
-            self._mode.__exit__(None, None, None)
+        if self._depth is not None and leave_mode(self._mode):
             self._depth = None
         self.pending = self._depth is not None
 

@@ -35,6 +35,9 @@ from trainwatch.compiled import eager
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRAINWATCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _TRAINWATCH_DIR)
+# trainwatch's function modes (the loss audits) hand each op on from these: a
+# frame of theirs between the op and the user's line is no re-run of trainwatch's.
+_PASS_THROUGH = frozenset({"__torch_function__", "_call"})
 
 # Ops whose output is uninitialised memory: it may hold NaN bits by chance
 # (a freed block reused), which the op did not make. The op that fills it
@@ -85,6 +88,8 @@ def _user_line() -> str | None:
         in_mode = False
         if name.startswith(_TORCH_DIR) or "<frozen" in name:
             continue
+        if frame.name in _PASS_THROUGH and name.startswith(_TRAINWATCH_DIR):
+            continue  # a function mode of trainwatch's (a loss audit) passing the op on
         return None if name.startswith(_TRAINWATCH_DIR) else f"{name}:{frame.lineno}"
     return None
 

@@ -55,7 +55,6 @@ class EvalInTrainModeRule(Rule):
             )
         ]
 
-
     def _frozen_part(self, step: int, report: ModeReport) -> Alert:
         """Info: training mode may be the intent (a frozen backbone's batch norm
         adapting its statistics to new data), but a frozen teacher or feature
