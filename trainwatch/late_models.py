@@ -33,7 +33,6 @@ from trainwatch.compiled import compiling
 # Frames of these are not the script's: the line that counts is the first one outside.
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _OWN = os.path.dirname(trainwatch.__file__) + os.sep
-_LIBRARIES = (_TORCH, _OWN)
 # The attribute a block that turned the hooks on carries until it ends.
 _LOOKING = "_trainwatch_looking"
 _BLOCKS = (grad_mode.no_grad, grad_mode.inference_mode)
