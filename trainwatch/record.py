@@ -193,6 +193,9 @@ class StepRecord:
     no_signal: bool = False
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
+    # With not_optimized: its optimizer never stepped while the process took this many
+    # steps of other models (0: the parameters are in no optimizer at all).
+    idle_steps: int = 0
     # Parameters whose gradient still held the previous step's values when
     # backward added onto it, and how that was established.
     accumulated: list[ParamInfo] = field(default_factory=list)

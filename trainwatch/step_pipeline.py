@@ -30,6 +30,7 @@ from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.idle_optimizer import IdleOptimizer
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
@@ -45,6 +46,7 @@ from trainwatch.frame import Slot, StepFrame
 from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
 from trainwatch.layers import LayerMap, ParamInfo
+from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
@@ -237,6 +239,17 @@ class StepPipeline:
                 self.passes, section.every, section.rows, section.loss_window
             )
             self.stall.restart(0)
+        # An optimizer that holds the model but never steps: seen from its passes
+        # until its first step.
+        self.idle: IdleOptimizer | None = None
+        if self._checks_not_optimized:
+            self.idle = IdleOptimizer(
+                root,
+                optimizers,
+                steps_taken,
+                weak_callback(self._optimizer_idle),
+            )
+            self.passes.subscribe("idle optimizer", self.idle)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self.parts = (
             self.passes,
@@ -249,6 +262,7 @@ class StepPipeline:
             self.behaviour,
             self.class_targets,
             self.stall,
+            self.idle,
         )
 
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
@@ -319,6 +333,9 @@ class StepPipeline:
             self.tracker.arm(params, whole=whole)
         if pending is None:
             return
+        if self.idle is not None:  # the model trains: nothing more to watch for
+            self.passes.unsubscribe(self.idle)
+            self.idle = None
         self._applied_at[pending.record.optimizer] = step
         every = self._parameter_every
         if every and step % every == 0:
@@ -397,6 +414,13 @@ class StepPipeline:
             return  # the scaler's warm-up
         skipped = 0 if warming_up else record.skipped_backward_passes
         record.amp = AmpReport(skipped, self.judge.passes_per_step, scale)
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _optimizer_idle(self, steps: int, params: list[nn.Parameter]) -> None:
+        """The model's optimizer never stepped while other models took ``steps`` steps."""
+        record = StepRecord(step=max(self._step_count(), PROCESS_STEPS.now), source="passes")
+        record.not_optimized = [self.layers.info(p) for p in params if p in self.layers]
+        record.idle_steps = steps
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _publish_pass(self, record: StepRecord) -> None:

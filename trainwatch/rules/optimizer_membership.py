@@ -60,6 +60,8 @@ class NotOptimizedRule(_ReportOnce):
     reads = "not_optimized"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.idle_steps:
+            return self._idle(record)
         return [
             self.alert(
                 record.step,
@@ -74,4 +76,28 @@ class NotOptimizedRule(_ReportOnce):
                 {"parameters": [p.name for p in params]},
             )
             for owner, params in self.new_owners(None, record.not_optimized).items()
+        ]
+
+    def _idle(self, record: StepRecord) -> list[Alert]:
+        """Held by an optimizer whose step() never ran: one alert, for the whole model."""
+        params = record.not_optimized
+        owners = sorted({p.owner for p in params})
+        return [
+            self.alert(
+                record.step,
+                owners[0] if len(owners) == 1 else "",
+                f"this model's optimizer has not stepped once while other models took "
+                f"{record.idle_steps} optimizer steps, yet {len(params)} of its parameters "
+                f"({short_names(params)}) hold gradients: it is never updated, and its "
+                "gradients pile up at every backward",
+                "is its optimizer.step() missing (a second optimizer of a GAN or a "
+                "domain-adversarial loop)? If the model is held fixed on purpose for "
+                "now, freeze it (model.requires_grad_(False)) so no gradient is computed "
+                "or kept for it.",
+                {
+                    "parameters": [p.name for p in params],
+                    "steps_elsewhere": record.idle_steps,
+                    "kind": "optimizer_never_steps",
+                },
+            )
         ]
