@@ -111,3 +111,91 @@ def test_trainwatch_run_tells_the_optimizer_that_never_steps(tmp_path, how):
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     found = [a["data"].get("kind") for a in map(json.loads, lines) if a["rule"] == "not_optimized"]
     assert found == (["optimizer_never_steps"] if how == "forget" else [])
+
+
+UNCERTAINTY = """
+import sys
+import torch
+from torch import nn
+
+forgot = sys.argv[1] == "forgot"
+torch.manual_seed(0)
+
+
+class TwoTasks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(12, 32), nn.ReLU())
+        self.reg, self.cls = nn.Linear(32, 1), nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.reg(h).squeeze(-1), self.cls(h)
+
+
+class UncertaintyWeighting(nn.Module):
+    # Kendall et al.: a learned log-variance per task, in the loss.
+
+    def __init__(self, tasks):
+        super().__init__()
+        self.log_vars = nn.Parameter(torch.zeros(tasks))
+
+    def forward(self, losses):
+        weights = torch.exp(-self.log_vars)
+        return sum(weights[i] * l + self.log_vars[i] for i, l in enumerate(losses))
+
+
+model, criterion = TwoTasks(), UncertaintyWeighting(2)
+params = list(model.parameters()) + ([] if forgot else list(criterion.parameters()))
+opt = torch.optim.Adam(params, 2e-3)
+for step in range(80):
+    y = torch.randint(0, 3, (32,))
+    x = torch.randn(32, 12) + y[:, None]
+    reg, cls = model(x)
+    loss = criterion([nn.functional.mse_loss(reg, x.sum(1)), nn.functional.cross_entropy(cls, y)])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+HAND_TRAINED_BESIDE = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model, probe = nn.Linear(8, 1), nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), 0.05)
+for step in range(80):
+    x = torch.randn(16, 8)
+    target = x.sum(1, keepdim=True)
+    loss = (model(x) - target).pow(2).mean() + (probe(x) - target).pow(2).mean()
+    opt.zero_grad()
+    probe.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():  # the probe: updated by hand, every step
+        for p in probe.parameters():
+            p -= 0.05 * p.grad
+"""
+
+
+def _run_alerts(tmp_path, body: str, *args: str) -> list[dict]:
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    run_script(script, list(args), log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    return [a for a in map(json.loads, lines) if a["severity"] != "info"]
+
+
+def test_learned_loss_weights_left_out_of_the_optimizer_are_reported(tmp_path):
+    found = _run_alerts(tmp_path, UNCERTAINTY, "forgot")
+    assert [(a["rule"], a["data"]["kind"]) for a in found] == [("not_optimized", "never_updated")]
+    assert "log_vars" in found[0]["message"] and found[0]["step"] == 50
+
+
+def test_learned_loss_weights_in_the_optimizer_are_silent(tmp_path):
+    assert _run_alerts(tmp_path, UNCERTAINTY, "kept") == []
+
+
+def test_a_model_updated_by_hand_beside_an_optimizer_is_silent(tmp_path):
+    assert _run_alerts(tmp_path, HAND_TRAINED_BESIDE) == []

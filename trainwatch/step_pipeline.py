@@ -58,6 +58,12 @@ from trainwatch.whole_layers import WholeLayerNorms
 # An optimizer's step whose every parameter had a gradient.
 _NONE_MISSING: frozenset[str] = frozenset()
 
+# Step boundaries with unreset gradients and unmoved weights, without an
+# optimizer, while other models' optimizers took as many steps, before the
+# model's parameters are taken for left out of every optimizer (a hand-written
+# accumulation of this many backward passes beside an optimizer's model is rare).
+NEVER_MOVED = 50
+
 # Steps with gradients but no pass seen after which the search for a
 # torch.compile wrapper made after watching (around which the passes run) stops.
 _WRAPPER_SEARCHES = 3
@@ -416,6 +422,15 @@ class StepPipeline:
         record.amp = AmpReport(skipped, self.judge.passes_per_step, scale)
         self._dispatcher.publish(self.rules.evaluate(record))
 
+    def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> None:
+        """No optimizer, and nothing updates the weights by hand either, while other
+        models' optimizers step: parameters left out of every optimizer."""
+        elsewhere = PROCESS_STEPS.taken - self._steps_taken()
+        if elsewhere < NEVER_MOVED:
+            return  # no model of this process trains with an optimizer: hand-written loops
+        record.not_optimized = list(stale)
+        record.idle_steps = elsewhere
+
     def _optimizer_idle(self, steps: int, params: list[nn.Parameter]) -> None:
         """The model's optimizer never stepped while other models took ``steps`` steps."""
         record = StepRecord(step=max(self._step_count(), PROCESS_STEPS.now), source="passes")
@@ -668,9 +683,13 @@ class StepPipeline:
             # Several backward passes onto the same gradients are accumulation
             # unless the weights changed in between.
             names, slot = pending.weights
-            record.accumulated = self._hand_updates.keep_moved(
-                record.accumulated, names, slot.values(), steps_end_at_backward
-            )
+            stale = record.accumulated
+            hand = self._hand_updates
+            record.accumulated = hand.keep_moved(stale, names, slot.values(), steps_end_at_backward)
+            if hand.never_moved is not None and hand.never_moved >= NEVER_MOVED:
+                hand.never_moved = None  # told once
+                if self._checks_not_optimized:
+                    self._never_updated(record, stale)
         sharded = self.whole is not None
         self._dispatcher.numbers(
             StepNumbers(

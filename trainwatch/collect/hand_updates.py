@@ -17,6 +17,12 @@ A hand-written update through ``p.data`` does not bump the parameter's version
 counter, so the change is seen in the values: one norm per weight, taken in
 the same batched kernel as the gradient norms and read back with them. Only
 this path pays for it; with an optimizer, its step hooks mark the update.
+
+The same norms show a model nobody updates at all: under ``trainwatch run`` a
+loss module with parameters of its own (learned task weights) left out of
+the optimizer is a model without an optimizer, so its boundaries are taken
+for hand-written updates. Its gradients are never reset and its weights never
+move, boundary after boundary, while other models' optimizers step.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ class HandUpdates:
         self._names: list[str] = []
         self._previous: dict[str, float] = {}
         self._suspected: set[str] = set()
+        # Boundaries in a row with unreset gradients and no weight moved, since
+        # watching began (None: some weight moved once: updates do happen).
+        self.never_moved: int | None = 0
 
     def watched(self, layers: LayerMap) -> tuple[list[torch.Tensor], list[str]]:
         """The model's weights and their names (rebuilt only when the model's tree is)."""
@@ -58,6 +67,11 @@ class HandUpdates:
         gradients not reset since (a later update applied the used values).
         """
         previous, self._previous = self._previous, dict(zip(names, norms))
+        if self.never_moved is not None and previous:
+            if any(previous.get(name) != norm for name, norm in self._previous.items()):
+                self.never_moved = None
+            elif stale:
+                self.never_moved += 1
         if not stale and not self._suspected:
             return stale
         current = self._previous

@@ -79,9 +79,11 @@ class NotOptimizedRule(_ReportOnce):
         ]
 
     def _idle(self, record: StepRecord) -> list[Alert]:
-        """Held by an optimizer whose step() never ran: one alert, for the whole model."""
+        """Never updated while other models train: one alert, for the whole model."""
         params = record.not_optimized
         owners = sorted({p.owner for p in params})
+        if record.source == "manual":
+            return [self._never_updated(record, params, owners)]
         return [
             self.alert(
                 record.step,
@@ -101,3 +103,23 @@ class NotOptimizedRule(_ReportOnce):
                 },
             )
         ]
+
+    def _never_updated(
+        self, record: StepRecord, params: list[ParamInfo], owners: list[str]
+    ) -> Alert:
+        """No optimizer holds the model, and its weights never moved: left out of them."""
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            f"{short_names(params)} of this model hold gradients that are never reset and "
+            "its weights have not moved once, while other models' optimizers took "
+            f"{record.idle_steps} steps: no optimizer holds them and nothing updates them",
+            "parameters of a module outside the model (learned loss weights, a "
+            "temperature, a criterion with parameters) must be handed to the optimizer "
+            "too: torch.optim.Adam([*model.parameters(), *criterion.parameters()]).",
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "kind": "never_updated",
+            },
+        )
