@@ -152,6 +152,7 @@ class StepPipeline:
         self.scaler = scaler
         self._step_count = step_count
         self._steps_taken = steps_taken
+        self._taken_before = PROCESS_STEPS.taken  # other monitors' steps before this one
         self._claim = claim  # parameters found in a rebuilt layer map belong to the monitor
         # Layers whose gradient history starts over at the next step.
         self.restarted: set[str] = set()
@@ -425,7 +426,7 @@ class StepPipeline:
     def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> None:
         """No optimizer, and nothing updates the weights by hand either, while other
         models' optimizers step: parameters left out of every optimizer."""
-        elsewhere = PROCESS_STEPS.taken - self._steps_taken()
+        elsewhere = PROCESS_STEPS.taken - self._taken_before - self._steps_taken()
         if elsewhere < NEVER_MOVED:
             return  # no model of this process trains with an optimizer: hand-written loops
         record.not_optimized = list(stale)
