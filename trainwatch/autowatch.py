@@ -48,6 +48,9 @@ from trainwatch.store_relay import RankZeroReceiver, StoreLink
 # Steps after which, every model found training with an optimizer (or never
 # trained at all), the global forward hooks come off.
 _SETTLED_AFTER = 2
+# Steps of an optimizer whose parameters no model of ours holds after which its
+# model is looked for by its parameters (one called only inside torch.func).
+_PENDING_STEPS = 2
 
 
 class StopRun(BaseException):
@@ -156,6 +159,8 @@ class AutoWatch:
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
+        self._transformed_calls = False  # a module was called inside a torch.func transform
         self._names: set[str] = set()
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
         self._stop_next = False
@@ -366,6 +371,8 @@ class AutoWatch:
             # re-running a watched model, or a torch.func transform (whose
             # functional_call stands other tensors in for the parameters):
             # not the script's call of the model it trains.
+            if not self._transformed_calls and transform_level() is not None:
+                self._transformed_calls = True  # a model may be called there alone
             return None
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
@@ -460,6 +467,8 @@ class AutoWatch:
         # count if an interrupted forward left it raised.
         self._local.depth = 0
         if optimizer in self._handled:
+            if optimizer in self._pending:
+                self._still_pending(optimizer)
             return None
         self._handled.add(optimizer)
         try:
@@ -511,6 +520,34 @@ class AutoWatch:
             self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
+
+    def _still_pending(self, optimizer: Optimizer) -> None:
+        """An optimizer stepping parameters no model of ours holds, step after step.
+
+        Its model never came through the forward hooks: it is called only
+        inside a ``torch.func`` transform (``functional_call`` under ``vmap``
+        or ``grad``, as in MAML), which the hooks leave alone. After
+        :data:`_PENDING_STEPS` of its steps the model is looked for by its
+        parameters instead (one heap scan), and watched from this step on.
+        """
+        if not self._transformed_calls:
+            return  # its model is yet to run (a later phase's): the forward hooks find it
+        steps = self._pending_steps.get(id(optimizer), 0) + 1
+        self._pending_steps[id(optimizer)] = steps
+        if steps != _PENDING_STEPS:
+            return
+        try:
+            unowned = [
+                p
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if registry.owner_of(p) is None
+            ]
+            if unowned:
+                self._discover_holders(unowned)
+            self._attach(optimizer)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
 
     def _discover_holders(self, params: list[torch.Tensor]) -> None:
         """Watch the outermost modules holding ``params`` (one heap scan).
