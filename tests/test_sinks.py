@@ -119,6 +119,16 @@ def test_jsonl_line_is_written_and_flushed_as_the_alert_is_raised(model, tmp_pat
         assert tw.Alert.from_dict(record).to_dict() == record
 
 
+def test_a_clean_run_closes_with_its_counts_file_too(model, tmp_path):
+    """Its presence says the run closed (a killed run has none), with the steps watched."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, log_dir=tmp_path, console=False):
+        train(model, opt, 3)
+    counts = json.loads((tmp_path / "alert_counts.json").read_text())
+    assert counts == {"steps": 3, "counts": []}
+    assert (tmp_path / "alerts.jsonl").read_text() == ""
+
+
 def test_unwritable_log_dir_is_a_clear_error_and_attaches_nothing(model, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

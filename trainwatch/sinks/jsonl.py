@@ -49,22 +49,23 @@ class JsonlSink(Sink):
     def close(self, summary: Summary) -> None:
         if not self._file.closed:
             self._file.close()
-        if summary.tallies:
-            counts = [
-                {
-                    "rule": t.first.rule,
-                    "module": t.first.module,
-                    "model": t.first.data.get("model"),
-                    "first_step": t.first.step,
-                    "last_step": t.last_step,
-                    "count": t.count,
-                }
-                for t in summary.tallies
-            ]
-            path = self.path.with_name(COUNTS_FILE)
-            partial = path.with_name(COUNTS_FILE + ".partial")
-            partial.write_text(json.dumps({"steps": summary.steps, "counts": counts}, indent=1))
-            partial.replace(path)
+        # Written at every close, a clean run's too (no counts): its presence says
+        # the run closed, and how many steps it watched.
+        counts = [
+            {
+                "rule": t.first.rule,
+                "module": t.first.module,
+                "model": t.first.data.get("model"),
+                "first_step": t.first.step,
+                "last_step": t.last_step,
+                "count": t.count,
+            }
+            for t in summary.tallies
+        ]
+        path = self.path.with_name(COUNTS_FILE)
+        partial = path.with_name(COUNTS_FILE + ".partial")
+        partial.write_text(json.dumps({"steps": summary.steps, "counts": counts}, indent=1))
+        partial.replace(path)
 
 
 def _ends_mid_line(path: Path) -> bool:
