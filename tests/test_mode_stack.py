@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from tests.test_missing_zero_grad_with_hand_written_updates import GAN
 from trainwatch.collect.mode_stack import leave
 from trainwatch.runner import run_script
 
@@ -50,30 +51,6 @@ def test_a_mode_asked_to_leave_inside_its_own_handler_stays_until_it_can():
     assert asked and not any(asked)
 
 
-GAN = """
-import torch
-from torch import nn
-
-torch.manual_seed(0)
-G = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
-D = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
-for it in range(5):  # hand-written updates: each backward's end is a step
-    fake = G(torch.randn(16, 2))
-    d_loss = nn.functional.softplus(-D(torch.randn(16, 2) + 3)).mean()
-    d_loss = d_loss + nn.functional.softplus(D(fake.detach())).mean()
-    D.zero_grad()
-    d_loss.backward()
-    with torch.no_grad():
-        for p in D.parameters():
-            p -= 0.01 * p.grad
-    G.zero_grad()
-    nn.functional.softplus(-D(fake)).mean().backward()
-    with torch.no_grad():
-        for p in G.parameters():
-            p -= 0.01 * p.grad
-"""
-
-
 def test_two_models_auditing_their_losses_leave_no_mode_behind(tmp_path, monkeypatch):
     # The generator's loss audit sat under the discriminator's: it stayed on the
     # stack once its monitor had closed, for as long as the monitor lived (here:
@@ -90,7 +67,7 @@ def test_two_models_auditing_their_losses_leave_no_mode_behind(tmp_path, monkeyp
     monkeypatch.setattr(autowatch.AutoWatch, "__init__", keeping)
     script = tmp_path / "gan.py"
     script.write_text(GAN)
-    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    run_script(script, ["missing"], log_dir=tmp_path / "log", console=False)
     assert kept and _get_current_function_mode_stack() == []
 
 

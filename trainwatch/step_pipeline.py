@@ -423,14 +423,15 @@ class StepPipeline:
         record.amp = AmpReport(skipped, self.judge.passes_per_step, scale)
         self._dispatcher.publish(self.rules.evaluate(record))
 
-    def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> None:
+    def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> bool:
         """No optimizer, and nothing updates the weights by hand either, while other
-        models' optimizers step: parameters left out of every optimizer."""
+        models' optimizers step: parameters left out of every optimizer (whether told)."""
         elsewhere = PROCESS_STEPS.taken - self._taken_before - self._steps_taken()
         if elsewhere < NEVER_MOVED:
-            return  # no model of this process trains with an optimizer: hand-written loops
+            return False  # no model here trains with an optimizer (yet): hand-written loops
         record.not_optimized = list(stale)
         record.idle_steps = elsewhere
+        return True
 
     def _optimizer_idle(self, steps: int, params: list[nn.Parameter]) -> None:
         """The model's optimizer never stepped while other models took ``steps`` steps."""
@@ -687,10 +688,13 @@ class StepPipeline:
             stale = record.accumulated
             hand = self._hand_updates
             record.accumulated = hand.keep_moved(stale, names, slot.values(), steps_end_at_backward)
-            if hand.never_moved is not None and hand.never_moved >= NEVER_MOVED:
+            if (
+                hand.never_moved is not None
+                and hand.never_moved >= NEVER_MOVED
+                and self._checks_not_optimized
+                and self._never_updated(record, stale)
+            ):
                 hand.never_moved = None  # told once
-                if self._checks_not_optimized:
-                    self._never_updated(record, stale)
         sharded = self.whole is not None
         self._dispatcher.numbers(
             StepNumbers(

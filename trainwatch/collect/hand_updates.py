@@ -68,7 +68,7 @@ class HandUpdates:
         """
         previous, self._previous = self._previous, dict(zip(names, norms))
         if self.never_moved is not None and previous:
-            if any(previous.get(name) != norm for name, norm in self._previous.items()):
+            if previous != self._previous:  # compared in C: some weight moved
                 self.never_moved = None
             elif stale:
                 self.never_moved += 1

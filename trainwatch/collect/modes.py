@@ -130,8 +130,8 @@ class ModeWatch:
         if model is None or not self.listed:
             return
         total, trained = _counts(model)
-        if not trained or not total:
-            return
+        if not trained or trained == total:
+            return  # nothing trains, or nothing is frozen: no walk of the modules
         parts = []
         for name, module in model.named_modules():
             if any(name.startswith(part + ".") for part in parts):
