@@ -632,10 +632,13 @@ def test_trainwatch_run_finds_a_compiled_model_by_its_wrapper(tmp_path):
     assert found[0]["data"]["modules"] == ["fc1", "head"]
 
 
-def test_trainwatch_run_cannot_find_a_model_compiled_in_place_and_says_nothing(tmp_path):
-    """No eager call of the model to discover it by: the script runs unwatched, unharmed."""
+def test_trainwatch_run_finds_a_model_compiled_in_place_by_its_parameters(tmp_path):
+    """No eager call of the model to discover it by: after two steps of its optimizer
+    the model is looked for by its parameters, and watched from the third step on."""
     code, found = _run(tmp_path, "in_place")
-    assert code == 0 and found == []
+    assert code == 0
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 3)]
+    assert found[0]["data"]["model"] == "Net"
 
 
 @pytest.mark.slow

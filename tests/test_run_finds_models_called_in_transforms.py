@@ -60,6 +60,8 @@ def test_a_model_called_only_in_torch_func_is_found_by_its_parameters(tmp_path, 
     run_script(script, [how], log_dir=tmp_path / "log", console=False)
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     found = [(a["rule"], a["step"]) for a in map(json.loads, lines) if a["severity"] != "info"]
-    assert found == ([] if how == "reset" else [("accumulated_gradient", 1)])
+    # Watched from its third step (the search): the count goes on from the
+    # script's own steps, and the first backward onto used gradients seen is at 3.
+    assert found == ([] if how == "reset" else [("accumulated_gradient", 3)])
     assert (tmp_path / "log" / "setup.json").exists()  # a model was watched
     assert "global forward hooks left: 0" in capsys.readouterr().out

@@ -161,6 +161,7 @@ class AutoWatch:
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
         self._transformed_calls = False  # a module was called inside a torch.func transform
+        self._compiled_calls = False  # a module was called inside a graph being traced
         self._names: set[str] = set()
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
         self._stop_next = False
@@ -373,6 +374,8 @@ class AutoWatch:
             # not the script's call of the model it trains.
             if not self._transformed_calls and transform_level() is not None:
                 self._transformed_calls = True  # a model may be called there alone
+            if not self._compiled_calls and compiling():
+                self._compiled_calls = True  # model.compile(): its hooks run traced only
             return None
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
@@ -398,7 +401,9 @@ class AutoWatch:
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         return None
 
-    def _discover(self, module: nn.Module, args: Any = ()) -> None:
+    def _discover(self, module: nn.Module, args: Any = (), called: bool = True) -> None:
+        """Watch ``module``; ``called``: found by its call, which is the model's first
+        pass (not by a heap search between steps)."""
         if getattr(module, "_is_replica", False):
             return  # a DataParallel replica: its original is the model
         params = list(module.parameters())
@@ -440,7 +445,8 @@ class AutoWatch:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
             self._find_optimizers(monitor)
-        monitor.pass_started(module, args)  # this very call is the model's first pass
+        if called:
+            monitor.pass_started(module, args)  # this very call is the model's first pass
 
     def _give_way(self, monitor: Monitor) -> None:
         """A part's monitor, which has watched no step, closes for the model holding it;
@@ -526,11 +532,13 @@ class AutoWatch:
 
         Its model never came through the forward hooks: it is called only
         inside a ``torch.func`` transform (``functional_call`` under ``vmap``
-        or ``grad``, as in MAML), which the hooks leave alone. After
+        or ``grad``, as in MAML), or it was compiled in place
+        (``model.compile()``: its module calls happen inside the compiled
+        graph, where the hooks step aside), and the hooks leave those alone. After
         :data:`_PENDING_STEPS` of its steps the model is looked for by its
         parameters instead (one heap scan), and watched from this step on.
         """
-        if not self._transformed_calls:
+        if not self._transformed_calls and not self._compiled_calls:
             return  # its model is yet to run (a later phase's): the forward hooks find it
         steps = self._pending_steps.get(id(optimizer), 0) + 1
         self._pending_steps[id(optimizer)] = steps
@@ -543,8 +551,13 @@ class AutoWatch:
                 for p in g["params"]
                 if registry.owner_of(p) is None
             ]
+            found = len(self.monitors)
             if unowned:
                 self._discover_holders(unowned)
+            for monitor in self.monitors[found:]:
+                # Its steps so far went by unwatched: the count goes on from them,
+                # so a finding names the script's own step.
+                monitor.load_state_dict({"step": steps})
             self._attach(optimizer)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
@@ -570,7 +583,7 @@ class AutoWatch:
             for holder in holders:
                 if id(holder) not in inner:
                     self._seen.add(holder)
-                    self._discover(holder)
+                    self._discover(holder, called=False)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: model search", exc, self.steps)
 
