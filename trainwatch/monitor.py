@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from trainwatch import clip_hook, registry, termination
@@ -143,7 +144,9 @@ class Monitor:
         for opt in optimizers:
             self.add_optimizer(opt)
         self._attaching = False
-        if self._pipeline.setup.due and self._optimizers:
+        if self._pipeline.setup.due and self._optimizers and not _any_lazy(model):
+            # (A lazy module's parameters have no size before its first call:
+            # the audit waits for the first step.)
             self._guarded("setup audit", self._pipeline.audit_setup, self._step)
 
     # -- public surface ----------------------------------------------------
@@ -656,6 +659,10 @@ def _unwrapped_optimizer(optimizer: Any) -> Any:
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
     return optimizer
+
+
+def _any_lazy(model: nn.Module) -> bool:
+    return any(map(is_lazy, model.parameters()))
 
 
 def _as_number(value: torch.Tensor | float) -> float:

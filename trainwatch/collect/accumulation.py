@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
+from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.tensors import all_plain, floating_list, local_part
@@ -204,9 +205,13 @@ class GradResetTracker:
         if self._fallback is None and self._states:
             # One tensor hook on one parameter, for backward passes that do not
             # come through a pass the hooks see (a model compiled in place): the
-            # last parameter's gradient (the head's) is usually made first.
-            last = next(reversed(self._states.values())).param
-            self._fallback = last.register_hook(self._starts)
+            # last parameter's gradient (the head's) is usually made first. A
+            # lazy module's parameter takes no hook before its first call.
+            last = next(
+                (s.param for s in reversed(self._states.values()) if not is_lazy(s.param)), None
+            )
+            if last is not None:
+                self._fallback = last.register_hook(self._starts)
 
     def detach(self) -> None:
         if self._fallback is not None:
