@@ -105,3 +105,43 @@ def test_a_watched_pseudo_labelling_loop_with_its_no_grad_pass_last_is_silent():
             loss.backward()
             opt.step()
     assert [a.rule for a in monitor.alerts if a.severity != "info"] == []
+
+
+def test_a_shape_check_before_the_first_training_pass_is_let_go():
+    assert _steps(lambda step: "nt" if step == 0 else "t", 30) == []
+    assert _steps(lambda step: "nnt" if step == 0 else "t", 30) == []
+
+
+def test_a_baseline_evaluation_before_training_is_still_told_at_once():
+    # Control: three passes or more are an evaluation loop, trained or not.
+    assert _steps(lambda step: "nnnt" if step == 0 else "t", 30) == [0, 0, 0]
+
+
+def test_the_same_single_pass_later_in_training_is_still_an_evaluation():
+    assert _steps(lambda step: "nt" if step in (0, 10) else "t", 30) == [10]
+
+
+def test_a_watched_model_checked_under_no_grad_before_training_is_silent():
+    """The check people write right after building a model with dropout."""
+    import torch
+    from torch import nn
+
+    import trainwatch as tw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        with torch.no_grad():
+            assert model(torch.zeros(2, 10)).shape == (2, 3)
+        for step in range(60):
+            x = torch.randn(32, 10)
+            loss = nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 40:  # control: the same look mid-training, dropout still on
+                with torch.no_grad():
+                    model(torch.randn(8, 10))
+    found = [(a.rule, a.step) for a in monitor.alerts if a.severity != "info"]
+    assert found == [("eval_in_train_mode", 41)]

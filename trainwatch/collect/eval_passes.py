@@ -13,7 +13,10 @@ batch norm in training mode there. So:
   of training and stays silent; not recurring, it is a periodic evaluation
   and is reported then, with the step it ran in.
 
-Whatever is still held when the monitor closes is reported then.
+Whatever is still held when the monitor closes is reported then. One or two
+passes before the model's first training pass are a check of the model just
+built (``assert model(torch.zeros(2, 10)).shape == ...`` under ``no_grad``),
+not an evaluation: they are let go at that first training pass.
 
 A model whose weights changed between two such passes with no training pass
 of its own between them is trained another way: an EMA or momentum target
@@ -96,6 +99,11 @@ class EvalPassJudge:
     def training_pass(self) -> None:
         if self.in_a_row == 1:
             self._isolated_now = True
+        if not self.trained:
+            # Passes before the model's first training pass, too few to be an
+            # evaluation loop (three are told at once): a shape check or a dry
+            # run of the model just built.
+            self._held = []
         self.in_a_row = 0
         self.trained = True
 
