@@ -48,6 +48,7 @@ from trainwatch.config import Config, load_config
 from trainwatch.errors import TrainingHealthError
 from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.monitor import Monitor
+from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.sinks import Sink, default_sinks
 from trainwatch.sinks.base import Summary
 
@@ -347,7 +348,5 @@ def _tensorboard_dir(args: TrainingArguments) -> Path:
 def _unwrap(optimizer: Any) -> Optimizer | None:
     """``accelerate``'s ``AcceleratedOptimizer`` (an ``Optimizer`` itself) wraps the
     torch one, whose ``step`` runs: hooks live there."""
-    inner = getattr(optimizer, "optimizer", None)
-    while isinstance(inner, Optimizer):
-        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    optimizer = inner_optimizer(optimizer)
     return optimizer if isinstance(optimizer, Optimizer) else None

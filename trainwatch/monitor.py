@@ -31,6 +31,7 @@ from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.guard import Guard
 from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
+from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.raised import note_raise
@@ -210,7 +211,7 @@ class Monitor:
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """Watch one more optimizer (one created after ``tw.watch``, a GAN's second)."""
         self._ensure_open()
-        optimizer = _unwrapped_optimizer(optimizer)
+        optimizer = inner_optimizer(optimizer)
         check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
@@ -226,14 +227,14 @@ class Monitor:
                 info(p).owner for group in optimizer.param_groups for p in group["params"]
             )
         index = len(self._optimizers)
-        self._optimizers.append(optimizer)
-        self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
-        self._handles.add(
-            optimizer.register_step_pre_hook(WeakHook(self, "_before_optimizer_step", index))
-        )
+        # The hooks first: an optimizer that takes none is not left half attached.
+        before = optimizer.register_step_pre_hook(WeakHook(self, "_before_optimizer_step", index))
+        self._handles.add(before)
         self._handles.add(
             optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
         )
+        self._optimizers.append(optimizer)
+        self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
 
     def watch_data(self, loader: Any) -> None:
@@ -645,20 +646,6 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
-
-
-def _unwrapped_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a wrapper that shares its state.
-
-    Lightning's ``LightningOptimizer`` is a dynamic subclass of the wrapped
-    optimizer's class holding a copy of its ``__dict__``: the same
-    ``param_groups``, ``state`` and hook tables. Watching both would count every
-    step twice, so the wrapped one (``_optimizer``) is the one watched.
-    """
-    inner = vars(optimizer).get("_optimizer") if hasattr(optimizer, "__dict__") else None
-    if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
-        return inner
-    return optimizer
 
 
 def _any_lazy(model: nn.Module) -> bool:
