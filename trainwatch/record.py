@@ -223,6 +223,8 @@ class StepRecord:
     # When the weights' NaN/Inf is seen in the next forward, the update that
     # made it was the step before: alerts carry that step.
     nonfinite_params_step: int | None = None
+    # They were written in place after the last update, by the training code.
+    nonfinite_params_written: bool = False
     # Backward passes with non-finite gradients that no optimizer step used
     # (GradScaler skipping) in a row, ending at this record.
     skipped_backward_passes: int = 0

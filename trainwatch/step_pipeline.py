@@ -71,6 +71,7 @@ _WRAPPER_SEARCHES = 3
 
 _PARAMS = itemgetter("params")  # a param group's parameters
 _GROUPS = attrgetter("param_groups")  # an optimizer's
+_VERSION = attrgetter("_version")  # a tensor's in-place write counter
 
 
 @dataclass(slots=True)
@@ -338,6 +339,10 @@ class StepPipeline:
         """
         if self.tracker.enabled:
             self.tracker.arm(params, whole=whole)
+        if self.probe is not None:
+            # Where the update left the version counters: a weight written after
+            # it (by the training code) is told from one the update blew up.
+            self.probe.updated = (params, list(map(_VERSION, params)))
         if pending is None:
             return
         if self.idle is not None:  # the model trains: nothing more to watch for

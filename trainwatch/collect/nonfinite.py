@@ -284,7 +284,28 @@ class NonfiniteProbe:
         # replays stop (a broken model would otherwise pay one every step).
         self._bad_streak = 0
         self._step_bad = False
+        # The parameters the last update applied to and their version counters
+        # then (set at every step boundary: one C loop).
+        self.updated: tuple[list[torch.Tensor], list[int]] | None = None
         self.reset()
+
+    def written_since_update(self, params: list[torch.Tensor]) -> bool | None:
+        """Whether any of ``params`` was written in place since the last update was
+        applied (None: no update seen yet, or none of them was updated).
+
+        An optimizer's update moves a parameter's version counter, and so does
+        every later in-place write (a clamp, ``load_state_dict``, a copy from
+        another model); a weight that went non-finite with its counter where the
+        update left it was made so by the update.
+        """
+        updated = self.updated
+        if updated is None:
+            return None
+        after_update = dict(zip(map(id, updated[0]), updated[1]))  # the rare path only
+        known = [p for p in params if id(p) in after_update]
+        if not known:
+            return None
+        return any(p._version != after_update[id(p)] for p in known)
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
@@ -768,9 +789,15 @@ class NonfiniteProbe:
             dtype=str(bad.dtype),
             device=str(bad.device),
         )
-        finding.weights_nonfinite = not all(
-            bool(torch.isfinite(p.detach()).all()) for p in module.parameters(recurse=False)
-        )
+        bad_weights = [
+            p
+            for p in module.parameters(recurse=False)
+            if not bool(torch.isfinite(p.detach()).all())
+        ]
+        finding.weights_nonfinite = bool(bad_weights)
+        if bad_weights:
+            finding.nonfinite_weights = bad_weights
+            finding.weights_written = self.written_since_update(bad_weights)
         given = list(floating_tensors([args, kwargs]))
         if given:
             finding.input_min = min(float(t.detach().min()) for t in given)

@@ -56,6 +56,11 @@ class NonfiniteFinding:
     spread: list[int] = field(default_factory=list)
     # Whether the module's own weights were non-finite when it ran (None: not seen).
     weights_nonfinite: bool | None = None
+    # Those weights, as they were found then (this step's update may add others).
+    nonfinite_weights: list[torch.Tensor] = field(default_factory=list)
+    # Whether any of them was written since the last update applied (a version
+    # counter moved): by the training code, not the optimizer (None: not known).
+    weights_written: bool | None = None
 
 
 FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0

@@ -292,6 +292,25 @@ class NonfiniteParameterRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         step = record.nonfinite_params_step
         step = record.step if step is None else step
+        if record.nonfinite_params_written:
+            return [
+                self.alert(
+                    step,
+                    owner,
+                    f"{short_names(params)} became non-finite after the last optimizer "
+                    f"update, written in place by the training code before step {step}'s "
+                    "forward, not by the update",
+                    "look at what writes into the weights between optimizer.step() and "
+                    "the forward: a clamp or weight constraint, a checkpoint or state_dict "
+                    "loaded, a copy from another model",
+                    {
+                        "parameters": [p.name for p in params],
+                        "optimizer": record.optimizer,
+                        "cause": "written",
+                    },
+                )
+                for owner, params in by_owner(record.nonfinite_params).items()
+            ]
         return [
             self.alert(
                 step,

@@ -216,7 +216,9 @@ class NonfiniteJudge:
             # Seen when the module ran (on the spot), or now: unless this step's
             # own non-finite gradients have just been applied to them, which
             # leaves it open whether they were bad before (then say so only).
-            if finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
+            if finding.nonfinite_weights:
+                bad_params = finding.nonfinite_weights  # as the module ran, before the update
+            elif finding.weights_nonfinite or (finding.weights_nonfinite is None and grads_finite):
                 bad_params = _nonfinite_params(module, whole)
             elif finding.weights_nonfinite is None and _nonfinite_params(module, whole):
                 # This step's own NaN gradients were just applied, so whether
@@ -229,6 +231,12 @@ class NonfiniteJudge:
         if bad_params:
             if knock_on(reported):
                 return True  # weights poisoned by an update already reported: the cascade
+            if info is not None and finding.weights_written:
+                # Written in place since the last update (a clamp, a checkpoint
+                # loaded, a copy): the training code made them, before this forward.
+                record.nonfinite_params = [info(p) for p in bad_params]
+                record.nonfinite_params_written = True
+                return True
             if info is not None and record.step > 0:
                 # Finite gradients, non-finite weights: the last update made them.
                 record.nonfinite_params = [info(p) for p in bad_params]
