@@ -202,3 +202,58 @@ def test_a_never_called_head_and_a_cut_layer_stop_being_followed(quiet_watch):
     found = {a.module: a.data["kind"] for a in monitor.alerts if a.rule == "zero_gradient"}
     assert found == {"blocks.1.0": "none", "unused_head": "never_called"}
     assert not monitor._pipeline._step_calls.following
+
+
+class _LateRoutedMoE(nn.Module):
+    """Four two-layer experts; tokens routed by feature 0, except that the last
+    expert gets none before step ``first`` (a router that starts collapsed and is
+    balanced later; None: never)."""
+
+    def __init__(self, first: int | None) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(4)
+        )
+        self.head = nn.Linear(8, 1)
+        self.first = first
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        routed = self.first is not None and self.step >= self.first
+        kind = x[:, 0].round().long().clamp(0, 3 if routed else 2)
+        out = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            rows = (kind == index).nonzero().flatten()
+            if len(rows):
+                out = out.index_add(0, rows, expert(h[rows]))
+        return self.head(out)
+
+
+def _train_moe(quiet_watch, first: int | None, steps: int):
+    torch.manual_seed(0)
+    model = _LateRoutedMoE(first)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(steps):
+        model.step = step
+        x = torch.randn(32, 8)
+        x[:, 0] = torch.randint(0, 4, (32,)).float()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, 1:2]).backward()
+        opt.step()
+    return [a for a in monitor.alerts if a.severity != "info"]
+
+
+def test_an_expert_first_given_tokens_at_step_20_is_silent(quiet_watch):
+    assert _train_moe(quiet_watch, first=20, steps=60) == []
+
+
+def test_an_expert_never_given_a_token_is_told_as_not_run_beside_its_siblings(quiet_watch):
+    found = _train_moe(quiet_watch, first=None, steps=110)
+    assert {(a.rule, a.module, a.data["kind"]) for a in found} == {
+        ("zero_gradient", "experts.3.0", "not_run"),
+        ("zero_gradient", "experts.3.2", "not_run"),
+    }
+    assert found[0].data["siblings_ran"] == ["experts.0", "experts.1", "experts.2"]

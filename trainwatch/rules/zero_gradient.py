@@ -28,6 +28,12 @@ _HINTS = {
         "fails at its second iteration. Freeze the layer (requires_grad_(False)), "
         "leave its parameters out of the optimizer, or call it in forward()."
     ),
+    "not_run": (
+        "an expert the router sends no token (a collapsed router: add a load-balancing "
+        "loss, router noise or capacity limits), or a member of the container that "
+        "forward() never calls (an off-by-one slice of a ModuleList). Under DDP it "
+        "needs find_unused_parameters=True."
+    ),
     "zero": (
         "backward reached these parameters but every gradient entry is exactly "
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
@@ -72,6 +78,10 @@ def _shift_free_biases(record: StepRecord) -> frozenset[str]:
 # ``patience`` before it counts as never called: a block skipped at random, an
 # expert given no token, may simply not have run yet.
 _NOT_YET_RAN = 10
+# The same, for a member of a container whose siblings have run (an expert of a
+# mixture, a block of a ModuleList): a router that starts collapsed sends some
+# experts no token for many steps, then balances.
+_SIBLINGS_RAN = 100
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
 _NO_SIGNAL_HINT = (
@@ -158,6 +168,7 @@ class ZeroGradientRule(Rule):
 
         due: list[ParamInfo] = []
         followed, called = record.calls_followed, record.called_now
+        ran: frozenset[str] | None = None  # modules that ran (asked for on this path only)
         for info, kind in silent:
             streak = self._streaks.get(info.name)
             if streak is None:
@@ -180,7 +191,9 @@ class ZeroGradientRule(Rule):
             if skipped and info.owner not in record.calls_ran:
                 skipped = False
                 if info.owner not in record.never_called:  # its holder skipped too
-                    needed += _NOT_YET_RAN
+                    if ran is None:
+                        ran = _ran(record)
+                    needed += _SIBLINGS_RAN if _siblings_ran(info.owner, ran) else _NOT_YET_RAN
             if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
             if streak.count >= needed and not streak.reported and not skipped:
@@ -233,6 +246,20 @@ class ZeroGradientRule(Rule):
                     # No optimizer holds them: usually deliberate, a note.
                     hint, severity = _HINTS["never_called"], "info"
                     message = f"{owner} is never called in forward: {message}"
+            elif (
+                kind == "none"
+                and owner is not None
+                and all(s.skipped and not s.called for s in streaks)  # seen not running
+                and (siblings := _siblings_ran(owner, _ran(record)))
+            ):
+                data["kind"] = "not_run"
+                data["siblings_ran"] = siblings
+                message = (
+                    f"{owner} has not run in {steps} steps since step {since} while "
+                    f"{_listed(siblings)} of the same container did, so "
+                    f"{short_names(params)} got no gradient"
+                )
+                hint = _HINTS["not_run"]
             elif kind == "none" and at_once and since == self._first_step:
                 data["distributed"] = True
                 message += (
@@ -259,3 +286,35 @@ class ZeroGradientRule(Rule):
                 severity="info",
             )
         ]
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def _ran(record: StepRecord) -> frozenset[str]:
+    """Modules seen running: those with a gradient this step, and the followed
+    layers seen called on some step."""
+    return record.calls_ran.union(info.owner for info in record.present)
+
+
+def _siblings_ran(owner: str, ran: frozenset[str]) -> list[str]:
+    """The members of the nearest container holding ``owner`` (or a module around
+    it) that ran: for ``moe.experts.5.0``, the experts ``moe.experts.K`` with a
+    module seen running. The model's own attributes are not taken for one
+    container's members."""
+    name = owner
+    while True:
+        parent, dot, _ = name.rpartition(".")
+        if not dot or not ran:
+            return []
+        prefix, mine = parent + ".", name + "."
+        found = {
+            prefix + other[len(prefix) :].split(".", 1)[0]
+            for other in ran
+            if other.startswith(prefix) and other != name and not other.startswith(mine)
+        }
+        if found:
+            return sorted(found)
+        name = parent
