@@ -247,3 +247,52 @@ def test_trainwatch_run_on_a_hinge_loss_at_rest_names_no_layer(tmp_path):
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     found = [(a["rule"], a["severity"], a["module"]) for a in map(json.loads, lines)]
     assert [f for f in found if f[1] != "info"] == []
+
+
+class _TwoTasks(nn.Module):
+    """A shared trunk, a classification head and a regression head (two outputs)."""
+
+    def __init__(self, cut_inside: bool = False) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.cls_head = nn.Linear(32, 4)
+        self.reg_head = nn.Linear(32, 1)
+        self.cut_inside = cut_inside
+
+    def forward(self, x: torch.Tensor):
+        h = self.trunk(x)
+        reg = self.reg_head(h).squeeze(-1)
+        if self.cut_inside:
+            reg = reg * 0.0  # planted: the head's output thrown away inside the model
+        return self.cls_head(h), reg
+
+
+def _two_task_run(quiet_watch, model: nn.Module, weight_of) -> list:
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(80):
+        x = torch.randn(32, 16)
+        logits, reg = model(x)
+        loss = nn.functional.cross_entropy(logits, x[:, :4].argmax(1))
+        loss = loss + weight_of(step) * nn.functional.mse_loss(reg, x[:, 4])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [a for a in monitor.alerts if a.rule == "zero_gradient"]
+
+
+def test_a_task_weighted_by_zero_for_a_while_is_a_note_not_a_dead_head(quiet_watch):
+    torch.manual_seed(0)
+    found = _two_task_run(quiet_watch, _TwoTasks(), lambda step: 0.0 if step < 50 else 1.0)
+    assert [(a.severity, a.module, a.data["kind"], a.data["outputs"]) for a in found] == [
+        ("info", "reg_head", "output_without_signal", [1])
+    ]
+
+
+def test_control_a_head_zeroed_inside_the_model_is_still_a_warning(quiet_watch):
+    torch.manual_seed(0)
+    found = _two_task_run(quiet_watch, _TwoTasks(cut_inside=True), lambda step: 1.0)
+    assert [(a.severity, a.module, a.data["kind"]) for a in found] == [
+        ("warning", "reg_head", "zero")
+    ]

@@ -191,6 +191,9 @@ class StepRecord:
     # the model's output: the loss sent nothing (a margin loss every sample
     # satisfies), which says nothing of any layer.
     no_signal: bool = False
+    # Output positions of the model's last pass whose entering gradient was exactly
+    # zero while another's was not (a task weighted by 0), when some gradient was.
+    silent_outputs: list[int] = field(default_factory=list)
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # With not_optimized: its optimizer never stepped while the process took this many

@@ -571,10 +571,17 @@ class StepPipeline:
         else:
             norms = self._small_norms.norms(record, grads) if grads else None
         listed = self._locate_if_off(norms)
-        if listed and self.probe is not None and not any(listed):
-            # Every gradient exactly zero (rare; read on the host already): did the
-            # loss send anything into the model at all?
-            record.no_signal = self._guarded("zero signal", self.probe.entering_all_zero) is True
+        if listed and self.probe is not None and 0.0 in listed:
+            if not any(listed):
+                # Every gradient exactly zero (rare; read on the host already): did
+                # the loss send anything into the model at all?
+                no_signal = self._guarded("zero signal", self.probe.entering_all_zero)
+                record.no_signal = no_signal is True
+            else:
+                # Some exactly zero: did some output of the model get none (a task
+                # whose loss weight is 0 for now)?
+                silent = self._guarded("zero signal", self.probe.outputs_without_signal)
+                record.silent_outputs = silent or []
         if norms is not None:
             pending.norms = frame.add(norms, listed)
             pending.norm_tensor = norms

@@ -586,6 +586,21 @@ class NonfiniteProbe:
         ]
         return bool(grads) and not any(bool(g.detach().any()) for g in grads)
 
+    def outputs_without_signal(self) -> list[int]:
+        """The output positions whose entering gradient in the step's last backward
+        was exactly zero, where another output's was not: a loss that weighs one
+        task by zero. Asked only on a step with some gradient exactly zero."""
+        entering = self._this_pass.grad_entering
+        zero, sent = [], False
+        for position, g in enumerate(entering):
+            if g is None or not g.is_floating_point():
+                continue
+            if bool(g.detach().any()):
+                sent = True
+            else:
+                zero.append(position)
+        return zero if sent else []
+
     def _entering_flag(self) -> torch.Tensor | float:
         """Whether the gradient that entered the model in the last backward was non-finite:
         a device flag when verdicts wait for the step, else a host float."""

@@ -34,6 +34,11 @@ _HINTS = {
         "forward() never calls (an off-by-one slice of a ModuleList). Under DDP it "
         "needs find_unused_parameters=True."
     ),
+    "output_without_signal": (
+        "the loss sends that output nothing: a task whose loss weight is 0 for now "
+        "(a schedule that switches it on later), or its term multiplied by zero by "
+        "mistake. Its head learns nothing while this lasts."
+    ),
     "zero": (
         "backward reached these parameters but every gradient entry is exactly "
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
@@ -260,6 +265,19 @@ class ZeroGradientRule(Rule):
                     f"{short_names(params)} got no gradient"
                 )
                 hint = _HINTS["not_run"]
+            elif kind == "zero" and record.silent_outputs:
+                # Some output of the model got an exactly zero gradient while
+                # another did not: its loss is weighted by zero (a task switched
+                # off for now), and the layers only it feeds learn nothing by design.
+                outputs = record.silent_outputs
+                data["kind"] = "output_without_signal"
+                data["outputs"] = outputs
+                message += (
+                    f", while output{'s' if len(outputs) > 1 else ''} "
+                    f"{', '.join(map(str, outputs))} of the model got an exactly zero "
+                    "gradient from the loss and another did not"
+                )
+                hint, severity = _HINTS["output_without_signal"], "info"
             elif kind == "none" and at_once and since == self._first_step:
                 data["distributed"] = True
                 message += (
