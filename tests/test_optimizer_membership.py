@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainwatch as tw
 from tests.conftest import rules_of, train
 from trainwatch.runner import run_script
 
@@ -145,3 +146,32 @@ def test_an_optimizer_found_while_its_parameters_are_toggled_off_is_judged_at_it
     ]
     # (trainwatch run watches the two networks the loop calls as models of their own)
     assert frozen == ([] if case == "toggled" else [("2", 2)])
+
+
+def _frozen_then(unfreeze_at: int | None, steps: int = 40):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(steps):
+            if step == unfreeze_at:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+            x = torch.randn(16, 8)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opt.step()
+    return [(a.rule, a.severity, a.step, a.module) for a in monitor.alerts]
+
+
+def test_a_warm_up_freeze_undone_later_is_told_as_undone():
+    assert _frozen_then(unfreeze_at=20) == [
+        ("frozen_in_optimizer", "warning", 0, "0"),
+        ("frozen_in_optimizer", "info", 20, "0"),
+    ]
+
+
+def test_control_a_freeze_never_undone_has_no_note():
+    assert _frozen_then(unfreeze_at=None) == [("frozen_in_optimizer", "warning", 0, "0")]

@@ -181,6 +181,8 @@ class StepRecord:
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)
+    # Parameters of the optimizer frozen at its last setup change, trainable now.
+    unfrozen: list[ParamInfo] = field(default_factory=list)
     # Without an optimizer: how many of the model's parameters are frozen.
     frozen_count: int = 0
     trainable_by_module: dict[str, int] = field(default_factory=dict)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.optim import Optimizer
 
+from trainwatch.layers import ParamInfo
 from trainwatch.record import SetupCheck, StepRecord
 from trainwatch.setup_audit import SetupAudit, build_audit
 
@@ -25,6 +26,8 @@ class SetupWatch:
         # The counts last audited, per optimizer (None: steps without one).
         self.signatures: dict[int | None, tuple[int, ...]] = {}
         self.due = False
+        # The frozen parameters each optimizer held at its last audit, by name.
+        self.frozen_names: dict[int | None, dict[str, ParamInfo]] = {}
         # The optimizers whose next step checks what backward reached.
         self.reach_due: set[int | None] = set()
 

@@ -539,6 +539,12 @@ class StepPipeline:
             if setup.signatures.get(index) != signature:
                 setup.signatures[index] = signature
                 setup.due = True
+                frozen_now = {info.name: info for info in record.frozen}
+                before = setup.frozen_names.get(index)
+                if before:
+                    # Frozen parameters trainable again (a warm-up freeze undone).
+                    record.unfrozen = [p for name, p in before.items() if name not in frozen_now]
+                setup.frozen_names[index] = frozen_now
                 if self.behaviour is not None:
                     self._guarded("behaviour checks", self.behaviour.parameters_changed)
             if not attach:

@@ -27,10 +27,16 @@ class _ReportOnce(Rule):
 
 class FrozenInOptimizerRule(_ReportOnce):
     id = "frozen_in_optimizer"
-    reads = "frozen"
+    reads = None  # the frozen parameters, and those unfrozen (a step without either: no work)
+
+    def __init__(self, config: RuleConfig) -> None:
+        super().__init__(config)
+        self._undone: set[tuple[int | None, str]] = set()  # told as unfrozen since
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
-        alerts = []
+        if not record.frozen:
+            return self._unfrozen(record) if record.unfrozen else []
+        alerts = self._unfrozen(record) if record.unfrozen else []
         for owner, params in self.new_owners(record.optimizer, record.frozen).items():
             trainable = record.trainable_by_module.get(owner, 0)
             alerts.append(
@@ -41,15 +47,45 @@ class FrozenInOptimizerRule(_ReportOnce):
                     f"requires_grad=False ({short_names(params)}) sit in optimizer "
                     f"{record.optimizer}'s param groups, beside {trainable} trainable "
                     f"one{'s' if trainable != 1 else ''} of this module",
-                    "this layer will never be updated: a freeze for warm-up or "
-                    "fine-tuning that was never undone? Set requires_grad=True, or "
-                    "build the optimizer from the parameters you mean to train.",
+                    "this layer is not updated while it stays frozen: a freeze for "
+                    "warm-up or fine-tuning that is never undone? Set requires_grad=True, "
+                    "or build the optimizer from the parameters you mean to train. (A "
+                    "freeze undone later is told then, as a note.)",
                     {
                         "frozen": len(params),
                         "trainable": trainable,
                         "parameters": [p.name for p in params],
                         "optimizer": record.optimizer,
                     },
+                )
+            )
+        return alerts
+
+    def _unfrozen(self, record: StepRecord) -> list[Alert]:
+        """A module told of, whose frozen parameters all train now: a warm-up freeze
+        undone, told as a note beside the warning."""
+        still = {p.owner for p in record.frozen}
+        alerts = []
+        for owner, params in by_owner(record.unfrozen).items():
+            key = (record.optimizer, owner)
+            if key not in self._reported or owner in still or key in self._undone:
+                continue
+            self._undone.add(key)
+            alerts.append(
+                self.alert(
+                    record.step,
+                    owner,
+                    f"{short_names(params)} in optimizer {record.optimizer}'s param groups "
+                    f"train again from step {record.step} (requires_grad=True): the freeze "
+                    "told of earlier was undone",
+                    "nothing to do: a freeze for warm-up or fine-tuning, ended as planned",
+                    {
+                        "kind": "unfrozen",
+                        "finding": "unfrozen",
+                        "parameters": [p.name for p in params],
+                        "optimizer": record.optimizer,
+                    },
+                    severity="info",
                 )
             )
         return alerts
