@@ -406,6 +406,8 @@ class AutoWatch:
         pass (not by a heap search between steps)."""
         if getattr(module, "_is_replica", False):
             return  # a DataParallel replica: its original is the model
+        if isinstance(module, torch.jit.ScriptModule):
+            return  # TorchScript takes no hooks: not watchable (tw.watch says so)
         params = list(module.parameters())
         if not params:
             return  # a loss module

@@ -8,6 +8,7 @@ under a stable name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,7 +92,7 @@ class LayerMap:
         is set. One pass over the parameters: called only when a step
         looks wrong (gradients missing, an optimizer that holds none of them).
         """
-        return any(table.get(key) is not param for table, key, param in self._slots)
+        return any(_held(table, key) is not param for table, key, param in self._slots)
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return id(param) in self._info
@@ -111,3 +112,11 @@ class LayerMap:
         """Names a parameter; one the model does not own gets a stable placeholder."""
         found = self._info.get(id(param)) or self._departed.get(id(param))
         return found if found is not None else self._outside(param, None)
+
+
+def _held(table: Any, key: str) -> Any:
+    """``table[key]`` or None; a TorchScript submodule's table has no ``get``."""
+    try:
+        return table[key]
+    except (KeyError, RuntimeError):
+        return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -25,6 +26,11 @@ def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
     """Refuse a model or optimizers that cannot be watched; returns the model's layers."""
     if not isinstance(model, nn.Module):
         raise WatchError(f"tw.watch expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise WatchError(
+            f"{type(model).__name__} is a TorchScript module, which takes no hooks: watch "
+            "the eager module before torch.jit.script (or use torch.compile)"
+        )
     for opt in optimizers:
         check_optimizer(opt)
     layers = LayerMap(unwrap(model))

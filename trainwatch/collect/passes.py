@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from trainwatch.collect import quiet
@@ -154,6 +155,8 @@ class ModelPasses:
             if module is None:
                 continue
             for child in unwrap(module).children():
+                if isinstance(child, torch.jit.ScriptModule):
+                    continue  # TorchScript takes no hooks
                 if not self.hooks(child) and next(child.parameters(), None) is not None:
                     self.hook(child)
                     added += 1
