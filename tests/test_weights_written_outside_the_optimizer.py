@@ -129,3 +129,26 @@ def test_a_hand_written_update_then_a_write_is_the_write(quiet_watch):
                 p -= 0.01 * p.grad
         monitor.step()
     assert _found(monitor)[0] == ("nonfinite_parameter", 30, "2", "written")
+
+
+def test_lbfgs_blowing_its_weights_up_inside_its_step_is_the_update(quiet_watch):
+    """LBFGS updates and re-runs the model inside step(): the counters move there by
+    the optimizer's own doing."""
+    torch.manual_seed(0)
+    x = torch.linspace(-3, 3, 256).unsqueeze(1)
+    y = torch.sin(2 * x) + 0.3 * x
+    model = nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=50.0, max_iter=5, history_size=10)
+    monitor = quiet_watch(model, opt)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(6):
+        opt.step(closure)
+    found = [a for a in monitor.alerts if a.rule == "nonfinite_parameter"]
+    assert found and all((a.data or {}).get("cause") != "written" for a in found)
+    assert "optimizer step" in found[0].message

@@ -481,6 +481,9 @@ class Monitor:
         if closure is not None:
             # LBFGS & co compute gradients inside step(): gather them after it.
             self._pending.pop(index, None)
+            # Their updates and forwards interleave inside step(): a weight's
+            # version counter then moves between passes by the optimizer's doing.
+            self._pipeline.forget_update()
             return
         if "step collector" in self._disabled:
             return

@@ -212,6 +212,7 @@ class StepPipeline:
             )
             self.probe.attach(root)
             self.probe.on_new_pass = weak_callback(self._on_new_pass)
+            self.probe.on_nograd_finding = weak_callback(self._nograd_finding)
             self.probe.passes_worth_a_look = config.amp_skipped_steps.patience
             self.passes.subscribe("non-finite probe", self.probe)
         self.judge = NonfiniteJudge(self.probe.names if self.probe else [])
@@ -405,6 +406,26 @@ class StepPipeline:
             for group in opt.param_groups
             if isinstance(group.get("lr"), (int, float))
         ]
+
+    def forget_update(self) -> None:
+        """A step whose updates and passes interleave (a closure optimizer) begins:
+        where the last update left the weights no longer says who wrote them."""
+        if self.probe is not None:
+            self.probe.updated = None
+
+    def _nograd_finding(self) -> None:
+        """A pass without gradients met a NaN/Inf in a model with no steps of its own
+        (an EMA copy, a target network run under no_grad): no step boundary of its
+        will come to report it, so it is reported now, dated by the step the
+        process's training is in. A model that trains waits for its boundary."""
+        if self._optimizers or self._step_count() or self.tracker.backward_seen:
+            return
+        step = max(self._step_count(), PROCESS_STEPS.now)
+        self.probe.mark_weights_written()
+        alerts = self._guarded("step collector", self.unfinished_alerts, step)
+        if alerts:
+            # Inside the model's forward: a halt waits for a boundary or flush().
+            self._dispatcher.publish(alerts, may_halt=False)
 
     def _on_new_pass(self) -> None:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""

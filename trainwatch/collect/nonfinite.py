@@ -267,6 +267,8 @@ class NonfiniteProbe:
         self.trace_ops = trace_ops
         self._on_error = on_error
         self.on_new_pass: Any = None
+        # Told when a pass without gradients met a NaN/Inf (its verdict taken on the spot).
+        self.on_nograd_finding: Any = None
         self._pass_seq = 0  # passes awaiting a backward, counted
         # During a backward replay: the node that made its first NaN/Inf, once seen.
         self._backward_watch: FirstNonfiniteBackward | None = None
@@ -288,6 +290,13 @@ class NonfiniteProbe:
         # then (set at every step boundary: one C loop).
         self.updated: tuple[list[torch.Tensor], list[int]] | None = None
         self.reset()
+
+    def mark_weights_written(self) -> None:
+        """The model takes no update of its own (an EMA copy): non-finite weights its
+        pass met were written by the training code."""
+        origin = self._this_step.forward_origin
+        if origin is not None and origin.weights_nonfinite:
+            origin.weights_written = True
 
     def written_since_update(self, params: list[torch.Tensor]) -> bool | None:
         """Whether any of ``params`` was written in place since the last update was
@@ -344,6 +353,13 @@ class NonfiniteProbe:
             return
         if self.on_the_spot and not self._recomputing:
             self._end_spot_pass(module, args, kwargs, output)
+            if (
+                self.on_nograd_finding is not None
+                and not torch.is_grad_enabled()
+                and not self.at_step
+                and self.found_in_step()
+            ):
+                self.on_nograd_finding()  # no backward will follow this pass
 
     def find_device(self, model: nn.Module) -> None:
         """Keep a parameter to tell where the model runs (CPU: checks on the spot).

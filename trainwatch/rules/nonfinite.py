@@ -297,12 +297,12 @@ class NonfiniteParameterRule(Rule):
                 self.alert(
                     step,
                     owner,
-                    f"{short_names(params)} became non-finite after the last optimizer "
-                    f"update, written in place by the training code before step {step}'s "
-                    "forward, not by the update",
-                    "look at what writes into the weights between optimizer.step() and "
-                    "the forward: a clamp or weight constraint, a checkpoint or state_dict "
-                    "loaded, a copy from another model",
+                    f"{short_names(params)} became non-finite before step {step}'s "
+                    "forward, written in place by the training code, not by an "
+                    "optimizer's update",
+                    "look at what writes into the weights outside optimizer.step(): an EMA "
+                    "or momentum update, a clamp or weight constraint, a checkpoint or "
+                    "state_dict loaded, a copy from another model",
                     {
                         "parameters": [p.name for p in params],
                         "optimizer": record.optimizer,
