@@ -296,3 +296,56 @@ def test_control_a_head_zeroed_inside_the_model_is_still_a_warning(quiet_watch):
     assert [(a.severity, a.module, a.data["kind"]) for a in found] == [
         ("warning", "reg_head", "zero")
     ]
+
+
+class _BoxHead(nn.Module):
+    """A detector's shape: class logits and boxes, both returned every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 32)
+        self.cls = nn.Linear(32, 3)
+        self.box = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor):
+        h = torch.relu(self.body(x))
+        return self.cls(h), self.box(h)
+
+
+def _detector_run(quiet_watch, box_loss_on, steps: int) -> list[tuple[str, str, int]]:
+    """The box loss is added only on the steps ``box_loss_on`` allows (a batch with
+    a positive box)."""
+    torch.manual_seed(0)
+    model = _BoxHead()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(steps):
+        x = torch.randn(16, 8)
+        logits, boxes = model(x)
+        loss = nn.functional.cross_entropy(logits, torch.randint(0, 3, (16,)))
+        if box_loss_on(step):
+            loss = loss + nn.functional.smooth_l1_loss(boxes, x[:, :4])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [(a.rule, a.severity, a.step) for a in monitor.alerts if a.module == "box"]
+
+
+def test_a_box_loss_skipped_on_batches_without_positives_is_no_cut(quiet_watch):
+    found = _detector_run(quiet_watch, lambda step: not 5 <= step < 12, 40)
+    assert found == [("unused_parameter", "info", 5)]
+
+
+def test_a_box_loss_missing_on_the_first_batches_is_no_cut(quiet_watch):
+    found = _detector_run(quiet_watch, lambda step: step >= 4, 40)
+    assert found == [("unused_parameter", "info", 4)]
+
+
+def test_control_a_box_loss_dropped_for_good_is_still_found(quiet_watch):
+    found = _detector_run(quiet_watch, lambda step: step < 10, 70)
+    assert ("zero_gradient", "warning", 10) in found
+
+
+def test_control_a_box_loss_never_added_is_still_found_early(quiet_watch):
+    found = _detector_run(quiet_watch, lambda step: False, 20)
+    assert found == [("zero_gradient", "warning", 0)]

@@ -196,6 +196,9 @@ class StepRecord:
     # Output positions of the model's last pass whose entering gradient was exactly
     # zero while another's was not (a task weighted by 0), when some gradient was.
     silent_outputs: list[int] = field(default_factory=list)
+    # Output positions the step's last backward never reached while it reached
+    # another (an output the loss left out), when some gradient was missing.
+    unreached_outputs: list[int] = field(default_factory=list)
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # With not_optimized: its optimizer never stepped while the process took this many

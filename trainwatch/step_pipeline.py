@@ -530,6 +530,10 @@ class StepPipeline:
         if record.missing:
             # Parameters without a gradient: under DDP the next iteration fails.
             record.never_called = self._calls.never_called()
+            if self.probe is not None:
+                # Was some output of the model left out of the loss this step?
+                unreached = self._guarded("zero signal", self.probe.outputs_unreached)
+                record.unreached_outputs = unreached or []
             record.distributed = runs_distributed(self.model)
             if step_calls is not None and not attach:
                 self._guarded("step calls", self._follow_calls, index, record)

@@ -617,6 +617,14 @@ class NonfiniteProbe:
                 zero.append(position)
         return zero if sent else []
 
+    def outputs_unreached(self) -> list[int]:
+        """The output positions (of those needing a gradient) that the step's last
+        backward never reached, where it reached another: an output the loss left
+        out on this step. Host-side only (no read of any tensor)."""
+        entering = self._this_pass.grad_entering
+        unreached = [position for position, g in enumerate(entering) if g is None]
+        return unreached if len(unreached) < len(entering) else []
+
     def _entering_flag(self) -> torch.Tensor | float:
         """Whether the gradient that entered the model in the last backward was non-finite:
         a device flag when verdicts wait for the step, else a host float."""

@@ -87,6 +87,12 @@ _NOT_YET_RAN = 10
 # mixture, a block of a ModuleList): a router that starts collapsed sends some
 # experts no token for many steps, then balances.
 _SIBLINGS_RAN = 100
+# Steps without a gradient a parameter that had gradients before is given while
+# some output of the model is left out of the loss: a loss term added only on
+# batches with targets for it (a box loss skipped when a batch has no positive
+# box) leaves its head without one now and then (unused_parameter notes that at
+# once). A layer cut off inside the model (every output still reached) is not.
+_USED_BEFORE = 50
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
 _NO_SIGNAL_HINT = (
@@ -122,6 +128,12 @@ class ZeroGradientRule(Rule):
         # Steps in a row where the loss sent no gradient into the model (from when).
         self._no_signal: tuple[int, int] | None = None
         self._no_signal_told = False
+        # Parameters seen with a gradient, updated once per new layout of a step's
+        # gradients (ids of the layouts seen: a C lookup per step).
+        self._had_gradient: set[str] = set()
+        self._layouts_seen: set[int] = set()
+
+    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen"}  # ids: this process's only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -142,6 +154,10 @@ class ZeroGradientRule(Rule):
         # is unused_parameter's finding, made at once already.
         if self._first_step is None:
             self._first_step = record.step
+        layout = record.layout
+        if layout is not None and id(layout) not in self._layouts_seen:
+            self._layouts_seen.add(id(layout))
+            self._had_gradient.update(info.name for info in record.present)
         if record.no_signal:
             # Every gradient zero because the gradient entering the model was: a
             # margin or hinge loss every sample satisfies, a batch whose every
@@ -199,6 +215,12 @@ class ZeroGradientRule(Rule):
                     if ran is None:
                         ran = _ran(record)
                     needed += _SIBLINGS_RAN if _siblings_ran(info.owner, ran) else _NOT_YET_RAN
+            if kind == "none" and record.unreached_outputs and not at_once:
+                # An output of the model is left out of the loss now: a loss term
+                # added only on some batches, if these trained before; if not, the
+                # first batches may simply have had no targets for it yet.
+                trained = info.name in self._had_gradient
+                needed = max(needed, _USED_BEFORE if trained else needed + _NOT_YET_RAN)
             if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
             if streak.count >= needed and not streak.reported and not skipped:
