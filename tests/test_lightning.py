@@ -117,8 +117,10 @@ def test_alerts_go_to_the_loggers_tensorboard_and_its_log_dir(tmp_path):
     events = EventAccumulator(str(events_file), size_guidance={"tensors": 0})
     events.Reload()
     assert metadata.norm_tag("head") in events.Tags()["scalars"]
+    # The layers' summary at step 0, and the alert dated step 0 (told once the
+    # first boundaries showed nothing moves the frozen layer by hand).
     steps = [e.step for e in events.Tensors(metadata.ALERTS_TAG)]
-    assert steps == [0]
+    assert set(steps) == {0}
 
 
 class _DiskWitness(io.StringIO):

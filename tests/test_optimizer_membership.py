@@ -13,11 +13,13 @@ from tests.conftest import rules_of, train
 from trainwatch.runner import run_script
 
 
-def test_frozen_layer_inside_optimizer_is_reported_at_attach(model, quiet_watch):
+def test_frozen_layer_inside_optimizer_is_reported_dated_at_attach(model, quiet_watch):
     for p in model.fc2.parameters():
         p.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     monitor = quiet_watch(model, opt)
+    # Told once the first step boundaries have shown nothing moves it by hand.
+    train(model, opt, 2)
     (alert,) = monitor.alerts
     assert (alert.rule, alert.module, alert.step) == ("frozen_in_optimizer", "fc2", 0)
     assert alert.data["frozen"] == 2 and alert.data["trainable"] == 0
@@ -33,7 +35,7 @@ def test_layer_frozen_mid_training_is_reported_at_that_step(model, quiet_watch):
         if step == 3:
             model.head.weight.requires_grad_(False)
 
-    train(model, opt, 6, before_step=freeze)
+    train(model, opt, 8, before_step=freeze)
     frozen = [a for a in monitor.alerts if a.rule == "frozen_in_optimizer"]
     assert [(a.module, a.step) for a in frozen] == [("head", 3)]
     assert frozen[0].data == {
@@ -51,7 +53,7 @@ def test_param_group_added_later_is_checked(model, quiet_watch):
     monitor = quiet_watch(model, opt)
     train(model, opt, 2)
     opt.add_param_group({"params": list(model.head.parameters())})
-    train(model, opt, 1)
+    train(model, opt, 3)
     assert [(a.rule, a.module, a.step) for a in monitor.alerts] == [
         ("frozen_in_optimizer", "head", 2)
     ]
@@ -175,3 +177,53 @@ def test_a_warm_up_freeze_undone_later_is_told_as_undone():
 
 def test_control_a_freeze_never_undone_has_no_note():
     assert _frozen_then(unfreeze_at=None) == [("frozen_in_optimizer", "warning", 0, "0")]
+
+
+class _MoCo(nn.Module):
+    """MoCo's own recipe: the momentum (key) encoder lives in the model, frozen, and
+    the optimizer is built from ``model.parameters()``; the loop moves it by hand."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.encoder_q = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.encoder_k = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.encoder_k.load_state_dict(self.encoder_q.state_dict())
+        for p in self.encoder_k.parameters():
+            p.requires_grad = False
+        self.how = how
+
+    @torch.no_grad()
+    def _momentum_update(self, m: float = 0.99) -> None:
+        for q, k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            if self.how == "data":
+                k.data = k.data * m + q.data * (1.0 - m)  # as MoCo's code writes it
+            elif self.how == "lerp":
+                k.lerp_(q, 1.0 - m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = nn.functional.normalize(self.encoder_q(x), dim=1)
+        self._momentum_update()
+        with torch.no_grad():
+            k = nn.functional.normalize(self.encoder_k(x + 0.1 * torch.randn_like(x)), dim=1)
+        return (q * k).sum(1)
+
+
+@pytest.mark.parametrize("how", ["data", "lerp", "never"])
+def test_a_momentum_encoder_moved_by_hand_is_no_forgotten_freeze(quiet_watch, how):
+    torch.manual_seed(0)
+    model = _MoCo(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    monitor = quiet_watch(model, opt)
+    for _ in range(10):
+        loss = -model(torch.randn(16, 8)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    found = {(a.rule, a.module, a.step) for a in monitor.alerts if a.rule == "frozen_in_optimizer"}
+    if how == "never":  # control: frozen and never moved, a forgotten freeze
+        assert found == {
+            ("frozen_in_optimizer", "encoder_k.0", 0),
+            ("frozen_in_optimizer", "encoder_k.2", 0),
+        }
+    else:
+        assert found == set()

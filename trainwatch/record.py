@@ -181,6 +181,10 @@ class StepRecord:
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)
+    # The frozen ones still watched for moves by hand (their verdict waits), and
+    # those found moved by the training code (a momentum encoder): not forgotten.
+    frozen_pending: bool = False
+    frozen_moved: frozenset[str] = frozenset()
     # Parameters of the optimizer frozen at its last setup change, trainable now.
     unfrozen: list[ParamInfo] = field(default_factory=list)
     # Without an optimizer: how many of the model's parameters are frozen.

@@ -28,6 +28,7 @@ from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
+from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.idle_optimizer import IdleOptimizer
@@ -191,6 +192,7 @@ class StepPipeline:
         # step before this one is often another optimizer's.
         self._applied_at: dict[int | None, int] = {}
         self._hand_updates = HandUpdates()
+        self._frozen_moves = FrozenMoves()
         self.structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker(step_count)
@@ -541,6 +543,15 @@ class StepPipeline:
             self._missing_before[index] = _NONE_MISSING
         info = self.layers.info
         if record.frozen:
+            # Moved by the training code (a momentum encoder)? Watched over the
+            # first boundaries only; decided, a dict lookup.
+            moved = self._guarded(
+                "frozen moves", self._frozen_moves.look, index, params, record.frozen
+            )
+            if moved is None:
+                record.frozen_pending = True
+            else:
+                record.frozen_moved = moved
             for param in params:
                 if param.requires_grad:
                     owner = info(param).owner
@@ -819,6 +830,8 @@ class StepPipeline:
             source="attach",
             optimizer=index,
             frozen=frozen,
+            frozen_pending=pending.record.frozen_pending,
+            frozen_moved=pending.record.frozen_moved,
             trainable_by_module=pending.record.trainable_by_module,
             restarted_layers=pending.record.restarted_layers,
         )

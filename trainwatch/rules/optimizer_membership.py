@@ -32,16 +32,26 @@ class FrozenInOptimizerRule(_ReportOnce):
     def __init__(self, config: RuleConfig) -> None:
         super().__init__(config)
         self._undone: set[tuple[int | None, str]] = set()  # told as unfrozen since
+        # Per (optimizer, module), the step its frozen parameters were first seen
+        # while their verdict waited (a few boundaries: moved by hand, or forgotten).
+        self._first_seen: dict[tuple[int | None, str], int] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.frozen:
             return self._unfrozen(record) if record.unfrozen else []
         alerts = self._unfrozen(record) if record.unfrozen else []
-        for owner, params in self.new_owners(record.optimizer, record.frozen).items():
+        if record.frozen_pending:
+            for owner in {p.owner for p in record.frozen}:
+                self._first_seen.setdefault((record.optimizer, owner), record.step)
+            return alerts
+        moved = record.frozen_moved
+        # Moved by the training code every step (a momentum encoder): not forgotten.
+        frozen = [p for p in record.frozen if p.name not in moved] if moved else record.frozen
+        for owner, params in self.new_owners(record.optimizer, frozen).items():
             trainable = record.trainable_by_module.get(owner, 0)
             alerts.append(
                 self.alert(
-                    record.step,
+                    self._first_seen.get((record.optimizer, owner), record.step),
                     owner,
                     f"{len(params)} parameter{'s' if len(params) != 1 else ''} with "
                     f"requires_grad=False ({short_names(params)}) sit in optimizer "
