@@ -87,3 +87,27 @@ def test_failing_sink_is_switched_off_and_reported_through_the_others(model):
     rules = [a.rule for a in monitor.alerts]
     assert rules == ["accumulated_gradient", "internal_error"]
     assert monitor.alerts[1].data["component"] == "broken sink (emit)"
+
+
+def test_a_failure_building_the_monitor_leaves_training_running_unwatched(model, monkeypatch):
+    """A model of a kind trainwatch mishandles must not kill the script at tw.watch:
+    every check goes off, the failure is told once, the loop trains on."""
+    from trainwatch.collect.nonfinite import NonfiniteProbe
+
+    def broken(self, model):
+        raise RuntimeError("cannot hook this parameter")
+
+    monkeypatch.setattr(NonfiniteProbe, "attach", broken)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        losses = train(model, opt, 5, zero_grad_until=2)
+    assert [(a.rule, a.data["component"]) for a in monitor.alerts] == [
+        ("internal_error", "monitor setup (every check is off)")
+    ]
+    assert "cannot hook this parameter" in monitor.alerts[0].message
+    assert monitor.step_count == 5 and len(losses) == 5
+
+
+def test_control_a_bad_argument_is_still_refused_at_once(model):
+    with pytest.raises(tw.WatchError, match="optimizer"):
+        tw.watch(model, "sgd", console=False)

@@ -8,6 +8,7 @@ share with this (the checks, the sinks) lives in modules of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import IO, Any
@@ -20,6 +21,7 @@ from trainwatch.config import Config, load_config
 from trainwatch.errors import WatchError
 from trainwatch.monitor import Monitor
 from trainwatch.preflight import preflight
+from trainwatch.rules import RULE_IDS
 from trainwatch.sinks import Sink, default_sinks
 
 
@@ -74,11 +76,45 @@ def watch(
             sinks = default_sinks(log_dir, cfg, console=console)
         except OSError as exc:
             raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
-    monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler, data=data)
+    try:
+        monitor = Monitor(model, optimizers, config=cfg, sinks=sinks, scaler=scaler, data=data)
+    except WatchError:
+        raise
+    except Exception as exc:  # trainwatch's own failure: training goes on, unwatched
+        monitor = _switched_off(model, optimizers, cfg, sinks, exc)
     if link is not None:
         store_relay.join(monitor, link, console)
     # A plain loop owns its process: SIGTERM closes the monitor before the
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.
     termination.hold(monitor)
+    return monitor
+
+
+def _switched_off(
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    cfg: Config,
+    sinks: list[Sink],
+    exc: Exception,
+) -> Monitor:
+    """A monitor with every rule off (no collector attached), reporting why, once.
+
+    Building the full monitor failed inside trainwatch (a model of a kind it
+    does not yet handle): the loop must not die of it. If even this fails, the
+    original error is raised.
+    """
+    off = dataclasses.replace(
+        cfg,
+        **{
+            name: dataclasses.replace(getattr(cfg, name), enabled=False)
+            for name in RULE_IDS
+            if hasattr(getattr(cfg, name, None), "enabled")
+        },
+    )
+    try:
+        monitor = Monitor(model, optimizers, config=off, sinks=sinks)
+    except Exception:
+        raise exc from None
+    monitor._internal_error("monitor setup (every check is off)", exc)
     return monitor
