@@ -199,6 +199,8 @@ class _MoCo(nn.Module):
                 k.data = k.data * m + q.data * (1.0 - m)  # as MoCo's code writes it
             elif self.how == "lerp":
                 k.lerp_(q, 1.0 - m)
+            elif self.how == "data_in_place":
+                k.data.mul_(m).add_(q.data, alpha=1.0 - m)  # DINO's idiom: no counter moves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = nn.functional.normalize(self.encoder_q(x), dim=1)
@@ -208,7 +210,7 @@ class _MoCo(nn.Module):
         return (q * k).sum(1)
 
 
-@pytest.mark.parametrize("how", ["data", "lerp", "never"])
+@pytest.mark.parametrize("how", ["data", "lerp", "data_in_place", "never"])
 def test_a_momentum_encoder_moved_by_hand_is_no_forgotten_freeze(quiet_watch, how):
     torch.manual_seed(0)
     model = _MoCo(how)

@@ -152,3 +152,28 @@ def test_lbfgs_blowing_its_weights_up_inside_its_step_is_the_update(quiet_watch)
     found = [a for a in monitor.alerts if a.rule == "nonfinite_parameter"]
     assert found and all((a.data or {}).get("cause") != "written" for a in found)
     assert "optimizer step" in found[0].message
+
+
+@pytest.mark.parametrize("write", ["assign", "data_in_place"])
+def test_a_weight_clamp_through_data_after_the_step(quiet_watch, write):
+    """WGAN's clamp, written the old way: ``p.data = ...`` gives a new storage (told as
+    written); ``p.data.clamp_()`` moves no counter, and the alert says it may be that."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+
+    def clamp(step: int) -> None:
+        if step == 30:
+            w = model[2].weight
+            if write == "assign":
+                w.data = w.data.clamp(min=float("inf"))
+            else:
+                w.data.clamp_(min=float("inf"))
+
+    _train(model, opt, before_forward=clamp)
+    found = _found(monitor)[0]
+    if write == "assign":
+        assert found == ("nonfinite_parameter", 30, "2", "written")
+    else:
+        assert found == ("nonfinite_parameter", 29, "2", None)
+        assert "written through .data" in monitor.alerts[0].message

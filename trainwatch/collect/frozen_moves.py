@@ -6,9 +6,10 @@ MoCo's own recipe keeps its momentum (key) encoder inside the model, frozen
 gradient), and the loop moves it by hand every step, ``param_k.data =
 m * param_k.data + (1 - m) * param_q.data``. That is no forgotten freeze. A
 parameter written that way gets a new storage (``.data =``) or a new version
-(an in-place ``lerp_``/``copy_``), so the storage and version counter of each
-frozen parameter are compared across the first step boundaries an optimizer
-holds it; a few boundaries decide, and from then on nothing is looked at.
+(an in-place ``lerp_``/``copy_``) or, written in place through ``.data``, new
+values only: the storage, version counter and float64 sum of each frozen parameter
+are compared across the first step boundaries an optimizer holds it; a few
+boundaries decide, and from then on nothing is looked at.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _Watch:
 
     def __init__(self) -> None:
         self.looks = 0
-        self.prints: dict[str, tuple[int, int, bool]] = {}
+        self.prints: dict[str, tuple[int, int, float, bool]] = {}
         self.moved: set[str] = set()
 
 
@@ -50,18 +51,31 @@ class FrozenMoves:
         if decided is not None:
             return decided
         watch = self._watching.setdefault(optimizer, _Watch())
-        frozen_params = [p for p in params if not p.requires_grad]
-        # (storage, version, whether the optimizer will apply a gradient to it:
-        # frozen since backward ran, it still holds one, and its move is the update's)
+        pairs = [
+            (info.name, p)
+            for info, p in zip(frozen, (p for p in params if not p.requires_grad))
+            if p.layout == torch.strided and p.numel()
+        ]
+        # Their sums too, in float64 (on these few boundaries only): a write
+        # through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``) moves
+        # neither the storage nor the parameter's own version counter, and a
+        # momentum step is small (a sum sees it where a norm's rounding may not).
+        with torch.no_grad():
+            norms = (
+                torch.stack([p.detach().sum(dtype=torch.float64) for _, p in pairs]).tolist()
+                if pairs
+                else []
+            )
+        # (storage, version, sum, whether the optimizer will apply a gradient to
+        # it: frozen since backward ran, it still holds one, and its move is the update's)
         prints = {
-            info.name: (p.data_ptr(), p._version, p.grad is not None)
-            for info, p in zip(frozen, frozen_params)
-            if p.layout == torch.strided
+            name: (p.data_ptr(), p._version, norm, p.grad is not None)
+            for (name, p), norm in zip(pairs, norms)
         }
         before = watch.prints
-        for name, (ptr, version, _) in prints.items():
+        for name, now in prints.items():
             seen = before.get(name)
-            if seen is not None and not seen[2] and (seen[0], seen[1]) != (ptr, version):
+            if seen is not None and not seen[3] and seen[:3] != now[:3]:
                 watch.moved.add(name)
         watch.prints = prints
         watch.looks += 1

@@ -286,9 +286,9 @@ class NonfiniteProbe:
         # replays stop (a broken model would otherwise pay one every step).
         self._bad_streak = 0
         self._step_bad = False
-        # The parameters the last update applied to and their version counters
-        # then (set at every step boundary: one C loop).
-        self.updated: tuple[list[torch.Tensor], list[int]] | None = None
+        # The parameters the last update applied to, and their version counters
+        # and storages then (set at every step boundary: C loops).
+        self.updated: tuple[list[torch.Tensor], list[tuple[int, int]]] | None = None
         self.reset()
 
     def mark_weights_written(self) -> None:
@@ -304,8 +304,9 @@ class NonfiniteProbe:
 
         An optimizer's update moves a parameter's version counter, and so does
         every later in-place write (a clamp, ``load_state_dict``, a copy from
-        another model); a weight that went non-finite with its counter where the
-        update left it was made so by the update.
+        another model); ``param.data = ...`` gives it a new storage. A write in
+        place through ``.data`` moves neither: such a weight is taken for the
+        update's doing, and the alert says so.
         """
         updated = self.updated
         if updated is None:
@@ -314,7 +315,7 @@ class NonfiniteProbe:
         known = [p for p in params if id(p) in after_update]
         if not known:
             return None
-        return any(p._version != after_update[id(p)] for p in known)
+        return any((p._version, p.data_ptr()) != after_update[id(p)] for p in known)
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, model: nn.Module) -> None:

@@ -316,9 +316,11 @@ class NonfiniteParameterRule(Rule):
                 step,
                 owner,
                 f"{short_names(params)} became non-finite in the optimizer step "
-                f"{step} although its gradients were finite",
+                f"{step} although its gradients were finite (or were written through "
+                ".data after it, which no counter sees)",
                 "the update blew the weights up: lower the learning rate, clip gradients "
-                "(torch.nn.utils.clip_grad_norm_), or check the optimizer's eps/state",
+                "(torch.nn.utils.clip_grad_norm_), or check the optimizer's eps/state; "
+                "unless code after optimizer.step() writes into param.data (a clamp)",
                 {"parameters": [p.name for p in params], "optimizer": record.optimizer},
             )
             for owner, params in by_owner(record.nonfinite_params).items()
