@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from trainwatch.collect.tensors import local_part
 from trainwatch.layers import ParamInfo
 
 # Step boundaries (the attach counts as one) over which frozen parameters are
@@ -60,9 +61,12 @@ class FrozenMoves:
         # through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``) moves
         # neither the storage nor the parameter's own version counter, and a
         # momentum step is small (a sum sees it where a norm's rounding may not).
+        # A shard (FSDP2) is summed on this rank.
         with torch.no_grad():
             norms = (
-                torch.stack([p.detach().sum(dtype=torch.float64) for _, p in pairs]).tolist()
+                torch.stack(
+                    [local_part(p.detach()).sum(dtype=torch.float64) for _, p in pairs]
+                ).tolist()
                 if pairs
                 else []
             )
