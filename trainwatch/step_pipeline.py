@@ -72,10 +72,8 @@ _WRAPPER_SEARCHES = 3
 
 _PARAMS = itemgetter("params")  # a param group's parameters
 _GROUPS = attrgetter("param_groups")  # an optimizer's
-_VERSION = attrgetter("_version")
-_DATA_PTR = methodcaller(
-    "data_ptr"
-)  # a new storage: ``param.data = ...``  # a tensor's in-place write counter
+_VERSION = attrgetter("_version")  # a tensor's in-place write counter
+_DATA_PTR = methodcaller("data_ptr")  # its storage: new after ``param.data = ...``
 
 
 @dataclass(slots=True)
@@ -348,7 +346,7 @@ class StepPipeline:
         if self.probe is not None:
             # Where the update left the version counters: a weight written after
             # it (by the training code) is told from one the update blew up.
-            self.probe.updated = (params, list(zip(map(_VERSION, params), map(_DATA_PTR, params))))
+            self.probe.updated = (params, list(map(_VERSION, params)), list(map(_DATA_PTR, params)))
         if pending is None:
             return
         if self.idle is not None:  # the model trains: nothing more to watch for

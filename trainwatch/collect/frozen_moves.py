@@ -63,7 +63,7 @@ class FrozenMoves:
         # momentum step is small (a sum sees it where a norm's rounding may not).
         # A shard (FSDP2) is summed on this rank.
         with torch.no_grad():
-            norms = (
+            sums = (
                 torch.stack(
                     [local_part(p.detach()).sum(dtype=torch.float64) for _, p in pairs]
                 ).tolist()
@@ -73,8 +73,8 @@ class FrozenMoves:
         # (storage, version, sum, whether the optimizer will apply a gradient to
         # it: frozen since backward ran, it still holds one, and its move is the update's)
         prints = {
-            name: (p.data_ptr(), p._version, norm, p.grad is not None)
-            for (name, p), norm in zip(pairs, norms)
+            name: (p.data_ptr(), p._version, total, p.grad is not None)
+            for (name, p), total in zip(pairs, sums)
         }
         before = watch.prints
         for name, now in prints.items():

@@ -288,7 +288,7 @@ class NonfiniteProbe:
         self._step_bad = False
         # The parameters the last update applied to, and their version counters
         # and storages then (set at every step boundary: C loops).
-        self.updated: tuple[list[torch.Tensor], list[tuple[int, int]]] | None = None
+        self.updated: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         self.reset()
 
     def mark_weights_written(self) -> None:
@@ -311,7 +311,8 @@ class NonfiniteProbe:
         updated = self.updated
         if updated is None:
             return None
-        after_update = dict(zip(map(id, updated[0]), updated[1]))  # the rare path only
+        listed, versions, storages = updated
+        after_update = dict(zip(map(id, listed), zip(versions, storages)))  # the rare path only
         known = [p for p in params if id(p) in after_update]
         if not known:
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
@@ -93,6 +94,9 @@ _SIBLINGS_RAN = 100
 # box) leaves its head without one now and then (unused_parameter notes that at
 # once). A layer cut off inside the model (every output still reached) is not.
 _USED_BEFORE = 50
+# Layout ids remembered for that (bounded: a router's layouts may change every step).
+_LAYOUTS_KEPT = 64
+_NAME = attrgetter("name")
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
 _NO_SIGNAL_HINT = (
@@ -156,8 +160,10 @@ class ZeroGradientRule(Rule):
             self._first_step = record.step
         layout = record.layout
         if layout is not None and id(layout) not in self._layouts_seen:
+            if len(self._layouts_seen) >= _LAYOUTS_KEPT:
+                self._layouts_seen.clear()  # layouts that change every step (a router)
             self._layouts_seen.add(id(layout))
-            self._had_gradient.update(info.name for info in record.present)
+            self._had_gradient.update(map(_NAME, record.present))
         if record.no_signal:
             # Every gradient zero because the gradient entering the model was: a
             # margin or hinge loss every sample satisfies, a batch whose every
