@@ -24,6 +24,7 @@ from trainwatch.collect.op_trace import _null, swapped_buffers
 from trainwatch.collect.tensors import floating_tensors, local_part
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
+from trainwatch.rng import forked_rngs
 from trainwatch.whole_layers import fully_sharded
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class Replay:
         root = probe._modules[0]() if probe._modules else None
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         # The CUDA generators too: a replay's dropout must not move training's RNG.
-        self._stack.enter_context(torch.random.fork_rng(devices=probe.cuda_devices()))
+        self._stack.enter_context(forked_rngs(devices=probe.cuda_devices()))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one

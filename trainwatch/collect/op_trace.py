@@ -30,6 +30,7 @@ from trainwatch.collect.tensors import (
     tensor_leaves,
 )
 from trainwatch.compiled import eager
+from trainwatch.rng import forked_rngs
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -277,7 +278,7 @@ def _rerun(module: nn.Module, args: Any, kwargs: Any, tracer: _FirstNonfinite) -
     try:
         with (
             swapped_buffers(module),
-            torch.random.fork_rng(devices=sorted(set(devices))),
+            forked_rngs(devices=sorted(set(devices))),
             torch.no_grad(),
             quiet.replay(),
             eager(),

@@ -36,6 +36,7 @@ from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor
 from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
 from trainwatch.record import StallReport, StepRecord
+from trainwatch.rng import forked_rngs
 
 _NORM_STATS = nn.modules.batchnorm._NormBase
 
@@ -221,7 +222,7 @@ class FirstBatchProbe:
         try:
             with ExitStack() as stack:
                 stack.enter_context(swapped_buffers(module))
-                stack.enter_context(torch.random.fork_rng(devices=devices))
+                stack.enter_context(forked_rngs(devices=devices))
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(quiet.replay())
                 stack.enter_context(eager())
