@@ -198,17 +198,24 @@ class GradResetTracker:
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
+        # Frozen parameters too: one frozen when watching began (a GAN's
+        # discriminator while Lightning's toggle_optimizer trains the generator,
+        # a backbone unfrozen later) trains once unfrozen, and must be armed then.
         for param in params:
-            if id(param) in self._states or not param.requires_grad:
-                continue
-            self._states[id(param)] = _ParamState(param)
+            if id(param) not in self._states:
+                self._states[id(param)] = _ParamState(param)
         if self._fallback is None and self._states:
             # One tensor hook on one parameter, for backward passes that do not
             # come through a pass the hooks see (a model compiled in place): the
             # last parameter's gradient (the head's) is usually made first. A
-            # lazy module's parameter takes no hook before its first call.
+            # lazy module's parameter, or a frozen one, takes no hook.
             last = next(
-                (s.param for s in reversed(self._states.values()) if not is_lazy(s.param)), None
+                (
+                    s.param
+                    for s in reversed(self._states.values())
+                    if s.param.requires_grad and not is_lazy(s.param)
+                ),
+                None,
             )
             if last is not None:
                 self._fallback = last.register_hook(self._starts)
