@@ -156,6 +156,9 @@ class TrainWatchCallback(Callback):
             )
             return
         self._reporter, self._monitor = reporter, monitor
+        if type(pl_module).forward is pl.LightningModule.forward:
+            # No forward of its own: every step calls its parts (self.net(x)).
+            _quietly(monitor.watch_parts)
         # A halt under DDP: every rank delivers its alerts to rank zero first.
         monitor.relayed = True
         monitor.before_halt.append(lambda: gather_to_zero(reporter))

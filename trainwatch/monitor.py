@@ -377,6 +377,16 @@ class Monitor:
         Returns a handle whose ``remove()`` stops it."""
         return self._pipeline.tracker.on_backward_end(callback)
 
+    def watch_parts(self) -> None:
+        """The model is only ever called through its parts (a LightningModule with no
+        ``forward`` of its own calls ``self.net(x)``): from now on each outermost call
+        of a child holding parameters is one of the model's passes.
+
+        Without this, parts are found after a training step whose gradients came
+        from no pass of the whole model; an evaluation run first (``trainer.validate``
+        before ``fit``) would be seen by no check."""
+        self._guarded("model passes", self._pipeline.passes.widen)
+
     def pass_started(self, module: nn.Module, args: Any) -> None:
         """``module``'s call, already begun, is one of the model's passes.
 

@@ -42,7 +42,7 @@ from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
 from trainwatch.collect.weights_moved import weights_fingerprint
-from trainwatch.compiled import is_wrapper, unwrap
+from trainwatch.compiled import is_wrapper, unwrap, user_name
 from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
@@ -90,6 +90,8 @@ class BehaviourWatch:
             else None
         )
         self._model_passes = 0  # since the last step boundary
+        # The model's parts by id, with their names: parts called on their own.
+        self._parts: dict[int, str] = {}
         # Whether the step in progress is one the sampler measures (and which step).
         self._due_step = -1
         self._due_now = False
@@ -156,20 +158,24 @@ class BehaviourWatch:
             # is built from just the same.
             inputs = self.passes.inputs if self.passes is not None else None
             self.broadcast.pass_starts(None if is_wrapper(module) else module, inputs)
-        if module is not model and unwrap(module) is not model:
-            return  # a part of the model called on its own
+        whole = module is model or unwrap(module) is model
+        if not whole and self._part_name(module) is None:
+            return
         self._model_passes += 1
         if self._structure.changed():
             self._rebuild()
-        modes = self.modes
-        if modes is not None and not modes.ordered:
-            if is_wrapper(module):
-                modes.ordered = True  # hooks added after compiling never fire
-            else:
-                modes.start_learning()
-        look = self.functional
-        if look is not None and not look.broken and not torch.is_grad_enabled():
-            self._look_for_functional_modes(module, look)
+        if whole:
+            # A part called on its own (``self.net(x)`` in a LightningModule) is
+            # checked like the model, but teaches nothing of the whole's call order.
+            modes = self.modes
+            if modes is not None and not modes.ordered:
+                if is_wrapper(module):
+                    modes.ordered = True  # hooks added after compiling never fire
+                else:
+                    modes.start_learning()
+            look = self.functional
+            if look is not None and not look.broken and not torch.is_grad_enabled():
+                self._look_for_functional_modes(module, look)
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
             step = self._step_of()
@@ -195,24 +201,29 @@ class BehaviourWatch:
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()
         grad = torch.is_grad_enabled()
+        part: tuple[str, nn.Module] | None = None
         if module is not model and unwrap(module) is not model:
-            if self.broadcast is not None:
-                self.broadcast.pass_ends(output, grad)
-            return
+            name = self._part_name(module)
+            if name is None:
+                if self.broadcast is not None:
+                    self.broadcast.pass_ends(output, grad)
+                return
+            part = (name, unwrap(module))
         sampler = self.sampler
         if sampler is not None and (sampler.active or sampler.handles or sampler.outputs):
             sampler.end_pass(module, args, output)
         modes = self.modes
         if modes is not None:
-            if modes.learning:
-                modes.stop_learning()
-            if self.functional is not None and self.functional.active:
-                found = self.functional.finish()
-                if found:
-                    self.modes.learn_functional(found)
+            if part is None:
+                if modes.learning:
+                    modes.stop_learning()
+                if self.functional is not None and self.functional.active:
+                    found = self.functional.finish()
+                    if found:
+                        self.modes.learn_functional(found)
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
-                    True, skip_dropout=self._config.eval_in_train_mode.mc_dropout
+                    True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
                 )
                 if report is not None:
                     step = self._step_of()
@@ -232,7 +243,7 @@ class BehaviourWatch:
             if grad and modes.in_frozen and not self._told_frozen and self.check_eval_pass:
                 self._frozen_in_training(modes)
             if grad and self.check_train_step and self.train_in_eval is None and modes.listed:
-                report = modes.in_mode(False)
+                report = modes.in_mode(False, part=part)
                 if report is not None:
                     for tensor in floating_tensors(output):
                         # Not on a leaf (a returned parameter): the hook would stay on it.
@@ -258,7 +269,25 @@ class BehaviourWatch:
         if self.modes is not None:
             self.modes.find_frozen_parts()
 
+    def _part_name(self, module: nn.Module) -> str | None:
+        """The name in the model of a part called on its own (None: not one of its parts).
+
+        Only modules the model's pass hooks watch come here: the model's
+        children, once a step's gradients came without a pass of the whole.
+        """
+        inner = unwrap(module)
+        name = self._parts.get(id(inner))
+        if name is None:
+            model = self._model()
+            if model is None:
+                return None
+            # One walk, when a part is first met (and after the tree changed).
+            self._parts = {id(sub): user_name(raw) for raw, sub in model.named_modules()}
+            name = self._parts.get(id(inner))
+        return name
+
     def _rebuild(self) -> None:
+        self._parts = {}
         model = self._model()
         if model is None:
             return

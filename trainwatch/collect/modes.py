@@ -90,6 +90,9 @@ class ModeWatch:
         self.ordered = False
         self.learning = HookGroup()  # the one-pass pre-hooks that learn the order
         self._calls: list[int] = []  # indices into listed, in the order called
+        # Per part of the model called on its own, its share of ``listed`` (made
+        # at its first pass; dropped whenever ``listed`` changes).
+        self._parts: dict[str, list[Listed]] = {}
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
@@ -100,6 +103,7 @@ class ModeWatch:
         self.stop_learning(apply=False)
         model = self._root()
         self.listed = []
+        self._parts = {}
         self.ordered = False
         if model is None:
             return
@@ -179,6 +183,7 @@ class ModeWatch:
             listed.add(id(item.ref()))
             self._functional.append(item)
             self.listed.append(item)
+            self._parts = {}
             added = True
         if added:
             self.stop_learning(apply=False)
@@ -186,6 +191,12 @@ class ModeWatch:
 
     def __len__(self) -> int:
         return len(self.listed)
+
+    def _listed_in(self, part: str) -> list[Listed]:
+        found = self._parts.get(part)
+        if found is None:
+            found = self._parts[part] = [item for item in self.listed if _inside(item.name, part)]
+        return found
 
     # -- call order ------------------------------------------------------------
     def start_learning(self) -> None:
@@ -216,6 +227,7 @@ class ModeWatch:
         called = set(calls)
         rest = [i for i in range(len(self.listed)) if i not in called]
         self.listed = [self.listed[i] for i in [*calls, *rest]]
+        self._parts = {}
         self.ordered = True
 
     def fail(self, exc: BaseException) -> None:
@@ -226,19 +238,29 @@ class ModeWatch:
             self._on_error("mode call order", exc)
 
     # -- the check -------------------------------------------------------------
-    def in_mode(self, training: bool, skip_dropout: bool = False) -> ModeReport | None:
-        """The mode-dependent modules whose ``.training`` equals ``training``, in call order."""
+    def in_mode(
+        self,
+        training: bool,
+        skip_dropout: bool = False,
+        part: tuple[str, nn.Module] | None = None,
+    ) -> ModeReport | None:
+        """The mode-dependent modules whose ``.training`` equals ``training``, in call order.
+
+        ``part``: (its name, itself) for a pass of one part of the model called on
+        its own (``self.net(x)`` in a LightningModule): only that part's modules.
+        """
+        listed = self.listed if part is None else self._listed_in(part[0])
         try:
             # The usual pass, where no module is in that mode: told in C loops,
             # with no Python per module (a GPT-2 has 37 dropouts).
-            if training not in map(_TRAINING, map(_DEREF, map(_REF, self.listed))):
+            if training not in map(_TRAINING, map(_DEREF, map(_REF, listed))):
                 return None
         except AttributeError:
             pass  # a module gone (its reference dead): the loop below skips it
         names: list[str] = []
         kinds: list[str] = []
         found_kinds: list[str] = []
-        for name, kind, label, ref in self.listed:
+        for name, kind, label, ref in listed:
             module = ref()
             if module is None or module.training != training:
                 continue
@@ -255,8 +277,9 @@ class ModeWatch:
         if not names:
             return None
         root = self._root()
-        whole = root is not None and root.training == training
-        report = ModeReport(names, kinds, whole, len(self.listed))
+        ran = root if part is None else part[1]
+        whole = ran is not None and ran.training == training
+        report = ModeReport(names, kinds, whole, len(listed))
         if not training and root is not None and any(k != "norm" for k in found_kinds):
             # Only where it can matter: normalisation layers in eval are an idiom
             # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
