@@ -123,6 +123,7 @@ from torch import nn
 
 style, reset = sys.argv[1], sys.argv[2]
 accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+clip = len(sys.argv) > 4 and sys.argv[4] == "clip"
 torch.manual_seed(0)
 model = nn.Sequential(
     nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
@@ -133,6 +134,8 @@ for update in range(4):
         x = torch.randn(8, 1, 6, 6)
         y = torch.randint(0, 3, (8,))
         (nn.functional.cross_entropy(model(x), y) / accumulate).backward()
+    if clip:  # rescales the gradients in place (word_language_model's loop)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     if style == "data_add":
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-lr)
@@ -148,6 +151,8 @@ for update in range(4):
             p.grad.zero_()
     elif reset == "model_zero_grad":
         model.zero_grad()
+    elif reset == "zero_grad_in_place":
+        model.zero_grad(set_to_none=False)
 print("done")
 """
 
@@ -210,6 +215,22 @@ def test_run_cnn_hand_written_update_without_reset_fires(tmp_path, _forget_netde
 @pytest.mark.parametrize("style", STYLES)
 def test_run_cnn_hand_written_update_with_a_reset_is_clean(tmp_path, _forget_netdef, style, reset):
     assert _run(tmp_path, CNN, style, reset) == []
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_run_cnn_clipped_hand_written_update_without_reset_fires(tmp_path, _forget_netdef, style):
+    """The clip rescales the used gradients in place after the step was marked at
+    backward's end: a moved version counter, yet nothing was reset."""
+    found = _run(tmp_path, CNN, style, "missing", "1", "clip")
+    assert [(a["rule"], a["step"]) for a in found] == [("accumulated_gradient", 2)]
+
+
+@pytest.mark.parametrize("reset", [*RESETS, "zero_grad_in_place"])
+@pytest.mark.parametrize("style", STYLES)
+def test_run_cnn_clipped_hand_written_update_with_a_reset_is_clean(
+    tmp_path, _forget_netdef, style, reset
+):
+    assert _run(tmp_path, CNN, style, reset, "1", "clip") == []
 
 
 @pytest.mark.parametrize("style", STYLES)

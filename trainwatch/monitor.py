@@ -535,7 +535,9 @@ class Monitor:
     def _manual_step(self) -> None:
         step = self._advance()
         pending = self._pipeline.gather(None, self._step)
-        self._pipeline.applied(step, pending, self._pipeline.layers.parameters(), False)
+        self._pipeline.applied(
+            step, pending, self._pipeline.layers.parameters(), False, self.steps_end_at_backward
+        )
         self._finish(step, pending)
 
     def _advance(self) -> int:

@@ -333,16 +333,23 @@ class StepPipeline:
         return listed
 
     def applied(
-        self, step: int, pending: PendingStep | None, params: list[torch.Tensor], whole: bool
+        self,
+        step: int,
+        pending: PendingStep | None,
+        params: list[torch.Tensor],
+        whole: bool,
+        at_backward_end: bool = False,
     ) -> None:
         """The optimizer (or the loop, without one) has applied ``step``'s update.
 
         The tracker starts watching the gradients just used for a reset
-        (``whole``: they are every parameter any step uses); the sampled
-        checks of the weights just updated are launched onto the step's frame.
+        (``whole``: they are every parameter any step uses; ``at_backward_end``:
+        the step was marked where backward ended, before the loop's clip and
+        update); the sampled checks of the weights just updated are launched
+        onto the step's frame.
         """
         if self.tracker.enabled:
-            self.tracker.arm(params, whole=whole)
+            self.tracker.arm(params, whole=whole, writes_may_follow=at_backward_end)
         if self.probe is not None:
             # Where the update left the version counters: a weight written after
             # it (by the training code) is told from one the update blew up.

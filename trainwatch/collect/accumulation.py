@@ -186,6 +186,10 @@ class GradResetTracker:
         # (a weak reference: a dropped output frees its graph, and the table).
         self._hooked_output: weakref.ref[OrderedDict[int, Any]] | None = None
         self._impls: list[int] | None = None  # the parameters' C++ tensors at the last arm
+        # Armed where backward ended (trainwatch run's hand-written updates): the
+        # loop may still clip the gradients in place before it uses them, so a
+        # moved version counter alone does not say they were reset.
+        self._writes_may_follow = False
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
         self._fallback: RemovableHandle | None = None
@@ -305,10 +309,13 @@ class GradResetTracker:
                 (state.grad_ref is not None and state.grad_ref() is grad)
                 or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
             )
-            if not same or grad._version != state.version:
+            if not same or (grad._version != state.version and not self._writes_may_follow):
                 state.reset = True
                 state.content = None
                 continue
+            # Unchanged since the step, or (armed at backward's end, before the
+            # loop's clip) written in place since: zeroed or only rescaled, its
+            # content, read below, tells.
             stale.append(state)
             if not state.accumulated:
                 state.accumulated = True
@@ -423,14 +430,19 @@ class GradResetTracker:
         state = self._states.get(id(param))
         return state is not None and state.seen
 
-    def arm(self, params: Sequence[torch.Tensor], whole: bool = False) -> None:
+    def arm(
+        self, params: Sequence[torch.Tensor], whole: bool = False, writes_may_follow: bool = False
+    ) -> None:
         """A step has just used these gradients: start watching for a reset.
 
         ``whole``: these are all the parameters any step uses (one optimizer),
         so the usual step (every gradient a plain tensor, no parameter
         swapped since) is kept as one snapshot instead of per-parameter writes.
+        ``writes_may_follow``: the step was marked at backward's end, before
+        the loop's own use of the gradients (a clip rescales them in place).
         """
         self.backward_seen = False
+        self._writes_may_follow = writes_may_follow
         self._any_accumulated = False
         self._hooked_output = None
         if not self.enabled:
