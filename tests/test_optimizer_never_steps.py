@@ -20,7 +20,9 @@ from trainwatch.collect.idle_optimizer import PATIENCE
 from trainwatch.runner import run_script
 
 
-def _two_models(step_disc: bool, disc_every: int = 1, steps: int = 60) -> list:
+def _two_models(
+    step_disc: bool, disc_every: int = 1, steps: int = 60, zero_first: bool = False
+) -> list:
     torch.manual_seed(0)
     features = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
     disc = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -32,9 +34,13 @@ def _two_models(step_disc: bool, disc_every: int = 1, steps: int = 60) -> list:
     ):
         for step in range(steps):
             x, domain = torch.randn(32, 8), torch.randint(0, 2, (32, 1)).float()
+            if zero_first:  # the tutorials' order: no gradient held as the pass starts
+                opt_f.zero_grad()
+                opt_d.zero_grad()
             loss = nn.functional.binary_cross_entropy_with_logits(disc(features(x)), domain)
-            opt_f.zero_grad()
-            opt_d.zero_grad()
+            if not zero_first:
+                opt_f.zero_grad()
+                opt_d.zero_grad()
             loss.backward()
             opt_f.step()
             if step_disc and step % disc_every == 0:
@@ -42,8 +48,11 @@ def _two_models(step_disc: bool, disc_every: int = 1, steps: int = 60) -> list:
     return disc_monitor.alerts
 
 
-def test_a_discriminator_whose_optimizer_never_steps_is_reported_once():
-    alerts = [a for a in _two_models(step_disc=False) if a.rule == "not_optimized"]
+@pytest.mark.parametrize("zero_first", [False, True], ids=["zero_after_forward", "zero_first"])
+def test_a_discriminator_whose_optimizer_never_steps_is_reported_once(zero_first):
+    alerts = [
+        a for a in _two_models(step_disc=False, zero_first=zero_first) if a.rule == "not_optimized"
+    ]
     assert len(alerts) == 1
     (alert,) = alerts
     assert alert.data["kind"] == "optimizer_never_steps"
@@ -52,8 +61,10 @@ def test_a_discriminator_whose_optimizer_never_steps_is_reported_once():
     assert alert.data["steps_elsewhere"] >= PATIENCE
 
 
-def test_a_discriminator_that_steps_is_silent():
-    assert [a.rule for a in _two_models(step_disc=True) if a.severity != "info"] == []
+@pytest.mark.parametrize("zero_first", [False, True], ids=["zero_after_forward", "zero_first"])
+def test_a_discriminator_that_steps_is_silent(zero_first):
+    alerts = _two_models(step_disc=True, zero_first=zero_first)
+    assert [a.rule for a in alerts if a.severity != "info"] == []
 
 
 def test_a_discriminator_stepped_every_fifth_iteration_is_silent():
@@ -199,3 +210,56 @@ def test_learned_loss_weights_in_the_optimizer_are_silent(tmp_path):
 
 def test_a_model_updated_by_hand_beside_an_optimizer_is_silent(tmp_path):
     assert _run_alerts(tmp_path, HAND_TRAINED_BESIDE) == []
+
+
+# -- one model, two optimizers: one of them never steps --------------------------------
+
+
+class _Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(500, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(index))
+
+
+def _recommender(sparse_every: int | None, steps: int = 60, frozen_emb: bool = False) -> list:
+    """A sparse embedding under SparseAdam beside a dense head under Adam (one model)."""
+    torch.manual_seed(0)
+    model = _Recommender()
+    if frozen_emb:
+        model.emb.requires_grad_(False)  # its optimizer is for a later phase
+    opt_sparse = torch.optim.SparseAdam(list(model.emb.parameters()), lr=1e-2)
+    opt_dense = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+    with tw.watch(model, [opt_sparse, opt_dense], console=False) as monitor:
+        for step in range(steps):
+            index = torch.randint(0, 500, (64,))
+            opt_sparse.zero_grad()
+            opt_dense.zero_grad()
+            nn.functional.mse_loss(model(index), (index % 7).float()[:, None]).backward()
+            opt_dense.step()
+            if sparse_every is not None and step % sparse_every == 0:
+                opt_sparse.step()
+    return monitor.alerts
+
+
+def test_one_of_a_models_optimizers_that_never_steps_is_reported_once():
+    alerts = [a for a in _recommender(sparse_every=None) if a.rule == "not_optimized"]
+    assert len(alerts) == 1
+    (alert,) = alerts
+    assert alert.module == "emb" and alert.step == PATIENCE
+    assert alert.data["kind"] == "optimizer_never_steps" and alert.data["optimizer"] == 0
+    assert alert.data["parameters"] == ["emb.weight"]
+
+
+@pytest.mark.parametrize("every", [1, 5], ids=["every_step", "every_fifth"])
+def test_a_models_optimizers_that_all_step_are_silent(every):
+    assert [a.rule for a in _recommender(sparse_every=every) if a.severity != "info"] == []
+
+
+def test_an_optimizer_kept_for_frozen_parameters_is_silent_on_that_count():
+    """Built ahead for a later phase: its parameters are frozen and hold no gradient."""
+    alerts = _recommender(sparse_every=None, frozen_emb=True)
+    assert not [a for a in alerts if a.data.get("kind") == "optimizer_never_steps"]

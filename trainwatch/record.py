@@ -208,6 +208,9 @@ class StepRecord:
     # With not_optimized: its optimizer never stepped while the process took this many
     # steps of other models (0: the parameters are in no optimizer at all).
     idle_steps: int = 0
+    # With idle_steps: the model's own optimizer (its index) that never stepped while
+    # its other optimizers took them (None: the model's only optimizers never did).
+    idle_optimizer: int | None = None
     # Parameters whose gradient still held the previous step's values when
     # backward added onto it, and how that was established.
     accumulated: list[ParamInfo] = field(default_factory=list)

@@ -31,6 +31,7 @@ from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
 from trainwatch.collect.idle_optimizer import IdleOptimizer
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
@@ -255,13 +256,18 @@ class StepPipeline:
         # until its first step.
         self.idle: IdleOptimizer | None = None
         if self._checks_not_optimized:
+            tracker = self.tracker
             self.idle = IdleOptimizer(
                 root,
                 optimizers,
                 steps_taken,
                 weak_callback(self._optimizer_idle),
+                lambda: tracker.backward_seen,
             )
             self.passes.subscribe("idle optimizer", self.idle)
+        # Per optimizer of the model's, the model's steps when it was first seen not
+        # stepping; one that never stepped while others of the model did is told once.
+        self._attached_at: dict[int, int] = {}
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self.parts = (
             self.passes,
@@ -360,6 +366,12 @@ class StepPipeline:
             self.passes.unsubscribe(self.idle)
             self.idle = None
         self._applied_at[pending.record.optimizer] = step
+        if (
+            len(self._applied_at) < len(self._optimizers) + (None in self._applied_at)
+            and self._checks_not_optimized
+        ):
+            # Some optimizer of the model's never stepped (usually none: a C compare).
+            self._guarded("idle optimizer", self._sibling_idle, step)
         every = self._parameter_every
         if every and step % every == 0:
             self._guarded("parameter check", self._check_parameters, pending, params)
@@ -475,6 +487,29 @@ class StepPipeline:
         record.not_optimized = [self.layers.info(p) for p in params if p in self.layers]
         record.idle_steps = steps
         self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _sibling_idle(self, step: int) -> None:
+        """One of the model's optimizers has not stepped once while its others took
+        :data:`IDLE_PATIENCE` steps, and its parameters hold gradients (a sparse
+        embedding's ``SparseAdam`` beside the dense ``Adam``, its ``step()`` forgotten)."""
+        taken = self._steps_taken()
+        for index in range(len(self._optimizers)):
+            if index in self._applied_at:
+                continue
+            since = self._attached_at.setdefault(index, taken)
+            if since < 0 or taken - since < IDLE_PATIENCE:
+                continue
+            params = [p for p in self.optimizer_params(index) if p.requires_grad]
+            held = [p for p in params if p.grad is not None]
+            if not held:
+                self._attached_at[index] = taken  # not trained now (a later phase's)
+                continue
+            self._attached_at[index] = -1  # told once
+            record = StepRecord(step=step, source="passes", optimizer=index)
+            record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
+            record.idle_steps = taken - since
+            record.idle_optimizer = index
+            self._dispatcher.publish(self.rules.evaluate(record))
 
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""

@@ -37,8 +37,12 @@ class IdleOptimizer:
         optimizers: list[Any],
         steps_taken: Callable[[], int],
         found: Callable[[int, list[nn.Parameter]], None],
+        backward_reached: Callable[[], bool] = lambda: False,
     ) -> None:
         self._model = model
+        # Whether some backward has reached the model since watching began (its
+        # optimizer never stepped, so nothing cleared it since).
+        self._backward_reached = backward_reached
         self._optimizers = optimizers  # the monitor's own list
         self._steps_taken = steps_taken
         self._found = found
@@ -53,10 +57,15 @@ class IdleOptimizer:
             or self._steps_taken()
         ):
             return
-        held = [p for p in self._model.parameters() if p.requires_grad and p.grad is not None]
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        held = [p for p in trainable if p.grad is not None]
         if not held:
-            self._since = PROCESS_STEPS.taken  # no backward reaches it (yet): wait again
-            return
+            if not self._backward_reached():
+                self._since = PROCESS_STEPS.taken  # no backward reaches it (yet): wait again
+                return
+            # Reset before this pass (zero_grad() first, as the tutorials order
+            # it): backward reached it all the same, its gradients are only gone.
+            held = trainable
         self.done = True
         self._found(PROCESS_STEPS.taken - self._since, held)
 

@@ -130,6 +130,8 @@ class NotOptimizedRule(_ReportOnce):
         owners = sorted({p.owner for p in params})
         if record.source == "manual":
             return [self._never_updated(record, params, owners)]
+        if record.idle_optimizer is not None:
+            return [self._sibling_never_steps(record, params, owners)]
         return [
             self.alert(
                 record.step,
@@ -149,6 +151,29 @@ class NotOptimizedRule(_ReportOnce):
                 },
             )
         ]
+
+    def _sibling_never_steps(
+        self, record: StepRecord, params: list[ParamInfo], owners: list[str]
+    ) -> Alert:
+        """One of the model's optimizers never stepped while its others did."""
+        index = record.idle_optimizer
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            f"optimizer {index} has not stepped once while this model's other optimizers "
+            f"took {record.idle_steps} steps, yet {len(params)} of its parameters "
+            f"({short_names(params)}) hold gradients: they are never updated",
+            f"is optimizer {index}'s step() missing (a sparse embedding's SparseAdam "
+            "beside the dense optimizer, one optimizer per part of the model)? If these "
+            "parameters are held fixed on purpose for now, freeze them "
+            "(requires_grad_(False)) so no gradient is computed or kept for them.",
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "optimizer": index,
+                "kind": "optimizer_never_steps",
+            },
+        )
 
     def _never_updated(
         self, record: StepRecord, params: list[ParamInfo], owners: list[str]
