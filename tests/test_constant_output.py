@@ -255,3 +255,42 @@ def test_a_collapse_deep_in_a_deep_model_is_still_found_in_turn(quiet_watch):
     found = {a.module: a for a in monitor.alerts if a.rule == "constant_output"}
     assert set(found) == {"16.fc"}  # the layers after it see a constant input: it explains them
     assert found["16.fc"].step >= 6
+
+
+class _ActNorm(nn.Module):
+    """A flow layer: its log-determinant is one number, expanded over the batch."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.randn(width) * 0.1)
+        self.logs = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x + self.loc) * self.logs.exp(), self.logs.sum().expand(x.shape[0])
+
+
+class _Flow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = _ActNorm(2)
+        self.net = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, logdet = self.norm(x)
+        return y + self.net(y), logdet
+
+
+def test_an_output_the_same_for_every_row_by_design_is_no_collapse(quiet_watch):
+    """Its spread is float rounding (about 1e-8 of its size) one step and 0 the next:
+    that largest spread is no variation a later 0 could have lost."""
+    torch.manual_seed(1)
+    model = _Flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    for _ in range(150):
+        z, logdet = model(torch.randn(64, 2) * 2 + 1)
+        loss = (0.5 * (z**2).sum(1) - logdet).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert rules_of(monitor) == []

@@ -83,10 +83,15 @@ class ConstantOutputRule(Rule):
         spread, in_spread = stats.out_spread, stats.in_spread
         assert spread is not None and in_spread is not None
         gain = spread / in_spread
-        state.max_spread = max(state.max_spread, spread)
+        # A spread within float rounding of the output's size is no variation: an
+        # output the same for every row by design (a flow layer's log-determinant,
+        # expanded over the batch) measures 1e-8 one step and 0 the next.
+        rounding = spread <= _EXACT * max(stats.out_rms or 0.0, 1e-30)
+        if not rounding:
+            state.max_spread = max(state.max_spread, spread)
         ratio = self.config.ratio
         if _model_output(stats):
-            if spread <= _EXACT * max(stats.out_rms or 0.0, 1e-30):
+            if rounding:
                 return True
             if step < self.config.warmup:
                 return False
