@@ -349,3 +349,56 @@ def test_control_a_box_loss_dropped_for_good_is_still_found(quiet_watch):
 def test_control_a_box_loss_never_added_is_still_found_early(quiet_watch):
     found = _detector_run(quiet_watch, lambda step: False, 20)
     assert found == [("zero_gradient", "warning", 0)]
+
+
+class _GuidedNet(nn.Module):
+    """Classifier-free guidance's shape: a learned null embedding, a bare parameter of
+    the model, stands in for the class embedding on the steps the labels are dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classes = nn.Embedding(4, 8)
+        self.null = nn.Parameter(torch.zeros(8))
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, drop: bool, cut: bool = False):
+        condition = self.classes(y)
+        if drop:
+            null = self.null.detach() if cut else self.null
+            condition = null.expand_as(condition)
+        return self.body(torch.cat([x, condition], 1))
+
+
+def _guided_run(quiet_watch, drop_on, cut_from: int | None = None, steps: int = 120):
+    torch.manual_seed(0)
+    model = _GuidedNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(steps):
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        cut = cut_from is not None and step >= cut_from
+        out = model(x, y, drop_on(step), cut)
+        loss = nn.functional.mse_loss(out.squeeze(-1), y.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [(a.rule, a.module, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+def test_a_null_embedding_used_on_some_steps_only_is_no_cut(quiet_watch):
+    """The whole batch drops its labels every eighth step: the null embedding goes
+    seven steps at a time without a gradient (unused_parameter notes it once)."""
+    assert _guided_run(quiet_watch, lambda step: step % 8 == 1) == []
+
+
+def test_control_a_null_embedding_cut_from_the_start_is_still_found_early(quiet_watch):
+    # Never trained: the usual patience (the model ran every step, read it or not).
+    found = _guided_run(quiet_watch, lambda step: step % 8 == 1, cut_from=0)
+    assert found == [("zero_gradient", "", 0)]
+
+
+def test_control_a_null_embedding_cut_for_good_later_is_still_found(quiet_watch):
+    # Trained, then cut: found once it outlasts the patience given to a part read
+    # on some steps only.
+    found = _guided_run(quiet_watch, lambda step: step % 2 == 1, cut_from=21)
+    assert found == [("zero_gradient", "", 20)]

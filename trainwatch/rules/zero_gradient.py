@@ -227,6 +227,16 @@ class ZeroGradientRule(Rule):
                 # first batches may simply have had no targets for it yet.
                 trained = info.name in self._had_gradient
                 needed = max(needed, _USED_BEFORE if trained else needed + _NOT_YET_RAN)
+            elif (
+                kind == "none"
+                and not at_once
+                and info.name in self._had_gradient
+                and _held_by_a_container(info, record)
+            ):
+                # A parameter of a module's own code (classifier-free guidance's
+                # null embedding, a learned token) that trained before: read on
+                # some steps only, as no call shows (its module runs every step).
+                needed = max(needed, _USED_BEFORE)
             if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
             if streak.count >= needed and not streak.reported and not skipped:
@@ -364,3 +374,15 @@ def _siblings_ran(owner: str, ran: frozenset[str]) -> list[str]:
         if found:
             return sorted(found)
         name = parent
+
+
+def _held_by_a_container(info: ParamInfo, record: StepRecord) -> bool:
+    """Whether ``info`` belongs to a module that holds other modules (a model's own
+    ``nn.Parameter``), which its forward may read on some steps only; a leaf
+    layer's parameters are read whenever it runs. Asked on the no-gradient path."""
+    owner = info.owner
+    prefix = owner + "." if owner else ""
+    return any(
+        other.owner != owner and other.owner.startswith(prefix)
+        for other in (*record.present, *record.missing)
+    )
