@@ -308,6 +308,11 @@ class StepPipeline:
         )
         for flag in flags:
             probe.note_skipped_pass(flag)
+        if window.forward_origin is not None or window.backward_origin is not None:
+            # Where the skipped step's NaN/Inf was born (a corrupt batch overflowing
+            # fp16), located before the scaler skipped it: told now, as no step
+            # boundary of its own will come.
+            self._dispatcher.publish(self._window_alerts(window, self._step_count()))
         self._on_new_pass()
 
     def _locate_if_off(self, norms: torch.Tensor | None) -> list[float] | None:
@@ -826,7 +831,10 @@ class StepPipeline:
             return []
         if probe.at_step:
             probe.settle(None)  # the waiting passes' one scalar, and a replay if bad
-        window = probe.take()
+        return self._window_alerts(probe.take(), step)
+
+    def _window_alerts(self, window: StepWindow, step: int) -> list[Alert]:
+        """What a window of passes no step boundary will judge found (read back now)."""
         values = {
             name: tensor.reshape(-1).float().tolist()
             for name in ("sums", "grad_sums", "skipped")
@@ -839,7 +847,7 @@ class StepPipeline:
             values,
             [],
             [],
-            probe.modules,
+            self.probe.modules if self.probe is not None else list,
             self._dispatcher.reported,
             self.layers.info,
         )
