@@ -12,7 +12,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
@@ -88,3 +93,73 @@ def test_trainwatch_run_reports_each_bug_at_lightnings_global_step(tmp_path, cap
         else:
             assert planted[case] == lightning_steps.PLANT_AT, case
             assert raised == [(EXPECTED[bug], planted[case])], case
+
+
+# -- runs that start past step 0: trainer.test() after fit(), a resumed fit --------------
+
+
+class _Net(L.LightningModule):
+    def __init__(self, frozen: bool = False, train_in_test: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 32)
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(32, 4)
+        if frozen:
+            self.fc2.requires_grad_(False)  # frozen, yet in the optimizer below
+        self.train_in_test = train_in_test
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def test_step(self, batch, index):
+        if self.train_in_test:
+            self.train()  # the bug: dropout on while testing
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _data() -> DataLoader:
+    data = TensorDataset(torch.randn(320, 16), torch.randint(0, 4, (320,)))
+    return DataLoader(data, batch_size=32, shuffle=True)
+
+
+def _trainer(root: Path, callbacks: list, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("bug", [True, False], ids=["train_in_test", "healthy"])
+def test_a_test_after_fit_dates_its_alerts_by_the_global_step(tmp_path, bug):
+    callback = TrainWatchCallback(console=False)
+    trainer = _trainer(tmp_path, [callback], max_steps=20, enable_checkpointing=False)
+    model = _Net(train_in_test=bug)
+    trainer.fit(model, _data())
+    trainer.test(model, _data(), verbose=False)
+    raised = [(a.rule, a.step) for a in callback.alerts if a.severity != "info"]
+    assert raised == ([("eval_in_train_mode", 20)] if bug else [])
+
+
+def test_a_fit_resumed_from_a_checkpoint_saved_without_the_callback_keeps_its_steps(tmp_path):
+    first = _trainer(
+        tmp_path, [ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)], max_epochs=1
+    )
+    first.fit(_Net(frozen=True), _data())
+    callback = TrainWatchCallback(console=False)
+    resumed = _trainer(tmp_path, [callback], max_epochs=2, enable_checkpointing=False)
+    resumed.fit(_Net(frozen=True), _data(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    raised = [(a.rule, a.step) for a in callback.alerts if a.severity != "info"]
+    assert raised == [("frozen_in_optimizer", 10)]  # one epoch of 10 batches before

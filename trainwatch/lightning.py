@@ -166,6 +166,10 @@ class TrainWatchCallback(Callback):
             # Before the optimizers: their attach audit must see what already fired.
             self._apply_state(self._restored)
             self._restored = None
+        elif step := _global_step(trainer):
+            # trainer.test() after fit(), or a fit resumed from a checkpoint saved
+            # without this callback: alerts still carry Lightning's global_step.
+            _quietly(monitor.load_state_dict, {"step": step})
         for optimizer in optimizers:
             _quietly(monitor.add_optimizer, _unwrap(optimizer))
 
@@ -286,6 +290,17 @@ class TrainWatchCallback(Callback):
         if not isinstance(self.console, bool) and not isinstance(self.console, io.StringIO):
             state["console"] = True
         return state
+
+
+def _global_step(trainer: pl.Trainer) -> int:
+    """Lightning's global step, that of the checkpoint being resumed included.
+
+    ``on_fit_start`` comes after the checkpoint is loaded but before the loops'
+    progress is restored from it: ``trainer.global_step`` still reads 0 there.
+    """
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+    resumed = loaded.get("global_step", 0) if isinstance(loaded, dict) else 0
+    return max(trainer.global_step, int(resumed or 0))
 
 
 def _unwrap(optimizer: Any) -> Any:
