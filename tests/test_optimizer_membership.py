@@ -229,3 +229,32 @@ def test_a_momentum_encoder_moved_by_hand_is_no_forgotten_freeze(quiet_watch, ho
         }
     else:
         assert found == set()
+
+
+WARM_UP_FREEZE = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+model[2].requires_grad_(False)  # a warm-up freeze kept inside the optimizer
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(32, 4), torch.randn(32, 1)
+for step in range(20):
+    if step == 10:
+        model[2].requires_grad_(True)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+"""
+
+
+def test_trainwatch_run_counts_the_freeze_and_its_undoing_apart(tmp_path):
+    """The warning and the later 'unfrozen' line share (rule, module): the run's
+    summary and alert_counts.json keep both, as tw.watch does."""
+    script = tmp_path / "train.py"
+    script.write_text(WARM_UP_FREEZE)
+    run_script(script, log_dir=tmp_path / "log", console=False)
+    counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())["counts"]
+    found = sorted((c["rule"], c["module"], c["first_step"]) for c in counts)
+    assert found == [("frozen_in_optimizer", "2", 0), ("frozen_in_optimizer", "2", 10)]

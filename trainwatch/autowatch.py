@@ -166,7 +166,9 @@ class AutoWatch:
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
         self._stop_next = False
         self._closed = False
-        self._tallies: dict[tuple[str, str | None, str], AlertTally] = {}
+        # Keyed by (model, the alert's own key): a later finding of one (rule,
+        # module) told apart (data.finding) keeps the earlier one's tally.
+        self._tallies: dict[tuple[str, tuple[Any, ...]], AlertTally] = {}
         # The DataLoader last started with gradients on (the training one), and
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
         self._train_loader: weakref.ref[Any] | None = None
@@ -312,7 +314,7 @@ class AutoWatch:
             for layer, value in monitor.grad_norms().items():
                 norms[self._label(view.model_name, layer) if several else layer] = value
         tallies = []
-        for (_, _, model), tally in self._tallies.items():
+        for (model, _), tally in self._tallies.items():
             first = tally.first
             if several:
                 first = dataclasses.replace(first, module=self._label(model, first.module))
@@ -321,7 +323,7 @@ class AutoWatch:
 
     # -- the shared sinks ---------------------------------------------------
     def _emit(self, alert: Alert, model: str) -> None:
-        self._tallies[(alert.rule, alert.module, model)] = AlertTally(alert, 1, alert.step)
+        self._tallies[(model, alert.key)] = AlertTally(alert, 1, alert.step)
         if alert.rule != "internal_error" and (
             self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
         ):
@@ -333,7 +335,7 @@ class AutoWatch:
         """Rank zero: another rank's alert (``repeats``: further firings there)."""
         model = str(alert.data.get("model", ""))
         times = repeats or 1
-        key = (alert.rule, alert.module, model)
+        key = (model, alert.key)
         if key not in self._tallies:
             self._emit(alert, model)
             times -= 1
@@ -342,7 +344,7 @@ class AutoWatch:
             self._repeat(alert, tally.count + times, model)
 
     def _repeat(self, alert: Alert, count: int, model: str) -> None:
-        tally = self._tallies.get((alert.rule, alert.module, model))
+        tally = self._tallies.get((model, alert.key))
         if tally is not None:
             tally.count, tally.last_step = count, alert.step
         self._each_sink("repeat", lambda s: s.repeat(alert, count))
