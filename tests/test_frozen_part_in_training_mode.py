@@ -114,6 +114,30 @@ def test_a_backbone_frozen_after_some_steps_is_told_from_then_on():
     assert len(found) == 1 and 8 <= found[0][0] <= 9
 
 
+def test_a_backbone_unfrozen_and_put_back_in_training_mode_is_no_frozen_part():
+    """The linear probe's second phase: trainable again, in the optimizer and in
+    training mode from the same step on. Nothing is frozen on that step's pass."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU())
+    model = nn.Sequential(backbone, nn.Linear(64, 4))
+    backbone.requires_grad_(False)
+    opt = torch.optim.Adam(model[1].parameters(), 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(20):
+            if step == 10:
+                backbone.requires_grad_(True)
+                opt.add_param_group({"params": list(backbone.parameters()), "lr": 1e-4})
+            model.train()
+            if step < 10:
+                backbone.eval()
+            y = torch.randint(0, 4, (32,))
+            loss = nn.functional.cross_entropy(model(torch.randn(32, 16)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert _frozen_findings(monitor.alerts) == []
+
+
 class LoRALinear(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()

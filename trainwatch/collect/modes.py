@@ -165,6 +165,20 @@ class ModeWatch:
         found = [item for item in listed if (module := item.ref()) is not None and module.training]
         if not found:
             return None
+        root = self._root()
+        if root is not None and not all(_in_frozen_part(root, item.name) for item in found):
+            # Unfrozen since the list was made (a backbone trained again from this
+            # step, put back in training mode with it): the parts are found anew.
+            self.find_frozen_parts()
+            found = [
+                item
+                for item in self.in_frozen
+                if (module := item.ref()) is not None
+                and module.training
+                and _in_frozen_part(root, item.name)
+            ]
+            if not found:
+                return None
         return ModeReport(
             [item.name for item in found],
             [item.label for item in found],
