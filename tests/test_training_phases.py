@@ -214,3 +214,34 @@ def test_trainwatch_run_starts_a_new_warm_up_for_the_fine_tuning_phase(
     rules = [json.loads(line)["rule"] for line in lines]
     exploding = [s for s, r in zip(steps, rules) if r == "exploding_gradient"]
     assert exploding[:1] == ([first_exploding] if first_exploding is not None else [])
+
+
+@pytest.mark.parametrize("forward_first", [False, True], ids=["at_once", "after_a_pass"])
+def test_an_optimizer_over_a_head_put_in_after_steps_is_accepted(forward_first):
+    """A new task head assigned into the model, and an optimizer over it handed to
+    add_optimizer before any step names the head: the head is the model's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.body = nn.Linear(8, 16)
+    model.head = nn.Linear(16, 8)
+    first = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(32, 8)
+    with tw.watch(model, first, console=False) as monitor:
+        for _ in range(5):
+            first.zero_grad()
+            (model(x) - x).pow(2).mean().backward()
+            first.step()
+        model.body.requires_grad_(False)
+        model.head = nn.Linear(16, 2)
+        second = torch.optim.Adam(model.head.parameters(), 1e-3)
+        if forward_first:
+            with torch.no_grad():
+                model(x)
+        monitor.add_optimizer(second)
+        y = torch.randint(0, 2, (32,))
+        for _ in range(10):
+            second.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            second.step()
+    assert [a.rule for a in monitor.alerts if a.severity != "info"] == []
+    assert monitor.step_count == 15

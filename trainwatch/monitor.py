@@ -215,7 +215,9 @@ class Monitor:
         check_optimizer(optimizer)
         if any(opt is optimizer for opt in self._optimizers):
             return
-        if self._pipeline.layers.outdated():  # an optimizer built after module.to() replaced them
+        if self._pipeline.layers.outdated() or self._pipeline.structure.changed():
+            # An optimizer built after module.to() replaced the parameters, or over
+            # a module put into the model since the last step (a new head).
             self._pipeline.rebuild_layers()
         check_optimizer_matches(optimizer, self._pipeline.layers, len(self._optimizers))
         if self._steps_here:
