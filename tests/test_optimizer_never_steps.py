@@ -263,3 +263,29 @@ def test_an_optimizer_kept_for_frozen_parameters_is_silent_on_that_count():
     """Built ahead for a later phase: its parameters are frozen and hold no gradient."""
     alerts = _recommender(sparse_every=None, frozen_emb=True)
     assert not [a for a in alerts if a.data.get("kind") == "optimizer_never_steps"]
+
+
+def test_a_later_phase_optimizer_over_parameters_another_steps_is_silent():
+    """Adam first, then L-BFGS over the same parameters (a physics-informed fit):
+    L-BFGS does not step for the whole Adam phase, yet every parameter is updated."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    adam = torch.optim.Adam(model.parameters(), 1e-2)
+    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=5)
+    x = torch.linspace(0, 1, 64)[:, None]
+    target = torch.sin(3 * x)
+    with tw.watch(model, [adam, lbfgs], console=False) as monitor:
+        for _ in range(60):
+            adam.zero_grad()
+            nn.functional.mse_loss(model(x), target).backward()
+            adam.step()
+
+        def closure():
+            lbfgs.zero_grad()
+            loss = nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            lbfgs.step(closure)
+    assert [a.rule for a in monitor.alerts if a.severity != "info"] == []

@@ -498,13 +498,25 @@ class StepPipeline:
         :data:`IDLE_PATIENCE` steps, and its parameters hold gradients (a sparse
         embedding's ``SparseAdam`` beside the dense ``Adam``, its ``step()`` forgotten)."""
         taken = self._steps_taken()
+        stepping: set[int] | None = None  # parameters of the optimizers that step
         for index in range(len(self._optimizers)):
             if index in self._applied_at:
                 continue
             since = self._attached_at.setdefault(index, taken)
             if since < 0 or taken - since < IDLE_PATIENCE:
                 continue
-            params = [p for p in self.optimizer_params(index) if p.requires_grad]
+            if stepping is None:
+                stepping = {
+                    id(p)
+                    for other in self._applied_at
+                    if other is not None
+                    for p in self.optimizer_params(other)
+                }
+            # Those another optimizer steps are updated (Adam first, L-BFGS later
+            # over the same parameters): only the ones no stepping optimizer holds.
+            params = [
+                p for p in self.optimizer_params(index) if p.requires_grad and id(p) not in stepping
+            ]
             held = [p for p in params if p.grad is not None]
             if not held:
                 self._attached_at[index] = taken  # not trained now (a later phase's)
