@@ -289,3 +289,67 @@ def test_a_later_phase_optimizer_over_parameters_another_steps_is_silent():
         for _ in range(3):
             lbfgs.step(closure)
     assert [a.rule for a in monitor.alerts if a.severity != "info"] == []
+
+
+# -- one of a model's optimizers stops stepping ------------------------------------------
+
+
+def _two_phases(second_phase: str, steps: int = 150) -> list:
+    """All of the model under one optimizer, then a second one for a second phase."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    model.head = nn.Linear(16, 2)
+    first = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long()
+    with tw.watch(model, first, console=False) as monitor:
+        for _ in range(20):
+            first.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            first.step()
+        if second_phase == "head_only_body_frozen":
+            model.body.requires_grad_(False)
+        held = model.parameters() if second_phase == "everything" else model.head.parameters()
+        second = torch.optim.Adam(held, 1e-4)
+        monitor.add_optimizer(second)
+        for _ in range(steps):
+            second.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            second.step()
+    return monitor.alerts
+
+
+def test_a_second_phase_optimizer_over_the_head_while_the_body_trains_is_told_once():
+    alerts = [a for a in _two_phases("head_only") if a.rule == "not_optimized"]
+    assert len(alerts) == 1
+    (alert,) = alerts
+    assert alert.module == "body.0" and alert.data["kind"] == "optimizer_stopped"
+    assert alert.data["optimizer"] == 0 and alert.data["last_step"] == 19
+    assert 119 <= alert.step <= 145  # looked at every 25 steps, from 100 steps stale
+
+
+@pytest.mark.parametrize("second_phase", ["head_only_body_frozen", "everything"])
+def test_a_second_phase_that_freezes_or_holds_the_rest_is_silent(second_phase):
+    alerts = _two_phases(second_phase)
+    assert [a.rule for a in alerts if a.severity != "info"] == []
+
+
+def test_two_parts_trained_in_turns_of_a_hundred_and_fifty_steps_are_silent():
+    """Each part trained in its turn, the other frozen meanwhile (block coordinate
+    descent): the resting optimizer's parameters get no gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    parts = [model[0], model[2]]
+    opts = [torch.optim.SGD(part.parameters(), 1e-2) for part in parts]
+    with tw.watch(model, opts, console=False) as monitor:
+        for step in range(600):
+            turn = (step // 150) % 2
+            parts[turn].requires_grad_(True)
+            parts[1 - turn].requires_grad_(False)
+            for opt in opts:
+                opt.zero_grad()
+            x = torch.randn(32, 8)
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opts[turn].step()
+    assert [a.rule for a in monitor.alerts if a.severity != "info"] == []

@@ -211,6 +211,8 @@ class StepRecord:
     # With idle_steps: the model's own optimizer (its index) that never stepped while
     # its other optimizers took them (None: the model's only optimizers never did).
     idle_optimizer: int | None = None
+    # With idle_optimizer: the step it last stepped at (None: it never stepped).
+    idle_since: int | None = None
     # Parameters whose gradient still held the previous step's values when
     # backward added onto it, and how that was established.
     accumulated: list[ParamInfo] = field(default_factory=list)

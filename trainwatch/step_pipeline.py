@@ -32,7 +32,7 @@ from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
-from trainwatch.collect.idle_optimizer import IdleOptimizer
+from trainwatch.collect.idle_optimizer import STOPPED_STEPPING, IdleOptimizer
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
@@ -268,6 +268,10 @@ class StepPipeline:
         # Per optimizer of the model's, the model's steps when it was first seen not
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
+        # With several optimizers: when to look next for one that stopped stepping,
+        # and those already told.
+        self._stopped_check_at = STOPPED_STEPPING
+        self._stopped_told: set[int] = set()
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self.parts = (
             self.passes,
@@ -370,12 +374,14 @@ class StepPipeline:
         if self.idle is not None:  # the model trains: nothing more to watch for
             self.passes.unsubscribe(self.idle)
             self.idle = None
-        self._applied_at[pending.record.optimizer] = step
-        if (
-            len(self._applied_at) < len(self._optimizers) + (None in self._applied_at)
-            and self._checks_not_optimized
+        applied_at = self._applied_at
+        applied_at[pending.record.optimizer] = step
+        if self._checks_not_optimized and (
+            len(applied_at) < len(self._optimizers) + (None in applied_at)
+            or (step >= self._stopped_check_at and len(self._optimizers) > 1)
         ):
-            # Some optimizer of the model's never stepped (usually none: a C compare).
+            # Some optimizer of the model's never stepped, or it is time to see
+            # whether one stopped (usually neither: C compares).
             self._guarded("idle optimizer", self._sibling_idle, step)
         every = self._parameter_every
         if every and step % every == 0:
@@ -526,6 +532,48 @@ class StepPipeline:
             record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
             record.idle_steps = taken - since
             record.idle_optimizer = index
+            self._dispatcher.publish(self.rules.evaluate(record))
+        if step >= self._stopped_check_at:
+            self._stopped_check_at = step + STOPPED_STEPPING // 4
+            self._stopped_stepping(step)
+
+    def _stopped_stepping(self, step: int) -> None:
+        """An optimizer of the model's stepped, then stopped for :data:`STOPPED_STEPPING`
+        steps while others step, and parameters only it holds still get gradients:
+        a second phase's optimizer built over part of the model (the head) while
+        the rest still trains, never updated again."""
+        applied_at = self._applied_at
+        stale = [
+            index
+            for index, last in applied_at.items()
+            if index is not None
+            and step - last >= STOPPED_STEPPING
+            and index not in self._stopped_told
+        ]
+        if not stale:
+            return
+        recent = {
+            id(p)
+            for index, last in applied_at.items()
+            if index is not None and step - last < STOPPED_STEPPING
+            for p in self.optimizer_params(index)
+        }
+        if not recent:
+            return  # nothing steps now: the training paused, or ended
+        for index in stale:
+            held = [
+                p
+                for p in self.optimizer_params(index)
+                if p.requires_grad and p.grad is not None and id(p) not in recent
+            ]
+            if not held:
+                continue
+            self._stopped_told.add(index)
+            record = StepRecord(step=step, source="passes", optimizer=index)
+            record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
+            record.idle_steps = step - applied_at[index]
+            record.idle_optimizer = index
+            record.idle_since = applied_at[index]
             self._dispatcher.publish(self.rules.evaluate(record))
 
     def _publish_pass(self, record: StepRecord) -> None:

@@ -26,6 +26,10 @@ from trainwatch.process_steps import PROCESS_STEPS
 # optimizer never stepped is told (a GAN's critic steps 5 times per generator
 # step: its generator still steps within a few).
 PATIENCE = 20
+# Steps since one of a model's optimizers last stepped, while another steps, from
+# which parameters only it holds that still get gradients are never updated (long
+# enough for phases that alternate every few tens of steps).
+STOPPED_STEPPING = 100
 
 
 class IdleOptimizer:

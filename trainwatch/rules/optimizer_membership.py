@@ -157,6 +157,26 @@ class NotOptimizedRule(_ReportOnce):
     ) -> Alert:
         """One of the model's optimizers never stepped while its others did."""
         index = record.idle_optimizer
+        if record.idle_since is not None:
+            return self.alert(
+                record.step,
+                owners[0] if len(owners) == 1 else "",
+                f"optimizer {index} last stepped at step {record.idle_since}, "
+                f"{record.idle_steps} steps ago, while this model's other optimizers "
+                f"step, yet {len(params)} parameters only it holds "
+                f"({short_names(params)}) still get gradients: they are no longer updated",
+                "a new phase's optimizer built over part of the model (the head) while "
+                "the rest still trains? Freeze what should stay fixed "
+                "(requires_grad_(False)), or give the new optimizer every parameter "
+                "that trains.",
+                {
+                    "parameters": [p.name for p in params],
+                    "steps_elsewhere": record.idle_steps,
+                    "optimizer": index,
+                    "last_step": record.idle_since,
+                    "kind": "optimizer_stopped",
+                },
+            )
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",
