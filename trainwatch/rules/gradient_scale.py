@@ -57,9 +57,13 @@ _RECENT_WINDOW = 4
 # momentum) jumped by up to 4.9 of theirs; a steady layer's move (0.1-0.3)
 # leaves the ``factor`` bound in charge. A jump well above the highest typical
 # norm the layer ever had is one however noisy the layer (a learning rate
-# raised 100x on such a classifier: 19x its highest; its healthy spikes: 1.5x).
+# raised 100x on such a classifier: 19x its highest; its healthy spikes: 1.5x),
+# once its last few steps rose above that highest too: a batch-of-one policy
+# gradient's single-sample norms are heavy-tailed (60x its typical norm, 25x
+# its highest, for one step now and then, the next step back to usual).
 _SPREAD_UNITS = 6.0
 _ABOVE_PEAK = 5.0
+_RISEN = math.log(1.5)
 
 
 class _LogAverage:
@@ -323,7 +327,10 @@ class ExplodingGradientRule(Rule):
                 and log_norm - history.mean > limit
                 and (
                     log_norm - history.mean > _SPREAD_UNITS * history.spread
-                    or log_norm - history.peak > above_peak
+                    or (
+                        log_norm - history.peak > above_peak
+                        and history.recent - history.peak > _RISEN
+                    )
                 )
                 and log_norm - history.recent > sudden
             )
