@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import rules_of
+from tests.lightning_models import quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
@@ -158,15 +159,7 @@ class _ToggledGAN(L.LightningModule):
 def test_a_toggled_lightning_gan_is_checked_for_a_discriminator_reset(tmp_path, reset_d):
     data = DataLoader(TensorDataset(torch.randn(640, 16)), batch_size=32, shuffle=True)
     callback = TrainWatchCallback(console=False)
-    trainer = L.Trainer(
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=1)
     trainer.fit(_ToggledGAN(reset_d), data)
     monitor = callback.monitor
     assert rules_of(monitor) == ([] if reset_d else ["accumulated_gradient"])

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
+from tests.lightning_models import quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 
 CORRUPT_AT = 30
@@ -48,15 +49,8 @@ class _Classifier(L.LightningModule):
 def test_lightning_fp16_names_the_origin_of_a_step_the_scaler_skipped(tmp_path, corrupt):
     data = TensorDataset(torch.randn(1024, 16), torch.randint(0, 4, (1024,)))
     callback = TrainWatchCallback(console=False)
-    trainer = L.Trainer(
-        max_steps=40,
-        plugins=[MixedPrecision("16-mixed", "cpu")],
-        callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
+    trainer = quiet_trainer(
+        tmp_path, [callback], max_steps=40, plugins=[MixedPrecision("16-mixed", "cpu")]
     )
     trainer.fit(_Classifier(corrupt), DataLoader(data, batch_size=32, shuffle=True))
     found = [(a.rule, a.module, a.step) for a in callback.alerts if a.severity != "info"]

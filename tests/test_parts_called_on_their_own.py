@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import rules_of
+from tests.lightning_models import quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 
 
@@ -113,15 +114,7 @@ def _loader() -> DataLoader:
 
 
 def _trainer(tmp_path, callback, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
+    return quiet_trainer(tmp_path, [callback], **kwargs)
 
 
 @pytest.mark.parametrize("bug", [True, False], ids=["train_in_validation", "healthy"])
