@@ -60,7 +60,10 @@ class FrozenInOptimizerRule(_ReportOnce):
                     "this layer is not updated while it stays frozen: a freeze for "
                     "warm-up or fine-tuning that is never undone? Set requires_grad=True, "
                     "or build the optimizer from the parameters you mean to train. (A "
-                    "freeze undone later is told then, as a note.)",
+                    "freeze undone later is told then, as a note.) A momentum or EMA "
+                    "copy kept frozen on purpose (MoCo's key encoder, a teacher) is "
+                    "moved by its own update, which then never ran: is that update "
+                    "called every step?",
                     {
                         "frozen": len(params),
                         "trainable": trainable,
