@@ -122,6 +122,35 @@ def _part_of(monitor: Monitor, module: nn.Module) -> bool:
     return any(sub is part for sub in module.modules())
 
 
+# Steps of a new model's optimizer, with the model it shares parameters with not
+# run meanwhile, before that one's monitor gives way to the new model's.
+_OVERLAP_STEPS = 2
+
+
+class _Overlap:
+    """A module sharing parameters with other models of ours, and those models'
+    passes when last looked at (whether they still run)."""
+
+    __slots__ = ("module", "_others", "_passes", "steps")
+
+    def __init__(self, module: nn.Module, others: list[Monitor]) -> None:
+        self.module = weakref.ref(module)
+        self._others = [weakref.ref(m) for m in others]
+        self._passes: list[int] = []
+        self.steps = 0
+        self.mark()
+
+    def others(self) -> list[Monitor]:
+        return [m for m in (ref() for ref in self._others) if m is not None]
+
+    def mark(self) -> None:
+        self._passes = [m.passes_seen for m in self.others()]
+
+    def others_idle(self) -> bool:
+        """No pass of the other models since the last mark."""
+        return [m.passes_seen for m in self.others()] == self._passes
+
+
 class AutoWatch:
     """Global hooks that give each model a Monitor and each optimizer its monitor."""
 
@@ -160,6 +189,10 @@ class AutoWatch:
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
+        # Modules found sharing parameters with another model of ours without being
+        # part of it (a classifier built around a pretrained autoencoder's encoder),
+        # by id: see _take_over.
+        self._overlapping: dict[int, _Overlap] = {}
         self._transformed_calls = False  # a module was called inside a torch.func transform
         self._compiled_calls = False  # a module was called inside a graph being traced
         self._names: set[str] = set()
@@ -423,6 +456,11 @@ class AutoWatch:
             # gives way to it.
             parts = [m for m in self.monitors if id(m) in owners and _part_of(m, module)]
             if len(parts) < len(owners):
+                others = [o for o in owners.values() if o not in parts and o in self.monitors]
+                if others and len(others) == len(owners) - len(parts):
+                    # A new model built around part of one of ours: watched once
+                    # that one has stopped running (see _take_over).
+                    self._overlapping[id(module)] = _Overlap(module, others)
                 return
             for part in parts:
                 self._give_way(part)
@@ -452,16 +490,18 @@ class AutoWatch:
         if called:
             monitor.pass_started(module, args)  # this very call is the model's first pass
 
-    def _give_way(self, monitor: Monitor) -> None:
+    def _give_way(self, monitor: Monitor, keep_optimizers: bool = True) -> None:
         """A part's monitor, which has watched no step, closes for the model holding it;
-        its optimizers wait for the model's monitor."""
+        its optimizers wait for the model's monitor. (``keep_optimizers`` False: a
+        model whose phase is over gives way, its optimizers with it.)"""
         index = self.monitors.index(monitor)
         del self.monitors[index]
         del self.views[index]
         for handle in self._backward_ends.pop(id(monitor), []):
             handle.remove()
-        for optimizer in monitor.optimizers:
-            self._pending.add(optimizer)
+        if keep_optimizers:
+            for optimizer in monitor.optimizers:
+                self._pending.add(optimizer)
         monitor.close()
 
     def _unique_name(self, base: str) -> str:
@@ -478,7 +518,10 @@ class AutoWatch:
         self._local.depth = 0
         if optimizer in self._handled:
             if optimizer in self._pending:
-                self._still_pending(optimizer)
+                if self._overlapping:
+                    self._take_over(optimizer)
+                if optimizer in self._pending:
+                    self._still_pending(optimizer)
             return None
         self._handled.add(optimizer)
         try:
@@ -530,6 +573,41 @@ class AutoWatch:
             self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
+
+    def _take_over(self, optimizer: Optimizer) -> None:
+        """A pending optimizer steps a module that shares parameters with another
+        model of ours (a classifier around a pretrained encoder, the autoencoder
+        that trained it watched before). Once that model has not run for
+        :data:`_OVERLAP_STEPS` of these steps, its phase is over: its monitor closes
+        and the new module is watched, its step count going on from those steps.
+        A model still running beside it (two heads sharing a trunk) keeps it.
+        """
+        try:
+            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            for key, overlap in list(self._overlapping.items()):
+                module = overlap.module()
+                if module is None:
+                    del self._overlapping[key]
+                    continue
+                if not any(id(p) in params for p in module.parameters()):
+                    continue
+                if not overlap.others_idle():
+                    overlap.steps = 0
+                    overlap.mark()
+                    continue
+                overlap.steps += 1
+                if overlap.steps < _OVERLAP_STEPS:
+                    continue
+                del self._overlapping[key]
+                for other in overlap.others():
+                    if other in self.monitors and not other.closed:
+                        self._give_way(other, keep_optimizers=False)
+                found = len(self.monitors)
+                self._discover(module, called=False)
+                for monitor in self.monitors[found:]:
+                    monitor.load_state_dict({"step": overlap.steps})
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: model hand-over", exc, self.steps)
 
     def _still_pending(self, optimizer: Optimizer) -> None:
         """An optimizer stepping parameters no model of ours holds, step after step.

@@ -164,6 +164,11 @@ class Monitor:
         return {key: tally.count for key, tally in self._dispatcher.tallies.items()}
 
     @property
+    def passes_seen(self) -> int:
+        """Outermost forward passes of the model seen so far."""
+        return self._pipeline.passes.passes
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps seen (or ``monitor.step()`` calls without an optimizer)."""
         return self._step
