@@ -163,3 +163,42 @@ def test_a_teacher_part_called_under_no_grad_every_step_is_no_evaluation(tmp_pat
     callback = TrainWatchCallback(console=False)
     _trainer(tmp_path, callback, max_steps=30).fit(_Distilled(), _loader())
     assert rules_of(callback.monitor) == []
+
+
+class _TwoTowers(nn.Module):
+    """CLIP's shape: the loop calls each tower on its own, never the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8)
+        )
+        self.text = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("forget_train", [True, False], ids=["train_forgotten", "healthy"])
+def test_two_towers_left_in_eval_mode_are_both_named(quiet_watch, forget_train):
+    model = _TwoTowers()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(20):
+        if step == 10:
+            model.eval()  # a zero-shot evaluation
+            with torch.no_grad():
+                model.image(torch.randn(8, 8))
+                model.text(torch.randn(8, 6))
+            if not forget_train:
+                model.train()
+        image, text = model.image(torch.randn(16, 8)), model.text(torch.randn(16, 6))
+        logits = F.normalize(image, dim=-1) @ F.normalize(text, dim=-1).t() * 10
+        opt.zero_grad()
+        F.cross_entropy(logits, torch.arange(16)).backward()
+        opt.step()
+    found = [a for a in monitor.alerts if a.severity != "info"]
+    if not forget_train:
+        assert found == []
+        return
+    (alert,) = found
+    assert alert.rule == "train_in_eval_mode" and alert.step == 10
+    assert set(alert.data["modules"]) == {"image.1", "text.1"}

@@ -124,9 +124,24 @@ class BehaviourWatch:
         )
 
     def backward_seen(self, report: ModeReport, grad: torch.Tensor) -> None:
-        """Backward ran through an eval-mode pass: it was a training step."""
-        if self.train_in_eval is None:
+        """Backward ran through an eval-mode pass: it was a training step.
+
+        Passes of two parts called on their own (a CLIP model's two towers, both
+        left in eval) each bring their modules: the step's report names them all.
+        """
+        found = self.train_in_eval
+        if found is None:
             self.train_in_eval = report
+        elif report is not found and not set(report.modules) <= set(found.modules):
+            new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in found.modules]
+            self.train_in_eval = ModeReport(
+                found.modules + [m for m, _ in new],
+                found.kinds + [k for _, k in new],
+                found.whole_model and report.whole_model,
+                found.total + report.total,
+                found.in_frozen_parts
+                + [m for m in report.in_frozen_parts if m not in found.in_frozen_parts],
+            )
 
     def fail(self, exc: BaseException) -> None:
         self._on_error("behaviour checks", exc)
