@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainwatch as tw
 from tests.conftest import TinyNet, batches, rules_of, train
 
 
@@ -328,3 +329,45 @@ def test_trainwatch_run_finds_the_second_optimizers_missing_reset_in_an_unmodifi
         return
     (alert,) = found
     assert alert["step"] == 7 and alert["data"]["modules"] == ["2"]
+
+
+def _assigned_gradients(reset: bool, per_example: bool = False, steps: int = 8) -> list:
+    """Gradients assigned to ``p.grad`` before each update (DP-SGD written by hand:
+    per-example gradients clipped, summed, noised, then assigned)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(steps):
+            x = torch.randn(8, 4)
+            if reset:
+                opt.zero_grad()
+            if per_example:
+                summed = [torch.zeros_like(p) for p in model.parameters()]
+                for row in x:
+                    if reset:
+                        for p in model.parameters():
+                            p.grad = None
+                    model(row[None]).pow(2).mean().backward()
+                    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+                    for total, p in zip(summed, model.parameters()):
+                        total += p.grad * torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+                for total, p in zip(summed, model.parameters()):
+                    p.grad = total / len(x) + 0.01 * torch.randn_like(total)
+            else:
+                model(x).pow(2).mean().backward()
+                for p in model.parameters():
+                    p.grad = p.grad.clone() * 0.5  # clipped or noised: a new tensor
+            opt.step()
+    return [(a.rule, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("per_example", [False, True], ids=["batch", "per_example"])
+def test_gradients_assigned_before_the_update_still_show_a_missing_reset(per_example):
+    found = _assigned_gradients(reset=False, per_example=per_example)
+    assert found[:1] == [("accumulated_gradient", 1)]
+
+
+@pytest.mark.parametrize("per_example", [False, True], ids=["batch", "per_example"])
+def test_gradients_assigned_before_the_update_with_a_reset_are_silent(per_example):
+    assert _assigned_gradients(reset=True, per_example=per_example) == []

@@ -388,7 +388,13 @@ class GradResetTracker:
             if state is None or not state.armed or state.reset or not state.accumulated:
                 continue
             grad = param.grad
-            if grad is not None and (
+            if grad is None:
+                continue
+            # A gradient replaced since by the loop (DP-SGD's p.grad = clipped + noise,
+            # made from the stale sum) still carries the stale values its content,
+            # read before they were added onto, says were there; without that
+            # reading (a sparse gradient) the tensor itself must be the one.
+            if state.content is not None or (
                 (state.grad_ref is not None and state.grad_ref() is grad)
                 or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
             ):
