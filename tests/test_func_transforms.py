@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+import trainwatch as tw
 from trainwatch.runner import run_script
 
 
@@ -110,3 +111,34 @@ def test_torch_func_gradients_under_trainwatch_run_are_no_missing_gradients(tmp_
 def test_a_nan_in_torch_func_gradients_under_trainwatch_run_is_caught(tmp_path):
     found = _alerts_under_run(tmp_path, "nan", "logged")
     assert found and all(rule.startswith("nonfinite") for rule, _ in found)
+
+
+def test_a_nan_made_by_per_sample_clipping_under_vmap_says_where_it_can_come_from():
+    """DP-SGD by hand: per-sample gradients under vmap(grad), each scaled by
+    min(1, C / norm). A sample whose gradient is exactly zero makes 0/0 at step 5:
+    no hook saw the model run, and the message says why, without blaming a
+    compiled graph that is not there."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def sample_loss(params, x, y):
+        out = functional_call(model, params, (x[None],))
+        return ((out - y) ** 2).mean()
+
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(10):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            if step == 5:
+                x[0], y[0] = 0.0, model.bias.detach()  # this sample's gradient is all zero
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+            norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+            scale = norms.clamp(max=1.0) / norms  # 0/0 for the zero gradient
+            for name, p in model.named_parameters():
+                g = grads[name]
+                p.grad = (g * scale.view(-1, *[1] * (g.dim() - 1))).mean(0)
+            opt.step()
+    (alert,) = [a for a in monitor.alerts if a.severity != "info"]
+    assert (alert.rule, alert.step, alert.data["cause"]) == ("nonfinite_backward", 5, "unlocated")
+    assert "torch.func" in alert.message and "compiled in place" in alert.message

@@ -36,10 +36,13 @@ _OP_HINTS = {
 
 
 _UNLOCATED_HINT = (
-    "compile with `model = torch.compile(model)` rather than `model.compile()`: trainwatch "
-    "then sees the model's inputs and outputs around the graph and replays a bad pass "
-    "eagerly to name the module and the op; or run the steps in question eagerly "
-    "(`torch.compiler.set_stance('force_eager')`)"
+    "for a model compiled in place, compile with `model = torch.compile(model)` rather "
+    "than `model.compile()`: trainwatch then sees the model's inputs and outputs around "
+    "the graph and replays a bad pass eagerly to name the module and the op; or run the "
+    "steps in question eagerly (`torch.compiler.set_stance('force_eager')`). For "
+    "gradients made under torch.func (vmap/grad per-sample gradients) or written by the "
+    "loop, look at its own arithmetic on them: a per-sample norm of 0 divided into a "
+    "clipping factor, a log or sqrt of 0"
 )
 
 
@@ -228,8 +231,10 @@ class NonfiniteBackwardRule(_ReportRule):
         if report.cause == "unlocated":
             return (
                 f"non-finite gradient in parameter {report.parameter}, applied by the "
-                "optimizer step; the model ran inside a graph compiled in place, which "
-                "no hook sees, so where the NaN/Inf was born is not located",
+                "optimizer step; no hook saw the model run this step (inside a graph "
+                "compiled in place, or only inside a torch.func transform such as vmap "
+                "or grad, or the loop computed or wrote the gradients itself), so where "
+                "the NaN/Inf was born is not located",
                 _UNLOCATED_HINT,
             )
         where = (
