@@ -131,14 +131,26 @@ class _Overlap:
     """A module sharing parameters with other models of ours, and those models'
     passes when last looked at (whether they still run)."""
 
-    __slots__ = ("module", "_others", "_passes", "steps")
+    __slots__ = ("module", "_others", "_passes", "steps", "_steps_it")
 
     def __init__(self, module: nn.Module, others: list[Monitor]) -> None:
         self.module = weakref.ref(module)
         self._others = [weakref.ref(m) for m in others]
         self._passes: list[int] = []
         self.steps = 0
+        # By id(optimizer): whether it holds some of the module's parameters,
+        # looked up once per optimizer (not at each of its steps).
+        self._steps_it: dict[int, bool] = {}
         self.mark()
+
+    def stepped_by(self, optimizer: Optimizer, module: nn.Module) -> bool:
+        known = self._steps_it.get(id(optimizer))
+        if known is None:
+            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            known = self._steps_it[id(optimizer)] = any(
+                id(p) in params for p in module.parameters()
+            )
+        return known
 
     def others(self) -> list[Monitor]:
         return [m for m in (ref() for ref in self._others) if m is not None]
@@ -583,13 +595,12 @@ class AutoWatch:
         A model still running beside it (two heads sharing a trunk) keeps it.
         """
         try:
-            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
             for key, overlap in list(self._overlapping.items()):
                 module = overlap.module()
                 if module is None:
                     del self._overlapping[key]
                     continue
-                if not any(id(p) in params for p in module.parameters()):
+                if not overlap.stepped_by(optimizer, module):
                     continue
                 if not overlap.others_idle():
                     overlap.steps = 0

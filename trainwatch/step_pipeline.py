@@ -528,11 +528,7 @@ class StepPipeline:
                 self._attached_at[index] = taken  # not trained now (a later phase's)
                 continue
             self._attached_at[index] = -1  # told once
-            record = StepRecord(step=step, source="passes", optimizer=index)
-            record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
-            record.idle_steps = taken - since
-            record.idle_optimizer = index
-            self._dispatcher.publish(self.rules.evaluate(record))
+            self._tell_idle(step, index, held, taken - since)
         if step >= self._stopped_check_at:
             self._stopped_check_at = step + STOPPED_STEPPING // 4
             self._stopped_stepping(step)
@@ -569,12 +565,24 @@ class StepPipeline:
             if not held:
                 continue
             self._stopped_told.add(index)
-            record = StepRecord(step=step, source="passes", optimizer=index)
-            record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
-            record.idle_steps = step - applied_at[index]
-            record.idle_optimizer = index
-            record.idle_since = applied_at[index]
-            self._dispatcher.publish(self.rules.evaluate(record))
+            self._tell_idle(step, index, held, step - applied_at[index], applied_at[index])
+
+    def _tell_idle(
+        self,
+        step: int,
+        index: int,
+        held: list[torch.Tensor],
+        idle_steps: int,
+        last_step: int | None = None,
+    ) -> None:
+        """Optimizer ``index`` left ``held`` unapplied for ``idle_steps`` steps (since
+        ``last_step``, its last; None: it never stepped)."""
+        record = StepRecord(step=step, source="passes", optimizer=index)
+        record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
+        record.idle_steps = idle_steps
+        record.idle_optimizer = index
+        record.idle_since = last_step
+        self._dispatcher.publish(self.rules.evaluate(record))
 
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""

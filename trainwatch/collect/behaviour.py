@@ -132,8 +132,9 @@ class BehaviourWatch:
         found = self.train_in_eval
         if found is None:
             self.train_in_eval = report
-        elif report is not found and not set(report.modules) <= set(found.modules):
-            new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in found.modules]
+            return
+        new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in found.modules]
+        if new:
             self.train_in_eval = ModeReport(
                 found.modules + [m for m, _ in new],
                 found.kinds + [k for _, k in new],
