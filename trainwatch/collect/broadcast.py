@@ -164,7 +164,9 @@ def _label_tensors(module: Any, args: Any, kwargs: dict[str, Any]) -> list[torch
 _WARNING_LOSSES = frozenset(name for name in _ELEMENTWISE if "loss" in name or name == "kl_div")
 
 
-def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[int, ...] | None:
+def batch_broadcast(
+    first: tuple[int, ...], second: tuple[int, ...], batch: int | None = None
+) -> tuple[int, ...] | None:
     """The result shape when two operands broadcast a batch axis against another.
 
     The pattern: operands of different rank, the higher-rank one with a
@@ -175,6 +177,12 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     sizes (``t[:, None] * freqs``) is not it. Only shapes are judged, never
     the model's batch size: a loss over ``T`` passes on a batch of one makes
     ``(T, 1)`` against ``(T,)`` just the same.
+
+    The size-1 axis may also sit inside, with per-sample axes after it that
+    both operands share: a one-channel mask ``(N, 1, H, W)`` against an
+    ``(N, H, W)`` target gives ``(N, N, H, W)``. There the paired size must be
+    ``batch``, the model's batch: query embeddings ``(Q, 1, D)`` against ``(K, D)``
+    prototypes pair on purpose, and may have equal sizes by chance.
     """
     if len(first) == len(second) or not first or not second:
         return None
@@ -192,12 +200,32 @@ def batch_broadcast(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[in
     rank = len(paired)
     low_padded = (1,) * (rank - len(low)) + tuple(low)
     if high[-1] != 1 or paired[-1] <= 1:
-        return None
+        return _inner_pairing(high, low_padded, batch, result)
     size = paired[-1]
     low_expanded = any(
         low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1
     )
     return result if low_expanded else None
+
+
+def _inner_pairing(
+    high: tuple[int, ...],
+    low_padded: tuple[int, ...],
+    batch: int | None,
+    result: tuple[int, ...],
+) -> tuple[int, ...] | None:
+    """``batch_broadcast``'s inner case: ``high``'s axis ``j`` of size 1 meets the batch
+    in ``low``, the axes after ``j`` are the same in both, and an axis of ``high``
+    before ``j`` is the batch where ``low`` has none."""
+    if batch is None or batch < 2:
+        return None
+    rank = len(high)
+    for j in range(1, rank - 1):
+        if high[j] != 1 or low_padded[j] != batch or high[j + 1 :] != low_padded[j + 1 :]:
+            continue
+        if any(high[i] == batch and low_padded[i] == 1 for i in range(j)):
+            return result
+    return None
 
 
 def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -507,7 +535,11 @@ class BroadcastAudit:
 
     def _judge(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         first, second = tuple(a.shape), tuple(b.shape)
-        result = batch_broadcast(first, second)
+        # The inner form pairs the model's output with a target or mask; two
+        # tensors both derived from the model (``z1.unsqueeze(1) - z2``, every
+        # embedding against every other view's) are paired on purpose.
+        batch = self._batch if self._derived(a) != self._derived(b) else None
+        result = batch_broadcast(first, second, batch)
         if result is None or _one_tensor(a, b):
             return
         key = (name, first, second)
