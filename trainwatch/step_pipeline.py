@@ -232,6 +232,7 @@ class StepPipeline:
                 on_error,
             )
             self.behaviour.passes = self.passes
+            self.behaviour.optimized = lambda: bool(optimizers)  # the Monitor's own list
             self.passes.subscribe("behaviour checks", self.behaviour)
         # The loss's class targets on sampled steps, and the training loader's order.
         self.class_targets: ClassTargetLook | None = None

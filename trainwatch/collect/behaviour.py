@@ -47,7 +47,7 @@ from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
 from trainwatch.hooks import WeakHook, hook_pass_tensor
-from trainwatch.process_steps import PROCESS_STEPS
+from trainwatch.process_steps import ANY_OPTIMIZER_STEPS, PROCESS_STEPS
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules import rules_needing
 
@@ -96,6 +96,14 @@ class BehaviourWatch:
         self._due_step = -1
         self._due_now = False
         self.eval_passes = EvalPassJudge()
+        # Whether the model has an optimizer of its own (set by the pipeline): a
+        # generator not yet trained, sampled once per critic step, is one.
+        self.optimized: Callable[[], bool] = _never
+        # Every optimizer step of the process at the model's last no-grad pass.
+        self._steps_at_nograd: int | None = None
+        self._holds_steps = self.check_eval_pass
+        if self._holds_steps:
+            ANY_OPTIMIZER_STEPS.hold()
         # The model's passes (set by the Monitor): the broadcast audit reads a pass's arguments.
         self.passes: ModelPasses | None = None
         self.broadcast = (
@@ -250,7 +258,12 @@ class BehaviourWatch:
                     record.eval_in_train = report
                     weights = weights_fingerprint(model)
                     clock = PROCESS_STEPS.taken
-                    for due in self.eval_passes.nograd_pass(record, weights, clock):
+                    steps, self._steps_at_nograd = self._steps_at_nograd, ANY_OPTIMIZER_STEPS.count
+                    between = steps is not None and steps != ANY_OPTIMIZER_STEPS.count
+                    told = self.eval_passes.nograd_pass(
+                        record, weights, clock, stepped_between=between and self.optimized()
+                    )
+                    for due in told:
                         self._publish(due)
             if grad:
                 passes = self.eval_passes
@@ -362,6 +375,9 @@ class BehaviourWatch:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
+        if self._holds_steps:
+            self._holds_steps = False
+            ANY_OPTIMIZER_STEPS.release()
         if self.modes is not None:
             self.modes.stop_learning(apply=False)
         if self.functional is not None:
@@ -371,3 +387,7 @@ class BehaviourWatch:
         if self.sampler is not None:
             self.sampler.detach()
         self._structure.detach()
+
+
+def _never() -> bool:
+    return False

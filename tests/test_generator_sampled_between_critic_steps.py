@@ -1,0 +1,131 @@
+"""A generator sampled under no_grad once per critic step is training, not evaluation.
+
+WGAN-GP trains its critic five times per generator step, each time on fakes
+drawn from the generator under ``no_grad`` with the generator in training
+mode (its batch norm uses the batch's statistics, as in its own step). Those
+passes come with no training pass of the generator between them, as a
+validation loop's do; the critic's optimizer stepping between two of them is
+what tells them apart, whether the critic is watched or not. A validation
+loop of the same generator that forgot ``eval()`` steps no optimizer between
+its batches and is still reported.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import rules_of
+from trainwatch.runner import run_script
+
+SCRIPT = """
+import sys
+import torch
+from torch import nn
+
+n_critic, evaluate_every = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 2))
+D = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+opt_g = torch.optim.Adam(G.parameters(), 1e-4, betas=(0.5, 0.9))
+opt_d = torch.optim.Adam(D.parameters(), 1e-4, betas=(0.5, 0.9))
+
+
+def penalty(real, fake):
+    mix = torch.rand(real.shape[0], 1)
+    x = (mix * real + (1 - mix) * fake).requires_grad_(True)
+    (grad,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
+    return ((grad.norm(dim=1) - 1) ** 2).mean()
+
+
+for it in range(12):
+    for _ in range(n_critic):
+        with torch.no_grad():
+            fake = G(torch.randn(64, 16))
+        real = torch.randn(64, 2) + 2
+        loss_d = D(fake).mean() - D(real).mean() + 10 * penalty(real, fake)
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+    opt_g.zero_grad()
+    (-D(G(torch.randn(64, 16))).mean()).backward()
+    opt_g.step()
+    if evaluate_every and it % evaluate_every == evaluate_every - 1:
+        with torch.no_grad():  # forgot G.eval()
+            samples = [G(torch.randn(64, 16)) for _ in range(4)]
+"""
+
+
+def _watched_generator(quiet_watch, n_critic: int, evaluate_every: int, critic_too: bool):
+    """The script's loop with only the generator watched (or both)."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 2))
+    D = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+    opt_g = torch.optim.Adam(G.parameters(), 1e-4, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(D.parameters(), 1e-4, betas=(0.5, 0.9))
+    monitor = quiet_watch(G, opt_g)
+    if critic_too:
+        quiet_watch(D, opt_d)
+    for it in range(12):
+        for _ in range(n_critic):
+            with torch.no_grad():
+                fake = G(torch.randn(64, 16))
+            loss_d = D(fake).mean() - D(torch.randn(64, 2) + 2).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+        opt_g.zero_grad()
+        (-D(G(torch.randn(64, 16))).mean()).backward()
+        opt_g.step()
+        if evaluate_every and it % evaluate_every == evaluate_every - 1:
+            with torch.no_grad():  # forgot G.eval()
+                for _ in range(4):
+                    G(torch.randn(64, 16))
+    monitor.close()
+    return monitor
+
+
+@pytest.mark.parametrize("critic_too", [False, True], ids=["generator_watched", "both_watched"])
+@pytest.mark.parametrize("n_critic", [1, 5])
+def test_fakes_drawn_under_no_grad_for_each_critic_step_are_silent(
+    quiet_watch, n_critic, critic_too
+):
+    monitor = _watched_generator(quiet_watch, n_critic, 0, critic_too)
+    assert "eval_in_train_mode" not in rules_of(monitor)
+
+
+def test_an_evaluation_loop_of_that_generator_without_eval_is_still_reported(quiet_watch):
+    monitor = _watched_generator(quiet_watch, 5, 5, critic_too=False)
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert alert.step == 5 and alert.module == "1"  # after the generator's fifth step
+
+
+@pytest.mark.parametrize(("evaluate_every", "expected"), [(0, []), (5, [(5, "1")])])
+def test_under_trainwatch_run_wgan_gp_with_five_critic_steps(tmp_path, evaluate_every, expected):
+    script = tmp_path / "wgan_gp.py"
+    script.write_text(SCRIPT)
+    run_script(script, ["5", str(evaluate_every)], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [
+        (a["step"], a["module"])
+        for a in map(json.loads, lines)
+        if a["rule"] == "eval_in_train_mode" and a["data"].get("model") == "Sequential"
+    ]
+    assert found == expected
+
+
+def test_the_process_wide_step_count_comes_off_with_the_last_monitor(quiet_watch):
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    before = len(_global_optimizer_post_hooks)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    first = quiet_watch(model, torch.optim.SGD(model.parameters(), 0.1))
+    second = quiet_watch(nn.Linear(4, 1))
+    assert len(_global_optimizer_post_hooks) == before + 1
+    first.close()
+    assert len(_global_optimizer_post_hooks) == before + 1
+    second.close()
+    assert len(_global_optimizer_post_hooks) == before
