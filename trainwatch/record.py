@@ -200,6 +200,9 @@ class StepRecord:
     # Output positions of the model's last pass whose entering gradient was exactly
     # zero while another's was not (a task weighted by 0), when some gradient was.
     silent_outputs: list[int] = field(default_factory=list)
+    # The weights this step ran with are the previous step's: that step's optimizer
+    # had every learning rate at exactly 0 (a warm-up's first step) and moved none.
+    same_weights: bool = False
     # Output positions the step's last backward never reached while it reached
     # another (an output the loss left out), when some gradient was missing.
     unreached_outputs: list[int] = field(default_factory=list)

@@ -151,6 +151,8 @@ class StepPipeline:
             config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
         )
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
+        # The last optimizer step had every learning rate at 0: the weights stayed.
+        self._moved_none = False
         self._dispatcher = dispatcher
         self._guard = guard
         self.scaler = scaler
@@ -406,6 +408,7 @@ class StepPipeline:
             ran=owners - before if before is not None else frozenset(),
             called=record.called_now,
             never_called=record.never_called,
+            outputs_unreached=bool(record.unreached_outputs),
         )
         if not wanted:
             return
@@ -610,6 +613,9 @@ class StepPipeline:
             self.rebuild_layers()
         params = self.layers.parameters() if index is None else self.optimizer_params(index)
         record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+        if index is not None and not attach:
+            record.same_weights = self._moved_none
+            self._moved_none = _moves_none(self._optimizers[index])
         if (
             grads
             and not attach  # gradients left from before watching came from no pass of ours
@@ -1003,3 +1009,16 @@ class StepPipeline:
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due
+
+
+def _moves_none(optimizer: Optimizer) -> bool:
+    """Every group's learning rate exactly 0 (a warm-up from 0, at its first step).
+
+    A tensor learning rate is not read (that would sync a device): it counts
+    as moving. Returns at the first group with a rate, at once on the usual step.
+    """
+    for group in optimizer.param_groups:
+        rate = group.get("lr")
+        if (type(rate) is not float and type(rate) is not int) or rate != 0:
+            return False
+    return True

@@ -65,6 +65,7 @@ class StepCalls:
         ran: frozenset[str],
         called: frozenset[str] | None,
         never_called: frozenset[str],
+        outputs_unreached: bool = False,
     ) -> frozenset[str]:
         """A step's layers without a gradient: the ones to follow from now on.
 
@@ -75,10 +76,13 @@ class StepCalls:
         without a gradient for ``_CALLED_CUT`` steps (a ``.detach()`` after
         it) is cut, which is established: following it stops. What stays
         followed is skipped on some steps by design, and each pass pays a hook
-        on every module call while it does.
+        on every module call while it does. ``outputs_unreached``: some output of
+        the model was left out of the loss this step, which explains a layer
+        that ran without a gradient (an early exit not trained this step): no
+        count towards a cut then.
         """
         self.ran |= ran
-        if called is not None:
+        if called is not None and not outputs_unreached:
             for name in names & called & self.followed:
                 runs = self.cut_runs[name] = self.cut_runs.get(name, 0) + 1
                 if runs >= _CALLED_CUT:

@@ -106,6 +106,11 @@ class ConstantOutputRule(Rule):
         return constant
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.same_weights:
+            # The previous step moved no weight (every learning rate 0, a warm-up's
+            # first step): a zero-initialised output still exactly 0 is that
+            # check again, not a second one.
+            return []
         alerts = []
         for stats in record.activations:
             spread, in_spread = stats.out_spread, stats.in_spread

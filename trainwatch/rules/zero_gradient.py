@@ -108,7 +108,7 @@ _NO_SIGNAL_HINT = (
 
 
 class _Streak:
-    __slots__ = ("start", "count", "kind", "reported", "called", "skipped")
+    __slots__ = ("start", "count", "kind", "reported", "called", "skipped", "excused")
 
     def __init__(self, start: int, kind: str) -> None:
         self.start = start
@@ -118,6 +118,9 @@ class _Streak:
         # Steps of the streak its layer was seen called / seen not called at all.
         self.called = False
         self.skipped = 0
+        # Steps of the streak explained by the step itself: the layer not run, or
+        # some output of the model left out of the loss.
+        self.excused = 0
 
 
 class ZeroGradientRule(Rule):
@@ -144,6 +147,8 @@ class ZeroGradientRule(Rule):
         for streak in self._streaks.values():
             if not hasattr(streak, "called"):  # saved before the call evidence existed
                 streak.called, streak.skipped = False, 0
+            if not hasattr(streak, "excused"):
+                streak.excused = 0
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -200,12 +205,21 @@ class ZeroGradientRule(Rule):
             streak = self._streaks.get(info.name)
             if streak is None:
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
+            if kind == "zero" and record.same_weights:
+                # The weights are the last step's (every learning rate was 0, a
+                # warm-up's first step): a gradient zero because a zero-initialised
+                # gate downstream has not moved yet is the same step again.
+                continue
             streak.count += 1
+            not_run = False
             if kind == "none" and called is not None and info.owner in followed:
                 if info.owner in called:
                     streak.called = True
                 else:
                     streak.skipped += 1
+                    not_run = True
+            if kind == "none" and (not_run or record.unreached_outputs):
+                streak.excused += 1
             needed = self.config.patience
             # A layer seen not running on its steps without a gradient, and never
             # seen running on them, is skipped by design (a block stochastic depth
@@ -237,6 +251,28 @@ class ZeroGradientRule(Rule):
                 # null embedding, a learned token) that trained before: read on
                 # some steps only, as no call shows (its module runs every step).
                 needed = max(needed, _USED_BEFORE)
+            elif kind == "zero" and not at_once and streak.start != self._first_step:
+                # A layer whose gradient was non-zero at the step before its streak
+                # began: a branch that stochastic depth multiplies by zero for the
+                # whole batch (torchvision's mode="batch") gets exact zeros on some
+                # steps, several in a row by chance. A layer dying for good (its
+                # units dead, dead_units' finding too) stays zero.
+                needed = max(needed, _USED_BEFORE)
+            if (
+                kind == "none"
+                and not at_once
+                and streak.called
+                and streak.excused
+                and streak.count - streak.excused < self.config.patience
+            ):
+                # Steps where the layer did not run mixed with steps where it ran
+                # and its output was left out of the loss (an early-exit network
+                # trained at an exit drawn at random): each explained by its step,
+                # together no cut. A streak with patience steps of neither is not
+                # excused; one of not-run steps only is judged as skipped above.
+                trained = info.name in self._had_gradient
+                excused = _USED_BEFORE if trained else self.config.patience + _NOT_YET_RAN
+                needed = max(needed, excused)
             if at_once and kind == "none" and streak.start == self._first_step:
                 needed = 1
             if streak.count >= needed and not streak.reported and not skipped:
