@@ -201,3 +201,38 @@ def test_bad_config_fails_when_the_callback_is_built():
 
     with pytest.raises(ConfigError, match=r"zero_gradient\.patiense"):
         TrainWatchCallback(zero_gradient={"patiense": 3})
+
+
+@pytest.mark.parametrize("after", ["validate", "test", "predict"])
+def test_the_fits_alerts_and_counts_outlive_an_evaluation_run_after_it(tmp_path, after):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    callback = TrainWatchCallback(console=False, log_dir=tmp_path / "log")
+    trainer = _trainer(tmp_path, callback)
+    model = BoringNet(freeze_fc1=True)
+    trainer.fit(model)
+    fitted = [(a.rule, a.module, a.step) for a in callback.alerts]
+    assert fitted == [("frozen_in_optimizer", "fc1", 0)]
+    x = torch.randn(16, 8)
+    data = DataLoader(TensorDataset(x, x[:, :1]) if after != "predict" else x, batch_size=8)
+    getattr(trainer, after)(model, data, **({"verbose": False} if after != "predict" else {}))
+    assert [(a.rule, a.module, a.step) for a in callback.alerts] == fitted
+    counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())
+    assert [(c["rule"], c["module"]) for c in counts["counts"]] == [("frozen_in_optimizer", "fc1")]
+    assert counts["steps"] == 4
+
+
+def test_an_evaluation_run_after_a_clean_fit_stays_clean(tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    callback = TrainWatchCallback(console=False, log_dir=tmp_path / "log")
+    trainer = _trainer(tmp_path, callback)
+    model = BoringNet()
+    trainer.fit(model)
+    x = torch.randn(16, 8)
+    trainer.validate(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=8), verbose=False)
+    assert callback.alerts == []
+    counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())
+    assert counts["counts"] == []

@@ -145,6 +145,8 @@ class TrainWatchCallback(Callback):
         try:
             sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
             reporter = Reporter(rank, sinks)
+            if self._reporter is not None:
+                _quietly(_carry, self._reporter, reporter)
             # "16-mixed" precision keeps its GradScaler on the precision plugin.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             monitor = Monitor(
@@ -290,6 +292,15 @@ class TrainWatchCallback(Callback):
         if not isinstance(self.console, bool) and not isinstance(self.console, io.StringIO):
             state["console"] = True
         return state
+
+
+def _carry(earlier: Reporter, later: Reporter) -> None:
+    """A later run of the same callback (``trainer.validate()`` or ``test()`` after
+    ``fit()``) goes on from the earlier run's alerts: ``alerts`` still holds them,
+    a repeat of one is counted as a repeat, and the counts written when the later
+    run ends (``alert_counts.json``) include them."""
+    later.dispatcher.load_state_dict(earlier.dispatcher.state_dict())
+    later.memory.alerts.extend(earlier.memory.alerts)
 
 
 def _global_step(trainer: pl.Trainer) -> int:
