@@ -353,3 +353,69 @@ def test_two_parts_trained_in_turns_of_a_hundred_and_fifty_steps_are_silent():
             nn.functional.mse_loss(model(x), x[:, :1]).backward()
             opts[turn].step()
     assert [a.rule for a in monitor.alerts if a.severity != "info"] == []
+
+
+class _ToggledGAN:
+    """Lightning's manual GAN recipe: toggle_optimizer freezes the other optimizer's
+    parameters around each one's step. (With the discriminator's gradients reset
+    right after its forgotten step, none is left for the generator's step to see:
+    that order is not caught.)"""
+
+    @staticmethod
+    def build(step_disc: bool):
+        import lightning.pytorch as pl
+        from torch.nn import functional as F
+
+        class GAN(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.automatic_optimization = False
+                self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+                self.discriminator = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 1))
+
+            def training_step(self, batch, batch_idx):
+                (real,) = batch
+                opt_g, opt_d = self.optimizers()
+                z = torch.randn(len(real), 8)
+                ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+                self.toggle_optimizer(opt_g)
+                fake_score = self.discriminator(self.generator(z))
+                self.manual_backward(F.binary_cross_entropy_with_logits(fake_score, ones))
+                opt_g.step()
+                opt_g.zero_grad()
+                self.untoggle_optimizer(opt_g)
+                self.toggle_optimizer(opt_d)
+                opt_d.zero_grad()
+                fake = self.generator(z).detach()
+                d_loss = F.binary_cross_entropy_with_logits(
+                    self.discriminator(real), ones
+                ) + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)
+                self.manual_backward(d_loss)
+                if step_disc:
+                    opt_d.step()
+                self.untoggle_optimizer(opt_d)
+
+            def configure_optimizers(self):
+                return [
+                    torch.optim.Adam(self.generator.parameters(), 2e-4),
+                    torch.optim.Adam(self.discriminator.parameters(), 2e-4),
+                ]
+
+        return GAN()
+
+
+@pytest.mark.parametrize("step_disc", [False, True], ids=["step_forgotten", "steps"])
+def test_lightning_toggle_optimizer_does_not_hide_a_discriminator_never_stepped(
+    tmp_path, step_disc
+):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.lightning_models import quiet_trainer
+    from trainwatch.lightning import TrainWatchCallback
+
+    torch.manual_seed(0)
+    callback = TrainWatchCallback(console=False)
+    data = DataLoader(TensorDataset(torch.randn(32 * 40, 2)), batch_size=32)
+    quiet_trainer(tmp_path, [callback], max_epochs=1).fit(_ToggledGAN.build(step_disc), data)
+    found = [a.data.get("optimizer") for a in callback.alerts if a.rule == "not_optimized"]
+    assert found == ([] if step_disc else [1])

@@ -524,10 +524,15 @@ class StepPipeline:
                 }
             # Those another optimizer steps are updated (Adam first, L-BFGS later
             # over the same parameters): only the ones no stepping optimizer holds.
-            params = [
-                p for p in self.optimizer_params(index) if p.requires_grad and id(p) not in stepping
+            # Frozen or not: Lightning's toggle_optimizer(opt_g) freezes the
+            # discriminator's parameters around the generator's step, and a
+            # gradient on a parameter of an optimizer that never stepped came
+            # from some backward all the same.
+            held = [
+                p
+                for p in self.optimizer_params(index)
+                if p.grad is not None and id(p) not in stepping
             ]
-            held = [p for p in params if p.grad is not None]
             if not held:
                 self._attached_at[index] = taken  # not trained now (a later phase's)
                 continue
