@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -112,6 +113,22 @@ class _BackwardEnd:
         if owner is None or monitor is None or monitor.closed or monitor.optimizers:
             return
         owner._manual_step(monitor)
+
+
+def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
+    """The LightningModule holding ``module`` as a part (one scan of live objects),
+    when Lightning is in use; None when there is none or ``module`` is one."""
+    bases = tuple(
+        found.LightningModule
+        for found in (sys.modules.get("lightning.pytorch"), sys.modules.get("pytorch_lightning"))
+        if found is not None and hasattr(found, "LightningModule")
+    )
+    if not bases or isinstance(module, bases):
+        return None
+    for obj in gc.get_objects():
+        if isinstance(obj, bases) and any(sub is module for sub in obj.modules()):
+            return obj
+    return None
 
 
 def _part_of(monitor: Monitor, module: nn.Module) -> bool:
@@ -458,6 +475,18 @@ class AutoWatch:
         params = list(module.parameters())
         if not params:
             return  # a loss module
+        part = None
+        if called:
+            holder = _lightning_module_holding(module)
+            if holder is not None:
+                # A LightningModule's training_step calls its parts (self.encoder(x),
+                # self.head(z)) and never the module itself: it is the model, and
+                # each outermost call of a part is one of its passes.
+                if holder in self._seen:
+                    return
+                self._seen.add(holder)
+                part, module = module, holder
+                params = list(module.parameters())
         owners = {id(o): o for o in map(registry.owner_of, params) if o is not None}
         if owners:
             # Already watched: by us as part of a bigger model, or by the
@@ -499,7 +528,10 @@ class AutoWatch:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
             self._find_optimizers(monitor)
-        if called:
+        if part is not None:
+            monitor.watch_parts()
+            monitor.pass_started(part, args)  # this very call of the part is a pass
+        elif called:
             monitor.pass_started(module, args)  # this very call is the model's first pass
 
     def _give_way(self, monitor: Monitor, keep_optimizers: bool = True) -> None:
