@@ -670,3 +670,44 @@ def _line(text: str) -> int:
             if text in line and "_line(" not in line:
                 return number
     raise AssertionError(text)
+
+
+RUN_SCRIPT = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 4))
+model = torch.compile(model, backend="aot_eager")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randn(256, 32)
+y = x[:, :4].argmax(1)
+for step in range(40):
+    loss = F.cross_entropy(model(x[:64]), y[:64])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step % 10 == 0:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+"""
+
+
+def test_trainwatch_run_compiles_the_script_s_graphs_no_more_often_than_without_it(tmp_path):
+    """Under run the global forward hooks that find models stay once a graph was
+    traced with them (dynamo guards on the global hook tables): taking them off
+    after two steps and back on for each no_grad block recompiled every time."""
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "compiled.py"
+    script.write_text(RUN_SCRIPT)
+    exec(compile(RUN_SCRIPT, str(script), "exec"), {"__name__": "__main__"})
+    plain = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    assert counters["stats"]["unique_graphs"] == plain == 2  # train and eval
+    assert (tmp_path / "log" / "alerts.jsonl").read_text() == ""

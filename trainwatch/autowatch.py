@@ -322,6 +322,12 @@ class AutoWatch:
         self._internal.internal_error("trainwatch run: no_grad lookout", exc, self.steps)
 
     def _unhook_forwards(self) -> None:
+        if self._compiled_calls and not self._closed:
+            # A graph was traced with these hooks in the global tables: dynamo
+            # guards on those tables, so taking the hooks off (and putting them
+            # back for a no_grad block) would recompile it each time. They stay
+            # until the run ends; inside the graph they were traced away.
+            return
         handles, self._forward_handles = self._forward_handles, []
         for handle in handles:
             handle.remove()
@@ -430,16 +436,19 @@ class AutoWatch:
 
     # -- discovery -----------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if compiling() or quiet.replaying() or transform_level() is not None:
-            # Inside a compiled graph (torch.compile(model)'s wrapper, called
-            # eagerly around it, is where the model is found), trainwatch
-            # re-running a watched model, or a torch.func transform (whose
-            # functional_call stands other tensors in for the parameters):
+        if compiling():
+            # Inside a graph being traced (torch.compile(model)'s wrapper, called
+            # eagerly around it, is where the model is found): written, never
+            # read here, since what a traced hook reads becomes a guard of the
+            # graph, and a guard that changes recompiles it.
+            self._compiled_calls = True  # model.compile(): its hooks run traced only
+            return None
+        if quiet.replaying() or transform_level() is not None:
+            # trainwatch re-running a watched model, or a torch.func transform
+            # (whose functional_call stands other tensors in for the parameters):
             # not the script's call of the model it trains.
-            if not self._transformed_calls and transform_level() is not None:
+            if transform_level() is not None:
                 self._transformed_calls = True  # a model may be called there alone
-            if not self._compiled_calls and compiling():
-                self._compiled_calls = True  # model.compile(): its hooks run traced only
             return None
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
