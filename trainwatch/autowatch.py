@@ -33,7 +33,7 @@ from torch.optim.optimizer import (
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch import registry, termination
+from trainwatch import dispatch, registry, termination
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.collect import quiet
 from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
@@ -46,6 +46,8 @@ from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
 
+# The model label of alerts raised by the script's own tw.watch or callback.
+_SCRIPTS_OWN = "(script's own monitor)"
 # Steps after which, every model found training with an optimizer (or never
 # trained at all), the global forward hooks come off.
 _SETTLED_AFTER = 2
@@ -123,10 +125,10 @@ def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
         for found in (sys.modules.get("lightning.pytorch"), sys.modules.get("pytorch_lightning"))
         if found is not None and hasattr(found, "LightningModule")
     )
-    if not bases or isinstance(module, bases):
+    if not bases or issubclass(type(module), bases):
         return None
     for obj in gc.get_objects():
-        if isinstance(obj, bases) and any(sub is module for sub in obj.modules()):
+        if issubclass(type(obj), bases) and any(sub is module for sub in obj.modules()):
             return obj
     return None
 
@@ -241,6 +243,7 @@ class AutoWatch:
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
+        dispatch.OBSERVERS.append(self._heard)
         self._hook_forwards()
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
@@ -338,6 +341,8 @@ class AutoWatch:
         if self._closed:
             return
         self._closed = True
+        if self._heard in dispatch.OBSERVERS:
+            dispatch.OBSERVERS.remove(self._heard)
         self._lookout.remove()
         self._unhook_forwards()
         for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
@@ -398,6 +403,29 @@ class AutoWatch:
             self.worst = alert.severity
         shown = self._for_console(alert, model)
         self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
+
+    def _heard(self, dispatcher: Dispatcher, alert: Alert) -> None:
+        """A new alert of some dispatcher in the process. Ours come through our
+        views already; one of the script's own ``tw.watch`` or Lightning callback
+        (whose monitor ours yielded to) is the run's finding too: it counts for
+        ``--fail-on``, goes to the run's files and summary (not its console: the
+        script's own monitor prints it where the script chose)."""
+        try:
+            if dispatcher is self._internal or any(
+                isinstance(sink, _ModelView) and sink.owner() is self for sink in dispatcher.sinks
+            ):
+                return
+            key = (_SCRIPTS_OWN, alert.key)
+            if key in self._tallies:
+                return  # the same alert relayed again (a callback's monitor, then its reporter)
+            self._tallies[key] = AlertTally(alert, 1, alert.step)
+            if alert.rule != "internal_error" and (
+                self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
+            ):
+                self.worst = alert.severity
+            self._each_sink("emit", lambda s: None if isinstance(s, ConsoleSink) else s.emit(alert))
+        except Exception as exc:  # never break the script's own monitor
+            self._internal.internal_error("trainwatch run: script's own alerts", exc, self.steps)
 
     def _received(self, alert: Alert, repeats: int) -> None:
         """Rank zero: another rank's alert (``repeats``: further firings there)."""

@@ -16,6 +16,12 @@ from trainwatch.errors import TrainingHealthError
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 
+# Called with (dispatcher, alert) for each new alert any dispatcher of the
+# process emits: ``trainwatch run`` hears the alerts of a script's own
+# ``tw.watch`` or Lightning callback there. Empty but under ``trainwatch run``;
+# nothing is looked at on a step without alerts.
+OBSERVERS: list[Callable[[Dispatcher, Alert], None]] = []
+
 
 class Dispatcher:
     def __init__(self, sinks: Sequence[Sink], halt_on: Sequence[str]) -> None:
@@ -43,6 +49,8 @@ class Dispatcher:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self.reported.add(alert.rule)
                 self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
+                for observe in OBSERVERS:
+                    observe(self, alert)
                 if halt is None and alert.rule in self.halt_on:
                     halt = alert
             else:
