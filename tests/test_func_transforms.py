@@ -142,3 +142,43 @@ def test_a_nan_made_by_per_sample_clipping_under_vmap_says_where_it_can_come_fro
     (alert,) = [a for a in monitor.alerts if a.severity != "info"]
     assert (alert.rule, alert.step, alert.data["cause"]) == ("nonfinite_backward", 5, "unlocated")
     assert "torch.func" in alert.message and "compiled in place" in alert.message
+
+
+def _maml_steps(quiet_watch, steps: int, bad_from: int | None):
+    """MAML without vmap: the query pass runs the model through functional_call on
+    fast weights made by an inner-loop update; from ``bad_from`` the inner loss takes
+    the log of a negative number, so the fast weights are NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(10, 1)
+        y = x.sin() + 2
+        params = dict(model.named_parameters())
+        pred = functional_call(model, params, (x,))
+        shift = 10.0 if bad_from is not None and step >= bad_from else 0.0
+        inner = F.mse_loss(pred, y) + 0.1 * F.mse_loss(pred, torch.log(y - shift))
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        fast = {n: p - 0.01 * g for (n, p), g in zip(params.items(), grads)}
+        F.mse_loss(functional_call(model, fast, (x,)), y).backward()
+        opt.step()
+    monitor.close()
+    return monitor
+
+
+def test_a_maml_query_pass_on_nan_fast_weights_is_told_at_its_step_as_given_weights(
+    quiet_watch,
+):
+    monitor = _maml_steps(quiet_watch, 35, bad_from=30)
+    first = monitor.alerts[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 30, "0")
+    assert first.data["cause"] == "given_weights"
+    assert "functional_call" in first.message
+    assert "outside the model" not in str(first.data.get("parameters", ""))
+
+
+def test_the_same_maml_loop_with_finite_fast_weights_is_silent(quiet_watch):
+    monitor = _maml_steps(quiet_watch, 35, bad_from=None)
+    assert [a for a in monitor.alerts if a.severity != "info"] == []

@@ -811,6 +811,7 @@ class NonfiniteProbe:
         )
         if not call.inputs_finite or self._this_step.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
+        given_bad = _given_weights_nonfinite(module)
         if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
             # A -inf taken for a mask came in: if an earlier module's own
             # arithmetic made it, that module is the origin.
@@ -823,7 +824,9 @@ class NonfiniteProbe:
         finding = NonfiniteFinding(
             module=call.module,
             direction="forward",
-            cause="module",
+            # Weights handed in for this call (functional_call's fast weights in a
+            # MAML inner loop) are made outside the model: they carried it in.
+            cause="given_weights" if given_bad else "module",
             kind="nan" if bool(nan.any()) else "inf",
             count=int((~torch.isfinite(bad)).sum()),
             shape=tuple(bad.shape),
@@ -833,7 +836,7 @@ class NonfiniteProbe:
         bad_weights = [
             p
             for p in module.parameters(recurse=False)
-            if not bool(torch.isfinite(p.detach()).all())
+            if isinstance(p, nn.Parameter) and not bool(torch.isfinite(p.detach()).all())
         ]
         finding.weights_nonfinite = bool(bad_weights)
         if bad_weights:
@@ -843,7 +846,7 @@ class NonfiniteProbe:
         if given:
             finding.input_min = min(float(t.detach().min()) for t in given)
             finding.input_max = max(float(t.detach().max()) for t in given)
-        if self.trace_ops:
+        if self.trace_ops and not given_bad:
             self.suspended = True
             try:
                 found: OpFinding | None = trace_first_nonfinite_op(module, args, kwargs)
@@ -1132,3 +1135,13 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 def _inside_backward() -> bool:
     """Whether autograd is running a backward pass on this thread right now."""
     return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def _given_weights_nonfinite(module: nn.Module) -> bool:
+    """Whether the module runs on stand-in tensors for its own weights (not its
+    ``nn.Parameter``s: ``functional_call`` puts plain tensors in their place), one
+    of them non-finite. Asked only after an output went non-finite."""
+    return any(
+        not isinstance(p, nn.Parameter) and not bool(torch.isfinite(p.detach()).all())
+        for p in module.parameters(recurse=False)
+    )

@@ -152,6 +152,16 @@ class NonfiniteForwardRule(_ReportRule):
                 "run the same batch in one process without sharding; then look for a "
                 "log/sqrt/division at the edge of its domain or an overflow",
             )
+        if report.cause == "given_weights":
+            return (
+                f"first non-finite value of the forward pass: {_what(report)} from "
+                f"`{report.module}`, which ran on non-finite weights handed in for the call "
+                "(torch.func.functional_call: weights computed outside the model, such as "
+                f"an inner-loop update){spread}",
+                "the values those weights were computed from went bad first: look at the "
+                "inner-loop loss and its gradients (a log/sqrt/division at the edge of its "
+                "domain), or clip the inner-loop update",
+            )
         if report.cause == "parameter":
             return (
                 f"first non-finite value of the forward pass, from `{report.module}` whose "
