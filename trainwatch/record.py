@@ -222,6 +222,9 @@ class StepRecord:
     accumulation_method: str | None = None
     # The step that last applied this optimizer's gradients (None: not known).
     used_at: int | None = None
+    # Hand-written updates under trainwatch run: the boundary whose backward first
+    # added onto used gradients, confirmed at this one (None: this one).
+    accumulated_since: int | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
     # The layout of ``present`` kept across steps (a GradientLayout), when its
     # norms were planned: its per-layer sums, and a layout rules saw before.

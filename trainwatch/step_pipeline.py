@@ -869,7 +869,11 @@ class StepPipeline:
             names, slot = pending.weights
             stale = record.accumulated
             hand = self._hand_updates
-            record.accumulated = hand.keep_moved(stale, names, slot.values(), steps_end_at_backward)
+            record.accumulated = hand.keep_moved(
+                stale, names, slot.values(), steps_end_at_backward, record.step
+            )
+            if record.accumulated and steps_end_at_backward:
+                record.accumulated_since = hand.suspected_since
             if (
                 hand.never_moved is not None
                 and hand.never_moved >= NEVER_MOVED

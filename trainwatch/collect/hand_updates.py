@@ -41,6 +41,7 @@ class HandUpdates:
         self._names: list[str] = []
         self._previous: dict[str, float] = {}
         self._suspected: set[str] = set()
+        self.suspected_since: int | None = None  # the boundary that first found them
         # Boundaries in a row with unreset gradients and no weight moved, since
         # watching began (None: some weight moved once: updates do happen).
         self.never_moved: int | None = 0
@@ -59,12 +60,15 @@ class HandUpdates:
         names: Sequence[str],
         norms: Sequence[float],
         confirm: bool = False,
+        step: int | None = None,
     ) -> list[ParamInfo]:
         """Of the parameters with unreset gradients, those whose weights changed since
         the previous step boundary; then this step's norms become the reference.
 
         ``confirm``: only those already found so at an earlier boundary, their
-        gradients not reset since (a later update applied the used values).
+        gradients not reset since (a later update applied the used values);
+        ``suspected_since`` keeps ``step``, that first boundary's, where the
+        backward added onto used gradients: the bug's own step.
         """
         previous, self._previous = self._previous, dict(zip(names, norms))
         if self.never_moved is not None and previous:
@@ -86,4 +90,6 @@ class HandUpdates:
         # A reset (not stale any more) clears the suspicion; stale ones keep it.
         still = {info.name for info in stale} & suspected
         self._suspected = still | {info.name for info in moved}
+        if not still:
+            self.suspected_since = step if moved else None
         return [info for info in moved if info.name in suspected]

@@ -28,8 +28,11 @@ class AccumulatedGradientRule(Rule):
             return []
         owners = by_owner(record.accumulated)
         by_hand = record.source == "manual"
+        # Under trainwatch run a second boundary confirms what the first found:
+        # the alert keeps the first one's step, where backward added onto them.
+        step = record.step if record.accumulated_since is None else record.accumulated_since
         used = (
-            f"an update had already used (the weights changed since step {record.step - 1}, "
+            f"an update had already used (the weights changed since step {step - 1}, "
             "their gradients were not reset)"
             if by_hand
             else f"step {record.step - 1 if record.used_at is None else record.used_at} "
@@ -37,7 +40,7 @@ class AccumulatedGradientRule(Rule):
         )
         return [
             self.alert(
-                record.step,
+                step,
                 None,
                 f"backward added onto the gradients {used}, in {len(record.accumulated)} "
                 f"parameters ({short_names(record.accumulated, 3)}): zero_grad() is missing",
