@@ -216,3 +216,56 @@ def test_trainwatch_run_tells_the_frozen_teacher_in_training_mode(tmp_path, how)
         if a["data"].get("finding") == "frozen part in training mode"
     ]
     assert found == ([(0, "teacher.2")] if how == "train" else [])
+
+
+LOSS_NETWORK = """
+import sys
+import torch
+from torch import nn
+
+
+class LossNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x):
+        return self.features(x)
+
+
+torch.manual_seed(0)
+generator = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1))
+loss_net = LossNet()
+if sys.argv[1] == "eval":
+    loss_net.eval()
+loss_net.requires_grad_(False)
+opt = torch.optim.Adam(generator.parameters(), 1e-3)
+for step in range(6):
+    x = torch.rand(4, 3, 16, 16)
+    with torch.no_grad():
+        target = loss_net(x)
+    loss = nn.functional.mse_loss(loss_net(generator(x)), target)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("eval", ("train_in_eval_mode", "info")), ("train", ("eval_in_train_mode", "info"))],
+)
+def test_a_frozen_perceptual_loss_network_watched_on_its_own_is_a_frozen_part(
+    tmp_path, mode, expected
+):
+    """Under trainwatch run the loss network is a model of its own, none of whose
+    parameters trains; backward runs through it to the generator's image. In eval
+    mode, as it should be, it is the usual note, not a forgotten model.train(); in
+    training mode (its batch norm drifting), the frozen-part note."""
+    script = tmp_path / "style.py"
+    script.write_text(LOSS_NETWORK)
+    run_script(script, [mode], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    alerts = [json.loads(line) for line in lines]
+    found = [(a["rule"], a["severity"]) for a in alerts if a["data"]["model"] == "LossNet"]
+    assert found == [expected]

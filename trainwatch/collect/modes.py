@@ -96,6 +96,8 @@ class ModeWatch:
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
+        # No parameter of the model trains (a loss network watched on its own).
+        self.wholly_frozen = False
         self.refresh()
 
     def refresh(self) -> None:
@@ -124,18 +126,27 @@ class ModeWatch:
 
         A large frozen part is a subtree that trains no parameter while the
         module around it does, holding at least :data:`FROZEN_SHARE` of the
-        model's parameters: a teacher, a frozen backbone. The frozen base
+        model's parameters: a teacher, a frozen backbone; or the whole model,
+        when none of its parameters trains. The frozen base
         layers of a LoRA model are many small subtrees beside trained adapters,
         frozen embeddings a small share: neither is one, and their dropout is
         meant to be on.
         """
         model = self._root()
         self.in_frozen = []
+        self.wholly_frozen = False
         if model is None or not self.listed:
             return
         total, trained = _counts(model)
-        if not trained or trained == total:
-            return  # nothing trains, or nothing is frozen: no walk of the modules
+        if trained == total:
+            return  # nothing is frozen: no walk of the modules
+        if not trained:
+            # Nothing trains: the whole model is frozen (a perceptual loss's
+            # network, watched on its own by trainwatch run; backward runs
+            # through it to the image a generator made).
+            self.in_frozen = list(self.listed)
+            self.wholly_frozen = True
+            return
         parts = []
         for name, module in model.named_modules():
             if any(name.startswith(part + ".") for part in parts):
@@ -294,7 +305,11 @@ class ModeWatch:
         ran = root if part is None else part[1]
         whole = ran is not None and ran.training == training
         report = ModeReport(names, kinds, whole, len(listed))
-        if not training and root is not None and any(k != "norm" for k in found_kinds):
+        if (
+            not training
+            and root is not None
+            and (self.wholly_frozen or any(k != "norm" for k in found_kinds))
+        ):
             # Only where it can matter: normalisation layers in eval are an idiom
             # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
             report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name)]
