@@ -652,3 +652,40 @@ def test_two_passes_a_step_locate_a_backward_fault_at_its_module(device, traced,
 @pytest.mark.parametrize("second", ["summed", "left out"])
 def test_two_healthy_passes_a_step_are_clean(device, second):
     assert nonfinite(_two_passes_a_step(Net(), device, second)) == []
+
+
+class _TinyVAE(nn.Module):
+    """The reparameterisation in the model's own forward: ``logvar.exp()`` overflows
+    on a batch scaled far out of range, and the decoder turns the Inf into NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.mu = nn.Linear(32, 4)
+        self.logvar = nn.Linear(32, 4)
+        self.dec = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        std = torch.exp(0.5 * self.logvar(h))
+        z = self.mu(h) + std * torch.randn_like(std)
+        return torch.sigmoid(self.dec(z))
+
+
+def test_a_functional_ops_overflow_is_told_with_the_tensor_that_op_made(quiet_watch):
+    torch.manual_seed(0)
+    model = _TinyVAE()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(4):
+        x = torch.rand(8, 16) * (1e4 if step == 2 else 1.0)
+        loss = nn.functional.mse_loss(model(x), x.clamp(0, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    first = monitor.alerts[0]
+    assert (first.rule, first.step, first.module) == ("nonfinite_forward", 2, "")
+    assert first.data["op"] == "aten::exp"
+    # The exp's own output (8, 4), Inf, not the decoder's NaN (8, 16) it became.
+    assert first.data["shape"] == [8, 4] and first.data["kind"] == "inf"

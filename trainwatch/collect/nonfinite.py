@@ -854,6 +854,10 @@ class NonfiniteProbe:
                 self.suspended = False
             if found is not None:
                 finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
+                if found.shape is not None:
+                    # Told as the op made it: the tensor the alert says it made.
+                    finding.kind, finding.count = found.kind, found.count
+                    finding.shape, finding.dtype = found.shape, found.dtype or finding.dtype
         self._this_step.forward_origin = finding
 
     def _exactly_finite(self, indices: list[int], tensors: list[torch.Tensor]) -> bool:

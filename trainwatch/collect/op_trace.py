@@ -55,6 +55,11 @@ class OpFinding:
     op: str  # e.g. "aten::div"
     source: str | None  # "path/to/file.py:123", the user's line that called it
     kind: str  # "nan" or "inf"
+    # The op's own non-finite output (an exp's Inf inside a forward, not the
+    # module's output it later turned into a NaN).
+    count: int | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -193,7 +198,14 @@ class _FirstNonfinite(TorchDispatchMode):
                     bad = next(t for t in results if not bool(torch.isfinite(t).all()))
                     kind = "nan" if bool(torch.isnan(bad).any()) else "inf"
                     name = func._schema.name if hasattr(func, "_schema") else str(func)
-                    finding = OpFinding(name, _user_line(), kind)
+                    finding = OpFinding(
+                        name,
+                        _user_line(),
+                        kind,
+                        int((~torch.isfinite(bad)).sum()),
+                        tuple(bad.shape),
+                        str(bad.dtype),
+                    )
                     if not _only_negative_inf(results):
                         # A NaN/+inf from a -inf this re-run made by arithmetic: that op.
                         made = self.made_negative_inf
