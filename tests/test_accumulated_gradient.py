@@ -371,3 +371,36 @@ def test_gradients_assigned_before_the_update_still_show_a_missing_reset(per_exa
 @pytest.mark.parametrize("per_example", [False, True], ids=["batch", "per_example"])
 def test_gradients_assigned_before_the_update_with_a_reset_are_silent(per_example):
     assert _assigned_gradients(reset=True, per_example=per_example) == []
+
+
+def _autograd_grad_assigned(quiet_watch, how: str):
+    """Gradients from torch.autograd.grad assigned to p.grad before each step: no
+    backward writes .grad, so no zero_grad is needed (meta-learning, custom
+    gradients). ``how`` "backward": the same loop with loss.backward() and no reset."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params = list(model.parameters())
+    monitor = quiet_watch(model, opt)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    for _ in range(6):
+        loss = nn.functional.cross_entropy(model(x), y)
+        if how == "backward":
+            loss.backward()
+        else:
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                if how == "none_first":
+                    p.grad = None
+                p.grad = g.clone() if how == "clone" else g
+        opt.step()
+    monitor.close()
+    return [(a.rule, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("how", ["assign", "clone", "none_first"])
+def test_gradients_from_autograd_grad_assigned_each_step_are_no_missing_reset(quiet_watch, how):
+    assert _autograd_grad_assigned(quiet_watch, how) == []
+
+
+def test_control_the_same_loop_with_backward_and_no_reset_fires(quiet_watch):
+    assert _autograd_grad_assigned(quiet_watch, "backward") == [("accumulated_gradient", 1)]

@@ -119,6 +119,8 @@ class _ParamState:
         "content",
         "seen",
         "end_version",
+        "start_version",
+        "added",
     )
 
     def __init__(self, param: torch.Tensor) -> None:
@@ -135,6 +137,11 @@ class _ParamState:
         self.grad_key: tuple[int, int] | None = None
         self.version = -1
         self.content: torch.Tensor | None = None
+        # A stale gradient's version as a backward began, and whether a backward
+        # since wrote into it (torch.autograd.grad reaches the model and writes
+        # nothing: its gradients are the loop's to assign).
+        self.start_version = -1
+        self.added = False
 
 
 # Written out in each loop over the parameters instead of called (a call per
@@ -317,6 +324,7 @@ class GradResetTracker:
             # loop's clip) written in place since: zeroed or only rescaled, its
             # content, read below, tells.
             stale.append(state)
+            state.start_version = grad._version
             if not state.accumulated:
                 state.accumulated = True
                 self._any_accumulated = True
@@ -347,6 +355,8 @@ class GradResetTracker:
                     (state.grad_ref is not None and state.grad_ref() is grad)
                     or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
                 ):
+                    if grad._version != state.start_version:
+                        state.added = True  # this backward added onto the stale values
                     state.version = grad._version  # the next backward compares with this
             if not self.track_reached:
                 return
@@ -392,9 +402,11 @@ class GradResetTracker:
                 continue
             # A gradient replaced since by the loop (DP-SGD's p.grad = clipped + noise,
             # made from the stale sum) still carries the stale values its content,
-            # read before they were added onto, says were there; without that
-            # reading (a sparse gradient) the tensor itself must be the one.
-            if state.content is not None or (
+            # read before they were added onto, says were there, once a backward
+            # did add onto them (torch.autograd.grad writes nothing: its gradients
+            # assigned to p.grad are fresh); without that reading (a sparse
+            # gradient) the tensor itself must be the one.
+            if (state.content is not None and state.added) or (
                 (state.grad_ref is not None and state.grad_ref() is grad)
                 or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
             ):
@@ -425,7 +437,7 @@ class GradResetTracker:
             state = states.get(id(param))
             if state is None:
                 continue
-            state.seen = state.reset = state.accumulated = False
+            state.seen = state.reset = state.accumulated = state.added = False
             state.content = None
             state.armed = True
             state.version = version
@@ -476,6 +488,7 @@ class GradResetTracker:
             state.seen = False
             state.reset = False
             state.accumulated = False
+            state.added = False
             state.content = None
             grad = param.grad
             if grad is None:
