@@ -151,6 +151,8 @@ class StepPipeline:
             config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
         )
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
+        # How the model trains under DDP (collect.calls.runs_distributed), once known.
+        self._distributed = ""
         # The last optimizer step had every learning rate at 0: the weights stayed.
         self._moved_none = False
         self._dispatcher = dispatcher
@@ -664,7 +666,9 @@ class StepPipeline:
                 # Was some output of the model left out of the loss this step?
                 unreached = self._guarded("zero signal", self.probe.outputs_unreached)
                 record.unreached_outputs = unreached or []
-            record.distributed = runs_distributed(self.model)
+            if not self._distributed:  # asked once a process group is up, then kept
+                self._distributed = runs_distributed(self.model)
+            record.distributed = self._distributed
             if step_calls is not None and not attach:
                 self._guarded("step calls", self._follow_calls, index, record)
         elif step_calls is not None and self._missing_before.get(index) is not _NONE_MISSING:

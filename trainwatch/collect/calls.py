@@ -16,6 +16,7 @@ It is not installed at all once every tracked module has been seen.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,7 +43,15 @@ def runs_distributed(model: nn.Module) -> str:
     if isinstance(model, DistributedDataParallel):
         return "find_unused" if model.find_unused_parameters else "ddp"
     dist = torch.distributed
-    return "ddp" if dist.is_available() and dist.is_initialized() else ""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    # The model inside a DistributedDataParallel wrapper (the Hugging Face
+    # Trainer's, or a script watching the module it then wraps): the wrapper's
+    # own flag (one scan of live objects; the pipeline keeps the answer).
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel) and obj.module is model:
+            return "find_unused" if obj.find_unused_parameters else "ddp"
+    return "ddp"
 
 
 def _parent(name: str) -> str:

@@ -20,6 +20,7 @@ from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from trainwatch.compiled import user_name
 from trainwatch.hooks import HookGroup, WeakHook
@@ -303,6 +304,9 @@ class ModeWatch:
             return None
         root = self._root()
         ran = root if part is None else part[1]
+        if isinstance(ran, DistributedDataParallel):
+            # model.eval() on the module inside leaves the wrapper's own flag as it was.
+            ran = ran.module
         whole = ran is not None and ran.training == training
         report = ModeReport(names, kinds, whole, len(listed))
         if (

@@ -38,6 +38,8 @@ class UnusedParameterRule(Rule):
         self._used: set[str] = set()
         self._unused: dict[str, int] = {}
         self._reported: set[str] = set()
+        # How the model trains under DDP, as the last record that asked said it.
+        self._distributed = ""
         # Layouts of gradients whose parameters are all in ``_used`` already: a
         # step with one of them and nothing missing has nothing new (no loop).
         self._known_layouts: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -47,6 +49,8 @@ class UnusedParameterRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
             return []
+        if record.distributed:  # said on steps with parameters missing
+            self._distributed = record.distributed
         if not record.present:
             return []  # no backward reached anything: not a partial step
         layout = record.layout
@@ -71,11 +75,11 @@ class UnusedParameterRule(Rule):
             return []
         for info, _, _ in found:
             self._reported.add(info.name)
-        # Harmless on one device; under DDP the reducer waits for every gradient.
+        # Harmless on one device; under DDP the reducer waits for every gradient,
+        # unless it was built with find_unused_parameters=True (then it copes).
+        ddp = self._distributed == "ddp" or (not self._distributed and _process_group_up())
         severity = None
-        if (record.distributed or _process_group_up()) and severity_rank(
-            self.config.severity
-        ) < severity_rank("warning"):
+        if ddp and severity_rank(self.config.severity) < severity_rank("warning"):
             severity = "warning"
         alerts = []
         for owner, params in by_owner(info for info, _, _ in found).items():
