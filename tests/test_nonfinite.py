@@ -689,3 +689,35 @@ def test_a_functional_ops_overflow_is_told_with_the_tensor_that_op_made(quiet_wa
     assert first.data["op"] == "aten::exp"
     # The exp's own output (8, 4), Inf, not the decoder's NaN (8, 16) it became.
     assert first.data["shape"] == [8, 4] and first.data["kind"] == "inf"
+
+
+@pytest.mark.parametrize(("frozen", "through"), [(True, "param"), (True, "data"), (False, "param")])
+def test_an_inf_written_into_a_weight_is_told_as_written_at_the_step_that_met_it(
+    quiet_watch, through, frozen
+):
+    """A frozen weight (a LoRA model's base layer) is no optimizer's to update: one
+    gone non-finite was written, as a trained weight written after its update is.
+    (A trained weight written through ``.data`` moves no counter: it is taken for
+    the update's doing, as documented.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    if frozen:
+        model[2].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for step in range(12):
+        if step == 8:
+            with torch.no_grad():
+                target = model[2].weight.data if through == "data" else model[2].weight
+                target[0, 0] = float("inf")
+        x = torch.randn(16, 20)
+        loss = nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    first = next(a for a in monitor.alerts if a.severity != "info")
+    assert (first.rule, first.step, first.module) == ("nonfinite_parameter", 8, "2")
+    assert first.data["cause"] == "written"

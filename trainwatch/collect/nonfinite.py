@@ -300,7 +300,8 @@ class NonfiniteProbe:
 
     def written_since_update(self, params: list[torch.Tensor]) -> bool | None:
         """Whether any of ``params`` was written in place since the last update was
-        applied (None: no update seen yet, or none of them was updated).
+        applied (None: no update seen yet). One the update did not touch (a frozen
+        weight, held by no optimizer) was written whenever it went non-finite.
 
         An optimizer's update moves a parameter's version counter, and so does
         every later in-place write (a clamp, ``load_state_dict``, a copy from
@@ -314,8 +315,8 @@ class NonfiniteProbe:
         listed, versions, storages = updated
         after_update = dict(zip(map(id, listed), zip(versions, storages)))  # the rare path only
         known = [p for p in params if id(p) in after_update]
-        if not known:
-            return None
+        if len(known) < len(params):
+            return True  # a weight no update moved: a write made it so
         return any((p._version, p.data_ptr()) != after_update[id(p)] for p in known)
 
     # -- lifecycle -------------------------------------------------------
