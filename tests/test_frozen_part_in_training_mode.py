@@ -269,3 +269,53 @@ def test_a_frozen_perceptual_loss_network_watched_on_its_own_is_a_frozen_part(
     alerts = [json.loads(line) for line in lines]
     found = [(a["rule"], a["severity"]) for a in alerts if a["data"]["model"] == "LossNet"]
     assert found == [expected]
+
+
+class _Embeddings(nn.Module):
+    """BERT's layout: tables, a layer norm and the dropout after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = nn.Embedding(500, 32)
+        self.positions = nn.Embedding(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.words(tokens) + self.positions(torch.arange(tokens.shape[1]))
+        return self.dropout(self.norm(h))
+
+
+class _SmallTextModel(nn.Module):
+    """Embeddings that hold most of the parameters of a small model, as in a tiny
+    BERT or DistilBERT (about a third of the latter's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = _Embeddings()
+        self.encoder = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1))
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embeddings(tokens)).mean(1))
+
+
+@pytest.mark.parametrize(("frozen", "told"), [("embeddings", False), ("encoder", True)])
+def test_frozen_embeddings_holding_most_parameters_are_no_frozen_part(frozen, told):
+    torch.manual_seed(0)
+    model = _SmallTextModel()
+    getattr(model, frozen).requires_grad_(False)
+    if frozen == "encoder":
+        model.encoder[0] = nn.Linear(32, 32 * 24)  # large enough to be a part
+        model.encoder[0].requires_grad_(False)
+        model.head = nn.Linear(32 * 24, 2)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(4):
+            tokens = torch.randint(0, 500, (8, 16))
+            loss = nn.functional.cross_entropy(model(tokens), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    notes = [a for a in monitor.alerts if a.data.get("finding") == "frozen part in training mode"]
+    assert bool(notes) is told

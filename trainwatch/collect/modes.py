@@ -153,7 +153,7 @@ class ModeWatch:
             if any(name.startswith(part + ".") for part in parts):
                 continue
             size, trains = _counts(module)
-            if size and not trains and size >= FROZEN_SHARE * total:
+            if size and not trains and size >= FROZEN_SHARE * total and not _embeddings(module):
                 parts.append(user_name(name))
         if parts:
             self.in_frozen = [
@@ -334,6 +334,22 @@ def _counts(module: nn.Module) -> tuple[int, int]:
         if param.requires_grad:
             trained += size
     return total, trained
+
+
+_NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _embeddings(module: nn.Module) -> bool:
+    """Whether every layer holding parameters in ``module`` is an embedding table or
+    a normalisation layer: a frozen embedding block (BERT's ``embeddings``, a large
+    share of a small model's parameters) is no frozen part; its dropout is meant
+    to be on while the rest trains."""
+    holders = [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+    return (
+        bool(holders)
+        and all(isinstance(m, (nn.Embedding, *_NORM_LAYERS)) for m in holders)
+        and any(isinstance(m, nn.Embedding) for m in holders)
+    )
 
 
 def _inside(name: str, part: str) -> bool:
