@@ -13,6 +13,7 @@ its batches and is still reported.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -27,11 +28,19 @@ import torch
 from torch import nn
 
 n_critic, evaluate_every = int(sys.argv[1]), int(sys.argv[2])
+watch = sys.argv[3] if len(sys.argv) > 3 else "none"  # none, generator, both
 torch.manual_seed(0)
 G = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 2))
 D = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
 opt_g = torch.optim.Adam(G.parameters(), 1e-4, betas=(0.5, 0.9))
 opt_d = torch.optim.Adam(D.parameters(), 1e-4, betas=(0.5, 0.9))
+monitors = []
+if watch != "none":
+    import trainwatch as tw
+
+    monitors.append(tw.watch(G, opt_g, console=False))
+    if watch == "both":
+        monitors.append(tw.watch(D, opt_d, console=False))
 
 
 def penalty(real, fake):
@@ -56,49 +65,32 @@ for it in range(12):
     if evaluate_every and it % evaluate_every == evaluate_every - 1:
         with torch.no_grad():  # forgot G.eval()
             samples = [G(torch.randn(64, 16)) for _ in range(4)]
+for monitor in monitors:
+    monitor.close()
 """
 
 
-def _watched_generator(quiet_watch, n_critic: int, evaluate_every: int, critic_too: bool):
-    """The script's loop with only the generator watched (or both)."""
-    torch.manual_seed(0)
-    G = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 2))
-    D = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
-    opt_g = torch.optim.Adam(G.parameters(), 1e-4, betas=(0.5, 0.9))
-    opt_d = torch.optim.Adam(D.parameters(), 1e-4, betas=(0.5, 0.9))
-    monitor = quiet_watch(G, opt_g)
-    if critic_too:
-        quiet_watch(D, opt_d)
-    for it in range(12):
-        for _ in range(n_critic):
-            with torch.no_grad():
-                fake = G(torch.randn(64, 16))
-            loss_d = D(fake).mean() - D(torch.randn(64, 2) + 2).mean()
-            opt_d.zero_grad()
-            loss_d.backward()
-            opt_d.step()
-        opt_g.zero_grad()
-        (-D(G(torch.randn(64, 16))).mean()).backward()
-        opt_g.step()
-        if evaluate_every and it % evaluate_every == evaluate_every - 1:
-            with torch.no_grad():  # forgot G.eval()
-                for _ in range(4):
-                    G(torch.randn(64, 16))
-    monitor.close()
-    return monitor
+def _watched_generator(n_critic: int, evaluate_every: int, critic_too: bool):
+    """The script's loop in this process with only the generator watched (or both)."""
+    argv = sys.argv
+    sys.argv = ["gan.py", str(n_critic), str(evaluate_every), "both" if critic_too else "generator"]
+    try:
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(SCRIPT, "gan.py", "exec"), namespace)
+    finally:
+        sys.argv = argv
+    return namespace["monitors"][0]
 
 
 @pytest.mark.parametrize("critic_too", [False, True], ids=["generator_watched", "both_watched"])
 @pytest.mark.parametrize("n_critic", [1, 5])
-def test_fakes_drawn_under_no_grad_for_each_critic_step_are_silent(
-    quiet_watch, n_critic, critic_too
-):
-    monitor = _watched_generator(quiet_watch, n_critic, 0, critic_too)
+def test_fakes_drawn_under_no_grad_for_each_critic_step_are_silent(n_critic, critic_too):
+    monitor = _watched_generator(n_critic, 0, critic_too)
     assert "eval_in_train_mode" not in rules_of(monitor)
 
 
-def test_an_evaluation_loop_of_that_generator_without_eval_is_still_reported(quiet_watch):
-    monitor = _watched_generator(quiet_watch, 5, 5, critic_too=False)
+def test_an_evaluation_loop_of_that_generator_without_eval_is_still_reported():
+    monitor = _watched_generator(5, 5, critic_too=False)
     (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
     assert alert.step == 5 and alert.module == "1"  # after the generator's fifth step
 
