@@ -112,3 +112,55 @@ def test_two_views_embeddings_paired_on_purpose_are_silent(quiet_watch):
         opt.step()
     monitor.close()
     assert "broadcast" not in rules_of(monitor)
+
+
+def _embedding_loss(quiet_watch, against: str) -> list[str]:
+    """Each embedding against every key of a momentum encoder (run under no_grad),
+    or against every class centre (a parameter): the axis is given in the loss."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16))
+    target = copy.deepcopy(model).requires_grad_(False)
+    centers = nn.Parameter(torch.randn(8, 16))
+    opt = torch.optim.SGD([*model.parameters(), centers], 0.01)
+    monitor = quiet_watch(model, opt)
+    for _ in range(3):
+        x = torch.randn(8, 10)
+        z = model(x)
+        if against == "keys":
+            with torch.no_grad():
+                others = target(x + 0.1 * torch.randn_like(x))
+        else:
+            others = centers
+        distances = (z.unsqueeze(1) - others).pow(2).sum(-1)  # (8, 1, 16) - (8, 16)
+        loss = F.cross_entropy(-distances, torch.arange(8))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    return rules_of(monitor)
+
+
+@pytest.mark.parametrize("against", ["keys", "centres"])
+def test_an_axis_given_in_the_loss_against_keys_or_centres_is_on_purpose(quiet_watch, against):
+    assert "broadcast" not in _embedding_loss(quiet_watch, against)
+
+
+def test_a_focal_loss_choosing_with_where_between_a_map_and_a_mask_is_caught(quiet_watch):
+    model = _segmenter()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    monitor = quiet_watch(model, opt)
+    for _ in range(3):
+        x = torch.randn(4, 3, 16, 16)
+        mask = x[:, 0] > 0  # (N, H, W)
+        probs = torch.sigmoid(model(x))  # (N, 1, H, W)
+        chosen = torch.where(mask, probs, 1 - probs)  # (N, N, H, W)
+        loss = -((1 - chosen) ** 2 * torch.log(chosen.clamp_min(1e-6))).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    first = next(a for a in monitor.alerts if a.rule == "broadcast")
+    assert first.step == 0 and first.data["op"] == "where"
+    assert first.data["result"] == [4, 4, 16, 16]

@@ -62,6 +62,7 @@ _ELEMENTWISE = frozenset(
         "sub",
         "mul",
         "div",
+        "where",
         "rsub",
         "true_divide",
         "subtract",
@@ -228,6 +229,15 @@ def _inner_pairing(
     return None
 
 
+# Ops that give a tensor a new axis in the loss code.
+_ADDS_AXES = frozenset({"unsqueeze", "__getitem__", "view", "reshape", "unflatten", "expand"})
+
+
+def _gained_an_axis(args: Any, out: torch.Tensor) -> bool:
+    first = args[0] if args else None
+    return isinstance(first, torch.Tensor) and out.dim() > first.dim()
+
+
 def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
     """Both operands view one tensor: ``s - s.view(-1)`` pairs its rows on purpose.
 
@@ -353,6 +363,13 @@ class BroadcastAudit:
         self._tracked: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
+        # Of those, the ones given an axis in the loss (z.unsqueeze(1), z[:, None]):
+        # paired with every other sample on purpose (a distance to each key of a
+        # momentum encoder, to each class centre), unlike an output that came
+        # out of the model (N, 1, H, W).
+        self._axis_added: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
         self.findings: list[BroadcastReport] = []
         self._seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
         self.audited_pass = False
@@ -443,6 +460,7 @@ class BroadcastAudit:
     def step_boundary(self) -> list[BroadcastReport]:
         self.stop()
         self._tracked.clear()
+        self._axis_added.clear()
         _IN_PASS.discard(self)
         if self.audited_pass:
             self.steps_left -= 1
@@ -467,6 +485,7 @@ class BroadcastAudit:
         self._leave_inside()
         self.stop()
         self._tracked.clear()
+        self._axis_added.clear()
         _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -507,6 +526,8 @@ class BroadcastAudit:
             # the model's output.
             if tensor.requires_grad or name == "detach":
                 self._track(tensor)
+                if name in _ADDS_AXES and _gained_an_axis(args, tensor):
+                    self._axis_added[id(tensor)] = tensor
         if name in _REGRESSION and self.target_spread is None:
             self._measure_target(operands)
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
@@ -537,8 +558,11 @@ class BroadcastAudit:
         first, second = tuple(a.shape), tuple(b.shape)
         # The inner form pairs the model's output with a target or mask; two
         # tensors both derived from the model (``z1.unsqueeze(1) - z2``, every
-        # embedding against every other view's) are paired on purpose.
-        batch = self._batch if self._derived(a) != self._derived(b) else None
+        # embedding against every other view's) are paired on purpose, and so is
+        # one given its size-1 axis in the loss (against a momentum encoder's keys).
+        high = a if a.dim() > b.dim() else b
+        on_purpose = self._derived(a) == self._derived(b) or self._axis_added.get(id(high)) is high
+        batch = None if on_purpose else self._batch
         result = batch_broadcast(first, second, batch)
         if result is None or _one_tensor(a, b):
             return
