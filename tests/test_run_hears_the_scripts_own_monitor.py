@@ -31,7 +31,8 @@ with tw.watch(model, opt, console=False):
     for _ in range(10):
         x = torch.randn(32, 8)
         loss = nn.functional.mse_loss(model(x), x[:, :1])
-        opt.zero_grad()
+        if sys.argv[1] != "noreset":
+            opt.zero_grad()
         loss.backward()
         opt.step()
 """
@@ -95,3 +96,17 @@ def test_the_gate_and_the_runs_files_hear_the_scripts_own_alerts(tmp_path, scrip
     else:
         assert code == 0
         assert found == [] and counts == []
+
+
+def test_the_runs_counts_and_steps_follow_the_scripts_own_monitor(tmp_path):
+    """A missing zero_grad fires at every step from step 1: the run's counts say how
+    often, over the script's own monitor's 10 steps."""
+    path = tmp_path / "watched.py"
+    path.write_text(WATCHED)
+    code = run_script(path, ["noreset"], log_dir=tmp_path / "run", console=False)
+    assert code == 0  # no --fail-on: the script's own status
+    counts = json.loads((tmp_path / "run" / "alert_counts.json").read_text())
+    assert counts["steps"] == 10
+    assert [(c["rule"], c["first_step"], c["last_step"], c["count"]) for c in counts["counts"]] == [
+        ("accumulated_gradient", 1, 9, 9)
+    ]

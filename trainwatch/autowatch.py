@@ -42,6 +42,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
 from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
+from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
@@ -99,6 +100,41 @@ class _ModelView(Sink):
 
     def _tag(self, alert: Alert) -> Alert:
         return dataclasses.replace(alert, data={**alert.data, "model": self.model_name})
+
+
+class _ScriptsOwn:
+    """The alerts of a script's own ``tw.watch`` or Lightning callback (whose monitor
+    ours gave way to): the run's findings too. They count for ``--fail-on`` and go
+    to the run's files and summary, not its console (the script's own monitor
+    printed them where the script chose); their steps count in the run's."""
+
+    def __init__(self, owner: AutoWatch) -> None:
+        self.owner = weakref.ref(owner)
+        self.steps = 0
+
+    def _foreign(self, dispatcher: Dispatcher) -> bool:
+        owner = self.owner()
+        if owner is None or dispatcher is owner._internal:
+            return False
+        for sink in dispatcher.sinks:
+            if isinstance(sink, _ModelView) and sink.owner() is owner:
+                return False  # ours: heard through the view already
+            if isinstance(sink, RelaySink):
+                return False  # a callback's monitor: heard from its reporter instead
+        return True
+
+    def heard(self, dispatcher: Dispatcher, alert: Alert, repeat: bool) -> None:
+        owner = self.owner()
+        if owner is None or not self._foreign(dispatcher):
+            return
+        try:
+            owner._heard(alert, repeat)
+        except Exception as exc:  # never break the script's own monitor
+            owner._internal.internal_error("trainwatch run: script's own alerts", exc, 0)
+
+    def closed(self, dispatcher: Dispatcher, summary: Summary) -> None:
+        if self._foreign(dispatcher):
+            self.steps = max(self.steps, summary.steps)
 
 
 class _BackwardEnd:
@@ -233,6 +269,7 @@ class AutoWatch:
         # Keyed by (model, the alert's own key): a later finding of one (rule,
         # module) told apart (data.finding) keeps the earlier one's tally.
         self._tallies: dict[tuple[str, tuple[Any, ...]], AlertTally] = {}
+        self._scripts_own = _ScriptsOwn(self)
         # The DataLoader last started with gradients on (the training one), and
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
         self._train_loader: weakref.ref[Any] | None = None
@@ -243,7 +280,7 @@ class AutoWatch:
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
-        dispatch.OBSERVERS.append(self._heard)
+        dispatch.OBSERVERS.append(self._scripts_own)
         self._hook_forwards()
         self._handles.append(register_optimizer_step_pre_hook(self._before_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
@@ -341,8 +378,8 @@ class AutoWatch:
         if self._closed:
             return
         self._closed = True
-        if self._heard in dispatch.OBSERVERS:
-            dispatch.OBSERVERS.remove(self._heard)
+        if self._scripts_own in dispatch.OBSERVERS:
+            dispatch.OBSERVERS.remove(self._scripts_own)
         self._lookout.remove()
         self._unhook_forwards()
         for handle in [*self._handles, *(h for hs in self._backward_ends.values() for h in hs)]:
@@ -392,7 +429,10 @@ class AutoWatch:
             if several:
                 first = dataclasses.replace(first, module=self._label(model, first.module))
             tallies.append(AlertTally(first, tally.count, tally.last_step))
-        return Summary(self.steps, tallies, norms)
+        # The files count the steps of the script's own monitors too (their alerts
+        # are there); the console's summary stays the run's own.
+        steps = self.steps if labelled else max(self.steps, self._scripts_own.steps)
+        return Summary(steps, tallies, norms)
 
     # -- the shared sinks ---------------------------------------------------
     def _emit(self, alert: Alert, model: str) -> None:
@@ -404,28 +444,20 @@ class AutoWatch:
         shown = self._for_console(alert, model)
         self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
 
-    def _heard(self, dispatcher: Dispatcher, alert: Alert) -> None:
-        """A new alert of some dispatcher in the process. Ours come through our
-        views already; one of the script's own ``tw.watch`` or Lightning callback
-        (whose monitor ours yielded to) is the run's finding too: it counts for
-        ``--fail-on``, goes to the run's files and summary (not its console: the
-        script's own monitor prints it where the script chose)."""
-        try:
-            if dispatcher is self._internal or any(
-                isinstance(sink, _ModelView) and sink.owner() is self for sink in dispatcher.sinks
-            ):
-                return
-            key = (_SCRIPTS_OWN, alert.key)
-            if key in self._tallies:
-                return  # the same alert relayed again (a callback's monitor, then its reporter)
-            self._tallies[key] = AlertTally(alert, 1, alert.step)
-            if alert.rule != "internal_error" and (
-                self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
-            ):
-                self.worst = alert.severity
-            self._each_sink("emit", lambda s: None if isinstance(s, ConsoleSink) else s.emit(alert))
-        except Exception as exc:  # never break the script's own monitor
-            self._internal.internal_error("trainwatch run: script's own alerts", exc, self.steps)
+    def _heard(self, alert: Alert, repeat: bool) -> None:
+        """A new alert (or a repeat) of the script's own monitor (see _ScriptsOwn)."""
+        key = (_SCRIPTS_OWN, alert.key)
+        tally = self._tallies.get(key)
+        if tally is not None:
+            if repeat:
+                tally.count, tally.last_step = tally.count + 1, alert.step
+            return
+        self._tallies[key] = AlertTally(alert, 1, alert.step)
+        if alert.rule != "internal_error" and (
+            self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
+        ):
+            self.worst = alert.severity
+        self._each_sink("emit", lambda s: None if isinstance(s, ConsoleSink) else s.emit(alert))
 
     def _received(self, alert: Alert, repeats: int) -> None:
         """Rank zero: another rank's alert (``repeats``: further firings there)."""

@@ -9,18 +9,26 @@ from __future__ import annotations
 import dataclasses
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 
-# Called with (dispatcher, alert) for each new alert any dispatcher of the
-# process emits: ``trainwatch run`` hears the alerts of a script's own
-# ``tw.watch`` or Lightning callback there. Empty but under ``trainwatch run``;
-# nothing is looked at on a step without alerts.
-OBSERVERS: list[Callable[[Dispatcher, Alert], None]] = []
+
+class Observer(Protocol):
+    """Hears what every dispatcher of the process tells: ``trainwatch run`` hears the
+    alerts (and, at close, the steps) of a script's own ``tw.watch`` or Lightning
+    callback this way."""
+
+    def heard(self, dispatcher: Dispatcher, alert: Alert, repeat: bool) -> None: ...
+
+    def closed(self, dispatcher: Dispatcher, summary: Summary) -> None: ...
+
+
+# Empty but under ``trainwatch run``; nothing is looked at on a step without alerts.
+OBSERVERS: list[Observer] = []
 
 
 class Dispatcher:
@@ -49,8 +57,8 @@ class Dispatcher:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self.reported.add(alert.rule)
                 self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
-                for observe in OBSERVERS:
-                    observe(self, alert)
+                for observer in OBSERVERS:
+                    observer.heard(self, alert, False)
                 if halt is None and alert.rule in self.halt_on:
                     halt = alert
             else:
@@ -58,6 +66,8 @@ class Dispatcher:
                 tally.last_step = alert.step
                 count = tally.count
                 self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
+                for observer in OBSERVERS:
+                    observer.heard(self, alert, True)
         if halt is not None:
             if not may_halt:
                 # Found while a property was read: raised at the next step
@@ -87,6 +97,8 @@ class Dispatcher:
 
     def close(self, summary: Summary) -> None:
         self._each_sink("close", lambda sink: sink.close(summary))
+        for observer in OBSERVERS:
+            observer.closed(self, summary)
 
     def summary(self, steps: int, latest_norms: dict[str, float]) -> Summary:
         return Summary(steps, list(self.tallies.values()), dict(latest_norms))
