@@ -126,12 +126,6 @@ class ConstantOutputRule(Rule):
             state = self._states.get(key)
             if state is None:
                 state = self._states[key] = _State()
-            if stats.out_rms == 0.0 and state.max_spread > 0.0 and not _model_output(stats):
-                # Exactly zero everywhere after it varied: a branch dropped for the
-                # whole batch this step (stochastic depth in mode="batch"), which
-                # neither extends nor ends a streak; one that died for good is
-                # dead_units' and zero_gradient's finding.
-                continue
             # A constant input explains a constant output.
             bad = in_spread > _INPUT_CONSTANT and self._constant(stats, state, record.step)
             if state.due(bad, record.step, self.config.patience):
