@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+import trainwatch as tw
 from tests.conftest import TinyNet, batches, rules_of
 
 EVERY_STEP = {"every": 1}
@@ -294,3 +296,65 @@ def test_an_output_the_same_for_every_row_by_design_is_no_collapse(quiet_watch):
         loss.backward()
         opt.step()
     assert rules_of(monitor) == []
+
+
+class _DropPath(nn.Module):
+    """torchvision.ops.StochasticDepth(p, mode="batch"): the whole batch's branch
+    dropped at once, its output exactly 0 on those steps."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return x * torch.empty([1] * x.ndim).bernoulli_(1 - self.p).div_(1 - self.p)
+
+
+class _DroppedBlock(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+        self.sd = _DropPath(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.sd(self.f(x))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_branch_dropped_for_the_whole_batch_on_sampled_steps_is_no_collapse(seed):
+    torch.manual_seed(seed)
+    blocks = [_DroppedBlock(p) for p in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    model = nn.Sequential(nn.Linear(16, 32), *blocks, nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    weights = torch.randn(16, 4)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(200):
+            x = torch.randn(32, 16)
+            loss = nn.functional.cross_entropy(model(x), (x @ weights).argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "constant_output" not in [a.rule for a in monitor.alerts]
+
+
+def test_control_a_branch_collapsed_to_its_bias_is_still_told():
+    torch.manual_seed(0)
+    blocks = [_DroppedBlock(0.0) for _ in range(3)]
+    model = nn.Sequential(nn.Linear(16, 32), *blocks, nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    weights = torch.randn(16, 4)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(120):
+            if step == 40:
+                with torch.no_grad():
+                    blocks[1].f[2].weight.zero_()  # its output: the bias, for every row
+                blocks[1].f[2].weight.requires_grad_(False)
+            x = torch.randn(32, 16)
+            loss = nn.functional.cross_entropy(model(x), (x @ weights).argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [(a.rule, a.module) for a in monitor.alerts if a.rule == "constant_output"]
+    assert ("constant_output", "2.f.2") in found

@@ -126,6 +126,18 @@ class ConstantOutputRule(Rule):
             state = self._states.get(key)
             if state is None:
                 state = self._states[key] = _State()
+            if (
+                stats.out_rms == 0.0
+                and state.max_spread > 0.0
+                and not _model_output(stats)
+                and not _holds_weights(stats.module, record.layer_norms)
+            ):
+                # A module without weights (a drop-path module) whose output is
+                # exactly zero everywhere after it varied: stochastic depth dropped
+                # the branch for the whole batch this step (mode="batch"). It
+                # neither extends nor ends a streak. A module with weights whose
+                # output a zero gate silenced is still judged.
+                continue
             # A constant input explains a constant output.
             bad = in_spread > _INPUT_CONSTANT and self._constant(stats, state, record.step)
             if state.due(bad, record.step, self.config.patience):
@@ -186,6 +198,13 @@ class ConstantOutputRule(Rule):
                 "checks": state.count,
             },
         )
+
+
+def _holds_weights(module: str, layers: dict[str, float]) -> bool:
+    """Whether the module or one inside it is a layer of the step (holds parameters
+    that got a gradient). Asked only for an output exactly zero everywhere."""
+    prefix = module + "."
+    return module in layers or any(name.startswith(prefix) for name in layers)
 
 
 def _model_output(stats: ActivationStats) -> bool:
