@@ -121,3 +121,39 @@ def test_the_process_wide_step_count_comes_off_with_the_last_monitor(quiet_watch
     assert len(_global_optimizer_post_hooks) == before + 1
     second.close()
     assert len(_global_optimizer_post_hooks) == before
+
+
+ACCUMULATING_CRITIC = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8))
+D = nn.Sequential(nn.Linear(8, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+opt_g = torch.optim.Adam(G.parameters(), 1e-4, betas=(0.0, 0.9))
+opt_d = torch.optim.Adam(D.parameters(), 1e-4, betas=(0.0, 0.9))
+for it in range(10):
+    for micro in range(4):  # the critic accumulates two micro-batches per step
+        with torch.no_grad():
+            fake = G(torch.randn(32, 16))
+        if micro % 2 == 0:
+            opt_d.zero_grad()
+        (D(fake).mean() - D(torch.randn(32, 8) + 1).mean()).div(2).backward()
+        if micro % 2 == 1:
+            opt_d.step()
+    opt_g.zero_grad()
+    (-D(G(torch.randn(32, 16))).mean()).backward()
+    opt_g.step()
+"""
+
+
+def test_a_critic_accumulating_micro_batches_between_samples_is_silent_under_run(tmp_path):
+    """Between two samples of the generator the critic ran a backward but no step:
+    a backward of a watched model counts as well as a step (every model is watched
+    under trainwatch run; with only the generator watched, the critic's backward is
+    not seen, and the two samples still read as an evaluation)."""
+    script = tmp_path / "critic.py"
+    script.write_text(ACCUMULATING_CRITIC)
+    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    assert [a for a in map(json.loads, lines) if a["rule"] == "eval_in_train_mode"] == []

@@ -17,11 +17,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 class ProcessSteps:
     """Attributes written at every step (no call: it runs at every step)."""
 
-    __slots__ = ("taken", "now")
+    __slots__ = ("taken", "now", "backwards")
 
     def __init__(self) -> None:
         self.taken = 0  # steps taken by every monitor together
         self.now = 0  # the step count of the monitor that stepped last: the step in progress
+        # Backward passes that reached some watched model (a critic accumulating
+        # micro-batches between two samples of its generator, before its step).
+        self.backwards = 0
 
 
 PROCESS_STEPS = ProcessSteps()

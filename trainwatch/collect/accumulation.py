@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.tensors import all_plain, floating_list, local_part
 from trainwatch.hooks import WeakHook, hook_pass_tensor
+from trainwatch.process_steps import PROCESS_STEPS
 
 
 def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -281,6 +282,7 @@ class GradResetTracker:
         if not self.enabled:
             return
         self.backward_seen = True
+        PROCESS_STEPS.backwards += 1
         self._hooked_output = None  # the next pass's output gets the hook
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved

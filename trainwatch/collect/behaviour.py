@@ -99,8 +99,9 @@ class BehaviourWatch:
         # Whether the model has an optimizer of its own (set by the pipeline): a
         # generator not yet trained, sampled once per critic step, is one.
         self.optimized: Callable[[], bool] = _never
-        # Every optimizer step of the process at the model's last no-grad pass.
-        self._steps_at_nograd: int | None = None
+        # Every optimizer step of the process, and the backward passes of watched
+        # models, at the model's last no-grad pass.
+        self._steps_at_nograd: tuple[int, int] | None = None
         self._holds_steps = self.check_eval_pass
         if self._holds_steps:
             ANY_OPTIMIZER_STEPS.hold()
@@ -258,8 +259,12 @@ class BehaviourWatch:
                     record.eval_in_train = report
                     weights = weights_fingerprint(model)
                     clock = PROCESS_STEPS.taken
-                    steps, self._steps_at_nograd = self._steps_at_nograd, ANY_OPTIMIZER_STEPS.count
-                    between = steps is not None and steps != ANY_OPTIMIZER_STEPS.count
+                    # An optimizer step, or a backward of a watched model, since the
+                    # last such pass: a critic's step (or its micro-batch) between two
+                    # samples of its generator.
+                    marks = (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.backwards)
+                    before, self._steps_at_nograd = self._steps_at_nograd, marks
+                    between = before is not None and before != marks
                     told = self.eval_passes.nograd_pass(
                         record, weights, clock, stepped_between=between and self.optimized()
                     )
