@@ -437,12 +437,16 @@ class AutoWatch:
     # -- the shared sinks ---------------------------------------------------
     def _emit(self, alert: Alert, model: str) -> None:
         self._tallies[(model, alert.key)] = AlertTally(alert, 1, alert.step)
+        self._note_worst(alert)
+        shown = self._for_console(alert, model)
+        self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
+
+    def _note_worst(self, alert: Alert) -> None:
+        """The highest severity raised, for --fail-on (internal errors aside)."""
         if alert.rule != "internal_error" and (
             self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
         ):
             self.worst = alert.severity
-        shown = self._for_console(alert, model)
-        self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
 
     def _heard(self, alert: Alert, repeat: bool) -> None:
         """A new alert (or a repeat) of the script's own monitor (see _ScriptsOwn)."""
@@ -453,10 +457,7 @@ class AutoWatch:
                 tally.count, tally.last_step = tally.count + 1, alert.step
             return
         self._tallies[key] = AlertTally(alert, 1, alert.step)
-        if alert.rule != "internal_error" and (
-            self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
-        ):
-            self.worst = alert.severity
+        self._note_worst(alert)
         self._each_sink("emit", lambda s: None if isinstance(s, ConsoleSink) else s.emit(alert))
 
     def _received(self, alert: Alert, repeats: int) -> None:

@@ -5,9 +5,11 @@ one now and then. A GAN's discriminator step samples its generator under
 ``no_grad`` between the generator's own training passes, every step, and wants
 batch norm in training mode there. So:
 
-- two no-grad passes in a row (no training pass between, and no optimizer
-  step between either: a critic stepping between two samples of its
-  generator is training): an evaluation loop, reported at once;
+- two no-grad passes in a row (no training pass between, and, for a model
+  with an optimizer of its own, no optimizer step nor backward of a watched
+  model between either: a critic stepping, or accumulating a micro-batch,
+  between two samples of its generator is training): an evaluation loop,
+  reported at once;
 - a single one between training passes, or after the step's training passes
   (pseudo-labels computed last, just before backward): held until the next
   step boundary has shown whether it recurs. Recurring every step, it is part
@@ -69,12 +71,13 @@ class EvalPassJudge:
         ``weights``: a fingerprint of the model's weights now (None: unknown).
         ``clock``: the optimizer steps this process has taken (None: unknown).
         ``stepped_between``: some optimizer of the process, watched or not, stepped
-        since the model's last no-grad pass, and the model has an optimizer of
-        its own (a frozen teacher has none: its passes stay judged as they are).
+        (or a watched model ran a backward) since the model's last no-grad pass,
+        and the model has an optimizer of its own (a frozen teacher has none: its
+        passes stay judged as they are).
         """
         if stepped_between and self.in_a_row:
-            # Not in a row: an evaluation loop steps no optimizer between its
-            # batches. A generator sampled once per critic step (WGAN-GP's five
+            # Not in a row: an evaluation loop steps no optimizer and runs no
+            # backward between its batches. A generator sampled once per critic step (WGAN-GP's five
             # critic steps per generator step) runs one such pass per step of
             # another model: one pass of each interval, as a GAN's one critic
             # step a generator step is.

@@ -153,7 +153,8 @@ class ModeWatch:
             if any(name.startswith(part + ".") for part in parts):
                 continue
             size, trains = _counts(module)
-            if size and not trains and size >= FROZEN_SHARE * total and not _embeddings(module):
+            large = size >= FROZEN_SHARE * total
+            if size and not trains and large and not _embeddings_only(module):
                 parts.append(user_name(name))
         if parts:
             self.in_frozen = [
@@ -336,10 +337,11 @@ def _counts(module: nn.Module) -> tuple[int, int]:
     return total, trained
 
 
-_NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)
+# Normalisation layers of any kind (with running statistics or not).
+_NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, *_NORMS)
 
 
-def _embeddings(module: nn.Module) -> bool:
+def _embeddings_only(module: nn.Module) -> bool:
     """Whether every layer holding parameters in ``module`` is an embedding table or
     a normalisation layer: a frozen embedding block (BERT's ``embeddings``, a large
     share of a small model's parameters) is no frozen part; its dropout is meant

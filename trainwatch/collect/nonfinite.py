@@ -812,7 +812,10 @@ class NonfiniteProbe:
         )
         if not call.inputs_finite or self._this_step.forward_origin is not None:
             return  # propagated: an earlier module (or the data) made it
-        given_bad = _given_weights_nonfinite(module)
+        # One look at the module's own weights: its nn.Parameters, and the stand-ins
+        # functional_call puts in their place (a MAML inner loop's fast weights,
+        # made outside the model: non-finite, they carried the value in).
+        bad_weights, given_bad = _nonfinite_weights(module)
         if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
             # A -inf taken for a mask came in: if an earlier module's own
             # arithmetic made it, that module is the origin.
@@ -825,8 +828,6 @@ class NonfiniteProbe:
         finding = NonfiniteFinding(
             module=call.module,
             direction="forward",
-            # Weights handed in for this call (functional_call's fast weights in a
-            # MAML inner loop) are made outside the model: they carried it in.
             cause="given_weights" if given_bad else "module",
             kind="nan" if bool(nan.any()) else "inf",
             count=int((~torch.isfinite(bad)).sum()),
@@ -834,11 +835,6 @@ class NonfiniteProbe:
             dtype=str(bad.dtype),
             device=str(bad.device),
         )
-        bad_weights = [
-            p
-            for p in module.parameters(recurse=False)
-            if isinstance(p, nn.Parameter) and not bool(torch.isfinite(p.detach()).all())
-        ]
         finding.weights_nonfinite = bool(bad_weights)
         if bad_weights:
             finding.nonfinite_weights = bad_weights
@@ -1142,11 +1138,16 @@ def _inside_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
-def _given_weights_nonfinite(module: nn.Module) -> bool:
-    """Whether the module runs on stand-in tensors for its own weights (not its
-    ``nn.Parameter``s: ``functional_call`` puts plain tensors in their place), one
-    of them non-finite. Asked only after an output went non-finite."""
-    return any(
-        not isinstance(p, nn.Parameter) and not bool(torch.isfinite(p.detach()).all())
-        for p in module.parameters(recurse=False)
-    )
+def _nonfinite_weights(module: nn.Module) -> tuple[list[torch.Tensor], bool]:
+    """The module's own non-finite ``nn.Parameter``s, and whether a stand-in for one
+    (a plain tensor ``functional_call`` put in its place) is non-finite. Asked
+    only after an output went non-finite."""
+    own: list[torch.Tensor] = []
+    given = False
+    for weight in module.parameters(recurse=False):
+        if not bool(torch.isfinite(weight.detach()).all()):
+            if isinstance(weight, nn.Parameter):
+                own.append(weight)
+            else:
+                given = True
+    return own, given
