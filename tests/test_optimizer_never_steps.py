@@ -362,7 +362,7 @@ class _ToggledGAN:
     that order is not caught.)"""
 
     @staticmethod
-    def build(step_disc: bool):
+    def build(step_disc: bool, stop_disc_at: int | None = None):
         import lightning.pytorch as pl
         from torch.nn import functional as F
 
@@ -391,7 +391,7 @@ class _ToggledGAN:
                     self.discriminator(real), ones
                 ) + F.binary_cross_entropy_with_logits(self.discriminator(fake), zeros)
                 self.manual_backward(d_loss)
-                if step_disc:
+                if step_disc and (stop_disc_at is None or batch_idx < stop_disc_at):
                     opt_d.step()
                 self.untoggle_optimizer(opt_d)
 
@@ -419,3 +419,55 @@ def test_lightning_toggle_optimizer_does_not_hide_a_discriminator_never_stepped(
     quiet_trainer(tmp_path, [callback], max_epochs=1).fit(_ToggledGAN.build(step_disc), data)
     found = [a.data.get("optimizer") for a in callback.alerts if a.rule == "not_optimized"]
     assert found == ([] if step_disc else [1])
+
+
+@pytest.mark.parametrize("stop_disc_at", [40, None], ids=["stops_at_40", "keeps_stepping"])
+def test_lightning_toggle_optimizer_does_not_hide_a_discriminator_that_stopped_stepping(
+    tmp_path, stop_disc_at
+):
+    """The discriminator's step dropped from batch 40 on while its backward still runs:
+    toggle_optimizer(opt_g) has it frozen whenever the generator's step looks."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.lightning_models import quiet_trainer
+    from trainwatch.lightning import TrainWatchCallback
+
+    torch.manual_seed(0)
+    callback = TrainWatchCallback(console=False)
+    data = DataLoader(TensorDataset(torch.randn(32 * 200, 2)), batch_size=32)
+    gan = _ToggledGAN.build(True, stop_disc_at)
+    quiet_trainer(tmp_path, [callback], max_epochs=1).fit(gan, data)
+    found = [a for a in callback.alerts if a.rule == "not_optimized"]
+    if stop_disc_at is None:
+        assert found == []
+        return
+    (alert,) = found
+    assert alert.data["kind"] == "optimizer_stopped" and alert.data["optimizer"] == 1
+    assert alert.data["last_step"] >= 40
+    assert {name.split(".")[0] for name in alert.data["parameters"]} == {"discriminator"}
+
+
+def test_a_second_phase_with_the_body_frozen_after_its_last_gradient_is_silent():
+    """The body's gradients of the first phase's last backward stay (frozen, never
+    reset again): no training of the body, nothing to tell."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    model.head = nn.Linear(16, 2)
+    first = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long()
+    with tw.watch(model, first, console=False) as monitor:
+        for _ in range(20):
+            first.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            first.step()
+        model.body.requires_grad_(False)
+        second = torch.optim.Adam(model.head.parameters(), 1e-4)
+        monitor.add_optimizer(second)
+        for _ in range(200):
+            second.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            second.step()
+        assert all(p.grad is not None for p in model.body.parameters())
+    assert [a.rule for a in monitor.alerts if a.severity != "info"] == []

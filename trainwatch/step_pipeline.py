@@ -13,6 +13,7 @@ lagged readback, a halt); this module decides what each one does.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
@@ -277,6 +278,9 @@ class StepPipeline:
         # and those already told.
         self._stopped_check_at = STOPPED_STEPPING
         self._stopped_told: set[int] = set()
+        # Per stale optimizer, the gradients its frozen parameters held at the
+        # last look (see _fresh_frozen_gradients).
+        self._frozen_grads_seen: dict[int, dict[int, tuple[weakref.ref, int]]] = {}
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self.parts = (
             self.passes,
@@ -568,15 +572,36 @@ class StepPipeline:
         if not recent:
             return  # nothing steps now: the training paused, or ended
         for index in stale:
-            held = [
-                p
-                for p in self.optimizer_params(index)
-                if p.requires_grad and p.grad is not None and id(p) not in recent
+            with_grad = [
+                p for p in self.optimizer_params(index) if p.grad is not None and id(p) not in recent
             ]
+            held = [p for p in with_grad if p.requires_grad]
             if not held:
-                continue
+                held = with_grad
+                if not self._fresh_frozen_gradients(index, held):
+                    continue
             self._stopped_told.add(index)
+            self._frozen_grads_seen.pop(index, None)
             self._tell_idle(step, index, held, step - applied_at[index], applied_at[index])
+
+    def _fresh_frozen_gradients(self, index: int, frozen: list[torch.Tensor]) -> bool:
+        """Whether some of these frozen parameters got a new gradient since the last look.
+
+        A gradient left behind by the last backward before a part was frozen
+        (a second phase's optimizer built over the head) stays as it was: no
+        training. One that changed came from a backward all the same, the part
+        frozen only around another optimizer's step (Lightning's
+        ``toggle_optimizer``, whose discriminator's step was dropped). The
+        first look only notes them.
+        """
+        before = self._frozen_grads_seen.get(index, {})
+        now = {id(p): (weakref.ref(p.grad), p.grad._version) for p in frozen}
+        self._frozen_grads_seen[index] = now
+        for key, (ref, version) in now.items():
+            seen = before.get(key)
+            if seen is not None and (seen[0]() is not ref() or seen[1] != version):
+                return True
+        return False
 
     def _tell_idle(
         self,
