@@ -573,7 +573,9 @@ class StepPipeline:
             return  # nothing steps now: the training paused, or ended
         for index in stale:
             with_grad = [
-                p for p in self.optimizer_params(index) if p.grad is not None and id(p) not in recent
+                p
+                for p in self.optimizer_params(index)
+                if p.grad is not None and id(p) not in recent
             ]
             held = [p for p in with_grad if p.requires_grad]
             if not held:
