@@ -169,6 +169,17 @@ def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _steps_before(model: nn.Module) -> int:
+    """Steps a LightningModule's fit took before this process: a fit resumed from a
+    checkpoint starts at the checkpoint's global step, as the callback's steps do.
+
+    Read at the first optimizer step, once Lightning has restored its loops.
+    """
+    trainer = getattr(model, "_trainer", None)
+    step = getattr(trainer, "global_step", 0) if trainer is not None else 0
+    return step if isinstance(step, int) and step > 0 else 0
+
+
 def _part_of(monitor: Monitor, module: nn.Module) -> bool:
     """The monitor is ours, has watched no step, and watches a submodule of ``module``."""
     if monitor.closed or monitor.step_count:
@@ -678,6 +689,10 @@ class AutoWatch:
                     joined[id(owner)] = owner
         for monitor in joined.values():
             if not monitor.closed:
+                if not monitor.step_count and not monitor.optimizers:
+                    resumed = _steps_before(monitor.model)
+                    if resumed:
+                        monitor.load_state_dict({"step": resumed})
                 monitor.add_optimizer(optimizer)
                 # its optimizer marks its steps from now on: backward ends are not needed
                 for handle in self._backward_ends.pop(id(monitor), []):
