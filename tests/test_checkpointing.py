@@ -132,3 +132,65 @@ def test_nan_inside_a_checkpointed_block_is_located_in_it(kind, reentrant, check
 def test_unarmed_fault_in_a_checkpointed_block_stays_silent(reentrant):
     monitor = _train_with_fault("backward", reentrant, "auto", fault_step=None)
     assert monitor.alerts == []
+
+
+# -- a checkpointed block cut off from the loss ------------------------------------------
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.cut = False  # planted: the block's branch detached
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = torch.relu(self.fc(x))
+        return x + (branch.detach() if self.cut else branch)
+
+
+class _CheckpointedStack(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_ResidualBlock() for _ in range(3))
+        self.head = nn.Linear(16, 1)
+        self.reentrant = reentrant
+        self.skipped: int | None = None  # a block stochastic depth drops this step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for index, block in enumerate(self.blocks):
+            if index != self.skipped:
+                h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _train_stack(reentrant: bool, variant: str) -> list:
+    torch.manual_seed(0)
+    model = _CheckpointedStack(reentrant)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    draw = torch.Generator().manual_seed(1)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(40):
+            if variant == "cut" and step == 10:
+                model.blocks[1].cut = True
+            if variant == "stochastic_depth":
+                model.skipped = 1 if torch.rand((), generator=draw) < 0.5 else None
+            x = torch.randn(32, 8)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opt.step()
+    return [(a.rule, a.module, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_block_cut_off_by_a_detach_is_named_at_its_step(reentrant):
+    """Reentrant checkpointing runs the block under no_grad in the pass: only its
+    re-run inside backward shows that it ran, so it is no block skipped by design."""
+    assert _train_stack(reentrant, "cut") == [("zero_gradient", "blocks.1.fc", 10)]
+
+
+@pytest.mark.parametrize("variant", ["healthy", "stochastic_depth"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_trained_or_dropped_by_design_are_silent(reentrant, variant):
+    assert _train_stack(reentrant, variant) == []

@@ -7,9 +7,9 @@ step. What tells them apart is whether the layer ran. Nothing is watched on
 a model whose every parameter gets its gradient: a layer is followed only
 from the step after it first went without one (the cheap trigger is the
 step's own list of parameters with no gradient), and then only through one
-global forward pre-hook installed for the model's passes and removed at their
-end (a hook on the layer itself would travel with the model into
-``torch.save`` and ``copy.deepcopy``).
+global forward pre-hook installed for the model's passes and removed at the
+step boundary, their backward included (a hook on the layer itself would
+travel with the model into ``torch.save`` and ``copy.deepcopy``).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class StepCalls:
     def take(self) -> frozenset[str] | None:
         """The followed layers called since the last step boundary (None: not knowable:
         no pass with gradients was seen, or one ran where module calls are not)."""
+        self._unhook()
         called, blind = frozenset(self._called), self._blind or not self._passes
         self._called.clear()
         self._blind, self._passes = False, 0
@@ -110,7 +111,7 @@ class StepCalls:
 
     # -- the model's passes (ModelPasses) ----------------------------------
     def pass_starts(self, module: nn.Module) -> None:
-        if self._handle is not None or not self._followed or not torch.is_grad_enabled():
+        if not self._followed or not torch.is_grad_enabled():
             return  # a pass without gradients (an evaluation) makes no step's gradients
         if is_wrapper(module):
             self._blind = True  # inside a compiled graph no module call is seen
@@ -118,14 +119,17 @@ class StepCalls:
         self._mark(unwrap(module))  # its own hooks are already running
         self._inner_calls = 0
         self._passes += 1
-        self._handle = register_module_forward_pre_hook(WeakHook(self, "called"))
+        if self._handle is None:
+            self._handle = register_module_forward_pre_hook(WeakHook(self, "called"))
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._handle is not None and not self._inner_calls:
+        if self._handle is not None and not self._inner_calls and torch.is_grad_enabled():
             # Not one module call seen inside the pass: compiled in place
             # (``model.compile()``), where hooks do not run. Nothing is known.
             self._blind = True
-        self._unhook()
+        # The hook stays on until the step boundary: reentrant checkpointing
+        # runs its blocks under no_grad in the pass and with gradients only in
+        # backward, where they are seen running.
 
     def called(self, module: nn.Module, args: Any = None) -> None:
         if compiling() or (quiet.anywhere and quiet.replaying()) or not torch.is_grad_enabled():
