@@ -252,6 +252,8 @@ def test_one_of_a_models_optimizers_that_never_steps_is_reported_once():
     assert alert.module == "emb" and alert.step == PATIENCE
     assert alert.data["kind"] == "optimizer_never_steps" and alert.data["optimizer"] == 0
     assert alert.data["parameters"] == ["emb.weight"]
+    # Named by class as well: the index depends on the order the optimizers were met.
+    assert alert.data["optimizer_class"] == "SparseAdam" and "(SparseAdam)" in alert.message
 
 
 @pytest.mark.parametrize("every", [1, 5], ids=["every_step", "every_fifth"])
@@ -326,6 +328,7 @@ def test_a_second_phase_optimizer_over_the_head_while_the_body_trains_is_told_on
     (alert,) = alerts
     assert alert.module == "body.0" and alert.data["kind"] == "optimizer_stopped"
     assert alert.data["optimizer"] == 0 and alert.data["last_step"] == 19
+    assert alert.data["optimizer_class"] == "Adam"
     assert 119 <= alert.step <= 145  # looked at every 25 steps, from 100 steps stale
 
 

@@ -162,6 +162,9 @@ class StepRecord:
     # "setup": the trainable-parameter audit (at attach, after a change).
     source: str = "optimizer"
     optimizer: int | None = None
+    # The optimizer's class name, where a message names the optimizer (set on the
+    # rare paths that tell of one; None on a step's own record).
+    optimizer_class: str | None = None
     # Trainable parameters the step used, and the L2 norm of each one's gradient.
     present: list[ParamInfo] = field(default_factory=list)
     param_norms: list[float] = field(default_factory=list)

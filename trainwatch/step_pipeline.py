@@ -615,7 +615,12 @@ class StepPipeline:
     ) -> None:
         """Optimizer ``index`` left ``held`` unapplied for ``idle_steps`` steps (since
         ``last_step``, its last; None: it never stepped)."""
-        record = StepRecord(step=step, source="passes", optimizer=index)
+        record = StepRecord(
+            step=step,
+            source="passes",
+            optimizer=index,
+            optimizer_class=type(self._optimizers[index]).__name__,
+        )
         record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
         record.idle_steps = idle_steps
         record.idle_optimizer = index
@@ -995,6 +1000,7 @@ class StepPipeline:
             step=self._step_count(),
             source="attach",
             optimizer=index,
+            optimizer_class=type(self._optimizers[index]).__name__,
             frozen=frozen,
             frozen_pending=pending.record.frozen_pending,
             frozen_moved=pending.record.frozen_moved,

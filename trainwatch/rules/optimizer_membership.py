@@ -160,11 +160,16 @@ class NotOptimizedRule(_ReportOnce):
     ) -> Alert:
         """One of the model's optimizers never stepped while its others did."""
         index = record.idle_optimizer
+        # Named by its class too: an index alone depends on the order the optimizers
+        # were met in, which differs between tw.watch and trainwatch run.
+        name = f"optimizer {index}"
+        if record.optimizer_class:
+            name += f" ({record.optimizer_class})"
         if record.idle_since is not None:
             return self.alert(
                 record.step,
                 owners[0] if len(owners) == 1 else "",
-                f"optimizer {index} last stepped at step {record.idle_since}, "
+                f"{name} last stepped at step {record.idle_since}, "
                 f"{record.idle_steps} steps ago, while this model's other optimizers "
                 f"step, yet {len(params)} parameters only it holds "
                 f"({short_names(params)}) still get gradients: they are no longer updated",
@@ -176,6 +181,7 @@ class NotOptimizedRule(_ReportOnce):
                     "parameters": [p.name for p in params],
                     "steps_elsewhere": record.idle_steps,
                     "optimizer": index,
+                    "optimizer_class": record.optimizer_class,
                     "last_step": record.idle_since,
                     "kind": "optimizer_stopped",
                 },
@@ -183,10 +189,10 @@ class NotOptimizedRule(_ReportOnce):
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",
-            f"optimizer {index} has not stepped once while this model's other optimizers "
+            f"{name} has not stepped once while this model's other optimizers "
             f"took {record.idle_steps} steps, yet {len(params)} of its parameters "
             f"({short_names(params)}) hold gradients: they are never updated",
-            f"is optimizer {index}'s step() missing (a sparse embedding's SparseAdam "
+            f"is {name}'s step() missing (a sparse embedding's SparseAdam "
             "beside the dense optimizer, one optimizer per part of the model)? If these "
             "parameters are held fixed on purpose for now, freeze them "
             "(requires_grad_(False)) so no gradient is computed or kept for them.",
@@ -194,6 +200,7 @@ class NotOptimizedRule(_ReportOnce):
                 "parameters": [p.name for p in params],
                 "steps_elsewhere": record.idle_steps,
                 "optimizer": index,
+                "optimizer_class": record.optimizer_class,
                 "kind": "optimizer_never_steps",
             },
         )
