@@ -170,14 +170,35 @@ def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
 
 
 def _steps_before(model: nn.Module) -> int:
-    """Steps a LightningModule's fit took before this process: a fit resumed from a
-    checkpoint starts at the checkpoint's global step, as the callback's steps do.
+    """Steps the model's trainer took before this process: a fit resumed from a
+    checkpoint starts at the checkpoint's global step, as the callbacks' steps do.
 
-    Read at the first optimizer step, once Lightning has restored its loops.
+    Read at the first optimizer step, once Lightning has restored its loops or
+    the Hugging Face Trainer its state.
     """
     trainer = getattr(model, "_trainer", None)
     step = getattr(trainer, "global_step", 0) if trainer is not None else 0
+    if not step:
+        step = _hf_global_step(model)
     return step if isinstance(step, int) and step > 0 else 0
+
+
+def _hf_global_step(model: nn.Module) -> int:
+    """The global step of the Hugging Face Trainer training ``model`` (one scan of
+    live objects, when the Trainer is in use; 0 when none holds it).
+
+    The Trainer keeps no reference on the model, so it is looked for.
+    """
+    found = sys.modules.get("transformers.trainer")
+    trainer_class = getattr(found, "Trainer", None)
+    if trainer_class is None:
+        return 0
+    for obj in gc.get_objects():
+        if isinstance(obj, trainer_class) and (
+            getattr(obj, "model", None) is model or getattr(obj, "model_wrapped", None) is model
+        ):
+            return getattr(getattr(obj, "state", None), "global_step", 0) or 0
+    return 0
 
 
 def _part_of(monitor: Monitor, module: nn.Module) -> bool:
