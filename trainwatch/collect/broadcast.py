@@ -166,7 +166,10 @@ _WARNING_LOSSES = frozenset(name for name in _ELEMENTWISE if "loss" in name or n
 
 
 def batch_broadcast(
-    first: tuple[int, ...], second: tuple[int, ...], batch: int | None = None
+    first: tuple[int, ...],
+    second: tuple[int, ...],
+    batch: int | None = None,
+    given: frozenset[int] = frozenset(),
 ) -> tuple[int, ...] | None:
     """The result shape when two operands broadcast a batch axis against another.
 
@@ -181,9 +184,14 @@ def batch_broadcast(
 
     The size-1 axis may also sit inside, with per-sample axes after it that
     both operands share: a one-channel mask ``(N, 1, H, W)`` against an
-    ``(N, H, W)`` target gives ``(N, N, H, W)``. There the paired size must be
-    ``batch``, the model's batch: query embeddings ``(Q, 1, D)`` against ``(K, D)``
-    prototypes pair on purpose, and may have equal sizes by chance.
+    ``(N, H, W)`` target gives ``(N, N, H, W)``; or that are of size 1 on its
+    side, a value per sample against the other's features: an ``(N, 1, 1)``
+    target against an ``(N, K)`` prediction gives ``(N, N, K)``. There the
+    paired size must be ``batch``, the model's batch: query embeddings
+    ``(Q, 1, D)`` against ``(K, D)`` prototypes pair on purpose, and may have
+    equal sizes by chance. ``given`` holds the axes of the higher-rank operand
+    created in the loss code: such an axis pairing against shared per-sample
+    axes (``z.unsqueeze(1) - keys``) is a pairing written on purpose.
     """
     if len(first) == len(second) or not first or not second:
         return None
@@ -200,42 +208,116 @@ def batch_broadcast(
         high, low, paired = high[:-1], low[:-1], paired[:-1]
     rank = len(paired)
     low_padded = (1,) * (rank - len(low)) + tuple(low)
-    if high[-1] != 1 or paired[-1] <= 1:
-        return _inner_pairing(high, low_padded, batch, result)
-    size = paired[-1]
-    low_expanded = any(
-        low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1
-    )
-    return result if low_expanded else None
+    if high[-1] == 1 and paired[-1] > 1:
+        size = paired[-1]
+        if any(low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1):
+            return result
+    return _inner_pairing(high, low_padded, batch, given, result)
 
 
 def _inner_pairing(
     high: tuple[int, ...],
     low_padded: tuple[int, ...],
     batch: int | None,
+    given: frozenset[int],
     result: tuple[int, ...],
 ) -> tuple[int, ...] | None:
     """``batch_broadcast``'s inner case: ``high``'s axis ``j`` of size 1 meets the batch
-    in ``low``, the axes after ``j`` are the same in both, and an axis of ``high``
-    before ``j`` is the batch where ``low`` has none."""
+    in ``low``, each axis after ``j`` is the same in both or of size 1 in ``high``,
+    and an axis of ``high`` before ``j`` is the batch where ``low`` has none."""
     if batch is None or batch < 2:
         return None
     rank = len(high)
     for j in range(1, rank - 1):
-        if high[j] != 1 or low_padded[j] != batch or high[j + 1 :] != low_padded[j + 1 :]:
+        if high[j] != 1 or low_padded[j] != batch:
+            continue
+        after = list(zip(high[j + 1 :], low_padded[j + 1 :]))
+        if all(h == o for h, o in after):
+            if j in given:
+                continue  # an axis given to pair each sample with every other's
+        elif not all(h == 1 or h == o for h, o in after):
             continue
         if any(high[i] == batch and low_padded[i] == 1 for i in range(j)):
             return result
     return None
 
 
-# Ops that give a tensor a new axis in the loss code.
+# Ops that may give a tensor a new axis in the loss code, and ops after which
+# it still has the axes it had (a copy, a cast, a move to the model's device).
 _ADDS_AXES = frozenset({"unsqueeze", "__getitem__", "view", "reshape", "unflatten", "expand"})
+_KEEPS_AXES = frozenset(
+    {"to", "float", "double", "half", "bfloat16", "type_as", "contiguous", "clone", "detach"}
+)
 
 
-def _gained_an_axis(args: Any, out: torch.Tensor) -> bool:
-    first = args[0] if args else None
-    return isinstance(first, torch.Tensor) and out.dim() > first.dim()
+def _index_new_axes(index: Any, rank: int) -> list[int] | None:
+    """Where ``t[index]`` puts its ``None`` axes, for a basic index; None for another."""
+    entries = index if isinstance(index, tuple) else (index,)
+    for entry in entries:
+        if isinstance(entry, bool) or not (
+            entry is None or entry is Ellipsis or isinstance(entry, (int, slice))
+        ):
+            return None
+    consumed = sum(1 for entry in entries if entry is not None and entry is not Ellipsis)
+    position, found = 0, []
+    for entry in entries:
+        if entry is None:
+            found.append(position)
+            position += 1
+        elif entry is Ellipsis:
+            position += rank - consumed
+        elif isinstance(entry, slice):
+            position += 1
+    return found
+
+
+def _inserted_ones(source: tuple[int, ...], out: tuple[int, ...]) -> list[int] | None:
+    """The axes of ``out`` that are ``source``'s with size-1 axes inserted, read from the
+    left (``(N, 1)`` viewed as ``(N, 1, 1)`` gained its last); None for another reshape."""
+    i, found = 0, []
+    for position, size in enumerate(out):
+        if i < len(source) and source[i] == size:
+            i += 1
+        elif size == 1:
+            found.append(position)
+        else:
+            return None
+    return found if i == len(source) else None
+
+
+def _new_axes(
+    name: str, args: Any, kwargs: dict[str, Any], source: torch.Tensor, out: torch.Tensor
+) -> list[int] | None:
+    """The positions in ``out`` of the size-1 axes the op gave ``source``, or None."""
+    if name == "unsqueeze":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return [dim % out.dim()] if isinstance(dim, int) else None
+    if name == "__getitem__" and len(args) > 1:
+        found = _index_new_axes(args[1], source.dim())
+        if found is not None:
+            return found
+    return _inserted_ones(tuple(source.shape), tuple(out.shape))
+
+
+def _given_axes(
+    name: str, args: Any, kwargs: dict[str, Any], out: Any, before: frozenset[int]
+) -> frozenset[int]:
+    """The axes of ``out`` given in the loss code: the op's new ones, and ``before``,
+    the source's own given axes, where they carry over."""
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return frozenset()
+    if name in _KEEPS_AXES:
+        return before if out.shape == source.shape else frozenset()
+    if name not in _ADDS_AXES or out.dim() <= source.dim():
+        return frozenset()
+    new = _new_axes(name, args, kwargs, source, out)
+    if new is None:  # a reshape beyond inserting axes: any size-1 axis may be new
+        return frozenset(i for i, size in enumerate(out.shape) if size == 1)
+    kept = [i for i in range(out.dim()) if i not in new]
+    if [out.shape[i] for i in kept] != list(source.shape):
+        return frozenset(new)
+    return frozenset(new) | {kept[i] for i in before if i < len(kept)}
 
 
 def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -363,13 +445,12 @@ class BroadcastAudit:
         self._tracked: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
-        # Of those, the ones given an axis in the loss (z.unsqueeze(1), z[:, None]):
-        # paired with every other sample on purpose (a distance to each key of a
-        # momentum encoder, to each class centre), unlike an output that came
-        # out of the model (N, 1, H, W).
-        self._axis_added: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
+        # Tensors given a size-1 axis in the loss (z.unsqueeze(1), keys[:, None]),
+        # by id, with the positions of the axes given: one placed to pair each
+        # sample with every other (a distance to each key of a momentum encoder,
+        # to each class centre) is on purpose, unlike an axis that came out of
+        # the model (N, 1, H, W) or with the data (a (N, 1, 1) target).
+        self._given: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
         self.findings: list[BroadcastReport] = []
         self._seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
         self.audited_pass = False
@@ -460,7 +541,7 @@ class BroadcastAudit:
     def step_boundary(self) -> list[BroadcastReport]:
         self.stop()
         self._tracked.clear()
-        self._axis_added.clear()
+        self._given.clear()
         _IN_PASS.discard(self)
         if self.audited_pass:
             self.steps_left -= 1
@@ -485,7 +566,7 @@ class BroadcastAudit:
         self._leave_inside()
         self.stop()
         self._tracked.clear()
-        self._axis_added.clear()
+        self._given.clear()
         _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -512,12 +593,27 @@ class BroadcastAudit:
         rows = target.detach()[:16].reshape(min(n, 16), -1).float()
         self.target_spread = (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
 
+    def _axes_given_to(self, tensor: torch.Tensor) -> frozenset[int]:
+        ref, axes = self._given.get(id(tensor), (None, frozenset()))
+        return axes if ref is not None and ref() is tensor else frozenset()
+
+    def _note_given_axes(self, name: str, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Any tensor's, the model's or the data's: ``data.unsqueeze(1) - samples``
+        in a kernel between the data and the model's samples pairs on purpose too."""
+        source = args[0] if args else None
+        before = self._axes_given_to(source) if isinstance(source, torch.Tensor) else frozenset()
+        axes = _given_axes(name, args, kwargs, out, before)
+        if axes and len(self._given) < _MAX_TRACKED:
+            self._given[id(out)] = (weakref.ref(out), axes)
+
     def after_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        name = _op_name(func)
+        if name in _ADDS_AXES or name in _KEEPS_AXES:
+            self._note_given_axes(name, args, kwargs, out)
         if not any(self._derived(t) for t in _inputs(args, kwargs)):
             return
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        name = _op_name(func)
         for tensor in _tensors(out):
             # Followed: what carries the model's gradient, and its detached
             # copy (an advantage built from values). Not what was only computed
@@ -526,8 +622,6 @@ class BroadcastAudit:
             # the model's output.
             if tensor.requires_grad or name == "detach":
                 self._track(tensor)
-                if name in _ADDS_AXES and _gained_an_axis(args, tensor):
-                    self._axis_added[id(tensor)] = tensor
         if name in _REGRESSION and self.target_spread is None:
             self._measure_target(operands)
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
@@ -559,11 +653,10 @@ class BroadcastAudit:
         # The inner form pairs the model's output with a target or mask; two
         # tensors both derived from the model (``z1.unsqueeze(1) - z2``, every
         # embedding against every other view's) are paired on purpose, and so is
-        # one given its size-1 axis in the loss (against a momentum encoder's keys).
+        # one given its pairing axis in the loss (against a momentum encoder's keys).
         high = a if a.dim() > b.dim() else b
-        on_purpose = self._derived(a) == self._derived(b) or self._axis_added.get(id(high)) is high
-        batch = None if on_purpose else self._batch
-        result = batch_broadcast(first, second, batch)
+        batch = None if self._derived(a) == self._derived(b) else self._batch
+        result = batch_broadcast(first, second, batch, self._axes_given_to(high))
         if result is None or _one_tensor(a, b):
             return
         key = (name, first, second)
