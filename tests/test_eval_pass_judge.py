@@ -8,8 +8,8 @@ optimizers); an EMA copy kept for evaluation is run every few hundred steps.
 
 from __future__ import annotations
 
-from trainwatch.collect.eval_passes import SPARSE_GAP, EvalPassJudge
-from trainwatch.record import StepRecord
+from trainwatch.collect.eval_passes import SPARSE_GAP, EvalPassJudge, PartStreak
+from trainwatch.record import ModeReport, StepRecord
 
 
 def _passes(clocks: list[int], moves: bool = True) -> list[list[StepRecord]]:
@@ -145,3 +145,26 @@ def test_a_watched_model_checked_under_no_grad_before_training_is_silent():
                     model(torch.randn(8, 10))
     found = [(a.rule, a.step) for a in monitor.alerts if a.severity != "info"]
     assert found == [("eval_in_train_mode", 41)]
+
+
+def _report(*modules: str) -> ModeReport:
+    return ModeReport(list(modules), ["Dropout"] * len(modules), True, len(modules))
+
+
+def test_parts_called_one_after_the_other_make_one_pass_for_the_judge():
+    """decode(encode(x)): the decoder goes on with the encoder's pass; the encoder
+    called again starts the next one, whose report names every part's modules."""
+    streak = PartStreak()
+    first = streak.joined("encoder", _report("encoder.1"), fresh=True)
+    assert streak.joined("decoder", _report("decoder.2"), fresh=False) is None
+    again = streak.joined("encoder", _report("encoder.1"), fresh=False)
+    assert again is first  # the held record tells the decoder's modules too
+    assert first.modules == ["encoder.1", "decoder.2"] and first.total == 2
+
+
+def test_a_part_after_a_training_pass_starts_a_new_streak():
+    streak = PartStreak()
+    first = streak.joined("encoder", _report("encoder.1"), fresh=True)
+    second = streak.joined("decoder", _report("decoder.2"), fresh=True)
+    assert second is not None and second is not first
+    assert first.modules == ["encoder.1"]

@@ -236,7 +236,7 @@ class StepPipeline:
                 weak_callback(self._publish_pass),
                 on_error,
             )
-            self.behaviour.passes = self.passes
+            self.behaviour.attach_passes(self.passes)
             self.behaviour.optimized = lambda: bool(optimizers)  # the Monitor's own list
             self.passes.subscribe("behaviour checks", self.behaviour)
         # The loss's class targets on sampled steps, and the training loader's order.

@@ -35,8 +35,9 @@ from torch import nn
 
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
-from trainwatch.collect.eval_passes import EvalPassJudge
+from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak
 from trainwatch.collect.functional_modes import FunctionalLook
+from trainwatch.collect.lone_parts import LoneParts
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
@@ -96,6 +97,7 @@ class BehaviourWatch:
         self._due_step = -1
         self._due_now = False
         self.eval_passes = EvalPassJudge()
+        self._part_streak = PartStreak()  # parts called one after the other: one pass
         # Whether the model has an optimizer of its own (set by the pipeline): a
         # generator not yet trained, sampled once per critic step, is one.
         self.optimized: Callable[[], bool] = _never
@@ -105,8 +107,11 @@ class BehaviourWatch:
         self._holds_steps = self.check_eval_pass
         if self._holds_steps:
             ANY_OPTIMIZER_STEPS.hold()
-        # The model's passes (set by the Monitor): the broadcast audit reads a pass's arguments.
+        # The model's passes (see attach_passes): the broadcast audit reads a pass's arguments.
         self.passes: ModelPasses | None = None
+        # Parts of the model called on their own in a no-grad block (an evaluation
+        # through model.encode): looked for while the model holds dropout or batch norm.
+        self.lone_parts: LoneParts | None = None
         self.broadcast = (
             BroadcastAudit(config.broadcast.audit_steps, on_error)
             if rule_ids & rules_needing("broadcast_audit")
@@ -131,6 +136,25 @@ class BehaviourWatch:
             if spread or zeros
             else None
         )
+
+    def attach_passes(self, passes: ModelPasses) -> None:
+        """The model's passes, which this subscribes to (the evaluation check
+        also looks for parts of the model called on their own)."""
+        self.passes = passes
+        model = self._model()
+        if self.check_eval_pass and self.modes is not None and model is not None:
+            mc_dropout = self._config.eval_in_train_mode.mc_dropout
+            self.lone_parts = LoneParts(
+                model,
+                passes,
+                self.modes,
+                self.eval_passes,
+                self._module_names,
+                mc_dropout,
+                self._on_error,
+            )
+            if self.modes.listed:
+                self.lone_parts.follow()
 
     def backward_seen(self, report: ModeReport, grad: torch.Tensor) -> None:
         """Backward ran through an eval-mode pass: it was a training step.
@@ -246,30 +270,20 @@ class BehaviourWatch:
                     found = self.functional.finish()
                     if found:
                         self.modes.learn_functional(found)
+                        if self.lone_parts is not None:
+                            self.lone_parts.follow()
             if not grad and self.check_eval_pass:
                 report = self.modes.in_mode(
                     True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
                 )
+                if report is not None and part is not None:
+                    # A part after a training pass (or a step's end) starts a streak.
+                    fresh = not self.eval_passes.in_a_row
+                    report = self._part_streak.joined(part[0], report, fresh)
+                elif report is not None:
+                    self._part_streak.reset()
                 if report is not None:
-                    step = self._step_of()
-                    if not self.eval_passes.trained:
-                        # No steps of its own (an EMA copy): the step the training is in.
-                        step = max(step, PROCESS_STEPS.now)
-                    record = StepRecord(step=step, source="forward")
-                    record.eval_in_train = report
-                    weights = weights_fingerprint(model)
-                    clock = PROCESS_STEPS.taken
-                    # An optimizer step, or a backward of a watched model, since the
-                    # last such pass: a critic's step (or its micro-batch) between two
-                    # samples of its generator.
-                    marks = (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.backwards)
-                    before, self._steps_at_nograd = self._steps_at_nograd, marks
-                    between = before is not None and before != marks
-                    told = self.eval_passes.nograd_pass(
-                        record, weights, clock, stepped_between=between and self.optimized()
-                    )
-                    for due in told:
-                        self._publish(due)
+                    self._judge_nograd_pass(model, report)
             if grad:
                 passes = self.eval_passes
                 if passes.in_a_row or not passes.trained:  # else it has nothing to do
@@ -286,6 +300,29 @@ class BehaviourWatch:
                             break
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad)
+
+    def _judge_nograd_pass(self, model: nn.Module | None, report: ModeReport) -> None:
+        """A pass without gradients ran modules in training mode: an evaluation, or
+        part of training? The judge tells, now or at a step boundary."""
+        step = self._step_of()
+        if not self.eval_passes.trained:
+            # No steps of its own (an EMA copy): the step the training is in.
+            step = max(step, PROCESS_STEPS.now)
+        record = StepRecord(step=step, source="forward")
+        record.eval_in_train = report
+        weights = weights_fingerprint(model)
+        clock = PROCESS_STEPS.taken
+        # An optimizer step, or a backward of a watched model, since the
+        # last such pass: a critic's step (or its micro-batch) between two
+        # samples of its generator.
+        marks = (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.backwards)
+        before, self._steps_at_nograd = self._steps_at_nograd, marks
+        between = before is not None and before != marks
+        told = self.eval_passes.nograd_pass(
+            record, weights, clock, stepped_between=between and self.optimized()
+        )
+        for due in told:
+            self._publish(due)
 
     def _frozen_in_training(self, modes: ModeWatch) -> None:
         """A training pass ran a large frozen part in training mode: told once a run."""
@@ -320,6 +357,16 @@ class BehaviourWatch:
             name = self._parts.get(id(inner))
         return name
 
+    def _module_names(self) -> dict[int, str]:
+        """Every module of the model by id, with its name (the tree as it is now)."""
+        if self._structure.changed():
+            self._rebuild()
+        if not self._parts:
+            model = self._model()
+            if model is not None:
+                self._parts = {id(sub): user_name(raw) for raw, sub in model.named_modules()}
+        return self._parts
+
     def _rebuild(self) -> None:
         self._parts = {}
         model = self._model()
@@ -327,6 +374,8 @@ class BehaviourWatch:
             return
         if self.modes is not None:
             self.modes.refresh()
+            if self.modes.listed and self.lone_parts is not None:
+                self.lone_parts.follow()  # dropout or batch norm added
         if self.sampler is not None:
             self.sampler.attach(model)
 
@@ -387,6 +436,8 @@ class BehaviourWatch:
             self.modes.stop_learning(apply=False)
         if self.functional is not None:
             self.functional.detach()
+        if self.lone_parts is not None:
+            self.lone_parts.detach()
         if self.broadcast is not None:
             self.broadcast.detach()
         if self.sampler is not None:

@@ -38,7 +38,7 @@ between are an evaluation of that copy, one that forgot ``ema.eval()``.
 
 from __future__ import annotations
 
-from trainwatch.record import StepRecord
+from trainwatch.record import ModeReport, StepRecord
 
 # Process steps between two no-grad passes of a model trained elsewhere from
 # which they are an evaluation, not a target's: a target runs at every step
@@ -154,3 +154,45 @@ class EvalPassJudge:
         # A model never trained by backward here: its last passes were never told
         # apart from a target's (no next pass to show its weights moving).
         return due if self.trained else []
+
+
+class PartStreak:
+    """No-grad passes of the model's parts in a row, as the judge counts them.
+
+    Parts called one after the other (``decode(encode(x))``, ``head(net(x))``,
+    a pseudo-label made with ``classifier(encoder(x))`` at every step) make one
+    pass of the model between them: only a part called again starts a new pass
+    for the judge. Every record of the streak carries the same report, the
+    modules of all its parts in the order called (filled in as they come, so a
+    held record tells them all), so one evaluation is told once, at its first
+    module.
+    """
+
+    def __init__(self) -> None:
+        self._report: ModeReport | None = None
+        self._in_pass: set[str] = set()  # the parts of the pass under way
+        self._parts: set[str] = set()  # every part of the streak
+
+    def joined(self, part: str, report: ModeReport, fresh: bool) -> ModeReport | None:
+        """The report of a new pass for the judge; None: ``part`` goes on with the pass
+        under way. ``fresh``: no such pass since the last training pass, a new streak."""
+        streak = self._report
+        if streak is None or fresh:
+            self._report, self._in_pass, self._parts = report, {part}, {part}
+            return report
+        new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in streak.modules]
+        streak.modules.extend(m for m, _ in new)
+        streak.kinds.extend(k for _, k in new)
+        streak.in_frozen_parts.extend(m for m in report.in_frozen_parts if m in dict(new))
+        if part not in self._parts:
+            self._parts.add(part)
+            streak.total += report.total
+        if part in self._in_pass:
+            self._in_pass = {part}
+            return streak
+        self._in_pass.add(part)
+        return None
+
+    def reset(self) -> None:
+        """A pass of the whole model ended the streak."""
+        self._report = None

@@ -127,20 +127,44 @@ class ModelPasses:
         # id of the module whose call in progress was started by hand (``started``):
         # its own pre-hook, if PyTorch still runs it, is that same call.
         self._started_by_hand: int | None = None
+        # Parts followed for their calls without gradients alone (see hook), by id,
+        # and the one whose such call is the pass in progress.
+        self._nograd_only: set[int] = set()
+        self._nograd_pass: nn.Module | None = None
 
-    def hook(self, module: nn.Module) -> None:
-        """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper)."""
+    def hook(self, module: nn.Module, *, nograd_only: bool = False) -> None:
+        """Watch ``module``'s calls as the model's passes (the root, or its compile wrapper).
+
+        ``nograd_only``: a part of a model that is called whole otherwise, whose calls
+        on their own without gradients are passes (an evaluation through
+        ``model.encode``); its calls inside the model's passes and its calls with
+        gradients cost two early returns each, and are no passes.
+        """
         if any(ref() is module for ref, _, _ in self._hooked):
             return
+        enter, leave = ("enter_nograd", "leave_nograd") if nograd_only else ("enter", "leave")
         handles = [
-            module.register_forward_pre_hook(WeakHook(self, "enter"), with_kwargs=True),
-            module.register_forward_hook(
-                WeakHook(self, "leave"), with_kwargs=True, always_call=True
-            ),
+            module.register_forward_pre_hook(WeakHook(self, enter), with_kwargs=True),
+            module.register_forward_hook(WeakHook(self, leave), with_kwargs=True, always_call=True),
         ]
         cls = type(module) if _hide_hooks_of(type(module)) else None
         self._hooked.append((weakref.ref(module), handles, cls))
         self._hook_ids.add(id(module))
+        if nograd_only:
+            self._nograd_only.add(id(module))
+
+    def _unhook(self, module: nn.Module) -> None:
+        for entry in self._hooked:
+            ref, handles, cls = entry
+            if ref() is module:
+                for handle in handles:
+                    handle.remove()
+                if cls is not None:
+                    _release_class(cls)
+                self._hooked.remove(entry)
+                self._hook_ids.discard(id(module))
+                self._nograd_only.discard(id(module))
+                return
 
     def widen(self) -> int:
         """Also watch the children (with parameters) of every module watched so far.
@@ -157,6 +181,8 @@ class ModelPasses:
             for child in unwrap(module).children():
                 if isinstance(child, torch.jit.ScriptModule):
                     continue  # TorchScript takes no hooks
+                if id(child) in self._nograd_only and self.hooks(child):
+                    self._unhook(child)  # followed for its evaluations: now for every call
                 if not self.hooks(child) and next(child.parameters(), None) is not None:
                     self.hook(child)
                     added += 1
@@ -164,6 +190,11 @@ class ModelPasses:
 
     def hooks(self, module: nn.Module) -> bool:
         return any(ref() is module for ref, _, _ in self._hooked)
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether one of the model's passes is in progress."""
+        return self._depth > 0
 
     def subscribe(self, name: str, listener: PassListener, *, starts: bool = True) -> None:
         """``starts``: False for a listener whose ``pass_starts`` does nothing."""
@@ -196,6 +227,22 @@ class ModelPasses:
             return
         self.enter(module, args)
         self._started_by_hand = id(module) if self._depth == 1 else None
+        if self._depth == 1 and id(module) in self._nograd_only:
+            self._nograd_pass = module
+
+    def enter_nograd(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        """A call of a part followed for its evaluations: a pass when it runs on its
+        own without gradients."""
+        if self._depth or torch.is_grad_enabled():
+            return
+        self.enter(module, args, kwargs)
+        if self._depth == 1:
+            self._nograd_pass = module
+
+    def leave_nograd(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._nograd_pass is module:
+            self._nograd_pass = None
+            self.leave(module, args, kwargs, output)
 
     def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         if self._started_by_hand is not None:
@@ -282,6 +329,8 @@ class ModelPasses:
                 _release_class(cls)
         self._hooked.clear()
         self._hook_ids.clear()
+        self._nograd_only.clear()
+        self._nograd_pass = None
         self._listeners.clear()
         self._dispatch()
         self._depth = 0
