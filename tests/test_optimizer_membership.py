@@ -78,6 +78,64 @@ def test_head_replaced_after_optimizer_was_built_is_not_optimized(model, quiet_w
     assert alerts == [("not_optimized", "head", 2)]
 
 
+class _TinyGPT(nn.Module):
+    def __init__(self, tie: bool = False, vocab: int = 40, width: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.block(self.wte(idx)))
+
+
+def _replace_the_head_at(step_count: int, tie: str, reset: str | None, steps: int = 10):
+    """A tiny GPT trained with ``reset`` ("model": model.zero_grad(), "optimizer":
+    opt.zero_grad(), None: none after the head is replaced), its head replaced once
+    ``step_count`` steps were taken (tied to the embedding before or after that)."""
+    torch.manual_seed(0)
+    model = _TinyGPT(tie=tie == "tied_before")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(steps):
+            if step == step_count:
+                model.lm_head = nn.Linear(16, 40, bias=False)
+                if tie == "tied_after":
+                    model.lm_head.weight = model.wte.weight
+            if reset == "model" or step < step_count:
+                model.zero_grad()
+            elif reset == "optimizer":
+                opt.zero_grad()
+            idx = torch.randint(0, 40, (4, 9), generator=gen)
+            logits = model(idx[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, 40), idx[:, 1:].reshape(-1)).backward()
+            opt.step()
+    return [(a.rule, a.module, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("reset", ["model", "optimizer"])
+@pytest.mark.parametrize("tie", ["untied", "tied_before", "tied_after"])
+def test_a_head_replaced_after_steps_is_only_not_optimized_whatever_resets_the_gradients(
+    tie, reset
+):
+    """The old head's weight stays in the optimizer with its last gradient, which
+    model.zero_grad() no longer reaches: no backward adds onto it, so no missing
+    zero_grad. A new head tied to the embedding is optimized: nothing to tell."""
+    expected = [] if tie == "tied_after" else [("not_optimized", "lm_head", 5)]
+    assert _replace_the_head_at(5, tie, reset) == expected
+
+
+def test_control_a_head_replaced_then_zero_grad_dropped_is_still_a_missing_zero_grad():
+    alerts = _replace_the_head_at(5, "untied", None)
+    assert sorted(alerts, key=str) == [
+        ("accumulated_gradient", None, 5),
+        ("not_optimized", "lm_head", 5),
+    ]
+
+
 def test_not_optimized_is_silent_without_any_watched_optimizer(model, quiet_watch):
     monitor = quiet_watch(model)
     for _ in range(3):

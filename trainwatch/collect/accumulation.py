@@ -400,7 +400,14 @@ class GradResetTracker:
             if state is None or not state.armed or state.reset or not state.accumulated:
                 continue
             grad = param.grad
-            if grad is None:
+            if grad is None or (not state.added and state.grad_ref is not None):
+                # No backward wrote into it since the step: a gradient left over,
+                # not added onto (a head replaced in the model, whose old weight
+                # the optimizer still holds and model.zero_grad() no longer
+                # resets). Told by the version counter of a plain tensor; a
+                # wrapper's (FSDP2's DTensor, added into through its local shard
+                # or after backward's end) shows no such move, so there the
+                # tensor itself stands as evidence.
                 continue
             # A gradient replaced since by the loop (DP-SGD's p.grad = clipped + noise,
             # made from the stale sum) still carries the stale values its content,
