@@ -68,6 +68,8 @@ class BoringNet(pl.LightningModule):
             torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g) for g in grads])
             ).item()
+            if grads
+            else 0.0
         )
 
     def configure_optimizers(self):
@@ -87,19 +89,26 @@ class BoringNet(pl.LightningModule):
 
 
 class ManualNet(BoringNet):
-    """Manual optimisation; ``forget_zero_grad_on_rank`` plants a missing zero_grad there."""
+    """Manual optimisation; ``forget_zero_grad_on_rank`` plants a missing zero_grad there,
+    ``zero_grad_after_backward`` one between ``manual_backward`` and ``opt.step()``."""
 
-    def __init__(self, *, forget_zero_grad_on_rank: int | None = None) -> None:
+    def __init__(
+        self, *, forget_zero_grad_on_rank: int | None = None, zero_grad_after_backward=False
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.forget_on = forget_zero_grad_on_rank
+        self.zero_grad_after_backward = zero_grad_after_backward
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        if self.forget_on is None or self.global_rank != self.forget_on:
+        forget = self.forget_on is not None and self.global_rank == self.forget_on
+        if not forget and not self.zero_grad_after_backward:
             opt.zero_grad()
         self.manual_backward(loss)
+        if self.zero_grad_after_backward:
+            opt.zero_grad()
         opt.step()
         return loss

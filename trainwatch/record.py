@@ -196,6 +196,10 @@ class StepRecord:
     # Without an optimizer: parameters whose gradient was rewritten in place after
     # backward reached them (reset by hand, clipped) before monitor.step().
     rewritten: frozenset[str] = frozenset()
+    # With an optimizer: every gradient the step's last backward left on its
+    # parameters was set to None or written since that backward ended, before
+    # this step (zero_grad() between backward and step, or a clip in place).
+    rewritten_since_backward: bool = False
     # Every gradient of the step exactly zero, and so was the gradient that entered
     # the model's output: the loss sent nothing (a margin loss every sample
     # satisfies), which says nothing of any layer.

@@ -31,8 +31,8 @@ import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
-from operator import attrgetter, eq, is_
+from itertools import compress, repeat
+from operator import attrgetter, eq, is_, is_not
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ def _max_abs_of_shard(grad: torch.Tensor) -> torch.Tensor:
 
 
 _GRAD = attrgetter("grad")
+_PARAM = attrgetter("param")
 _VERSION = attrgetter("_version")
 _CDATA = attrgetter("_cdata")
 _ACCUMULATED = attrgetter("accumulated")
@@ -200,6 +201,10 @@ class GradResetTracker:
         self._writes_may_follow = False
         # What each backward reached matters only to loops without an optimizer.
         self.track_reached = True
+        # What the latest backward since the step left in the gradients: by the
+        # parameter's id, its gradient's id and version as that backward ended
+        # (None: not noted, as on the usual step; see _note_left).
+        self.left: dict[int, tuple[int, int]] | None = None
         self._fallback: RemovableHandle | None = None
         # One of each hook object, reused every pass.
         self._starts = WeakHook(self, "backward_starts")
@@ -287,11 +292,9 @@ class GradResetTracker:
         if self._in_backward:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
-        if (
-            snapshot is not None
-            and self.check_resets
-            and (self._snapshot_reset or _all_reset(snapshot))
-        ):
+        # Asked without the stale-gradient check too: gradients found reset leave
+        # backward's end nothing to note (see _note_left).
+        if snapshot is not None and (self._snapshot_reset or _all_reset(snapshot)):
             self._snapshot_reset = True  # later backward passes of the step too
             self._stale = []
             if self._end_listeners or self.track_reached:
@@ -361,6 +364,8 @@ class GradResetTracker:
                         state.added = True  # this backward added onto the stale values
                     state.version = grad._version  # the next backward compares with this
             if not self.track_reached:
+                if not self._snapshot_reset:
+                    self._note_left()
                 return
             stale = {id(state) for state in self._stale}
             for state in self._states.values():
@@ -380,7 +385,42 @@ class GradResetTracker:
                 for callback in list(self._end_listeners.values()):
                     callback()  # each guards itself; a halt passes through
 
+    def _note_left(self) -> None:
+        """Which gradients this backward left, each tensor's id and version, in C loops.
+
+        Only where the gradients were not all found reset as it began (the first
+        step, a step whose gradients the loop did not reset in the usual place,
+        several optimizers): the usual step notes nothing. The step boundary
+        compares them with what it finds (``rewritten_since_backward``).
+        """
+        params = list(map(_PARAM, self._states.values()))
+        grads = list(map(_GRAD, params))
+        held = list(map(is_not, grads, repeat(None)))
+        kept = list(compress(grads, held))
+        self.left = dict(
+            zip(compress(map(id, params), held), zip(map(id, kept), map(_VERSION, kept)))
+        )
+
     # -- step boundary ---------------------------------------------------
+    def rewritten_since_backward(self, params: Sequence[torch.Tensor]) -> bool:
+        """The latest backward left gradients on some of ``params``, and every one of
+        them was set to None, replaced or written in place since it ended.
+
+        ``zero_grad()`` between ``backward()`` and ``step()`` does that, and so
+        does clipping every gradient in place (which the norms tell apart: it
+        leaves them non-zero). Asked only when that backward's gradients were
+        noted (``left``): C loops over the step's parameters.
+        """
+        left = self.left
+        if not left:
+            return False
+        before = list(map(left.get, map(id, params)))
+        if before.count(None) == len(before):
+            return False  # that backward left none of them a gradient
+        grads = list(map(_GRAD, params))
+        now = zip(map(id, grads), map(getattr, grads, repeat("_version"), repeat(-1)))
+        return not any(map(eq, before, now))
+
     def suspects(
         self, params: Iterable[torch.Tensor]
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -469,6 +509,7 @@ class GradResetTracker:
         the loop's own use of the gradients (a clip rescales them in place).
         """
         self.backward_seen = False
+        self.left = None
         self._writes_may_follow = writes_may_follow
         self._any_accumulated = False
         self._hooked_output = None

@@ -10,6 +10,7 @@ from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.trainable_parameters import common_module
 
 _HINTS = {
     "none": (
@@ -97,6 +98,14 @@ _USED_BEFORE = 50
 # Layout ids remembered for that (bounded: a router's layouts may change every step).
 _LAYOUTS_KEPT = 64
 _NAME = attrgetter("name")
+_RESET_HINT = (
+    "zero_grad() (optimizer.zero_grad() or model.zero_grad()) runs between "
+    "loss.backward() and optimizer.step(), wiping the gradients backward just made: "
+    "the update applies nothing and the model does not learn. Call it before "
+    "backward (or right after optimizer.step()); with gradient accumulation, after "
+    "the step."
+)
+_RESET_HOW = {"set_to_none": "set to None", "zeroed_in_place": "zeroed in place"}
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
 _NO_SIGNAL_HINT = (
@@ -135,6 +144,9 @@ class ZeroGradientRule(Rule):
         # Steps in a row where the loss sent no gradient into the model (from when).
         self._no_signal: tuple[int, int] | None = None
         self._no_signal_told = False
+        # Per optimizer, its steps in a row whose gradients were reset between
+        # backward and the step: (from when, how many, whether told).
+        self._resets: dict[int | None, tuple[int, int, bool]] = {}
         # Parameters seen with a gradient, updated once per new layout of a step's
         # gradients (ids of the layouts seen: a C lookup per step).
         self._had_gradient: set[str] = set()
@@ -175,6 +187,14 @@ class ZeroGradientRule(Rule):
             # target is masked. No layer's streak moves either way.
             return self._without_signal(record)
         self._no_signal = None
+        if record.rewritten_since_backward:
+            cause = _reset_before_step(record)
+            if cause is not None:
+                # Backward's gradients wiped before the step: says nothing of any
+                # layer, no layer's streak moves.
+                return self._reset_before_step(record, cause)
+        if self._resets:
+            self._resets.pop(record.optimizer, None)
         at_once = record.distributed == "ddp" and record.source == "optimizer"
         # Parameters that left the model (a replaced head) are not_optimized's story.
         silent: list[tuple[ParamInfo, str]] = [
@@ -360,6 +380,38 @@ class ZeroGradientRule(Rule):
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
 
+    def _reset_before_step(self, record: StepRecord, cause: str) -> list[Alert]:
+        """Told once per streak, after ``patience`` steps in a row, dated at its first:
+        a step that drops its gradients now and then on purpose stays silent."""
+        since, count, told = self._resets.get(record.optimizer, (record.step, 0, False))
+        count += 1
+        due = count >= self.config.patience and not told
+        self._resets[record.optimizer] = (since, count, told or due)
+        if not due:
+            return []
+        params = record.present or record.missing
+        names = [info.name for info in params]
+        return [
+            self.alert(
+                since,
+                common_module([info.owner for info in params]),
+                f"the gradients of all {len(names)} parameters the optimizer steps were "
+                f"{_RESET_HOW[cause]} after backward and before optimizer.step(), in "
+                f"{count} consecutive step{'s' if count != 1 else ''} since step {since}: "
+                "zero_grad() sits between backward and the step",
+                _RESET_HINT,
+                {
+                    "kind": "reset_before_step",
+                    "cause": cause,
+                    "parameters": names[:50],
+                    "count": len(names),
+                    "since_step": since,
+                    "steps": count,
+                    "optimizer": record.optimizer,
+                },
+            )
+        ]
+
     def _without_signal(self, record: StepRecord) -> list[Alert]:
         """Told once, as a note, when the loss has sent nothing for many steps in a row."""
         since, count = self._no_signal or (record.step, 0)
@@ -378,6 +430,17 @@ class ZeroGradientRule(Rule):
                 severity="info",
             )
         ]
+
+
+def _reset_before_step(record: StepRecord) -> str | None:
+    """How the step's gradients were wiped after backward made them, if they were:
+    every one set to None, or every one exactly zero and written in place since
+    backward ended (a clip in place leaves them non-zero). None: not so."""
+    if not record.present:
+        return "set_to_none" if record.missing else None
+    if record.sharded or any(record.param_norms):
+        return None  # (a zero shard says nothing)
+    return "zeroed_in_place"
 
 
 def _listed(names: list[str], shown: int = 3) -> str:
