@@ -11,13 +11,18 @@ frozen embeddings are no such part: their dropout is meant to be on.
 
 from __future__ import annotations
 
+import copy
 import json
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainwatch as tw
+from tests.lightning_models import quiet_trainer
+from trainwatch.lightning import TrainWatchCallback
 from trainwatch.runner import run_script
 
 
@@ -319,3 +324,134 @@ def test_frozen_embeddings_holding_most_parameters_are_no_frozen_part(frozen, to
             opt.step()
     notes = [a for a in monitor.alerts if a.data.get("finding") == "frozen part in training mode"]
     assert bool(notes) is told
+
+
+class _WithEmaCopy(nn.Module):
+    """A network and its EMA copy, registered and frozen, updated by hand. ``mean_teacher``:
+    the copy makes the targets, called in training mode under no_grad; else it is only
+    ever copied from, and its forward never runs."""
+
+    def __init__(self, mean_teacher: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 3))
+        self.ema_net = copy.deepcopy(self.net).requires_grad_(False)
+        self.mean_teacher = mean_teacher
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.mean_teacher:
+            return self.net(x), None
+        with torch.no_grad():
+            target = self.ema_net(x).softmax(-1)
+        return self.net(x), target
+
+
+def _train_with_ema(model: _WithEmaCopy, steps: int = 12) -> list:
+    opt = torch.optim.AdamW(model.net.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(steps):
+            logits, target = model(torch.randn(32, 16))
+            if target is None:
+                target = torch.randint(0, 3, (32,))
+            loss = nn.functional.cross_entropy(logits, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for ema, param in zip(model.ema_net.parameters(), model.net.parameters()):
+                    ema.lerp_(param, 0.01)
+    return monitor.alerts
+
+
+@pytest.mark.parametrize("mean_teacher", [False, True], ids=["only_copied_from", "mean_teacher"])
+def test_an_ema_copy_whose_forward_never_runs_is_no_frozen_part_in_training_mode(mean_teacher):
+    torch.manual_seed(0)
+    found = _frozen_findings(_train_with_ema(_WithEmaCopy(mean_teacher)))
+    assert found == ([(0, "ema_net.2", "info")] if mean_teacher else [])
+
+
+class _LitWithEmaCopy(L.LightningModule):
+    """No forward of its own: training_step calls the parts. ``teacher``: the frozen
+    copy makes the targets in training mode; else it is only updated and copied from."""
+
+    def __init__(self, teacher: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 3))
+        self.ema_net = copy.deepcopy(self.net).requires_grad_(False)
+        self.teacher = teacher
+
+    def training_step(self, batch, index):
+        x, y = batch
+        if self.teacher:
+            with torch.no_grad():
+                y = self.ema_net(x).softmax(-1)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, index):
+        with torch.no_grad():
+            for ema, param in zip(self.ema_net.parameters(), self.net.parameters()):
+                ema.lerp_(param, 0.01)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("teacher", [False, True], ids=["only_copied_from", "teacher"])
+def test_lightning_ema_part_never_called_is_no_frozen_part_in_training_mode(tmp_path, teacher):
+    torch.manual_seed(0)
+    x = torch.randn(256, 16)
+    loader = DataLoader(TensorDataset(x, torch.randint(0, 3, (256,))), batch_size=32)
+    callback = TrainWatchCallback(console=False)
+    quiet_trainer(tmp_path, [callback], max_steps=12).fit(_LitWithEmaCopy(teacher), loader)
+    found = _frozen_findings(callback.alerts)
+    assert found == ([(0, "ema_net.2", "info")] if teacher else [])
+
+
+EMA_SCRIPT = """
+import copy
+import sys
+import torch
+from torch import nn
+
+mean_teacher = sys.argv[1] == "mean_teacher"
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 3))
+        self.ema_net = copy.deepcopy(self.net).requires_grad_(False)
+
+    def forward(self, x):
+        if mean_teacher:
+            with torch.no_grad():
+                return self.net(x), self.ema_net(x).softmax(-1)
+        return self.net(x), torch.randint(0, 3, (x.shape[0],))
+
+
+model = Net()
+opt = torch.optim.AdamW(model.net.parameters(), lr=1e-3)
+for step in range(10):
+    logits, target = model(torch.randn(32, 16))
+    loss = nn.functional.cross_entropy(logits, target)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        for ema, param in zip(model.ema_net.parameters(), model.net.parameters()):
+            ema.lerp_(param, 0.01)
+"""
+
+
+@pytest.mark.parametrize("how", ["only_copied_from", "mean_teacher"])
+def test_trainwatch_run_is_silent_on_an_ema_copy_that_never_runs(tmp_path, how):
+    script = tmp_path / "ema.py"
+    script.write_text(EMA_SCRIPT)
+    run_script(script, [how], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [
+        (a["step"], a["module"])
+        for a in map(json.loads, lines)
+        if a["data"].get("finding") == "frozen part in training mode"
+    ]
+    assert found == ([(0, "ema_net.2")] if how == "mean_teacher" else [])

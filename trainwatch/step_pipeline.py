@@ -238,6 +238,8 @@ class StepPipeline:
             )
             self.behaviour.attach_passes(self.passes)
             self.behaviour.optimized = lambda: bool(optimizers)  # the Monitor's own list
+            if self._tracks_calls:
+                self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
         # The loss's class targets on sampled steps, and the training loader's order.
         self.class_targets: ClassTargetLook | None = None

@@ -35,6 +35,7 @@ from torch import nn
 
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
+from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
@@ -107,6 +108,9 @@ class BehaviourWatch:
         self._holds_steps = self.check_eval_pass
         if self._holds_steps:
             ANY_OPTIMIZER_STEPS.hold()
+        # Which of the model's modules ran (set by the pipeline where it tracks
+        # calls): a frozen part never called is not said to run in training mode.
+        self.calls: CallTracker | None = None
         # The model's passes (see attach_passes): the broadcast audit reads a pass's arguments.
         self.passes: ModelPasses | None = None
         # Parts of the model called on their own in a no-grad block (an evaluation
@@ -326,7 +330,7 @@ class BehaviourWatch:
 
     def _frozen_in_training(self, modes: ModeWatch) -> None:
         """A training pass ran a large frozen part in training mode: told once a run."""
-        report = modes.frozen_in_training()
+        report = modes.frozen_in_training(self.calls)
         if report is None:
             return
         self._told_frozen = True

@@ -88,6 +88,8 @@ class CallTracker:
         self._waiting: dict[int, str] = {}  # id(module) -> user name, not called yet
         self._keep: dict[int, nn.Module] = {}  # keeps the ids valid
         self._seen_names: set[str] = set()
+        # Tracked modules seen so far: it changes only when a new one is seen.
+        self.seen_count = 0
         self._layers: set[str] = set()
         self._handle: RemovableHandle | None = None
         self._open = True
@@ -158,6 +160,7 @@ class CallTracker:
             return
         del self._keep[id(module)]
         self._seen_names.add(name)
+        self.seen_count += 1
         if not self._waiting:
             self._unhook()
             self._stop_listening()
@@ -176,6 +179,38 @@ class CallTracker:
             for name in self._waiting.values()
             if name in self._layers and name and name not in seen and _parent(name) in seen
         )
+
+    def ran(self, name: str) -> bool | None:
+        """Whether the module ``name`` (or the nearest tracked module holding it) was called.
+
+        False only where a call would have been seen: the module holding it
+        was seen called and it was not (as :meth:`never_called` claims), or it
+        is a part hooked as a pass and never one. None where nothing can be said: not
+        tracked (a container's child, nothing with parameters above it), no
+        pass seen (compiled code), the tracker off. Asked on rare paths only
+        (it walks the waiting modules).
+        """
+        if not self._open:
+            return None
+        waiting = {name: key for key, name in self._waiting.items()}
+        while True:
+            if name in self._seen_names:
+                return True
+            key = waiting.get(name)
+            if key is not None:
+                if (name and _parent(name) in self._seen_names) or self._a_pass(key):
+                    return False
+                return None
+            if not name:
+                return None
+            name = _parent(name)
+
+    def _a_pass(self, key: int) -> bool:
+        """Whether the waiting module is itself hooked as one of the model's passes
+        (a part of a model only ever called through its parts), passes having been
+        seen: a call of it would have been one of them."""
+        passes = self._passes
+        return self.seen_count > 0 and passes is not None and passes.hooks(self._keep[key])
 
     def _unhook(self) -> None:
         if self._handle is not None:

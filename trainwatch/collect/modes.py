@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from operator import attrgetter, itemgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -25,6 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainwatch.compiled import user_name
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ModeReport
+
+if TYPE_CHECKING:
+    from trainwatch.collect.calls import CallTracker
 
 _REF = itemgetter(3)  # a Listed's module reference
 _DEREF = weakref.ref.__call__
@@ -97,6 +100,9 @@ class ModeWatch:
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
+        # The flags of ``in_frozen`` and the call tracker's count when those in
+        # training mode were last found not running (see frozen_in_training).
+        self._not_running: tuple[tuple[bool, ...], int] | None = None
         # No parameter of the model trains (a loss network watched on its own).
         self.wholly_frozen = False
         self.refresh()
@@ -135,6 +141,7 @@ class ModeWatch:
         """
         model = self._root()
         self.in_frozen = []
+        self._not_running = None
         self.wholly_frozen = False
         if model is None or not self.listed:
             return
@@ -161,20 +168,29 @@ class ModeWatch:
                 item for item in self.listed if any(_inside(item.name, part) for part in parts)
             ]
 
-    def frozen_in_training(self) -> ModeReport | None:
+    def frozen_in_training(self, calls: CallTracker | None = None) -> ModeReport | None:
         """Listed modules of a large frozen part in training mode (None: none is).
 
+        ``calls``: which modules ran. A frozen part never called (an EMA copy
+        updated by hand, a backbone kept for later) computes nothing for the
+        rest of the model, whatever its mode: it is left out once the tracker
+        saw the module holding it called and not it.
+
         Cheap on the usual step: the list is empty unless a part is frozen, and
-        then its flags are read in C loops.
+        then its flags are read in C loops; a part found not running is asked
+        again only when its flags change or the tracker sees a new module run.
         """
         listed = self.in_frozen
         if not listed:
             return None
         try:
-            if True not in map(_TRAINING, map(_DEREF, map(_REF, listed))):
-                return None
+            flags = tuple(map(_TRAINING, map(_DEREF, map(_REF, listed))))
         except AttributeError:
             return None  # a module gone: the next rebuild lists what is there
+        if True not in flags:
+            return None
+        if calls is not None and (flags, calls.seen_count) == self._not_running:
+            return None
         found = [item for item in listed if (module := item.ref()) is not None and module.training]
         if not found:
             return None
@@ -191,6 +207,11 @@ class ModeWatch:
                 and _in_frozen_part(root, item.name)
             ]
             if not found:
+                return None
+        if calls is not None:
+            found = [item for item in found if calls.ran(item.name) is not False]
+            if not found:
+                self._not_running = (flags, calls.seen_count)
                 return None
         return ModeReport(
             [item.name for item in found],
