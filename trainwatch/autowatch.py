@@ -201,6 +201,16 @@ def _hf_global_step(model: nn.Module) -> int:
     return 0
 
 
+def _modules_holding(params: list[torch.Tensor]) -> bool:
+    """Whether any live module holds one of ``params`` as its own (one scan of live objects)."""
+    wanted = {id(p) for p in params}
+    return any(
+        issubclass(type(obj), nn.Module)
+        and any(id(p) in wanted for p in obj.parameters(recurse=False))
+        for obj in gc.get_objects()
+    )
+
+
 def _part_of(monitor: Monitor, module: nn.Module) -> bool:
     """The monitor is ours, has watched no step, and watches a submodule of ``module``."""
     if monitor.closed or monitor.step_count:
@@ -768,30 +778,85 @@ class AutoWatch:
         graph, where the hooks step aside), and the hooks leave those alone. After
         :data:`_PENDING_STEPS` of its steps the model is looked for by its
         parameters instead (one heap scan), and watched from this step on.
+        An optimizer none of whose tensors any module holds is told then.
         """
-        if not self._transformed_calls and not self._compiled_calls:
-            return  # its model is yet to run (a later phase's): the forward hooks find it
         steps = self._pending_steps.get(id(optimizer), 0) + 1
         self._pending_steps[id(optimizer)] = steps
         if steps != _PENDING_STEPS:
             return
         try:
-            unowned = [
-                p
-                for g in optimizer.param_groups
-                for p in g["params"]
-                if registry.owner_of(p) is None
-            ]
-            found = len(self.monitors)
-            if unowned:
-                self._discover_holders(unowned)
-            for monitor in self.monitors[found:]:
-                # Its steps so far went by unwatched: the count goes on from them,
-                # so a finding names the script's own step.
-                monitor.load_state_dict({"step": steps})
-            self._attach(optimizer)
+            if self._transformed_calls or self._compiled_calls:
+                self._discover_by_parameters(optimizer, steps)
+            # Else its model is yet to run (a later phase's): the forward hooks find it.
+            if optimizer in self._pending:
+                self._tell_if_held_by_no_module(optimizer, steps - 1)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
+
+    def _discover_by_parameters(self, optimizer: Optimizer, steps: int) -> None:
+        unowned = [
+            p for g in optimizer.param_groups for p in g["params"] if registry.owner_of(p) is None
+        ]
+        found = len(self.monitors)
+        if unowned:
+            self._discover_holders(unowned)
+        for monitor in self.monitors[found:]:
+            # Its steps so far went by unwatched: the count goes on from them,
+            # so a finding names the script's own step.
+            monitor.load_state_dict({"step": steps})
+        self._attach(optimizer)
+
+    def _tell_if_held_by_no_module(self, optimizer: Optimizer, step: int) -> None:
+        """One ``info`` line for an optimizer whose tensors no module holds, in a run
+        that watches nothing stepping: the ensemble of ``torch.func.stack_module_state``
+        (stacked copies of the weights, stepped under ``functional_call`` and
+        ``vmap``), or bare tensors. Models are found by their modules, so nothing
+        of its training is watched. Tensors stepped beside a watched model that
+        steps (a learned loss weight, in its optimizer or one of its own; an
+        input image optimized through a frozen network) are not told.
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        section = self.config.rule("trainable_parameters")
+        if section is None or not section.enabled or not params:
+            return
+        if any(registry.owner_of(p) is not None for p in params):
+            return
+        if any(owner.optimizers or owner.step_count for owner in registry.owners()):
+            # The run watches a model that steps: these tensors sit beside it (a
+            # loss weight), or are what a watched model's gradient flows into (the
+            # image of a style transfer, an adversarial perturbation).
+            return
+        if _modules_holding(params):
+            return  # its model has yet to run: the forward hooks will find it
+        kind = type(optimizer).__name__
+        count = len(params)
+        tensors = f"{count} tensor{'s' if count != 1 else ''}"
+        elements = sum(p.numel() for p in params)
+        alert = Alert(
+            rule="trainable_parameters",
+            severity="info",
+            step=step,
+            module=None,
+            message=(
+                f"the {kind} optimizer steps {tensors} ({elements:,} elements) "
+                "that no module holds (stacked with torch.func.stack_module_state, "
+                "or bare tensors): trainwatch run finds models by their modules, so their "
+                "training is not watched (no step, gradient or loss is checked)"
+            ),
+            hint=(
+                "hold the tensors in a module: for an ensemble, the stacked tensors as "
+                "nn.Parameters of a module whose forward runs the vmap (or its members "
+                "as modules), then call that module; trainwatch run finds it, or "
+                "tw.watch it (README: trainwatch run)"
+            ),
+            data={
+                "finding": "held by no module",
+                "optimizer": kind,
+                "tensors": count,
+                "elements": elements,
+            },
+        )
+        self._emit(alert, "")
 
     def _discover_holders(self, params: list[torch.Tensor]) -> None:
         """Watch the outermost modules holding ``params`` (one heap scan).

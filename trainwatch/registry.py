@@ -31,6 +31,16 @@ def owner_of(param: torch.Tensor) -> Any | None:
     return owner
 
 
+def owners() -> list[Any]:
+    """The open monitors that watch some parameters now."""
+    found: dict[int, Any] = {}
+    for _, ref in list(_WATCHED.values()):
+        owner = ref()
+        if owner is not None and not getattr(owner, "closed", True):
+            found[id(owner)] = owner
+    return list(found.values())
+
+
 def claim(params: Iterable[torch.Tensor], owner: Any) -> None:
     ref = weakref.ref(owner)
     for param in params:
