@@ -77,3 +77,38 @@ def test_a_resumed_trainer_dates_its_alerts_by_the_checkpoints_global_step(tmp_p
         (a["rule"], a["step"]) for a in _alerts(tmp_path / "resumed") if a["severity"] != "info"
     ]
     assert warned == ([("nonfinite_loss", 40)] if bug == "nan_loss" else [])
+
+
+PLAIN_LOOP = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(5):
+    x = torch.randn(32, 8)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), x[:, :1]).backward()
+    opt.step()
+"""
+
+
+class _Gone:
+    pass
+
+
+def test_the_trainer_search_passes_over_dead_weak_proxies(tmp_path):
+    """The search for a Trainer among live objects meets whatever the process holds:
+    a weak proxy whose object is gone raises on any question but its type."""
+    import weakref
+
+    import transformers.trainer  # noqa: F401  (the search runs while it is imported)
+
+    target = _Gone()
+    dead = [weakref.proxy(target)]
+    del target
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_LOOP)
+    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    assert dead and _alerts(tmp_path / "log") == []

@@ -194,7 +194,8 @@ def _hf_global_step(model: nn.Module) -> int:
     if trainer_class is None:
         return 0
     for obj in gc.get_objects():
-        if isinstance(obj, trainer_class) and (
+        # By type: isinstance asks a dead weak proxy among the live objects and raises.
+        if issubclass(type(obj), trainer_class) and (
             getattr(obj, "model", None) is model or getattr(obj, "model_wrapped", None) is model
         ):
             return getattr(getattr(obj, "state", None), "global_step", 0) or 0
