@@ -209,17 +209,22 @@ for step in range(10):
 """
 
 
-@pytest.mark.parametrize("how", ["train", "eval"])
-def test_trainwatch_run_tells_the_frozen_teacher_in_training_mode(tmp_path, how):
-    script = tmp_path / "distil.py"
-    script.write_text(SCRIPT)
+def _frozen_parts_told_under_run(tmp_path, source: str, how: str) -> list[tuple[int, str]]:
+    """(step, module) of each frozen part ``trainwatch run`` told in training mode."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
     run_script(script, [how], log_dir=tmp_path / "log", console=False)
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
-    found = [
+    return [
         (a["step"], a["module"])
         for a in map(json.loads, lines)
         if a["data"].get("finding") == "frozen part in training mode"
     ]
+
+
+@pytest.mark.parametrize("how", ["train", "eval"])
+def test_trainwatch_run_tells_the_frozen_teacher_in_training_mode(tmp_path, how):
+    found = _frozen_parts_told_under_run(tmp_path, SCRIPT, how)
     assert found == ([(0, "teacher.2")] if how == "train" else [])
 
 
@@ -445,13 +450,5 @@ for step in range(10):
 
 @pytest.mark.parametrize("how", ["only_copied_from", "mean_teacher"])
 def test_trainwatch_run_is_silent_on_an_ema_copy_that_never_runs(tmp_path, how):
-    script = tmp_path / "ema.py"
-    script.write_text(EMA_SCRIPT)
-    run_script(script, [how], log_dir=tmp_path / "log", console=False)
-    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
-    found = [
-        (a["step"], a["module"])
-        for a in map(json.loads, lines)
-        if a["data"].get("finding") == "frozen part in training mode"
-    ]
+    found = _frozen_parts_told_under_run(tmp_path, EMA_SCRIPT, how)
     assert found == ([(0, "ema_net.2")] if how == "mean_teacher" else [])

@@ -8,7 +8,6 @@ step 40 was told at step 10.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -17,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("transformers")
 
+from tests.resumed_runs import warnings_of_both_runs
 from trainwatch.runner import run_script
 
 SCRIPT = """
@@ -58,25 +58,12 @@ trainer.train(resume_from_checkpoint=phase == "resumed" or None)
 """
 
 
-def _alerts(folder):
-    return [json.loads(line) for line in (folder / "alerts.jsonl").open()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", ["nan_loss", "healthy"])
 def test_a_resumed_trainer_dates_its_alerts_by_the_checkpoints_global_step(tmp_path, bug):
-    script = tmp_path / "resume.py"
-    script.write_text(SCRIPT)
-    checkpoints = tmp_path / "out"
-    run_script(script, ["first", bug, str(checkpoints)], log_dir=tmp_path / "first", console=False)
-    assert [a for a in _alerts(tmp_path / "first") if a["severity"] != "info"] == []
-    run_script(
-        script, ["resumed", bug, str(checkpoints)], log_dir=tmp_path / "resumed", console=False
-    )
-    warned = [
-        (a["rule"], a["step"]) for a in _alerts(tmp_path / "resumed") if a["severity"] != "info"
-    ]
-    assert warned == ([("nonfinite_loss", 40)] if bug == "nan_loss" else [])
+    first, resumed = warnings_of_both_runs(tmp_path, SCRIPT, bug)
+    assert first == []
+    assert resumed == ([("nonfinite_loss", 40)] if bug == "nan_loss" else [])
 
 
 PLAIN_LOOP = """
@@ -111,4 +98,4 @@ def test_the_trainer_search_passes_over_dead_weak_proxies(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_LOOP)
     run_script(script, [], log_dir=tmp_path / "log", console=False)
-    assert dead and _alerts(tmp_path / "log") == []
+    assert dead and (tmp_path / "log" / "alerts.jsonl").read_text() == ""

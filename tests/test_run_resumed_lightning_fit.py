@@ -8,11 +8,9 @@ told at step 10.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from trainwatch.runner import run_script
+from tests.resumed_runs import warnings_of_both_runs
 
 SCRIPT = """
 import sys
@@ -61,22 +59,9 @@ trainer.fit(Net(), data, ckpt_path=None if phase == "first" else f"{folder}/last
 """
 
 
-def _alerts(folder):
-    return [json.loads(line) for line in (folder / "alerts.jsonl").open()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", ["no_zero_grad", "healthy"])
 def test_a_resumed_fit_dates_its_alerts_by_the_checkpoints_global_step(tmp_path, bug):
-    script = tmp_path / "resume.py"
-    script.write_text(SCRIPT)
-    checkpoints = tmp_path / "ckpt"
-    run_script(script, ["first", bug, str(checkpoints)], log_dir=tmp_path / "first", console=False)
-    assert [a for a in _alerts(tmp_path / "first") if a["severity"] != "info"] == []
-    run_script(
-        script, ["resumed", bug, str(checkpoints)], log_dir=tmp_path / "resumed", console=False
-    )
-    warned = [
-        (a["rule"], a["step"]) for a in _alerts(tmp_path / "resumed") if a["severity"] != "info"
-    ]
-    assert warned == ([("accumulated_gradient", 40)] if bug == "no_zero_grad" else [])
+    first, resumed = warnings_of_both_runs(tmp_path, SCRIPT, bug)
+    assert first == []
+    assert resumed == ([("accumulated_gradient", 40)] if bug == "no_zero_grad" else [])
