@@ -14,8 +14,10 @@ Each has its planted bug beside it, still reported.
 
 from __future__ import annotations
 
+import json
 import random
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -174,3 +176,100 @@ def test_an_exit_the_draw_never_picks_is_reported(quiet_watch):
     found = [a for a in monitor.alerts if a.rule == "zero_gradient"]
     assert [a.module for a in found] == ["exits.1"]
     assert found[0].step == 0
+
+
+class _Tabular(nn.Module):
+    """One embedding table per categorical column; missing values are index 0,
+    the table's padding row. ``cut``: "times_zero" multiplies the sparse column's
+    vectors by zero, "detached" detaches them (both planted, for good)."""
+
+    def __init__(self, bag: bool = False, cut: str | None = None) -> None:
+        super().__init__()
+        self.dense = nn.Embedding(10, 4)
+        table = nn.EmbeddingBag if bag else nn.Embedding
+        kwargs = {"mode": "sum"} if bag else {}
+        self.sparse = table(20, 4, padding_idx=0, **kwargs)
+        self.out = nn.Linear(8, 1)
+        self.cut = cut
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        sparse = (
+            self.sparse(b[:, None]) if isinstance(self.sparse, nn.EmbeddingBag) else self.sparse(b)
+        )
+        if self.cut == "times_zero":
+            sparse = sparse * 0
+        elif self.cut == "detached":
+            sparse = sparse.detach()
+        return self.out(torch.cat([self.dense(a), sparse], 1)).squeeze(1)
+
+
+def _sparse_column_batch(step: int, present_from: int) -> tuple[torch.Tensor, ...]:
+    """A column 98% missing; the first ``present_from`` batches hold no value of it."""
+    a = torch.randint(0, 10, (64,))
+    b = torch.zeros(64, dtype=torch.long)
+    if step >= present_from:
+        b[:2] = torch.randint(1, 20, (2,))
+    return a, b, torch.rand(64).round()
+
+
+def _tabular_run(quiet_watch, bag: bool = False, cut: str | None = None, steps: int = 60):
+    torch.manual_seed(0)
+    model = _Tabular(bag, cut)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    monitor = quiet_watch(model, opt)
+    for step in range(steps):
+        a, b, y = _sparse_column_batch(step, present_from=3)
+        loss = F.binary_cross_entropy_with_logits(model(a, b), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    return [(a.module, a.step, a.data["kind"]) for a in monitor.alerts if a.rule == "zero_gradient"]
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+def test_a_table_whose_first_batches_look_up_only_padding_is_silent(quiet_watch, bag):
+    assert _tabular_run(quiet_watch, bag=bag) == []
+
+
+def test_a_table_whose_vectors_are_multiplied_by_zero_is_still_told_later(quiet_watch):
+    assert _tabular_run(quiet_watch, cut="times_zero") == [("sparse", 0, "zero")]
+    assert _tabular_run(quiet_watch, cut="times_zero", steps=40) == []  # within its patience
+
+
+def test_a_detached_table_is_still_told_after_the_usual_patience(quiet_watch):
+    assert _tabular_run(quiet_watch, cut="detached", steps=5) == [("sparse", 0, "none")]
+
+
+TABULAR_SCRIPT = """
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+dense, sparse = nn.Embedding(10, 4), nn.Embedding(20, 4, padding_idx=0)
+head = nn.Linear(8, 1)
+model = nn.ModuleDict({"dense": dense, "sparse": sparse, "head": head})
+opt = torch.optim.Adam(model.parameters(), 1e-2)
+for step in range(30):
+    a = torch.randint(0, 10, (64,))
+    b = torch.zeros(64, dtype=torch.long)
+    if step >= 3:  # the first batches hold no value of the sparse column
+        b[:2] = torch.randint(1, 20, (2,))
+    logit = head(torch.cat([dense(a), sparse(b)], 1)).squeeze(1)
+    loss = F.binary_cross_entropy_with_logits(logit, torch.rand(64).round())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_trainwatch_run_on_a_sparse_column_whose_first_batches_are_missing_is_silent(tmp_path):
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "tabular.py"
+    script.write_text(TABULAR_SCRIPT)
+    assert run_script(script, log_dir=tmp_path / "log", console=False) == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    assert [a for a in map(json.loads, lines) if a["rule"] == "zero_gradient"] == []

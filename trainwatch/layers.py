@@ -16,6 +16,8 @@ from torch.nn.utils import parametrize
 
 from trainwatch.compiled import user_name
 
+_TABLES = (nn.Embedding, nn.EmbeddingBag)
+
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
 
@@ -35,6 +37,9 @@ class ParamInfo:
     # False for parameters an optimizer holds but the model no longer does
     # (a replaced head) or never did.
     in_model: bool = True
+    # Owned by an embedding table (nn.Embedding, nn.EmbeddingBag): a batch that
+    # looks up only its padding row leaves its gradient exactly zero.
+    table: bool = False
 
 
 class LayerMap:
@@ -59,7 +64,8 @@ class LayerMap:
                     index[owner] = len(self.layers)
                     self.layers.append(owner)
                 qualified = f"{module_name}.{short}" if module_name else short
-                self._info[id(param)] = ParamInfo(qualified, owner, index[owner])
+                table = isinstance(module, _TABLES)
+                self._info[id(param)] = ParamInfo(qualified, owner, index[owner], table=table)
                 self._params[id(param)] = param
                 self._slots.append((module._parameters, short, param))
         self._departed: dict[int, ParamInfo] = {}

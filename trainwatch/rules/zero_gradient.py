@@ -46,6 +46,12 @@ _HINTS = {
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
         "is multiplied by zero, or a mask removes everything."
     ),
+    "zero_table": (
+        "backward reached this embedding table but every gradient entry is exactly "
+        "zero, step after step: its looked-up vectors are multiplied by zero or "
+        "masked out before the loss, or every lookup hits padding_idx (a column "
+        "that is always missing)."
+    ),
 }
 
 
@@ -271,6 +277,12 @@ class ZeroGradientRule(Rule):
                 # null embedding, a learned token) that trained before: read on
                 # some steps only, as no call shows (its module runs every step).
                 needed = max(needed, _USED_BEFORE)
+            elif kind == "zero" and info.table:
+                # An embedding table whose batch looked up only its padding row
+                # (padding_idx gets no gradient) or rows the loss masked out: a
+                # sparse categorical column whose first batches hold only missing
+                # values. A table the loss never reaches stays zero, told later.
+                needed = max(needed, _USED_BEFORE)
             elif kind == "zero" and not at_once and streak.start != self._first_step:
                 # A layer whose gradient was non-zero at the step before its streak
                 # began: a branch that stochastic depth multiplies by zero for the
@@ -314,6 +326,8 @@ class ZeroGradientRule(Rule):
             )
             severity = None
             hint = _HINTS[kind]
+            if kind == "zero" and all(p.table for p in params):
+                hint = _HINTS["zero_table"]
             data = {
                 "kind": kind,
                 "parameters": [p.name for p in params],
