@@ -452,3 +452,70 @@ for step in range(10):
 def test_trainwatch_run_is_silent_on_an_ema_copy_that_never_runs(tmp_path, how):
     found = _frozen_parts_told_under_run(tmp_path, EMA_SCRIPT, how)
     assert found == ([(0, "ema_net.2")] if how == "mean_teacher" else [])
+
+
+TOGGLED_GAN = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+        self.D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+    def forward(self, z):
+        return self.G(z)
+
+
+model = GAN()
+opt_g = torch.optim.Adam(model.G.parameters(), 1e-3)
+opt_d = torch.optim.Adam(model.D.parameters(), 1e-3)
+
+
+def toggle(opt):  # LightningModule.toggle_optimizer: freeze what opt does not hold
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in held)
+
+
+for step in range(12):
+    real, z = torch.randn(64, 2), torch.randn(64, 8)
+    toggle(opt_d)
+    fake = model(z).detach()
+    d_loss = F.softplus(-model.D(real)).mean() + F.softplus(model.D(fake)).mean()
+    opt_d.zero_grad()
+    d_loss.backward()
+    opt_d.step()
+    if sys.argv[1] == "frozen":  # the generator's step dropped: it stays frozen
+        continue
+    toggle(opt_g)
+    g_loss = F.softplus(-model.D(model(z))).mean()
+    opt_g.zero_grad()
+    g_loss.backward()
+    opt_g.step()
+    opt_g.zero_grad()
+    model.requires_grad_(True)  # untoggle
+"""
+
+
+@pytest.mark.parametrize("how", ["toggled", "frozen"])
+def test_trainwatch_run_on_a_generator_frozen_only_for_the_critics_step_is_no_frozen_part(
+    tmp_path, how
+):
+    """``trainwatch run`` finds the model inside the discriminator's step, the
+    generator frozen by the toggle; its own step trains it. Left frozen, it is one."""
+    found = _frozen_parts_told_under_run(tmp_path, TOGGLED_GAN, how)
+    assert found == ([] if how == "toggled" else [(0, "G.1")])
+
+
+def test_a_frozen_teacher_in_training_mode_over_a_single_step_is_told_at_close():
+    torch.manual_seed(0)
+    assert _frozen_findings(_distil(Distiller(), keep_teacher_in_eval=False, steps=1)) == [
+        (0, "teacher.2", "info")
+    ]

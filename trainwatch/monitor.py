@@ -329,7 +329,8 @@ class Monitor:
             if unfinished:
                 self._dispatcher.publish(unfinished, may_halt=False)
             if self._pipeline.behaviour is not None:
-                for record in self._pipeline.behaviour.eval_passes.flush():
+                behaviour = self._pipeline.behaviour
+                for record in [*behaviour.eval_passes.flush(), *behaviour.frozen_part_flush()]:
                     self._dispatcher.publish(self._rules.evaluate(record), may_halt=False)
             if self._pipeline.late_loss is not None:
                 step, value = self._pipeline.late_loss

@@ -84,6 +84,9 @@ class BehaviourWatch:
         checks_modes = self.check_eval_pass or self.check_train_step
         self.modes = ModeWatch(model, on_error) if checks_modes else None
         self._told_frozen = False  # a frozen part in training mode: one finding a run
+        # That finding, held until a training pass of a later step finds the part
+        # still frozen: (the finding, the process's optimizer steps and steps then).
+        self._frozen_seen: tuple[StepRecord, tuple[int, int]] | None = None
         self.train_in_eval: ModeReport | None = None
         evals = config.eval_in_train_mode
         self.functional = (
@@ -329,15 +332,39 @@ class BehaviourWatch:
             self._publish(due)
 
     def _frozen_in_training(self, modes: ModeWatch) -> None:
-        """A training pass ran a large frozen part in training mode: told once a run."""
+        """A training pass ran a large frozen part in training mode: told once a run,
+        dated at the pass that found it, once a training pass of a later step finds
+        it frozen still. A part frozen only around another optimizer's step
+        (Lightning's ``toggle_optimizer`` freezes a GAN's generator for the
+        discriminator's) trains on its own step's pass: no frozen part."""
+        seen = self._frozen_seen
+        if seen is not None:
+            record, steps = seen
+            if not modes.still_frozen(record.eval_in_train.modules):
+                # Trained in turns: no frozen part, and nothing more to look at.
+                self._frozen_seen = None
+                self._told_frozen = True
+            elif (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.taken) != steps:
+                self._told_frozen = True
+                self._frozen_seen = None
+                self._publish(record)
+            return
         report = modes.frozen_in_training(self.calls)
         if report is None:
             return
-        self._told_frozen = True
         report.during_training = True
         record = StepRecord(step=self._step_of(), source="forward")
         record.eval_in_train = report
-        self._publish(record)
+        self._frozen_seen = (record, (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.taken))
+
+    def frozen_part_flush(self) -> list[StepRecord]:
+        """At close: a frozen part found in training mode and frozen still is told."""
+        seen, self._frozen_seen = self._frozen_seen, None
+        if seen is None or self.modes is None:
+            return []
+        if not self.modes.still_frozen(seen[0].eval_in_train.modules):
+            return []
+        return [seen[0]]
 
     def parameters_changed(self) -> None:
         """Parameters were frozen or unfrozen: which parts are frozen, asked again."""

@@ -221,6 +221,11 @@ class ModeWatch:
             in_frozen_parts=[item.name for item in found],
         )
 
+    def still_frozen(self, names: list[str]) -> bool:
+        """Whether the parts around these listed modules train no parameter now."""
+        root = self._root()
+        return root is not None and all(_in_frozen_part(root, name) for name in names)
+
     def learn_functional(self, found: list[Listed]) -> None:
         """Add modules seen calling dropout or batch norm as functions, in the order seen."""
         listed = {id(item.ref()) for item in self.listed}
