@@ -97,6 +97,54 @@ def test_close_between_forward_and_step_pops_the_audit_mode(model, quiet_watch):
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_no_grad_pass_after_the_forward_keeps_the_mode_until_the_step_or_close(
+    model, quiet_watch
+):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    x, y = next(batches(1))
+    out = model(x)
+    with torch.no_grad():
+        model(x)  # a target or bootstrap pass: the loss is still to come
+    assert torch._C._len_torch_function_stack() == 1
+    opt.zero_grad()
+    (out - y.squeeze(-1)).abs().mean().backward()
+    opt.step()
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.no_grad():
+        model(x)  # an evaluation between steps: nothing of the step is left to follow
+    assert torch._C._len_torch_function_stack() == 0
+    model(x)
+    with torch.no_grad():
+        model(x)
+    monitor.close()
+    assert torch._C._len_torch_function_stack() == 0
+    assert rules_of(monitor) == ["broadcast"]
+
+
+def test_a_no_grad_pass_inside_the_users_own_mode_leaves_their_mode_to_pop(model, quiet_watch):
+    from torch.overrides import TorchFunctionMode
+
+    class UserMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    x, y = next(batches(1))
+    out = model(x)
+    with UserMode() as user:
+        with torch.no_grad():
+            model(x)
+        assert torch._C._get_function_stack_at(1) is user
+    assert torch._C._len_torch_function_stack() == 1  # theirs popped, ours still on
+    opt.zero_grad()
+    (out - y.squeeze(-1)).abs().mean().backward()
+    opt.step()
+    assert torch._C._len_torch_function_stack() == 0
+    assert rules_of(monitor) == ["broadcast"]
+
+
 @pytest.mark.parametrize(
     ("first", "second", "result"),
     [

@@ -1,4 +1,4 @@
-"""broadcast in a loss built from many forward passes: policy gradients and their critics.
+"""broadcast in a loss built from many forward passes: policy gradients, their critics, DQN.
 
 A reinforcement-learning loop makes one forward pass per environment step
 (often on a batch of one), keeps each ``log_prob`` or value in a list and
@@ -6,7 +6,9 @@ builds the loss once per episode with ``torch.stack``/``torch.cat``; one
 optimizer step per episode. Stacking ``(1,)`` log-probs gives ``(T, 1)``,
 and ``(T, 1) * returns (T,)`` is ``(T, T)``. Each script below is unmodified
 user code, run buggy and clean: under ``tw.watch`` (imported and handed a
-monitor) and under ``trainwatch run``.
+monitor) and under ``trainwatch run``. A DQN's TD target and an n-step
+actor-critic's bootstrap value come from passes under ``no_grad`` between the
+online pass and the loss.
 """
 
 from __future__ import annotations
@@ -331,12 +333,169 @@ if __name__ == "__main__":
     print("trained")
 """
 
+# Deep Q-learning from a replay buffer: actions chosen by a no-grad pass, then
+# per update the online pass q(s, a) and, under no_grad after it, the TD target
+# from next_q. Buggy: the gathered q is (N, 1) against the (N,) target. NEXT_Q
+# is the target: the same network's max, a target network's, or Double DQN's
+# (the online network's argmax, the target network's value).
+DQN = """
+import copy
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from corridor import Corridor
+
+BATCH = 8
+
+
+def make():
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+    return model, [torch.optim.Adam(model.parameters(), lr=1e-3)]
+
+
+def act(model, obs, explore):
+    if torch.rand(()) < explore:
+        return torch.randint(0, 2, (1,))
+    with torch.no_grad():
+        return model(obs).argmax(1)
+
+
+def train(model, opts, episodes, buggy):
+    env, (opt,), buffer = Corridor(), opts, []
+    target_net = copy.deepcopy(model)
+    updates = 0
+    for _ in range(episodes):
+        obs, done = env.reset(), False
+        while not done:
+            action = act(model, obs, 0.3)
+            next_obs, reward, done = env.step(action)
+            buffer.append((obs[0], action[0], reward[0], next_obs[0], float(done)))
+            obs = next_obs
+            if len(buffer) < BATCH:
+                continue
+            picked = [buffer[int(i)] for i in torch.randint(len(buffer), (BATCH,))]
+            s, a, r, s2, d = (torch.stack([torch.as_tensor(x) for x in f]) for f in zip(*picked))
+            q = model(s).gather(1, a[:, None])
+            if not buggy:
+                q = q.squeeze(1)
+            with torch.no_grad():
+                next_q = NEXT_Q
+            target = r + 0.9 * next_q * (1 - d)
+            loss = F.mse_loss(q, target)  # THE LOSS LINE
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            updates += 1
+            if updates % 8 == 0:
+                target_net.load_state_dict(model.state_dict())
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model, opts = make()
+    train(model, opts, 5, sys.argv[1:] == ["bug"])
+    print("trained")
+"""
+NEXT_Q = {
+    "dqn": "model(s2).max(1).values",
+    "dqn_target_net": "target_net(s2).max(1).values",
+    "double_dqn": "target_net(s2).gather(1, model(s2).argmax(1, keepdim=True)).squeeze(1)",
+}
+
+# n-step advantage actor-critic: a rollout of one pass per step, then the
+# bootstrap value V(s_n) from a pass under no_grad, then the loss; a greedy
+# evaluation episode under no_grad after each training episode. Buggy: the
+# concatenated values are (n, 1) against the (n,) returns.
+A2C_BOOTSTRAP = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from corridor import Corridor
+
+ROLLOUT = 4
+
+
+class ActorCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 32), nn.Tanh())
+        self.policy = nn.Linear(32, 2)
+        self.value = nn.Linear(32, 1)
+
+    def forward(self, obs):
+        h = self.body(obs)
+        return self.policy(h), self.value(h)
+
+
+def make():
+    model = ActorCritic()
+    return model, [torch.optim.Adam(model.parameters(), lr=1e-2)]
+
+
+def evaluate(model):
+    env, score = Corridor(seed=1), 0.0
+    obs, done = env.reset(), False
+    with torch.no_grad():
+        while not done:
+            obs, reward, done = env.step(model(obs)[0].argmax(1))
+            score += float(reward)
+    return score
+
+
+def train(model, opts, episodes, buggy):
+    env, (opt,) = Corridor(), opts
+    for _ in range(episodes):
+        obs, done = env.reset(), False
+        while not done:
+            log_probs, values, rewards = [], [], []
+            for _ in range(ROLLOUT):
+                logits, value = model(obs)
+                dist = torch.distributions.Categorical(logits=logits)
+                action = dist.sample()
+                log_probs.append(dist.log_prob(action))
+                values.append(value)
+                obs, reward, done = env.step(action)
+                rewards.append(float(reward))
+            with torch.no_grad():
+                running = 0.0 if done else float(model(obs)[1])
+            returns = []
+            for reward in reversed(rewards):
+                running = reward + 0.9 * running
+                returns.insert(0, running)
+            returns = torch.tensor(returns)
+            values = torch.cat(values)
+            if not buggy:
+                values = values.squeeze(1)
+            advantage = returns - values.detach().view(-1)
+            policy_loss = -(torch.cat(log_probs) * advantage).mean()
+            value_loss = F.mse_loss(values, returns)  # THE LOSS LINE
+            opt.zero_grad()
+            (policy_loss + value_loss).backward()
+            opt.step()
+        evaluate(model)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model, opts = make()
+    train(model, opts, 5, sys.argv[1:] == ["bug"])
+    print("trained")
+"""
+
 T = 8  # corridor.EPISODE
 SCRIPTS = {
     "reinforce": (REINFORCE, "mul", [[T, 1], [T]], [T, T]),
     "gaussian_vectorised": (GAUSSIAN_VECTORISED, "mul", [[4 * T, 1], [4 * T]], [4 * T, 4 * T]),
     "actor_critic": (ACTOR_CRITIC, "smooth_l1_loss", [[T, 1], [T]], [T, T]),
     "a2c_separate": (A2C_SEPARATE, "mse_loss", [[4 * T, 1], [4 * T]], [4 * T, 4 * T]),
+    # The target comes from passes under no_grad after the online pass.
+    **{
+        name: (DQN.replace("NEXT_Q", next_q), "mse_loss", [[8, 1], [8]], [8, 8])
+        for name, next_q in NEXT_Q.items()
+    },
+    "a2c_bootstrap": (A2C_BOOTSTRAP, "mse_loss", [[4, 1], [4]], [4, 4]),
 }
 BUGGY = list(SCRIPTS)
 SCRIPTS["per_step_terms"] = (PER_STEP_TERMS, "", [], [])

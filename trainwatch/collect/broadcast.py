@@ -7,6 +7,10 @@ of the step (by identity, weakly), so a loss built from many passes is
 followed too: a policy-gradient loop makes one pass per environment step on a
 batch of one, keeps each ``log_prob`` in a list and stacks them once per
 episode; ``torch.stack`` and ``torch.cat`` of followed tensors are followed.
+A pass without gradients is not followed, and does not end the span while
+the step's earlier outputs are held: a DQN's target or an actor-critic's
+bootstrap value, computed under ``no_grad`` after the online pass, precedes
+the loss.
 It looks at the shapes of each elementwise op or loss function that takes one
 of them: ``(T, 1)`` against ``(T,)`` makes ``(T, T)`` and silently averages
 every prediction against every target, whatever the model's own batch size.
@@ -491,11 +495,19 @@ class BroadcastAudit:
         self._depth = torch._C._len_torch_function_stack()
 
     def pass_ends(self, output: Any, grad: bool) -> None:
-        """The pass ended (also when it raised); with gradients on, follow its output."""
+        """The pass ended (also when it raised); with gradients on, follow its output.
+
+        A pass without gradients is not followed, but it does not end the span
+        of the step's earlier passes: a DQN's target ``net(s2).max(1)`` or an
+        actor-critic's bootstrap value, computed under ``no_grad`` after the
+        online pass, comes before the loss that pairs them.
+        """
         _IN_PASS.discard(self)
         self._leave_inside()
         if grad:
             self.start(output)
+        elif self._follows_earlier_passes():
+            self._enter()
         else:
             self.stop()
 
@@ -517,9 +529,16 @@ class BroadcastAudit:
             self._track(tensor)
             if self._batch is None and tensor.dim() > 0:
                 self._batch = tensor.shape[0]
-        if self._depth is None:
-            if not _stack_is_ours_to_use():
-                return
+        self._enter()
+
+    def _follows_earlier_passes(self) -> bool:
+        """Outputs of the step's passes with gradients are still held, the audit still on."""
+        return self.live and self.steps_left > 0 and len(self._tracked) > 0
+
+    def _enter(self) -> None:
+        """Put the mode on the stack, unless it is there already or another's mode
+        would be left under it (ours is popped from the top only)."""
+        if self._depth is None and _stack_is_ours_to_use():
             self._mode.__enter__()
             self._depth = torch._C._len_torch_function_stack()
 
