@@ -168,6 +168,81 @@ def test_dropping_the_gradients_of_an_odd_bad_batch_before_the_step_is_silent(mo
     assert rules_of(monitor) == []
 
 
+CLIPS = {
+    "norm": lambda model: nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+    "norm_tiny": lambda model: nn.utils.clip_grad_norm_(model.parameters(), 1e-6),
+    "value": lambda model: nn.utils.clip_grad_value_(model.parameters(), 0.05),
+    "norm_then_value": lambda model: (
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        nn.utils.clip_grad_value_(model.parameters(), 0.05),
+    ),
+}
+
+
+def _clipped_steps(model, opt, reset, clip, where: str, steps: int = 8):
+    for x, y in batches(steps):
+        if where == "before":
+            reset(model, opt)
+        nn.functional.mse_loss(model(x), y).backward()
+        clip(model)
+        if where == "between":
+            reset(model, opt)
+        opt.step()
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+@pytest.mark.parametrize("how", list(RESETS))
+def test_zero_grad_between_the_clip_and_the_step_is_told_at_step_0(model, quiet_watch, how, clip):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    _clipped_steps(model, opt, RESETS[how], CLIPS[clip], "between")
+    assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
+    assert monitor.alerts[0].data["cause"] == CAUSE[how]
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+@pytest.mark.parametrize("how", ["optimizer", "model_in_place"])
+def test_clipping_with_zero_grad_before_backward_is_silent(model, quiet_watch, how, clip):
+    """A clip that scales the gradients down to almost nothing, or clips them twice
+    in place, is no reset."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    _clipped_steps(model, opt, RESETS[how], CLIPS[clip], "before")
+    assert monitor.step_count == 8
+    assert rules_of(monitor) == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("where", ["between", "before"])
+def test_amp_unscale_clip_and_zero_grad_before_the_scalers_step(
+    model, quiet_watch, where, set_to_none
+):
+    """bf16 autocast with a GradScaler, unscaled and clipped, steps it skips among
+    them: the reset after the clip is told; zero_grad in its place is silent."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    monitor = quiet_watch(model, opt)
+    for i, (x, y) in enumerate(batches(10)):
+        if where == "before":
+            opt.zero_grad(set_to_none=set_to_none)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if i in (0, 4, 5):
+            loss = loss * float("inf")  # the scaler skips these steps
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if where == "between":
+            opt.zero_grad(set_to_none=set_to_none)
+        scaler.step(opt)
+        scaler.update()
+    if where == "between":
+        assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
+    else:
+        assert monitor.step_count == 7
+        assert rules_of(monitor) == []
+
+
 @pytest.mark.parametrize("where", ["between", "before"])
 def test_grad_scaler_with_skipped_steps(model, quiet_watch, where):
     """Steps the scaler skips (an inf at the first and later batches) are no reset;
@@ -232,8 +307,9 @@ def test_a_model_frozen_by_mistake_is_still_told_by_trainable_parameters(quiet_w
     assert all(kind != "reset_before_step" for *_, kind in told)
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 def test_two_optimizers_the_discriminators_reset_after_its_backward_is_told_naming_it(
-    quiet_watch,
+    quiet_watch, clip
 ):
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
@@ -249,10 +325,14 @@ def test_two_optimizers_the_discriminators_reset_after_its_backward_is_told_nami
             disc(fake.detach()), torch.zeros(16, 1)
         )
         d_loss.backward()
+        if clip:
+            nn.utils.clip_grad_norm_(disc.parameters(), 1.0)
         opt_d.zero_grad()  # the bug: after the discriminator's backward
         opt_d.step()
         opt_g.zero_grad()
         bce(disc(fake), torch.ones(16, 1)).backward()
+        if clip:
+            nn.utils.clip_grad_norm_(gen.parameters(), 1.0)
         opt_g.step()
     told = _told(monitor.alerts)
     assert told == [("zero_gradient", "discriminator", 0, "reset_before_step")]
@@ -287,6 +367,8 @@ for step in range(8):
         opt.zero_grad()
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
+    if sys.argv[2] == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     if sys.argv[1] == "between":
         opt.zero_grad()
     opt.step()
@@ -294,12 +376,13 @@ for step in range(8):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("clip", ["clip", "noclip"])
 @pytest.mark.parametrize("where", ["between", "before"])
-def test_trainwatch_run_tells_it_in_an_unmodified_script(tmp_path, where):
+def test_trainwatch_run_tells_it_in_an_unmodified_script(tmp_path, where, clip):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     out = tmp_path / "run"
-    assert run_script(script, [where], log_dir=out, console=False) == 0
+    assert run_script(script, [where, clip], log_dir=out, console=False) == 0
     alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
     told = [(a["rule"], a["module"], a["step"], a["data"].get("kind")) for a in alerts]
     if where == "between":

@@ -12,8 +12,11 @@ function ``torch.nn.utils.clip_grad._clip_grads_with_norm_`` (looked up at
 call time) to rescale. While a monitor is open that function is wrapped: the
 monitor owning the first parameter with a gradient gathers that parameter's
 optimizer step there, as the Lightning callback does before Lightning
-clips. A loop that never clips pays nothing; one that does pays one Python
-call per clip. The wrapper comes off when the last monitor closes.
+clips. Once clipped, that monitor is told again: where the step's backward
+left gradients it noted (not the usual step), it notes them as clipped, so a
+``zero_grad()`` between the clip and the step is still seen at the step. A
+loop that never clips pays nothing; one that does pays two Python calls per
+clip. The wrapper comes off when the last monitor closes.
 
 ``clip_grad_value_`` and FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``
 go through no such function: their loops are still read after clipping.
@@ -36,27 +39,40 @@ _ORIGINAL: Any = getattr(_clip_grad, _NAME, None)  # None: torch before 2.6
 _users: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _before_clipping(parameters: Any) -> None:
+def _before_clipping(parameters: Any) -> tuple[Any, torch.Tensor] | None:
+    """The monitor owning the first parameter with a gradient, told; it and that
+    parameter, to be told again once clipped."""
     if isinstance(parameters, torch.Tensor):
         parameters = (parameters,)
     for param in parameters:
         if isinstance(param, torch.Tensor) and param.grad is not None:
             owner = registry.owner_of(param)
-            if owner is not None:
-                owner.before_clipping(param)
-            return
+            if owner is None:
+                return None
+            owner.before_clipping(param)
+            return owner, param
+    return None
 
 
 def _clip_grads_with_norm_(
     parameters: Any, max_norm: Any, total_norm: Any, foreach: Any = None
 ) -> None:
+    if not isinstance(parameters, (torch.Tensor, list, tuple)):
+        parameters = list(parameters)  # read twice: by the monitor, then to clip
+    told = None
     try:
-        _before_clipping(parameters)
+        told = _before_clipping(parameters)
     except TrainingHealthError:
         raise
     except Exception:  # the monitor reports its own failures; clipping goes on
         pass
-    return _ORIGINAL(parameters, max_norm, total_norm, foreach)
+    result = _ORIGINAL(parameters, max_norm, total_norm, foreach)
+    if told is not None:
+        try:
+            told[0].after_clipping(told[1])
+        except Exception:  # the monitor reports its own failures
+            pass
+    return result
 
 
 def install(monitor: Any) -> None:

@@ -112,6 +112,10 @@ class Monitor:
         # a clip after that gathering (Lightning clips after its hook) keeps it.
         self._gathered_at_pass: dict[int, int] = {}
         self._clipped_holder: tuple[int, int, int] | None = None  # (id(param), len, index)
+        # Optimizers gathered before clipping on a step whose backward's gradients
+        # were noted (not found reset as it began): at the step, a reset since
+        # the clip is looked for.
+        self._reset_after_clip: set[int] = set()
         self._in_flight: PendingStep | None = None  # lagged readback: read at the next step
         self._guard = Guard(weak_callback(self._internal_error))
         self._disabled = self._guard.disabled
@@ -447,6 +451,34 @@ class Monitor:
         if not clip_hook.grads_unscaled(self._pipeline.scaler, optimizer):
             return
         self.collect_before_step(optimizer, hold=True)
+        if index in self._pending and self._pipeline.tracker.left is not None:
+            self._reset_after_clip.add(index)
+        else:
+            self._reset_after_clip.discard(index)  # left by a step the scaler skipped
+
+    def after_clipping(self, param: torch.Tensor) -> None:
+        """``clip_grad_norm_`` has rescaled the gradients ``param`` is among.
+
+        Where the step was gathered before that clip with backward's gradients
+        noted, they are noted again as clipped: a ``zero_grad()`` between the
+        clip and the step is then told at the step, as one right after
+        backward is. Nothing to do on the usual step (none noted).
+        """
+        if self._reset_after_clip and not self.closed:
+            self._guarded("step collector", self._note_clipped, param)
+
+    def _note_clipped(self, param: torch.Tensor) -> None:
+        if self._optimizer_holding(param) in self._reset_after_clip:
+            self._pipeline.tracker.note_left()
+
+    def _regather_if_reset_after_clip(self, index: int) -> None:
+        """The step gathered before clipping is taken again where every gradient
+        it uses was set to None or written since the clip: the step then sees
+        what it really applies (a second clip in place leaves them non-zero,
+        and the rules tell the two apart as after backward)."""
+        params = self._pipeline.optimizer_params(index)
+        if self._pipeline.tracker.rewritten_since_backward(params):
+            self._pending[index] = self._pipeline.gather(index, self._step)
 
     def _optimizer_holding(self, param: torch.Tensor) -> int | None:
         """Which optimizer holds ``param`` (remembered: a loop clips the same ones)."""
@@ -508,6 +540,9 @@ class Monitor:
         if self._held_early:
             if index in self._held_early and index in self._pending:
                 self._held_early.discard(index)
+                if index in self._reset_after_clip:
+                    self._reset_after_clip.discard(index)
+                    self._guarded("step collector", self._regather_if_reset_after_clip, index)
                 return  # gathered at backward's end, before clipping
             self._held_early.discard(index)
         try:  # the guard written out: this runs at every step

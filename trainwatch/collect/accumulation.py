@@ -203,7 +203,7 @@ class GradResetTracker:
         self.track_reached = True
         # What the latest backward since the step left in the gradients: by the
         # parameter's id, its gradient's id and version as that backward ended
-        # (None: not noted, as on the usual step; see _note_left).
+        # (None: not noted, as on the usual step; see note_left).
         self.left: dict[int, tuple[int, int]] | None = None
         self._fallback: RemovableHandle | None = None
         # One of each hook object, reused every pass.
@@ -293,7 +293,7 @@ class GradResetTracker:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
         # Asked without the stale-gradient check too: gradients found reset leave
-        # backward's end nothing to note (see _note_left).
+        # backward's end nothing to note (see note_left).
         if snapshot is not None and (self._snapshot_reset or _all_reset(snapshot)):
             self._snapshot_reset = True  # later backward passes of the step too
             self._stale = []
@@ -365,7 +365,7 @@ class GradResetTracker:
                     state.version = grad._version  # the next backward compares with this
             if not self.track_reached:
                 if not self._snapshot_reset:
-                    self._note_left()
+                    self.note_left()
                 return
             stale = {id(state) for state in self._stale}
             for state in self._states.values():
@@ -385,13 +385,15 @@ class GradResetTracker:
                 for callback in list(self._end_listeners.values()):
                     callback()  # each guards itself; a halt passes through
 
-    def _note_left(self) -> None:
+    def note_left(self) -> None:
         """Which gradients this backward left, each tensor's id and version, in C loops.
 
         Only where the gradients were not all found reset as it began (the first
         step, a step whose gradients the loop did not reset in the usual place,
         several optimizers): the usual step notes nothing. The step boundary
-        compares them with what it finds (``rewritten_since_backward``).
+        compares them with what it finds (``rewritten_since_backward``). Noted
+        again after a clip whose step was gathered before it, so that the step
+        compares with the clipped gradients.
         """
         params = list(map(_PARAM, self._states.values()))
         grads = list(map(_GRAD, params))
