@@ -42,6 +42,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
 from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
+from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
@@ -885,12 +886,19 @@ class AutoWatch:
             self._internal.internal_error("trainwatch run: model search", exc, self.steps)
 
     def _find_optimizers(self, monitor: Monitor) -> bool:
-        """Attach live optimizers holding the monitor's parameters (one heap scan)."""
+        """Attach live optimizers holding the monitor's parameters (one heap scan).
+
+        One whose steps no hook sees (it never ran ``Optimizer.__init__`` and
+        wraps no optimizer that did) is left out: the model's steps are then
+        its backward ends, as for hand-written updates.
+        """
         try:
             params = {id(p) for p in monitor.model.parameters()}
             for obj in gc.get_objects():
-                if issubclass(type(obj), Optimizer) and any(
-                    id(p) in params for g in obj.param_groups for p in g["params"]
+                if (
+                    issubclass(type(obj), Optimizer)
+                    and any(id(p) in params for g in obj.param_groups for p in g["params"])
+                    and takes_step_hooks(inner_optimizer(obj))
                 ):
                     self._handled.add(obj)
                     self._attach(obj)

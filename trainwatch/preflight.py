@@ -20,6 +20,7 @@ from trainwatch import registry
 from trainwatch.compiled import unwrap
 from trainwatch.errors import WatchError
 from trainwatch.layers import LayerMap
+from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 
 
 def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
@@ -53,10 +54,17 @@ def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
 
 
 def check_optimizer(optimizer: Any) -> None:
-    """Anything but a torch optimizer is refused, naming what it was."""
+    """Anything but a torch optimizer is refused, naming what it was, and so is
+    one whose steps no hook can see (a wrapper's inner optimizer is watched instead)."""
     if not isinstance(optimizer, Optimizer):
         raise WatchError(
             f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not takes_step_hooks(inner_optimizer(optimizer)):
+        raise WatchError(
+            f"optimizer {type(optimizer).__name__} never ran torch.optim.Optimizer.__init__, "
+            "so its steps run no hooks, and it holds no optimizer of its parameters to watch "
+            "instead: call super().__init__ in its __init__, or pass the optimizer it steps"
         )
 
 
