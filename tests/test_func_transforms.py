@@ -11,12 +11,14 @@ own calls and the gradients it writes into ``.grad`` are still watched.
 
 from __future__ import annotations
 
+import copy
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, stack_module_state, vmap
 
 import trainwatch as tw
 from trainwatch.runner import run_script
@@ -94,10 +96,12 @@ for step in range(8):
 """
 
 
-def _alerts_under_run(tmp_path, how: str, logged: str) -> list[tuple[str, int]]:
+def _alerts_under_run(
+    tmp_path, how: str, logged: str, source: str = SCRIPT
+) -> list[tuple[str, int]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    script = tmp_path / "dp_sgd.py"
-    script.write_text(SCRIPT)
+    script = tmp_path / "script.py"
+    script.write_text(source)
     run_script(script, [how, logged], log_dir=tmp_path / "log", console=False)
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     return [(a["rule"], a["step"]) for a in map(json.loads, lines) if a["severity"] != "info"]
@@ -182,3 +186,113 @@ def test_a_maml_query_pass_on_nan_fast_weights_is_told_at_its_step_as_given_weig
 def test_the_same_maml_loop_with_finite_fast_weights_is_silent(quiet_watch):
     monitor = _maml_steps(quiet_watch, 35, bad_from=None)
     assert [a for a in monitor.alerts if a.severity != "info"] == []
+
+
+class _Ensemble(nn.Module):
+    """Members' weights stacked as the module's parameters; forward runs one template
+    over them with vmap + functional_call. The template is registered as a
+    submodule (a real copy, or one moved to ``meta``) or kept out of the registry."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        members = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)) for _ in range(3)]
+        params, buffers = stack_module_state(members)
+        self.names = list(params)
+        self.stacked = nn.ParameterList([nn.Parameter(params[n]) for n in self.names])
+        self.members_buffers = buffers
+        base = copy.deepcopy(members[0])
+        if template == "meta":
+            base = base.to("meta")
+        if template == "unregistered":
+            object.__setattr__(self, "template", base)
+        else:
+            self.template = base
+
+    def forward(self, x):
+        params = dict(zip(self.names, self.stacked))
+
+        def one(p, b, xx):
+            return functional_call(self.template, (p, b), (xx,))
+
+        return vmap(one)(params, self.members_buffers, x)
+
+
+def _ensemble_alerts(template: str, check: str, plant: str | None) -> list[tuple[str, int]]:
+    ens = _Ensemble(template)
+    opt = torch.optim.Adam(ens.stacked.parameters(), 1e-3)
+    with tw.watch(ens, opt, console=False, nonfinite_forward={"check": check}) as monitor:
+        for step in range(10):
+            x = torch.randn(3, 32, 8)
+            if step == 6 and plant == "input":
+                x[1, 0, 0] = float("nan")
+            if step == 6 and plant == "weight":
+                with torch.no_grad():
+                    ens.stacked[2][1, 0, 0] = float("nan")  # member 1's last layer
+            loss = F.cross_entropy(ens(x).reshape(-1, 2), torch.randint(0, 2, (96,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return [(a.rule, a.step) for a in monitor.alerts if a.severity != "info"]
+
+
+TEMPLATES = ["registered", "meta", "unregistered"]
+
+
+@pytest.mark.parametrize("check", ["auto", "deferred"])
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_vmap_ensemble_with_its_template_registered_is_silent(template, check):
+    """The template's modules run only inside vmap: the sampled activation hooks
+    and the per-module NaN checks see wrapped tensors there and step aside."""
+    assert _ensemble_alerts(template, check, None) == []
+
+
+@pytest.mark.parametrize("plant", ["input", "weight"])
+@pytest.mark.parametrize("check", ["auto", "deferred"])
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_nan_in_a_vmap_ensemble_is_told_at_its_step_whatever_the_template(template, check, plant):
+    assert _ensemble_alerts(template, check, plant) == [("nonfinite_forward", 6)]
+
+
+ENSEMBLE_SCRIPT = """
+import copy
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+torch.manual_seed(0)
+members = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)) for _ in range(3)]
+
+
+class Ensemble(nn.Module):
+    def __init__(self):
+        super().__init__()
+        params, _ = stack_module_state(members)
+        self.names = list(params)
+        self.stacked = nn.ParameterList([nn.Parameter(params[n]) for n in self.names])
+        self.base = copy.deepcopy(members[0])
+
+    def forward(self, x):
+        params = dict(zip(self.names, self.stacked))
+        return vmap(lambda p, xx: functional_call(self.base, p, (xx,)))(params, x)
+
+
+ens = Ensemble()
+opt = torch.optim.Adam(ens.stacked.parameters(), 1e-3)
+for step in range(10):
+    x = torch.randn(3, 32, 8)
+    if sys.argv[1] == "nan" and step == 6:
+        x[1, 0, 0] = float("nan")
+    loss = F.cross_entropy(ens(x).reshape(-1, 2), torch.randint(0, 2, (96,)))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_vmap_ensemble_under_trainwatch_run_is_silent_and_its_nan_is_told(tmp_path):
+    assert _alerts_under_run(tmp_path / "clean", "healthy", "-", ENSEMBLE_SCRIPT) == []
+    found = _alerts_under_run(tmp_path / "nan", "nan", "-", ENSEMBLE_SCRIPT)
+    assert found == [("nonfinite_forward", 6)]

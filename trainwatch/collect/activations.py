@@ -38,7 +38,7 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
 from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
-from trainwatch.compiled import compiling, unwrap, user_name, wrapper_class
+from trainwatch.compiled import compiling, transform_level, unwrap, user_name, wrapper_class
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
@@ -281,6 +281,11 @@ class _SampledPassHook:
             position = self.positions.get(id(unwrap(module)))  # torch.compile's wrapper
             if position is None:
                 return None
+        if transform_level() is not None:
+            # A part called inside vmap/grad (an ensemble's template under
+            # functional_call): its outputs are wrapped tensors that exist only
+            # inside the transform; the model's own output is measured outside.
+            return None
         return self.deliver(position, module, args, output)
 
 

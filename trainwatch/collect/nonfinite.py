@@ -81,7 +81,7 @@ from trainwatch.collect.tensors import (
     non_leaf,
     version_of,
 )
-from trainwatch.compiled import unwrap
+from trainwatch.compiled import transform_level, unwrap
 from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
 
@@ -421,14 +421,23 @@ class NonfiniteProbe:
 
     def module_starts(self, module: nn.Module, args: Any) -> None:
         position = self._position(module)
-        if position is not None and self.enabled and not self.suspended:
+        if position is not None and self._follows_call():
             self.before_call(position, args)
 
     def module_ends(self, module: nn.Module, args: Any, *rest: Any) -> None:
         position = self._position(module)
-        if position is not None and self.enabled and not self.suspended:
+        if position is not None and self._follows_call():
             kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
             self.after_call(position, module, args, kwargs, output)
+
+    def _follows_call(self) -> bool:
+        """Whether a call of one of the model's modules is checked on its own.
+
+        Not inside a torch.func transform (an ensemble's template run under
+        vmap + functional_call): its tensors are wrapped, with no value to
+        read; the outermost call, made outside the transform, still is.
+        """
+        return self.enabled and not self.suspended and transform_level() is None
 
     def before_call(self, position: int, args: Any) -> None:
         if self._depth == 0 and not self._replaying:

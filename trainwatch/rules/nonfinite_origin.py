@@ -317,6 +317,13 @@ class NonfiniteJudge:
 
 
 def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
-    """Judged on what this rank holds: a check of a whole DTensor would be a collective."""
+    """Judged on what this rank holds: a check of a whole DTensor would be a collective.
+
+    A meta parameter (a template run only through ``functional_call``) has no
+    values, so none to find non-finite."""
     params = module.parameters(recurse=recurse)
-    return [p for p in params if not bool(torch.isfinite(local_part(p.detach())).all())]
+    return [
+        p
+        for p in params
+        if not p.is_meta and not bool(torch.isfinite(local_part(p.detach())).all())
+    ]
