@@ -56,6 +56,25 @@ def test_failing_rule_is_reported_once_and_training_goes_on(model, monkeypatch):
     ]
 
 
+def test_two_different_parts_failing_are_each_told_once(model, monkeypatch):
+    """A second part's different failure is its own finding, not a repeat of the first's."""
+    from trainwatch.rules.gradient_scale import ExplodingGradientRule
+
+    def broken(self, record):
+        raise RuntimeError("boom")
+
+    def broken_otherwise(self, record):
+        raise TypeError("bang")
+
+    monkeypatch.setattr(ZeroGradientRule, "evaluate", broken)
+    monkeypatch.setattr(ExplodingGradientRule, "evaluate", broken_otherwise)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        train(model, opt, 5)
+    told = sorted(a.data["component"] for a in monitor.alerts if a.rule == "internal_error")
+    assert told == ["rule exploding_gradient", "rule zero_gradient"]
+
+
 def test_failing_hook_inside_backward_does_not_break_backward(model, monkeypatch):
     from trainwatch.collect.accumulation import GradResetTracker
 

@@ -141,6 +141,10 @@ class Dispatcher:
             hint="a bug in trainwatch, not in your training: please report it with data.traceback",
             data={
                 "component": component,
+                # A different failure is its own finding, told; the same one
+                # met again by another part (an odd user object both trip
+                # on) is counted as a repeat.
+                "finding": f"{type(exc).__name__}: {exc}"[:200],
                 "exception": type(exc).__name__,
                 "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[
                     -4000:
