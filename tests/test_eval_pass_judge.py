@@ -168,3 +168,29 @@ def test_a_part_after_a_training_pass_starts_a_new_streak():
     second = streak.joined("decoder", _report("decoder.2"), fresh=True)
     assert second is not None and second is not first
     assert first.modules == ["encoder.1"]
+
+
+def test_labels_guessed_over_two_augmentations_every_step_are_silent():
+    # MixMatch: two no-grad passes in a row before each step's training pass.
+    assert _steps("nnt", 30) == []
+
+
+def test_a_double_dqn_target_s_two_passes_after_the_training_pass_are_silent():
+    assert _steps("tnn", 30) == []
+
+
+def test_one_or_two_passes_a_step_as_a_loop_varies_are_silent():
+    assert _steps(lambda step: "nnt" if step % 3 else "nt", 30) == []
+
+
+def test_two_validation_passes_at_one_step_are_still_an_evaluation():
+    # Control: the same two passes at step 10 only, told at the next step with theirs.
+    assert _steps(lambda step: "nnt" if step == 10 else "t", 30) == [10, 10]
+
+
+def test_a_validation_pass_next_to_two_label_guesses_is_told_at_once():
+    assert _steps(lambda step: "nnnt" if step == 20 else "nnt", 30) == [20]
+
+
+def test_a_validation_pass_next_to_one_pseudo_label_pass_is_still_told():
+    assert _steps(lambda step: "nnt" if step == 20 else "nt", 30) == [20]

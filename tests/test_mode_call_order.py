@@ -124,7 +124,7 @@ def _train(model, opt, data, steps: int, seed: int = 0) -> None:
         opt.step()
 
 
-def _evaluate(model, data, passes: int = 2) -> None:
+def _evaluate(model, data, passes: int = 3) -> None:
     with torch.no_grad():
         for x, _ in data(passes, seed=7):
             model(x)

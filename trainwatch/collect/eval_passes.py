@@ -5,16 +5,19 @@ one now and then. A GAN's discriminator step samples its generator under
 ``no_grad`` between the generator's own training passes, every step, and wants
 batch norm in training mode there. So:
 
-- two no-grad passes in a row (no training pass between, and, for a model
+- three no-grad passes in a row (no training pass between, and, for a model
   with an optimizer of its own, no optimizer step nor backward of a watched
   model between either: a critic stepping, or accumulating a micro-batch,
   between two samples of its generator is training): an evaluation loop,
   reported at once;
-- a single one between training passes, or after the step's training passes
-  (pseudo-labels computed last, just before backward): held until the next
-  step boundary has shown whether it recurs. Recurring every step, it is part
-  of training and stays silent; not recurring, it is a periodic evaluation
-  and is reported then, with the step it ran in.
+- a short run of one or two between training passes, or after the step's
+  training passes (pseudo-labels computed last, just before backward; labels
+  guessed over two augmentations, as MixMatch does; a double-DQN target's two
+  passes of the online network): held until the next step boundary has shown
+  whether it recurs. Recurring every step, it is part of training and stays
+  silent; not recurring, it is a periodic evaluation and is reported then,
+  with the step it ran in. Once such runs recur, a longer one (a validation
+  pass next to the step's own) is reported for its passes beyond them.
 
 Whatever is still held when the monitor closes is reported then. One or two
 passes before the model's first training pass are a check of the model just
@@ -46,15 +49,20 @@ from trainwatch.record import ModeReport, StepRecord
 # iteration).
 SPARSE_GAP = 4
 
+# The longest run of no-grad passes in a row that may be part of every step
+# (two augmentations' label guesses, two passes for a double-DQN target): a
+# longer one is an evaluation loop, told at once.
+SHORT_RUN = 2
+
 
 class EvalPassJudge:
     def __init__(self) -> None:
         self._held: list[StepRecord] = []
         self.in_a_row = 0  # no-grad training-mode passes since the last training pass
-        self._isolated_now = False  # this interval had one, followed by a training pass
-        self._isolated_before = False  # and so had the interval before
-        self._recurring = False  # it happens every step: part of training
-        self._follows_training = False  # the latest one came right after a training pass
+        self._run_now = 0  # the longest short run of this interval (0: none)
+        self._run_before = 0  # and of the interval before
+        self._recurring = 0  # the short run that happens every step: part of training
+        self._follows_training = False  # the run under way came right after a training pass
         self._weights: object = None  # what the weights were at the last such pass
         self._clock: int | None = None  # the process's steps at the last such pass
         self.trained = False  # a training pass of this model was seen
@@ -81,10 +89,11 @@ class EvalPassJudge:
             # critic steps per generator step) runs one such pass per step of
             # another model: one pass of each interval, as a GAN's one critic
             # step a generator step is.
-            if self.trained and self.in_a_row == 1:
-                self._isolated_now = True
+            if self.trained:
+                self._run_ends()
             self.in_a_row = 0
-        self._follows_training = self.in_a_row == 0 and self.trained
+        if self.in_a_row == 0:
+            self._follows_training = self.trained
         self.in_a_row += 1
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights = weights
@@ -102,23 +111,25 @@ class EvalPassJudge:
             self.in_a_row = 1
             self._held = []
             return []
-        # A model never trained by backward here may be a target called on two
-        # views a step (BYOL): only a third pass on the same weights is an
-        # evaluation loop. Those held are reported at the step boundary or close.
-        if self.in_a_row >= (2 if self.trained else 3):
+        # Two in a row may be part of every step (two views, two augmentations),
+        # trained here or not (a target called on two views a step, BYOL): only
+        # a third pass is an evaluation loop. Those held are reported at the
+        # step boundary or close.
+        if self.in_a_row > SHORT_RUN:
             due, self._held = [*self._held, record], []
             return due
-        if self.in_a_row >= 2:
-            self._held.append(record)
-            return []
-        if self._recurring:
+        if self.in_a_row <= self._recurring:
             return []
         self._held.append(record)
         return []
 
+    def _run_ends(self) -> None:
+        """A run of no-grad passes ended: a short one may be part of every step."""
+        if self.in_a_row <= SHORT_RUN:
+            self._run_now = max(self._run_now, self.in_a_row)
+
     def training_pass(self) -> None:
-        if self.in_a_row == 1:
-            self._isolated_now = True
+        self._run_ends()
         if not self.trained:
             # Passes before the model's first training pass, too few to be an
             # evaluation loop (three are told at once): a shape check or a dry
@@ -128,26 +139,36 @@ class EvalPassJudge:
         self.trained = True
 
     def step_boundary(self) -> list[StepRecord]:
-        if self.in_a_row == 1 and self._follows_training:
-            # One no-grad pass after this step's training passes: one of this
-            # step, as one before them is (the next step's first training pass
-            # must not count it again).
-            self._isolated_now = True
+        if 0 < self.in_a_row <= SHORT_RUN and self._follows_training:
+            # A short run after this step's training passes: one of this step,
+            # as one before them is (the next step's first training pass must
+            # not count it again).
+            self._run_ends()
             self.in_a_row = 0
-        isolated, self._isolated_now = self._isolated_now, False
-        if isolated and self._isolated_before:
-            self._recurring = True
+        run, before = self._run_now, self._run_before
+        if not run:
+            self._run_before = self._recurring = 0
+            # The held pass did not come back this step: an evaluation.
+            return self._due() if self._held else []
+        self._run_now, self._run_before = 0, run
+        if self._recurring and run > self._recurring:
+            # Longer than the run every step has: those beyond it (a
+            # validation pass next to the step's own) are an evaluation.
+            return self._due()
+        if before:
+            # Short runs at two steps in a row: part of training, up to the
+            # longer of them (one or two passes a step, as a loop varies).
+            self._recurring = self._recurring or max(run, before)
             self._held = []
-        elif not isolated:
-            self._recurring = False
-        self._isolated_before = isolated
-        if self._held and not isolated and self.trained:
-            # The held pass did not come back this step: an evaluation. (A model
-            # never trained by backward here keeps them: its next pass tells
-            # whether its weights moved meanwhile, a target, or not.)
-            due, self._held = self._held, []
-            return due
         return []
+
+    def _due(self) -> list[StepRecord]:
+        if not self.trained:
+            # A model never trained by backward here keeps them: its next pass
+            # tells whether its weights moved meanwhile, a target, or not.
+            return []
+        due, self._held = self._held, []
+        return due
 
     def flush(self) -> list[StepRecord]:
         due, self._held = self._held, []
