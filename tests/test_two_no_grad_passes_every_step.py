@@ -105,3 +105,26 @@ def test_under_trainwatch_run_the_same_loops(tmp_path, shape, val_batches, expec
         if a["rule"] == "eval_in_train_mode" and a["severity"] != "info"
     ]
     assert found == expected
+
+
+def test_a_two_batch_evaluation_after_the_last_step_is_told_at_close_with_its_step():
+    import torch
+    from torch import nn
+
+    import trainwatch as tw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    monitor = tw.watch(model, opt, console=False)
+    for _ in range(5):
+        loss = model(torch.randn(16, 8)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # forgot model.eval()
+        for _ in range(2):
+            model(torch.randn(16, 8))
+    assert _told(monitor.alerts) == []  # it may yet recur at every step
+    monitor.close()
+    assert _told(monitor.alerts) == [(5, "1")]
