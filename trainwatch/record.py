@@ -278,6 +278,23 @@ class StepRecord:
     # all zero while its layer's gradient is not (an embedding's rows no batch used).
     sharded: bool = False
 
+    def gradients_reset_after_backward(self) -> str | None:
+        """How the step's gradients were wiped between backward and the step, if
+        they were (``zero_grad()`` there): ``"set_to_none"``, every one set to None;
+        ``"zeroed_in_place"``, every one exactly zero and written since backward
+        ended (a clip in place leaves them non-zero). None: not so.
+
+        The one place this is decided: the step's checks of what backward
+        reached and the zero_gradient rule both ask it.
+        """
+        if not self.rewritten_since_backward:
+            return None
+        if not self.present:
+            return "set_to_none" if self.missing else None
+        if self.sharded or any(self.param_norms):
+            return None  # (a zero shard says nothing)
+        return "zeroed_in_place"
+
 
 # Made at every step (trainwatch.fresh): new_step_record(step), the rest at defaults.
 new_step_record = fresh_maker(StepRecord)

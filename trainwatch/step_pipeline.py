@@ -710,7 +710,9 @@ class StepPipeline:
             if not self._distributed:  # asked once a process group is up, then kept
                 self._distributed = runs_distributed(self.model)
             record.distributed = self._distributed
-            if step_calls is not None and not attach and not _reset_before_step(record):
+            # Gradients wiped between backward and the step say nothing of any layer.
+            wiped = record.rewritten_since_backward and record.gradients_reset_after_backward()
+            if step_calls is not None and not attach and not wiped:
                 self._guarded("step calls", self._follow_calls, index, record)
         elif step_calls is not None and self._missing_before.get(index) is not _NONE_MISSING:
             self._missing_before[index] = _NONE_MISSING
@@ -760,7 +762,7 @@ class StepPipeline:
                 if setup.due:
                     step = now - 1 if manual else now
                     self._guarded("setup audit", self.audit_setup, step)
-                if index in setup.reach_due and not _reset_before_step(record):
+                if index in setup.reach_due and not record.gradients_reset_after_backward():
                     setup.reach_due.discard(index)
                     # A backward ran: it reached the model's output, or a loss was
                     # handed over (Lightning, whose module's own forward may never run).
@@ -1064,16 +1066,6 @@ class StepPipeline:
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due
-
-
-def _reset_before_step(record: StepRecord) -> bool:
-    """Every gradient backward gave the step's parameters was set to None before it.
-
-    Backward reached them, so neither a cut-off layer nor a fine-tune whose
-    trainable parameters miss the loss: the check of what backward reached
-    waits for a step that keeps them.
-    """
-    return record.rewritten_since_backward and not record.present
 
 
 def _moves_none(optimizer: Optimizer) -> bool:

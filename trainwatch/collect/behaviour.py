@@ -380,22 +380,21 @@ class BehaviourWatch:
         inner = unwrap(module)
         name = self._parts.get(id(inner))
         if name is None:
-            model = self._model()
-            if model is None:
-                return None
             # One walk, when a part is first met (and after the tree changed).
-            self._parts = {id(sub): user_name(raw) for raw, sub in model.named_modules()}
-            name = self._parts.get(id(inner))
+            name = self._name_modules().get(id(inner))
         return name
 
     def _module_names(self) -> dict[int, str]:
         """Every module of the model by id, with its name (the tree as it is now)."""
         if self._structure.changed():
             self._rebuild()
-        if not self._parts:
-            model = self._model()
-            if model is not None:
-                self._parts = {id(sub): user_name(raw) for raw, sub in model.named_modules()}
+        return self._parts or self._name_modules()
+
+    def _name_modules(self) -> dict[int, str]:
+        """One walk of the model: each module's name, by id."""
+        model = self._model()
+        if model is not None:
+            self._parts = {id(sub): user_name(raw) for raw, sub in model.named_modules()}
         return self._parts
 
     def _rebuild(self) -> None:

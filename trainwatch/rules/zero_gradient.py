@@ -193,8 +193,8 @@ class ZeroGradientRule(Rule):
             # target is masked. No layer's streak moves either way.
             return self._without_signal(record)
         self._no_signal = None
-        if record.rewritten_since_backward:
-            cause = _reset_before_step(record)
+        if record.rewritten_since_backward:  # (never on the usual step)
+            cause = record.gradients_reset_after_backward()
             if cause is not None:
                 # Backward's gradients wiped before the step: says nothing of any
                 # layer, no layer's streak moves.
@@ -444,17 +444,6 @@ class ZeroGradientRule(Rule):
                 severity="info",
             )
         ]
-
-
-def _reset_before_step(record: StepRecord) -> str | None:
-    """How the step's gradients were wiped after backward made them, if they were:
-    every one set to None, or every one exactly zero and written in place since
-    backward ended (a clip in place leaves them non-zero). None: not so."""
-    if not record.present:
-        return "set_to_none" if record.missing else None
-    if record.sharded or any(record.param_norms):
-        return None  # (a zero shard says nothing)
-    return "zeroed_in_place"
 
 
 def _listed(names: list[str], shown: int = 3) -> str:
