@@ -115,27 +115,25 @@ def test_a_small_transformer_lm_is_told_once_and_its_control_is_silent(quiet_wat
         assert rules_of(monitor) == []
 
 
-def test_gradient_accumulation_with_zero_grad_after_the_step_is_silent(model, quiet_watch):
+@pytest.mark.parametrize("zero_grad", ["after_the_step", "just_before_the_step"])
+def test_gradient_accumulation_is_told_only_with_zero_grad_just_before_the_step(
+    model, quiet_watch, zero_grad
+):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = quiet_watch(model, opt)
     for i, (x, y) in enumerate(batches(12)):
         (nn.functional.mse_loss(model(x), y) / 3).backward()
         if i % 3 == 2:
+            if zero_grad == "just_before_the_step":
+                opt.zero_grad()
             opt.step()
-            opt.zero_grad()
+            if zero_grad == "after_the_step":
+                opt.zero_grad()
     assert monitor.step_count == 4
-    assert rules_of(monitor) == []
-
-
-def test_gradient_accumulation_with_zero_grad_just_before_the_step_is_told(model, quiet_watch):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = quiet_watch(model, opt)
-    for i, (x, y) in enumerate(batches(12)):
-        (nn.functional.mse_loss(model(x), y) / 3).backward()
-        if i % 3 == 2:
-            opt.zero_grad()
-            opt.step()
-    assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
+    if zero_grad == "after_the_step":
+        assert rules_of(monitor) == []
+    else:
+        assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
