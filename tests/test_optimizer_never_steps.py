@@ -474,3 +474,101 @@ def test_a_second_phase_with_the_body_frozen_after_its_last_gradient_is_silent()
             second.step()
         assert all(p.grad is not None for p in model.body.parameters())
     assert [a.rule for a in monitor.alerts if a.severity != "info"] == []
+
+
+# -- a retired head's gradient left behind is no training ---------------------------------
+
+
+def _pretrain_then_finetune(second_phase: str) -> list:
+    """A body pretrained with one head, then fine-tuned with a new head by a new
+    optimizer (the body in both). The first head's gradient of its last backward
+    stays (the new optimizer's zero_grad() never reaches it): only when the loss
+    still runs through it does backward write to it."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    model.old_head = nn.Linear(16, 3)
+    model.new_head = nn.Linear(16, 2)
+    first = torch.optim.Adam([*model.body.parameters(), *model.old_head.parameters()], 1e-3)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long()
+    with tw.watch(model, first, console=False) as monitor:
+        for _ in range(20):
+            first.zero_grad()
+            nn.functional.cross_entropy(model.old_head(model.body(x)), y).backward()
+            first.step()
+        second = torch.optim.Adam([*model.body.parameters(), *model.new_head.parameters()], 1e-4)
+        monitor.add_optimizer(second)
+        for _ in range(150):
+            if second_phase == "old_head_in_loss_reset_to_none":
+                model.zero_grad()  # the old head's gradient is a new tensor at every backward
+            else:
+                second.zero_grad()  # the old head's gradient accumulates in place
+            h = model.body(x)
+            loss = nn.functional.cross_entropy(model.new_head(h), y)
+            if second_phase != "old_head_retired":
+                loss = loss + nn.functional.cross_entropy(model.old_head(h), y)
+            loss.backward()
+            second.step()
+        assert model.old_head.weight.grad is not None
+    return [a for a in monitor.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize(
+    "second_phase",
+    ["old_head_retired", "old_head_in_loss", "old_head_in_loss_reset_to_none"],
+)
+def test_a_stale_gradient_on_a_retired_head_is_not_taken_for_training(second_phase):
+    alerts = _pretrain_then_finetune(second_phase)
+    if second_phase == "old_head_retired":
+        assert alerts == []
+        return
+    (alert,) = alerts
+    assert alert.rule == "not_optimized" and alert.data["kind"] == "optimizer_stopped"
+    assert alert.module == "old_head" and alert.data["last_step"] == 19
+    assert alert.data["parameters"] == ["old_head.weight", "old_head.bias"]
+    assert 119 <= alert.step <= 145  # looked at every 25 steps, from 100 steps stale
+
+
+PRETRAIN_FINETUNE = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+x = torch.randn(256, 10)
+y3, y5 = (x[:, :3]).argmax(1), (x[:, 3:8]).argmax(1)
+body = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+pre = nn.Sequential(body, nn.Linear(32, 3))
+opt = torch.optim.Adam(pre.parameters(), 1e-2)
+for _ in range(60):
+    opt.zero_grad()
+    F.cross_entropy(pre(x), y3).backward()
+    opt.step()
+ft = nn.Sequential(body, nn.Linear(32, 5))  # the same body, a new head
+opt2 = torch.optim.Adam(ft.parameters(), 1e-3)
+for _ in range(150):
+    opt2.zero_grad()
+    loss = F.cross_entropy(ft(x), y5)
+    if sys.argv[1] == "old_head_in_loss":
+        loss = loss + F.cross_entropy(pre(x), y3)
+    loss.backward()
+    opt2.step()
+"""
+
+
+@pytest.mark.parametrize("second_phase", ["old_head_retired", "old_head_in_loss"])
+def test_trainwatch_run_takes_no_stale_gradient_of_a_pretraining_head_for_training(
+    tmp_path, second_phase
+):
+    script = tmp_path / "pretrain_finetune.py"
+    script.write_text(PRETRAIN_FINETUNE)
+    run_script(script, [second_phase], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [
+        (a["module"], a["data"].get("kind"))
+        for a in map(json.loads, lines)
+        if a["rule"] == "not_optimized"
+    ]
+    assert found == ([("1", "optimizer_stopped")] if second_phase == "old_head_in_loss" else [])

@@ -13,7 +13,6 @@ lagged readback, a halt); this module decides what each one does.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
@@ -33,7 +32,14 @@ from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
-from trainwatch.collect.idle_optimizer import STOPPED_STEPPING, IdleOptimizer
+from trainwatch.collect.idle_optimizer import (
+    STOPPED_LOOK_AHEAD,
+    STOPPED_STEPPING,
+    GradientsSeen,
+    IdleOptimizer,
+    fresh_gradients,
+    gradients_seen,
+)
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
 from trainwatch.collect.passes import ModelPasses
@@ -277,12 +283,13 @@ class StepPipeline:
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
         # With several optimizers: when to look next for one that stopped stepping,
-        # and those already told.
-        self._stopped_check_at = STOPPED_STEPPING
+        # and those already told. The first look notes the gradients of any optimizer
+        # idle since the start, for the next look to judge.
+        self._stopped_check_at = STOPPED_LOOK_AHEAD
         self._stopped_told: set[int] = set()
-        # Per stale optimizer, the gradients its frozen parameters held at the
-        # last look (see _fresh_frozen_gradients).
-        self._frozen_grads_seen: dict[int, dict[int, tuple[weakref.ref, int]]] = {}
+        # Per optimizer idle long enough to be looked at, the gradients its own
+        # parameters held at the last look (see fresh_gradients).
+        self._grads_seen: dict[int, GradientsSeen] = {}
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         self.parts = (
             self.passes,
@@ -554,58 +561,51 @@ class StepPipeline:
         """An optimizer of the model's stepped, then stopped for :data:`STOPPED_STEPPING`
         steps while others step, and parameters only it holds still get gradients:
         a second phase's optimizer built over part of the model (the head) while
-        the rest still trains, never updated again."""
+        the rest still trains, never updated again.
+
+        "Still get gradients" means written by some backward since the previous
+        look: a ``.grad`` merely left behind (the first phase's head, which no
+        later ``zero_grad()`` reaches) is no training. So an optimizer idle for
+        :data:`STOPPED_LOOK_AHEAD` steps has its gradients noted one look before
+        it is judged; an optimizer neither stale nor near it is not looked at.
+        """
         applied_at = self._applied_at
-        stale = [
+        idle = [
             index
             for index, last in applied_at.items()
             if index is not None
-            and step - last >= STOPPED_STEPPING
+            and step - last >= STOPPED_LOOK_AHEAD
             and index not in self._stopped_told
         ]
-        if not stale:
-            return
-        recent = {
-            id(p)
-            for index, last in applied_at.items()
-            if index is not None and step - last < STOPPED_STEPPING
-            for p in self.optimizer_params(index)
-        }
-        if not recent:
-            return  # nothing steps now: the training paused, or ended
-        for index in stale:
-            with_grad = [
+        seen_before = self._grads_seen
+        self._grads_seen = {}
+        for index in idle:
+            # Parameters of the others that stepped lately are updated by them.
+            recent = {
+                id(p)
+                for other, last in applied_at.items()
+                if other is not None and other != index and step - last < STOPPED_STEPPING
+                for p in self.optimizer_params(other)
+            }
+            if not recent:
+                continue  # nothing steps now: the training paused, or ended
+            own = [
                 p
                 for p in self.optimizer_params(index)
                 if p.grad is not None and id(p) not in recent
             ]
-            held = [p for p in with_grad if p.requires_grad]
+            seen = self._grads_seen[index] = gradients_seen(own)
+            if step - applied_at[index] < STOPPED_STEPPING:
+                continue  # noted for the next look
+            # Frozen or not: a gradient written since the last look came from a
+            # backward all the same (Lightning's toggle_optimizer freezes the
+            # discriminator around the generator's step, whose look this is).
+            held = fresh_gradients(own, seen_before.get(index, {}), seen)
             if not held:
-                held = with_grad
-                if not self._fresh_frozen_gradients(index, held):
-                    continue
+                continue
             self._stopped_told.add(index)
-            self._frozen_grads_seen.pop(index, None)
+            self._grads_seen.pop(index, None)
             self._tell_idle(step, index, held, step - applied_at[index], applied_at[index])
-
-    def _fresh_frozen_gradients(self, index: int, frozen: list[torch.Tensor]) -> bool:
-        """Whether some of these frozen parameters got a new gradient since the last look.
-
-        A gradient left behind by the last backward before a part was frozen
-        (a second phase's optimizer built over the head) stays as it was: no
-        training. One that changed came from a backward all the same, the part
-        frozen only around another optimizer's step (Lightning's
-        ``toggle_optimizer``, whose discriminator's step was dropped). The
-        first look only notes them.
-        """
-        before = self._frozen_grads_seen.get(index, {})
-        now = {id(p): (weakref.ref(p.grad), p.grad._version) for p in frozen}
-        self._frozen_grads_seen[index] = now
-        for key, (ref, version) in now.items():
-            seen = before.get(key)
-            if seen is not None and (seen[0]() is not ref() or seen[1] != version):
-                return True
-        return False
 
     def _tell_idle(
         self,

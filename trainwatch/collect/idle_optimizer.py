@@ -11,13 +11,20 @@ gradients, is reported once (``not_optimized``).
 
 It listens to the passes only until the model's first step: a model that
 trains pays nothing for it from then on.
+
+An optimizer that stepped and then stopped is the step pipeline's to judge;
+here are the notes it takes of the gradients, to tell those some backward
+still writes from those merely left behind.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainwatch.process_steps import PROCESS_STEPS
@@ -30,6 +37,48 @@ PATIENCE = 20
 # which parameters only it holds that still get gradients are never updated (long
 # enough for phases that alternate every few tens of steps).
 STOPPED_STEPPING = 100
+# Steps idle from which such an optimizer's gradients are noted, one look (every
+# quarter of STOPPED_STEPPING) before it is judged: the gradients it is judged on
+# must have been written since (a .grad merely left behind is no training).
+STOPPED_LOOK_AHEAD = STOPPED_STEPPING - STOPPED_STEPPING // 4
+
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")  # a tensor's in-place write counter
+
+# Per parameter (by id), its gradient then and that gradient's write counter.
+GradientsSeen = dict[int, tuple[weakref.ref, int]]
+
+
+def gradients_seen(params: list[torch.Tensor]) -> GradientsSeen:
+    """The gradients these parameters hold now (each has one), gathered in C.
+
+    Weak references: a gradient replaced since (``zero_grad()`` to None, then a
+    backward) is not kept alive by the note.
+    """
+    grads = list(map(_GRAD, params))
+    return dict(zip(map(id, params), zip(map(weakref.ref, grads), map(_VERSION, grads))))
+
+
+def fresh_gradients(
+    params: list[torch.Tensor], before: GradientsSeen, now: GradientsSeen
+) -> list[torch.Tensor]:
+    """Those of ``params`` whose gradient some backward wrote between two notes.
+
+    A backward writes a gradient in place (its write counter moves) or as a
+    new tensor (another object); one left untouched since the earlier note
+    (the first phase's head, which no later ``zero_grad()`` reaches) is not
+    fresh, nor is one the earlier note lacks (a first look only notes).
+    """
+    fresh = []
+    for p in params:
+        key = id(p)
+        then = before.get(key)
+        if then is None:
+            continue
+        ref, version = now[key]
+        if then[0]() is not ref() or then[1] != version:
+            fresh.append(p)
+    return fresh
 
 
 class IdleOptimizer:
