@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 
 import pytest
 import torch
@@ -316,3 +318,130 @@ def test_trainwatch_run_counts_the_freeze_and_its_undoing_apart(tmp_path):
     counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())["counts"]
     found = sorted((c["rule"], c["module"], c["first_step"]) for c in counts)
     assert found == [("frozen_in_optimizer", "2", 0), ("frozen_in_optimizer", "2", 10)]
+
+
+CONTRASTIVE = '''
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.projector = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.projector(torch.relu(self.body(x)))
+
+
+class NTXent(nn.Module):
+    """A contrastive loss with a learned temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_t = nn.Parameter(torch.tensor(0.5).log())
+
+    def forward(self, z1, z2):
+        z = F.normalize(torch.cat([z1, z2]), dim=1)
+        n = len(z1)
+        sim = (z @ z.t() / self.log_t.exp()).masked_fill(
+            torch.eye(2 * n, dtype=torch.bool), float("-inf")
+        )
+        return F.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+def augment(x):
+    return x + 0.1 * torch.randn_like(x)
+
+
+torch.manual_seed(0)
+model, criterion = Net(), NTXent()
+frozen = sys.argv[1] if len(sys.argv) > 1 else "nothing"
+if frozen == "projector":
+    model.projector.requires_grad_(False)  # the planted bug: frozen, yet in the optimizer
+elif frozen == "temperature":
+    criterion.log_t.requires_grad_(False)
+loose = [torch.zeros(3)] if frozen == "a bare tensor" else []
+opt = torch.optim.Adam([*model.parameters(), *criterion.parameters(), *loose], lr=1e-3)
+x = torch.randn(32, 8)
+
+
+def train(steps=8):
+    for _ in range(steps):
+        loss = criterion(model(augment(x)), model(augment(x)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    train()
+'''
+
+
+@pytest.mark.parametrize(
+    ("frozen", "expected"),
+    [
+        ("projector", [("projector.0", "Net"), ("projector.2", "Net")]),
+        ("temperature", [("", "NTXent")]),
+        ("a bare tensor", [("<outside the model>", "Net")]),
+        ("nothing", []),
+    ],
+)
+def test_under_run_a_freeze_in_an_optimizer_shared_with_a_loss_module_is_told_once(
+    tmp_path, frozen, expected
+):
+    """``trainwatch run`` watches the loss module (it holds a parameter) as a model of
+    its own, whose monitor sees the other model's parameters in the shared optimizer:
+    they are that model's monitor's to judge, not a second alert '<outside the model>'.
+    A bare tensor neither model holds is told once, by one of them."""
+    script = tmp_path / "train.py"
+    script.write_text(CONTRASTIVE)
+    assert run_script(script, [frozen], log_dir=tmp_path / "log", console=False) == 0
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [json.loads(line) for line in lines]
+    told = [(a["module"], a["data"]["model"]) for a in found if a["rule"] == "frozen_in_optimizer"]
+    assert told == expected
+    if frozen == "nothing":
+        assert found == []
+
+
+@pytest.mark.parametrize(
+    ("frozen", "expected"),
+    [
+        (
+            "projector",
+            [
+                ("projector.0", ["projector.0.weight", "projector.0.bias"]),
+                ("projector.2", ["projector.2.weight", "projector.2.bias"]),
+            ],
+        ),
+        ("temperature", [("<outside the model>", ["NTXent.log_t"])]),
+        (
+            "a bare tensor",
+            [("<outside the model>", ["param_groups[0]['params'][7] of shape (3,)"])],
+        ),
+        ("nothing", []),
+    ],
+)
+def test_under_watch_a_frozen_parameter_beside_the_model_is_named_where_it_lives(
+    tmp_path, monkeypatch, quiet_watch, frozen, expected
+):
+    """``tw.watch(model, opt)`` with the loss module's temperature (or a bare tensor)
+    frozen in the model's optimizer: no other monitor judges it, so this one tells it,
+    named as its module names it, or by its place in the optimizer, not by a counter."""
+    script = tmp_path / "train.py"
+    script.write_text(CONTRASTIVE)
+    monkeypatch.setattr(sys, "argv", [str(script), frozen])
+    loop = runpy.run_path(str(script), run_name="contrastive")
+    monitor = quiet_watch(loop["model"], loop["opt"])
+    loop["train"]()
+    told = [
+        (a.module, a.data["parameters"]) for a in monitor.alerts if a.rule == "frozen_in_optimizer"
+    ]
+    assert told == expected
+    if frozen == "nothing":
+        assert rules_of(monitor) == []

@@ -7,6 +7,8 @@ under a stable name.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from trainwatch.compiled import user_name
+from trainwatch.compiled import unwrap, user_name
 
 _TABLES = (nn.Embedding, nn.EmbeddingBag)
 
@@ -118,6 +120,43 @@ class LayerMap:
         """Names a parameter; one the model does not own gets a stable placeholder."""
         found = self._info.get(id(param)) or self._departed.get(id(param))
         return found if found is not None else self._outside(param, None)
+
+
+def names_outside(params: Sequence[torch.Tensor]) -> dict[int, str]:
+    """Names, by ``id``, for parameters no watched model holds, as the module holding
+    them would give them: ``NTXent.log_t`` for a loss module's learned temperature.
+
+    The outermost module found holding the parameter names it, by its class, then
+    the parameter's path inside it. A parameter no module holds (a bare tensor) is
+    left out. One scan of the heap: made for a finding only, never on a step.
+    """
+    wanted = {id(p) for p in params}
+    holders: dict[int, tuple[nn.Module, str]] = {}
+    parents: dict[int, tuple[nn.Module, str]] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), nn.Module):
+            continue
+        try:
+            for short, param in obj._parameters.items():
+                if id(param) in wanted:
+                    holders.setdefault(id(param), (obj, short))
+            for short, child in obj._modules.items():
+                if child is not None:
+                    parents.setdefault(id(child), (obj, short))
+        except (AttributeError, RuntimeError):
+            continue  # a module without the usual tables (TorchScript)
+    names = {}
+    for key, (module, short) in holders.items():
+        path = [short]
+        seen = {id(module)}
+        up = parents.get(id(module))
+        while up is not None and id(up[0]) not in seen:
+            module, child_name = up
+            seen.add(id(module))
+            path.append(child_name)
+            up = parents.get(id(module))
+        names[key] = f"{type(unwrap(module)).__name__}.{user_name('.'.join(reversed(path)))}"
+    return names
 
 
 def _held(table: Any, key: str) -> Any:

@@ -188,6 +188,12 @@ class StepRecord:
     # those found moved by the training code (a momentum encoder): not forgotten.
     frozen_pending: bool = False
     frozen_moved: frozenset[str] = frozenset()
+    # Of ``frozen``, those outside the model, once their verdict is due: each
+    # placeholder name to the name to tell it by (the one its holding module
+    # gives it, ``NTXent.log_t``, or its place in the optimizer), or None where
+    # another monitor holding the optimizer watches it in its own model (a loss
+    # module ``trainwatch run`` watches as a model of its own) and judges it.
+    frozen_outside: dict[str, str | None] = field(default_factory=dict)
     # Parameters of the optimizer frozen at its last setup change, trainable now.
     unfrozen: list[ParamInfo] = field(default_factory=list)
     # Without an optimizer: how many of the model's parameters are frozen.

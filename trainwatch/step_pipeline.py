@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from trainwatch import registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
@@ -54,7 +55,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
-from trainwatch.layers import LayerMap, ParamInfo
+from trainwatch.layers import EXTERNAL, LayerMap, ParamInfo, names_outside
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
@@ -206,6 +207,8 @@ class StepPipeline:
         self._applied_at: dict[int | None, int] = {}
         self._hand_updates = HandUpdates()
         self._frozen_moves = FrozenMoves()
+        # Names found for frozen parameters outside the model, by their placeholder.
+        self._outside_names: dict[str, str] = {}
         self.structure = StructureWatch()
         self._compile_warning = CompiledHookWarning()
         self._calls = CallTracker(step_count)
@@ -727,6 +730,10 @@ class StepPipeline:
                 record.frozen_pending = True
             else:
                 record.frozen_moved = moved
+                if index is not None and any(p.owner == EXTERNAL for p in record.frozen):
+                    self._guarded(
+                        "frozen outside the model", self._frozen_outside, record, index, params
+                    )
             for param in params:
                 if param.requires_grad:
                     owner = info(param).owner
@@ -1015,6 +1022,7 @@ class StepPipeline:
             frozen=frozen,
             frozen_pending=pending.record.frozen_pending,
             frozen_moved=pending.record.frozen_moved,
+            frozen_outside=pending.record.frozen_outside,
             trainable_by_module=pending.record.trainable_by_module,
             restarted_layers=pending.record.restarted_layers,
         )
@@ -1026,6 +1034,62 @@ class StepPipeline:
         if self.config.trainable_parameters.table:
             self._dispatcher.setup(audit)
         self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _frozen_outside(self, record: StepRecord, index: int, params: list[torch.Tensor]) -> None:
+        """The optimizer's frozen parameters outside the model, sorted for the rule.
+
+        One that another monitor holding this optimizer watches in its own model
+        is that monitor's to judge: under ``trainwatch run`` a loss module with a
+        parameter becomes a model of its own, and each model's monitor sees the
+        other's parameters in the shared optimizer. One no such monitor watches
+        (a loss module's parameter beside the model's under ``tw.watch``, a bare
+        tensor) is judged by one monitor of those holding the optimizer (see
+        :meth:`_tells_loose`), and named once, by the module holding it or by its
+        place in the optimizer: its placeholder counter says nothing.
+        """
+        optimizer = self._optimizers[index]
+        frozen = (p for p in params if not p.requires_grad)  # in the order of record.frozen
+        told: dict[str, str | None] = {}
+        unnamed = []
+        loose_ours: bool | None = None  # asked on the first loose one
+        for info, param in zip(record.frozen, frozen):
+            if info.owner != EXTERNAL:
+                continue
+            owner = registry.owner_of(param)
+            if owner is not None and _holds(owner, optimizer):
+                told[info.name] = None
+                continue
+            if loose_ours is None:
+                loose_ours = self._tells_loose(optimizer)
+            if not loose_ours:
+                told[info.name] = None
+            elif info.name in self._outside_names:
+                told[info.name] = self._outside_names[info.name]
+            else:
+                unnamed.append((info.name, param))
+        if unnamed:
+            found = names_outside([param for _, param in unnamed])
+            for name, param in unnamed:
+                named = found.get(id(param)) or _place_in(optimizer, param)
+                told[name] = self._outside_names[name] = named
+        record.frozen_outside = told
+
+    def _tells_loose(self, optimizer: Optimizer) -> bool:
+        """Whether this monitor judges the optimizer's tensors no monitor watches.
+
+        Every monitor holding the optimizer sees them (``trainwatch run`` watching
+        a model and its loss module, one optimizer over both, and a bare tensor
+        beside them): the one whose model holds the first parameter of the
+        optimizer that some such monitor watches tells them, once.
+        """
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param in self.layers:
+                    return True
+                owner = registry.owner_of(param)
+                if owner is not None and _holds(owner, optimizer):
+                    return False
+        return True
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
         # What membership depends on, in C loops: each group's list of
@@ -1066,6 +1130,20 @@ class StepPipeline:
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due
+
+
+def _holds(monitor: Any, optimizer: Optimizer) -> bool:
+    """Whether an open monitor watches ``optimizer`` (its steps are its to judge)."""
+    return any(opt is optimizer for opt in monitor.optimizers)
+
+
+def _place_in(optimizer: Optimizer, param: torch.Tensor) -> str:
+    """Where a tensor no module holds sits in the optimizer, and its shape."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, held in enumerate(group["params"]):
+            if held is param:
+                return f"param_groups[{g}]['params'][{i}] of shape {tuple(param.shape)}"
+    return f"a tensor of shape {tuple(param.shape)}"
 
 
 def _moves_none(optimizer: Optimizer) -> bool:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
-from trainwatch.layers import ParamInfo
+from trainwatch.layers import EXTERNAL, ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 
@@ -35,19 +37,29 @@ class FrozenInOptimizerRule(_ReportOnce):
         # Per (optimizer, module), the step its frozen parameters were first seen
         # while their verdict waited (a few boundaries: moved by hand, or forgotten).
         self._first_seen: dict[tuple[int | None, str], int] = {}
+        # The names told for parameters outside the model, by their placeholder.
+        self._shown: dict[str, str] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.frozen:
-            return self._unfrozen(record) if record.unfrozen else []
-        alerts = self._unfrozen(record) if record.unfrozen else []
+            return self._unfrozen(record, []) if record.unfrozen else []
         if record.frozen_pending:
             for owner in {p.owner for p in record.frozen}:
                 self._first_seen.setdefault((record.optimizer, owner), record.step)
-            return alerts
+            return self._unfrozen(record, record.frozen) if record.unfrozen else []
+        frozen = record.frozen
+        outside = record.frozen_outside
+        if outside:
+            # None: another monitor's model holds it, its verdict is not made twice.
+            frozen = [p for p in frozen if outside.get(p.name, p.name) is not None]
+        alerts = self._unfrozen(record, frozen) if record.unfrozen else []
         moved = record.frozen_moved
         # Moved by the training code every step (a momentum encoder): not forgotten.
-        frozen = [p for p in record.frozen if p.name not in moved] if moved else record.frozen
+        frozen = [p for p in frozen if p.name not in moved] if moved else frozen
         for owner, params in self.new_owners(record.optimizer, frozen).items():
+            if owner == EXTERNAL:
+                alerts.append(self._outside(record, params))
+                continue
             trainable = record.trainable_by_module.get(owner, 0)
             alerts.append(
                 self.alert(
@@ -74,10 +86,39 @@ class FrozenInOptimizerRule(_ReportOnce):
             )
         return alerts
 
-    def _unfrozen(self, record: StepRecord) -> list[Alert]:
+    def _outside(self, record: StepRecord, params: list[ParamInfo]) -> Alert:
+        """Frozen parameters outside the model, beside the model's in its optimizer, that
+        no other monitor judges: a loss module's (a temperature, loss weights) under
+        ``tw.watch``, a bare tensor. Named as their module names them (``NTXent.log_t``),
+        or by their place in the optimizer: a placeholder counter says nothing."""
+        for p in params:
+            self._shown.setdefault(p.name, record.frozen_outside.get(p.name) or p.name)
+        count = len(params)
+        return self.alert(
+            self._first_seen.get((record.optimizer, EXTERNAL), record.step),
+            EXTERNAL,
+            f"{count} parameter{'s' if count != 1 else ''} outside the model "
+            f"({self._names(params)}) with requires_grad=False "
+            f"sit{'s' if count == 1 else ''} in optimizer {record.optimizer}'s param groups "
+            "beside the model's: "
+            f"{'it is' if count == 1 else 'they are'} not updated while frozen",
+            "a learned parameter of the loss (a temperature, loss weights) frozen by "
+            "mistake, or a freeze never undone? Set requires_grad=True to train it; if "
+            "it is meant to stay fixed, leave it out of the optimizer.",
+            {
+                "frozen": count,
+                "trainable": record.trainable_by_module.get(EXTERNAL, 0),
+                "parameters": [self._shown[p.name] for p in params],
+                "optimizer": record.optimizer,
+                "finding": "outside the model",
+            },
+        )
+
+    def _unfrozen(self, record: StepRecord, frozen: list[ParamInfo]) -> list[Alert]:
         """A module told of, whose frozen parameters all train now: a warm-up freeze
-        undone, told as a note beside the warning."""
-        still = {p.owner for p in record.frozen}
+        undone, told as a note beside the warning (``frozen``: those still frozen
+        that this monitor judges)."""
+        still = {p.owner for p in frozen}
         alerts = []
         for owner, params in by_owner(record.unfrozen).items():
             key = (record.optimizer, owner)
@@ -88,20 +129,23 @@ class FrozenInOptimizerRule(_ReportOnce):
                 self.alert(
                     record.step,
                     owner,
-                    f"{short_names(params)} in optimizer {record.optimizer}'s param groups "
+                    f"{self._names(params)} in optimizer {record.optimizer}'s param groups "
                     f"train again from step {record.step} (requires_grad=True): the freeze "
                     "told of earlier was undone",
                     "nothing to do: a freeze for warm-up or fine-tuning, ended as planned",
                     {
                         "kind": "unfrozen",
                         "finding": "unfrozen",
-                        "parameters": [p.name for p in params],
+                        "parameters": [self._shown.get(p.name, p.name) for p in params],
                         "optimizer": record.optimizer,
                     },
                     severity="info",
                 )
             )
         return alerts
+
+    def _names(self, params: list[ParamInfo]) -> str:
+        return short_names([replace(p, name=self._shown.get(p.name, p.name)) for p in params])
 
 
 class NotOptimizedRule(_ReportOnce):
