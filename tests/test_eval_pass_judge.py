@@ -8,7 +8,7 @@ optimizers); an EMA copy kept for evaluation is run every few hundred steps.
 
 from __future__ import annotations
 
-from trainwatch.collect.eval_passes import SPARSE_GAP, EvalPassJudge, PartStreak
+from trainwatch.collect.eval_passes import IDLE_PASSES, SPARSE_GAP, EvalPassJudge, PartStreak
 from trainwatch.record import ModeReport, StepRecord
 
 
@@ -194,3 +194,39 @@ def test_a_validation_pass_next_to_two_label_guesses_is_told_at_once():
 
 def test_a_validation_pass_next_to_one_pseudo_label_pass_is_still_told():
     assert _steps(lambda step: "nnt" if step == 20 else "nt", 30) == [20]
+
+
+def _between_other_steps(passes: int) -> tuple[list, list]:
+    """A model with an optimizer of its own, never trained nor moved, sampled once
+    per step of another model: the steps told at each pass, and at close."""
+    judge = EvalPassJudge()
+    told = []
+    for step in range(passes):
+        record = StepRecord(step=step, source="forward")
+        told += [r.step for r in judge.nograd_pass(record, 0, step, stepped_between=step > 0)]
+    return told, [r.step for r in judge.flush()]
+
+
+def test_passes_between_other_steps_of_a_model_that_never_trains_are_told_when_idle():
+    # A teacher whose optimizer never steps: held, then told at IDLE_PASSES with
+    # every held pass's step, then each pass at once.
+    told, at_close = _between_other_steps(IDLE_PASSES + 3)
+    assert told == list(range(IDLE_PASSES + 3)) and at_close == []
+    # A shorter run: certain only at close, all of them still told.
+    assert _between_other_steps(40) == ([], list(range(40)))
+    assert _between_other_steps(2) == ([], [])  # one or two: maybe a target's last
+
+
+def test_a_generator_s_samples_before_its_first_training_pass_are_let_go():
+    """Control: the same passes, a hundred critic steps before each generator step
+    (the original WGAN's warm-up), then five: its training passes let them go."""
+    judge = EvalPassJudge()
+    told, step = [], 0
+    for iteration in range(12):
+        for _ in range(100 if iteration < 3 else 5):
+            record = StepRecord(step=step, source="forward")
+            told += judge.nograd_pass(record, iteration, step, stepped_between=step > 0)
+            step += 1
+        judge.training_pass()
+        told += judge.step_boundary()
+    assert told + judge.flush() == []

@@ -157,3 +157,124 @@ def test_a_critic_accumulating_micro_batches_between_samples_is_silent_under_run
     run_script(script, [], log_dir=tmp_path / "log", console=False)
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     assert [a for a in map(json.loads, lines) if a["rule"] == "eval_in_train_mode"] == []
+
+
+DISTILLATION = """
+import sys
+import torch
+from torch import nn
+
+steps, teacher_in = int(sys.argv[1]), sys.argv[2]  # teacher_in: train (the bug) or eval
+watch = len(sys.argv) > 3 and sys.argv[3] == "watch"
+torch.manual_seed(0)
+teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 4))
+student = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+# Built over the teacher (as if to fine-tune it first, or loaded from a checkpoint
+# with it), never stepped: the teacher never trains here.
+opt_t = torch.optim.Adam(teacher.parameters(), 1e-3)
+opt_s = torch.optim.Adam(student.parameters(), 1e-3)
+monitors, told_before_close = [], []
+if watch:
+    import trainwatch as tw
+
+    monitors = [tw.watch(teacher, opt_t, console=False), tw.watch(student, opt_s, console=False)]
+if teacher_in == "eval":
+    teacher.eval()
+for step in range(steps):
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        target = teacher(x).softmax(-1)
+    loss = nn.functional.kl_div(student(x).log_softmax(-1), target, reduction="batchmean")
+    opt_s.zero_grad()
+    loss.backward()
+    opt_s.step()
+told_before_close = [(a.step, a.module) for m in monitors for a in m.alerts]
+for monitor in monitors:
+    monitor.close()
+"""
+
+
+def _distil(steps: int, teacher_in: str) -> tuple[list, list]:
+    """The distillation loop with teacher and student watched: what the teacher's
+    monitor told of eval_in_train_mode before its close, and by the end."""
+    argv = sys.argv
+    sys.argv = ["distil.py", str(steps), teacher_in, "watch"]
+    try:
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(DISTILLATION, "distil.py", "exec"), namespace)
+    finally:
+        sys.argv = argv
+    teacher = namespace["monitors"][0]
+    told = [(a.step, a.module) for a in teacher.alerts if a.rule == "eval_in_train_mode"]
+    return namespace["told_before_close"], told
+
+
+@pytest.mark.parametrize("teacher_in", ["train", "eval"])
+def test_a_teacher_whose_own_optimizer_never_steps_is_told_at_close_with_its_first_step(
+    teacher_in,
+):
+    """Sampled under no_grad once per student step, as a generator is per critic step,
+    but never trained: the student's steps between its passes do not make them
+    training. A short run is certain only at close; dated at the first pass."""
+    before_close, told = _distil(40, teacher_in)
+    assert before_close == []
+    assert told == ([(0, "2")] if teacher_in == "train" else [])
+
+
+@pytest.mark.parametrize("teacher_in", ["train", "eval"])
+def test_a_teacher_whose_optimizer_stays_idle_is_told_during_a_long_run(teacher_in):
+    """Once IDLE_PASSES of them have come with no training pass of its own, its
+    optimizer is idle: told then, before the run ends, with the first pass's step."""
+    from trainwatch.collect.eval_passes import IDLE_PASSES
+
+    before_close, told = _distil(IDLE_PASSES + 5, teacher_in)
+    assert before_close == told == ([(0, "2")] if teacher_in == "train" else [])
+
+
+@pytest.mark.parametrize(("teacher_in", "expected"), [("train", [(0, "2")]), ("eval", [])])
+def test_under_trainwatch_run_the_teacher_with_an_idle_optimizer(tmp_path, teacher_in, expected):
+    script = tmp_path / "distil.py"
+    script.write_text(DISTILLATION)
+    run_script(script, ["40", teacher_in], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    found = [
+        (a["step"], a["module"])
+        for a in map(json.loads, lines)
+        if a["rule"] == "eval_in_train_mode"
+    ]
+    assert found == expected
+
+
+WGAN_WARM_UP = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+opt_g = torch.optim.RMSprop(G.parameters(), 5e-5)
+opt_d = torch.optim.RMSprop(D.parameters(), 5e-5)
+for it in range(3):
+    for _ in range(100):  # the original WGAN's warm-up: a hundred critic steps each
+        with torch.no_grad():
+            fake = G(torch.randn(16, 8))
+        loss_d = D(fake).mean() - D(torch.randn(16, 2) + 1).mean()
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        for p in D.parameters():
+            p.data.clamp_(-0.01, 0.01)
+    opt_g.zero_grad()
+    (-D(G(torch.randn(16, 8))).mean()).backward()
+    opt_g.step()
+"""
+
+
+def test_a_generator_sampled_a_hundred_critic_steps_before_its_first_step_is_silent(tmp_path):
+    """Control beside the idle teacher: the generator's passes before its first
+    training pass look the same, and its first training pass lets them go."""
+    script = tmp_path / "wgan.py"
+    script.write_text(WGAN_WARM_UP)
+    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    assert [a for a in map(json.loads, lines) if a["rule"] == "eval_in_train_mode"] == []

@@ -24,6 +24,16 @@ passes before the model's first training pass are a check of the model just
 built (``assert model(torch.zeros(2, 10)).shape == ...`` under ``no_grad``),
 not an evaluation: they are let go at that first training pass.
 
+The step of another model between two passes counts for a model with an
+optimizer of its own only once that model has trained: before its first
+training pass, a generator sampled once per critic step and a teacher whose
+optimizer was built but never steps (loaded from a checkpoint, it forgot
+``teacher.eval()``) look the same. Such passes are held, their weights
+unchanged: the generator's first training pass lets them go (a critic takes a
+hundred steps at most before it, the original WGAN's warm-up);
+:data:`IDLE_PASSES` of them with none, or three of them still held when the
+monitor closes, are an evaluation, told with the step of the first.
+
 A model whose weights changed between two such passes with no training pass
 of its own between them is trained another way: an EMA or momentum target
 (BYOL, MoCo, a mean teacher), copied from the online network every step,
@@ -54,6 +64,12 @@ SPARSE_GAP = 4
 # longer one is an evaluation loop, told at once.
 SHORT_RUN = 2
 
+# No-grad passes of a model with an optimizer of its own that never trained,
+# each after another model's step, its weights unchanged, from which its
+# optimizer is idle and they are an evaluation (twice the original WGAN's
+# hundred critic steps before its generator's first).
+IDLE_PASSES = 200
+
 
 class EvalPassJudge:
     def __init__(self) -> None:
@@ -66,6 +82,9 @@ class EvalPassJudge:
         self._weights: object = None  # what the weights were at the last such pass
         self._clock: int | None = None  # the process's steps at the last such pass
         self.trained = False  # a training pass of this model was seen
+        # Its optimizer never stepped while others took IDLE_PASSES steps, one
+        # between each two of its passes: every such pass is an evaluation.
+        self._idle = False
 
     def nograd_pass(
         self,
@@ -81,16 +100,19 @@ class EvalPassJudge:
         ``stepped_between``: some optimizer of the process, watched or not, stepped
         (or a watched model ran a backward) since the model's last no-grad pass,
         and the model has an optimizer of its own (a frozen teacher has none: its
-        passes stay judged as they are).
+        passes stay judged as they are). Before the model's first training pass
+        such passes are held apart (:meth:`_before_training`): its optimizer may
+        never step.
         """
+        if stepped_between and self.in_a_row and not self.trained:
+            return self._before_training(record, weights, clock)
         if stepped_between and self.in_a_row:
             # Not in a row: an evaluation loop steps no optimizer and runs no
             # backward between its batches. A generator sampled once per critic step (WGAN-GP's five
             # critic steps per generator step) runs one such pass per step of
             # another model: one pass of each interval, as a GAN's one critic
             # step a generator step is.
-            if self.trained:
-                self._run_ends()
+            self._run_ends()
             self.in_a_row = 0
         if self.in_a_row == 0:
             self._follows_training = self.trained
@@ -123,6 +145,29 @@ class EvalPassJudge:
         self._held.append(record)
         return []
 
+    def _before_training(
+        self, record: StepRecord, weights: object, clock: int | None
+    ) -> list[StepRecord]:
+        """A pass after another model's step, by a model with an optimizer of its
+        own that has not trained yet: a generator sampled per critic step before its
+        first step, or a teacher whose optimizer stays idle. Held until its first
+        training pass lets it go, or told once :data:`IDLE_PASSES` have come."""
+        moved = weights is not None and self._weights is not None and weights != self._weights
+        self._weights, self._clock = weights, clock
+        self.in_a_row = 1
+        if moved:
+            # Changed with no training pass of its own: trained another way, so
+            # the passes before were part of training, and its optimizer not idle.
+            self._held, self._idle = [], False
+        if self._idle:
+            return [record]
+        self._held.append(record)
+        if len(self._held) < IDLE_PASSES:
+            return []
+        self._idle = True
+        due, self._held = self._held, []
+        return due
+
     def _run_ends(self) -> None:
         """A run of no-grad passes ended: a short one may be part of every step."""
         if self.in_a_row <= SHORT_RUN:
@@ -133,7 +178,8 @@ class EvalPassJudge:
         if not self.trained:
             # Passes before the model's first training pass, too few to be an
             # evaluation loop (three are told at once): a shape check or a dry
-            # run of the model just built.
+            # run of the model just built; or a generator's samples, one per
+            # step of its critic before its own first.
             self._held = []
         self.in_a_row = 0
         self.trained = True
@@ -172,9 +218,11 @@ class EvalPassJudge:
 
     def flush(self) -> list[StepRecord]:
         due, self._held = self._held, []
-        # A model never trained by backward here: its last passes were never told
-        # apart from a target's (no next pass to show its weights moving).
-        return due if self.trained else []
+        # A model never trained by backward here: one or two last passes were never
+        # told apart from a target's (no next pass to show its weights moving);
+        # three or more held are passes after other models' steps, its weights
+        # unchanged and its optimizer idle to the end: an evaluation.
+        return due if self.trained or len(due) > SHORT_RUN else []
 
 
 class PartStreak:
