@@ -166,6 +166,7 @@ from torch import nn
 
 steps, teacher_in = int(sys.argv[1]), sys.argv[2]  # teacher_in: train (the bug) or eval
 watch = len(sys.argv) > 3 and sys.argv[3] == "watch"
+pretrain = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # teacher steps before distilling
 torch.manual_seed(0)
 teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 4))
 student = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -178,6 +179,12 @@ if watch:
     import trainwatch as tw
 
     monitors = [tw.watch(teacher, opt_t, console=False), tw.watch(student, opt_s, console=False)]
+for step in range(pretrain):
+    x = torch.randn(32, 16)
+    loss = nn.functional.cross_entropy(teacher(x), x[:, :4].argmax(1))
+    opt_t.zero_grad()
+    loss.backward()
+    opt_t.step()
 if teacher_in == "eval":
     teacher.eval()
 for step in range(steps):
@@ -194,11 +201,12 @@ for monitor in monitors:
 """
 
 
-def _distil(steps: int, teacher_in: str) -> tuple[list, list]:
-    """The distillation loop with teacher and student watched: what the teacher's
-    monitor told of eval_in_train_mode before its close, and by the end."""
+def _distil(steps: int, teacher_in: str, pretrain: int = 0) -> tuple[list, list]:
+    """The distillation loop with teacher and student watched (the teacher trained
+    ``pretrain`` steps first): what the teacher's monitor told of eval_in_train_mode
+    before its close, and by the end."""
     argv = sys.argv
-    sys.argv = ["distil.py", str(steps), teacher_in, "watch"]
+    sys.argv = ["distil.py", str(steps), teacher_in, "watch", str(pretrain)]
     try:
         namespace: dict = {"__name__": "__main__"}
         exec(compile(DISTILLATION, "distil.py", "exec"), namespace)
@@ -229,6 +237,18 @@ def test_a_teacher_whose_optimizer_stays_idle_is_told_during_a_long_run(teacher_
 
     before_close, told = _distil(IDLE_PASSES + 5, teacher_in)
     assert before_close == told == ([(0, "2")] if teacher_in == "train" else [])
+
+
+@pytest.mark.parametrize("teacher_in", ["train", "eval"])
+def test_a_teacher_trained_then_left_idle_is_told_during_a_long_run(teacher_in):
+    """Trained 40 steps, then sampled under no_grad once per student step with its
+    optimizer idle: its own step boundaries stopped, so the passes it holds would
+    wait for close, one record each. IDLE_PASSES of them are told before that, and
+    the judge keeps no more than that many."""
+    from trainwatch.collect.eval_passes import IDLE_PASSES
+
+    before_close, told = _distil(IDLE_PASSES + 5, teacher_in, pretrain=40)
+    assert before_close == told == ([(40, "2")] if teacher_in == "train" else [])
 
 
 @pytest.mark.parametrize(("teacher_in", "expected"), [("train", [(0, "2")]), ("eval", [])])

@@ -67,7 +67,8 @@ SHORT_RUN = 2
 # No-grad passes of a model with an optimizer of its own that never trained,
 # each after another model's step, its weights unchanged, from which its
 # optimizer is idle and they are an evaluation (twice the original WGAN's
-# hundred critic steps before its generator's first).
+# hundred critic steps before its generator's first). Also the most passes held
+# for a model that trained and then stopped having step boundaries of its own.
 IDLE_PASSES = 200
 
 
@@ -143,6 +144,13 @@ class EvalPassJudge:
         if self.in_a_row <= self._recurring:
             return []
         self._held.append(record)
+        if self.trained and len(self._held) >= IDLE_PASSES:
+            # Held since the model's last step boundary of its own, IDLE_PASSES of
+            # them: it stopped training (a teacher trained first, then distilled
+            # from) and no boundary will judge them. They are an evaluation; told
+            # now, so nothing held grows with the run.
+            due, self._held = self._held, []
+            return due
         return []
 
     def _before_training(
