@@ -27,8 +27,6 @@ again, so the check costs nothing.
 from __future__ import annotations
 
 import inspect
-import sys
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -38,9 +36,10 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.mode_stack import leave as leave_mode
-from trainwatch.collect.op_trace import _SKIP_DIRS, _user_line
+from trainwatch.collect.op_trace import _user_line
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import BroadcastReport
+from trainwatch.user_warnings import reattributed
 
 _MAX_TRACKED = 4096
 # Ops that compare a prediction with its target: the other operand's spread
@@ -162,11 +161,6 @@ def _label_tensors(module: Any, args: Any, kwargs: dict[str, Any]) -> list[torch
         for name, value in named.items()
         if name in _LABEL_NAMES and isinstance(value, torch.Tensor) and value.dim() > 0
     ]
-
-
-# Loss functions warn about mismatched shapes themselves, pointing one frame
-# up: with the mode in between, that frame would be ours, not the user's.
-_WARNING_LOSSES = frozenset(name for name in _ELEMENTWISE if "loss" in name or name == "kl_div")
 
 
 def batch_broadcast(
@@ -389,24 +383,17 @@ def _op_name(func: Any) -> str:
 
 
 def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """Run the user's op; a loss function's own warning still names the user's line.
+    """Run the user's op; its warnings still name the user's line.
 
-    ``F.mse_loss`` warns with ``stacklevel=2``; called from the mode, that is
-    this file. Its warnings are caught and raised again from the first frame
-    outside PyTorch and trainwatch, under the user's own filters.
+    Called from the mode, an op's warning would name this frame: a loss
+    function warns with ``stacklevel=2``, a C++ op (``torch.std`` of one
+    element) from the innermost Python frame. Each is warned again from the
+    line that called the op, under the filters there; the filters themselves
+    are never changed (that would show every once-per-line warning of the
+    process again).
     """
-    if _op_name(func) not in _WARNING_LOSSES:
+    with reattributed(func):
         return func(*args, **kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = func(*args, **kwargs)
-    if caught:
-        frame, level = sys._getframe(0), 1
-        while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
-            frame, level = frame.f_back, level + 1
-        for found in caught:
-            warnings.warn(found.message, found.category, stacklevel=level)
-    return out
 
 
 # Audits whose model is inside its forward pass right now. A model's own ops

@@ -2,7 +2,10 @@
 
 A NaN replay or an op trace runs the user's modules again (without gradients,
 in whatever mode they are in): the mode, activation and broadcast checks, and
-``trainwatch run``'s model discovery, must not see those passes.
+``trainwatch run``'s model discovery, must not see those passes, and the user
+sees no warning from them (``user_warnings.muted``): a re-run under ``no_grad``
+of a reentrant checkpoint would warn that no input requires grad, the very
+sign of a real pitfall.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from trainwatch.user_warnings import muted
 
 state = threading.local()
 # Re-runs in progress in any thread: read directly on hot paths (``quiet.anywhere``,
@@ -27,7 +32,8 @@ def replay() -> Iterator[None]:
     anywhere += 1
     state.depth = getattr(state, "depth", 0) + 1
     try:
-        yield
+        with muted():
+            yield
     finally:
         state.depth -= 1
         anywhere -= 1
