@@ -194,3 +194,116 @@ def test_a_checkpointed_block_cut_off_by_a_detach_is_named_at_its_step(reentrant
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpointed_blocks_trained_or_dropped_by_design_are_silent(reentrant, variant):
     assert _train_stack(reentrant, variant) == []
+
+
+# -- blocks run with gradients off inside the training pass ------------------------------
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)  # reads out_proj's weights
+        self.fc = nn.Linear(16, 16)
+        self.no_grad = False  # planted: the block's branches under torch.no_grad()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.no_grad):
+            h = self.norm(x)
+            a = self.attn(h, h, h, need_weights=False)[0]
+            f = torch.relu(self.fc(x + a))
+        return x + a + f  # the residual stream keeps its gradient
+
+
+class _EmbeddedStack(nn.Module):
+    """An embedding, then two blocks, each checkpointed (or not), then a head."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList(_AttentionBlock() for _ in range(2))
+        self.head = nn.Linear(16, 20)
+        self.reentrant = reentrant  # None: no checkpoint
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            if self.reentrant is None:
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _train_embedded(variant: str) -> list:
+    torch.manual_seed(0)
+    reentrant = None if variant == "no_grad_block" else variant.startswith("reentrant")
+    model = _EmbeddedStack(reentrant)
+    if variant != "reentrant_input_requires_grad":
+        model.emb.weight.requires_grad_(False)  # a frozen pretrained embedding
+    if variant == "no_grad_block":
+        model.blocks[1].no_grad = True
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], 1e-3)
+    data = torch.randint(0, 20, (64, 9))
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(25):
+            batch = data[torch.randint(0, 64, (8,))]
+            logits = model(batch[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 20), batch[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 10 == 9:
+                with torch.no_grad():  # an evaluation: no call of the training pass
+                    model(data[:4, :-1])
+    return [a for a in monitor.alerts if a.severity != "info"]
+
+
+_BLOCK_LAYERS = ["norm", "attn", "attn.out_proj", "fc"]
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_blocks_under_a_reentrant_checkpoint_after_a_frozen_embedding_are_told_with_the_cause():
+    """A reentrant checkpoint whose input does not require grad runs its block under
+    no_grad and never again in backward: the block ran, so it is told after the usual
+    patience, not given extra steps as a layer not run yet, and the hint names the cause."""
+    alerts = _train_embedded("reentrant_frozen_embedding")
+    assert sorted(a.module for a in alerts) == sorted(
+        f"blocks.{i}.{layer}" for i in range(2) for layer in _BLOCK_LAYERS
+    )
+    for alert in alerts:
+        assert (alert.rule, alert.step, alert.data["steps"]) == ("zero_gradient", 0, 3)
+        assert (alert.data["kind"], alert.data["cause"]) == ("none", "gradients_off")
+        assert "use_reentrant=False" in alert.hint and "with gradients off" in alert.message
+
+
+def test_a_block_under_no_grad_inside_forward_is_told_with_the_same_cause():
+    alerts = _train_embedded("no_grad_block")
+    assert sorted(a.module for a in alerts) == sorted(f"blocks.1.{n}" for n in _BLOCK_LAYERS)
+    for alert in alerts:
+        assert (alert.step, alert.data["steps"], alert.data["cause"]) == (0, 3, "gradients_off")
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize(
+    "variant", ["non_reentrant_frozen_embedding", "reentrant_input_requires_grad"]
+)
+def test_control_checkpointed_blocks_whose_gradients_flow_are_silent(variant):
+    assert _train_embedded(variant) == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_control_a_checkpointed_block_cut_by_a_detach_names_no_gradients_off_cause(reentrant):
+    torch.manual_seed(0)
+    model = _CheckpointedStack(reentrant)
+    model.blocks[1].cut = True
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(10):
+            x = torch.randn(32, 8)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opt.step()
+    (alert,) = monitor.alerts
+    assert (alert.module, alert.data["kind"], alert.data["steps"]) == ("blocks.1.fc", "none", 3)
+    assert "cause" not in alert.data and "detach" in alert.hint

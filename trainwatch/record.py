@@ -181,6 +181,10 @@ class StepRecord:
     calls_followed: frozenset[str] = frozenset()
     called_now: frozenset[str] | None = None
     calls_ran: frozenset[str] = frozenset()  # of those, the ones seen running in some step
+    # Of those called now, the ones called only with gradients off inside a pass
+    # with gradients (torch.no_grad() around them, a reentrant checkpoint whose
+    # inputs do not require grad).
+    called_gradless: frozenset[str] = frozenset()
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)

@@ -701,7 +701,7 @@ class StepPipeline:
         step_calls = self._step_calls
         if step_calls is not None and step_calls.following:
             record.calls_followed = step_calls.followed
-            record.called_now = step_calls.take()
+            record.called_now, record.called_gradless = step_calls.take()
             record.calls_ran = frozenset(step_calls.ran)
         if record.missing:
             # Parameters without a gradient: under DDP the next iteration fails.

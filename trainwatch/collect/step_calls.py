@@ -10,6 +10,9 @@ step's own list of parameters with no gradient), and then only through one
 global forward pre-hook installed for the model's passes and removed at the
 step boundary, their backward included (a hook on the layer itself would
 travel with the model into ``torch.save`` and ``copy.deepcopy``).
+A layer called with gradients off inside a pass with gradients (``torch.no_grad()``
+around it, a reentrant checkpoint whose inputs do not require grad) ran: it is
+no layer skipped by design, and is noted apart for the cause it points to.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class StepCalls:
         self._followed: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
         self.following = False  # whether any layer is (a plain attribute: read every step)
         self._called: set[str] = set()
+        # Followed layers called with gradients off inside a pass with gradients (a
+        # torch.no_grad() block in forward, a reentrant checkpoint whose inputs do
+        # not require grad): they ran, and backward cannot reach them.
+        self._called_gradless: set[str] = set()
+        self._in_pass = False  # a pass with gradients is in progress
         self._blind = False  # a pass ran where module calls are not seen (compiled)
         self._inner_calls = 0  # module calls seen inside the pass in progress
         self._passes = 0  # passes with gradients seen since the last step boundary
@@ -97,17 +105,20 @@ class StepCalls:
         if not self._followed:
             self._unhook()
 
-    def take(self) -> frozenset[str] | None:
+    def take(self) -> tuple[frozenset[str] | None, frozenset[str]]:
         """The followed layers called since the last step boundary (None: not knowable:
-        no pass with gradients was seen, or one ran where module calls are not)."""
+        no pass with gradients was seen, or one ran where module calls are not), and
+        those of them called only with gradients off, inside a pass with gradients."""
         self._unhook()
-        called, blind = frozenset(self._called), self._blind or not self._passes
-        self._called.clear()
-        self._blind, self._passes = False, 0
+        with_grad, gradless = self._called, self._called_gradless
+        called, blind = frozenset(with_grad | gradless), self._blind or not self._passes
+        gradless = frozenset(gradless - with_grad)
+        self._called, self._called_gradless = set(), set()
+        self._blind, self._passes, self._in_pass = False, 0, False
         if blind:
-            return None  # no pass seen (compiled in place: its hooks are traced) or a blind one
+            return None, frozenset()  # no pass seen (compiled in place) or a blind one
         self.ran |= called
-        return called
+        return called, gradless
 
     # -- the model's passes (ModelPasses) ----------------------------------
     def pass_starts(self, module: nn.Module) -> None:
@@ -116,14 +127,18 @@ class StepCalls:
         if is_wrapper(module):
             self._blind = True  # inside a compiled graph no module call is seen
             return
-        self._mark(unwrap(module))  # its own hooks are already running
+        self._mark(unwrap(module), self._called)  # its own hooks are already running
         self._inner_calls = 0
         self._passes += 1
+        self._in_pass = True
         if self._handle is None:
             self._handle = register_module_forward_pre_hook(WeakHook(self, "called"))
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._handle is not None and not self._inner_calls and torch.is_grad_enabled():
+        if self._handle is None:
+            return
+        self._in_pass = False
+        if not self._inner_calls and torch.is_grad_enabled():
             # Not one module call seen inside the pass: compiled in place
             # (``model.compile()``), where hooks do not run. Nothing is known.
             self._blind = True
@@ -132,15 +147,22 @@ class StepCalls:
         # backward, where they are seen running.
 
     def called(self, module: nn.Module, args: Any = None) -> None:
-        if compiling() or (quiet.anywhere and quiet.replaying()) or not torch.is_grad_enabled():
-            return  # trainwatch's own re-run of the model inside the pass (no gradients)
-        self._inner_calls += 1
-        self._mark(module)
+        if compiling() or (quiet.anywhere and quiet.replaying()):
+            return  # trainwatch's own re-run of the model inside the pass
+        if torch.is_grad_enabled():
+            self._inner_calls += 1
+            self._mark(module, self._called)
+        elif self._in_pass:
+            # Gradients off inside the training pass: the layer ran, so it is
+            # not one skipped by design, yet nothing it computes reaches backward.
+            self._inner_calls += 1
+            self._mark(module, self._called_gradless)
+        # (gradients off outside a pass with gradients: an evaluation, no step's call)
 
-    def _mark(self, module: nn.Module) -> None:
+    def _mark(self, module: nn.Module, into: set[str]) -> None:
         found = self._followed.get(id(module))
         if found is not None and found[0]() is module:
-            self._called.add(found[1])
+            into.add(found[1])
 
     def fail(self, exc: BaseException) -> None:
         """Knowing nothing, it claims nothing: every followed layer counts as called."""
@@ -151,6 +173,8 @@ class StepCalls:
         self._followed.clear()
         self.following = False
         self._called.clear()
+        self._called_gradless.clear()
+        self._in_pass = False
 
     def _unhook(self) -> None:
         if self._handle is not None:

@@ -18,6 +18,12 @@ _HINTS = {
         ".item()/.numpy() round trip, torch.no_grad() around the layer, or a branch "
         "whose output does not reach the loss."
     ),
+    "gradients_off": (
+        "the layer ran with gradients off inside the training pass: torch.no_grad() "
+        "around it, or a reentrant torch.utils.checkpoint (use_reentrant=True) whose "
+        "inputs do not require grad (a frozen embedding before it); pass "
+        "use_reentrant=False or make the input require grad."
+    ),
     "never_called": (
         "the layer is defined but its forward never ran, so its parameters get no "
         "gradient. Fine if deliberate (an unused head or pooler); otherwise call it "
@@ -123,7 +129,7 @@ _NO_SIGNAL_HINT = (
 
 
 class _Streak:
-    __slots__ = ("start", "count", "kind", "reported", "called", "skipped", "excused")
+    __slots__ = ("start", "count", "kind", "reported", "called", "skipped", "excused", "gradless")
 
     def __init__(self, start: int, kind: str) -> None:
         self.start = start
@@ -136,6 +142,8 @@ class _Streak:
         # Steps of the streak explained by the step itself: the layer not run, or
         # some output of the model left out of the loss.
         self.excused = 0
+        # Its layer was seen running with gradients off inside the training pass.
+        self.gradless = False
 
 
 class ZeroGradientRule(Rule):
@@ -167,6 +175,8 @@ class ZeroGradientRule(Rule):
                 streak.called, streak.skipped = False, 0
             if not hasattr(streak, "excused"):
                 streak.excused = 0
+            if not hasattr(streak, "gradless"):
+                streak.gradless = False
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -226,6 +236,7 @@ class ZeroGradientRule(Rule):
 
         due: list[ParamInfo] = []
         followed, called = record.calls_followed, record.called_now
+        gradless = record.called_gradless
         ran: frozenset[str] | None = None  # modules that ran (asked for on this path only)
         for info, kind in silent:
             streak = self._streaks.get(info.name)
@@ -244,6 +255,8 @@ class ZeroGradientRule(Rule):
                 else:
                     streak.skipped += 1
                     not_run = True
+            if gradless and kind == "none" and _ran_gradless(info.owner, followed, gradless):
+                streak.gradless = True
             if kind == "none" and (not_run or record.unreached_outputs):
                 streak.excused += 1
             needed = self.config.patience
@@ -373,6 +386,10 @@ class ZeroGradientRule(Rule):
                     f"{short_names(params)} got no gradient"
                 )
                 hint = _HINTS["not_run"]
+            elif kind == "none" and all(s.gradless for s in streaks):
+                data["cause"] = "gradients_off"
+                message += ", its layer having run with gradients off inside the training pass"
+                hint = _HINTS["gradients_off"]
             elif kind == "zero" and record.silent_outputs:
                 # Some output of the model got an exactly zero gradient while
                 # another did not: its loss is weighted by zero (a task switched
@@ -476,6 +493,15 @@ def _siblings_ran(owner: str, ran: frozenset[str]) -> list[str]:
         if found:
             return sorted(found)
         name = parent
+
+
+def _ran_gradless(owner: str, followed: frozenset[str], gradless: frozenset[str]) -> bool:
+    """Whether ``owner`` ran this step with gradients off only, inside the training
+    pass; for a module never followed (one whose holder reads its weights instead of
+    calling it: nn.MultiheadAttention's ``out_proj``), whether its holder did."""
+    if owner in gradless:
+        return True
+    return owner not in followed and owner.rpartition(".")[0] in gradless
 
 
 def _held_by_a_container(info: ParamInfo, record: StepRecord) -> bool:
