@@ -66,7 +66,8 @@ class FrozenInOptimizerRule(_ReportOnce):
                     self._first_seen.get((record.optimizer, owner), record.step),
                     owner,
                     f"{len(params)} parameter{'s' if len(params) != 1 else ''} with "
-                    f"requires_grad=False ({short_names(params)}) sit in optimizer "
+                    f"requires_grad=False ({short_names(params)}) "
+                    f"{'sit' if len(params) != 1 else 'sits'} in optimizer "
                     f"{record.optimizer}'s param groups, beside {trainable} trainable "
                     f"one{'s' if trainable != 1 else ''} of this module",
                     "this layer is not updated while it stays frozen: a freeze for "

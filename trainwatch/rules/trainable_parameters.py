@@ -44,8 +44,13 @@ class TrainableParametersRule(Rule):
         if check.trainable:
             message = (
                 f"none of the model's {check.trainable:,} trainable parameter elements "
-                f"(in {where}) sits in any of the {check.optimizers} watched "
-                f"optimizer{'s' if check.optimizers != 1 else ''}: no step can change the model"
+                f"(in {where}) sits in "
+                + (
+                    f"any of the {check.optimizers} watched optimizers"
+                    if check.optimizers != 1
+                    else "the watched optimizer"
+                )
+                + ": no step can change the model"
             )
         else:
             message = (
