@@ -27,13 +27,18 @@ from trainwatch.runner import run_script
 
 
 class Distiller(nn.Module):
-    def __init__(self) -> None:
+    """``frozen``: the teacher's parameters have requires_grad=False; else they keep
+    it, and only the optimizer (built over the student) and ``no_grad`` leave the
+    teacher untrained."""
+
+    def __init__(self, frozen: bool = True) -> None:
         super().__init__()
         self.student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         self.teacher = nn.Sequential(
             nn.Linear(16, 128), nn.ReLU(), nn.Dropout(0.3), nn.Linear(128, 4)
         )
-        self.teacher.requires_grad_(False)
+        if frozen:
+            self.teacher.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -80,14 +85,20 @@ def test_a_frozen_teacher_kept_in_eval_mode_says_nothing_of_it():
 
 
 def _linear_probe(
-    backbone_in_eval: bool, freeze_at: int = 0, unfreeze_at: int | None = None
+    backbone_in_eval: bool,
+    freeze_at: int | None = 0,
+    unfreeze_at: int | None = None,
 ) -> list:
     """``unfreeze_at``: the second phase, the backbone trainable again, handed to the
-    optimizer and put back in training mode on that step."""
+    optimizer and put back in training mode on that step. ``freeze_at`` None: the
+    optimizer is built over the head, the backbone never frozen (it gets gradients
+    that nothing applies)."""
     torch.manual_seed(0)
     backbone = nn.Sequential(nn.Linear(16, 128), nn.BatchNorm1d(128), nn.ReLU())
     model = nn.Sequential(backbone, nn.Linear(128, 4))
-    if freeze_at == 0:  # the usual linear probe: frozen, and the optimizer over the head
+    if freeze_at is None:
+        opt = torch.optim.SGD(model[1].parameters(), lr=0.05)
+    elif freeze_at == 0:  # the usual linear probe: frozen, and the optimizer over the head
         backbone.requires_grad_(False)
         opt = torch.optim.SGD(model[1].parameters(), lr=0.05)
     else:  # trained end to end, then frozen
@@ -108,6 +119,40 @@ def _linear_probe(
             loss.backward()
             opt.step()
     return monitor.alerts
+
+
+def test_a_teacher_never_frozen_that_no_optimizer_holds_left_in_training_mode_is_told_as_frozen():
+    """Run under ``no_grad`` inside the model's own pass, held by no optimizer: it
+    trains no more than a frozen teacher, and its dropout makes the targets noisy."""
+    torch.manual_seed(0)
+    alerts = _distil(Distiller(frozen=False), keep_teacher_in_eval=False)
+    assert _frozen_findings(alerts) == [(0, "teacher.2", "info")]
+    assert [a.rule for a in alerts] == ["eval_in_train_mode"]
+    assert alerts[0].data["held_by_no_optimizer"] is True
+    assert "no optimizer holds its parameters" in alerts[0].message
+
+
+def test_a_teacher_never_frozen_kept_in_eval_mode_is_the_usual_fine_tuning_line_only():
+    torch.manual_seed(0)
+    alerts = _distil(Distiller(frozen=False), keep_teacher_in_eval=True)
+    assert [(a.rule, a.severity) for a in alerts] == [("train_in_eval_mode", "info")]
+
+
+def test_a_students_dropout_in_training_mode_beside_a_teacher_never_frozen_is_no_frozen_part():
+    torch.manual_seed(0)
+    model = Distiller(frozen=False)
+    model.student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    alerts = _distil(model, keep_teacher_in_eval=True)
+    assert [(a.rule, a.severity, a.module) for a in alerts] == [
+        ("train_in_eval_mode", "info", "teacher.2")
+    ]
+
+
+def test_a_backbone_left_out_of_the_optimizer_that_gets_gradients_is_no_frozen_part():
+    """Never frozen, its gradients never applied: not_optimized's finding alone."""
+    alerts = _linear_probe(backbone_in_eval=False, freeze_at=None)
+    assert _frozen_findings(alerts) == []
+    assert "not_optimized" in {a.rule for a in alerts}
 
 
 def test_a_frozen_backbone_whose_batch_norm_trains_is_one_info_line():
@@ -226,6 +271,17 @@ def _frozen_parts_told_under_run(tmp_path, source: str, how: str) -> list[tuple[
 def test_trainwatch_run_tells_the_frozen_teacher_in_training_mode(tmp_path, how):
     found = _frozen_parts_told_under_run(tmp_path, SCRIPT, how)
     assert found == ([(0, "teacher.2")] if how == "train" else [])
+
+
+@pytest.mark.parametrize("how", ["train", "eval"])
+def test_trainwatch_run_tells_a_teacher_never_frozen_in_training_mode(tmp_path, how):
+    """Held by no optimizer, run under no_grad: told as a frozen one; kept in eval,
+    the usual fine-tuning line and no warning."""
+    source = SCRIPT.replace("self.teacher.requires_grad_(False)", "pass")
+    found = _frozen_parts_told_under_run(tmp_path, source, how)
+    assert found == ([(0, "teacher.2")] if how == "train" else [])
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    assert [a["severity"] for a in map(json.loads, lines)] == ["info"]
 
 
 LOSS_NETWORK = """

@@ -73,6 +73,9 @@ class ModeReport:
     # Found on a training pass: a large frozen part (a teacher, a backbone) ran in
     # training mode while the rest of the model trains.
     during_training: bool = False
+    # That part's parameters still require grad, but no watched optimizer holds
+    # them and no step saw them with a gradient (a teacher never frozen).
+    held_by_no_optimizer: bool = False
 
 
 @dataclass

@@ -250,6 +250,11 @@ class StepPipeline:
             if self._tracks_calls:
                 self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
+        # Which parameters no optimizer holds: not_optimized's, and the mode checks'
+        # (a part never frozen but held by none and given no gradient is frozen).
+        self._reads_membership = self._checks_not_optimized or (
+            self.behaviour is not None and self.behaviour.modes is not None
+        )
         # The loss's class targets on sampled steps, and the training loader's order.
         self.class_targets: ClassTargetLook | None = None
         if "class_targets" in needs:
@@ -738,12 +743,14 @@ class StepPipeline:
                 if param.requires_grad:
                     owner = info(param).owner
                     record.trainable_by_module[owner] = record.trainable_by_module.get(owner, 0) + 1
-        if not manual and self._checks_not_optimized:
+        if not manual and self._reads_membership:
             unoptimized = self._unoptimized_params()
             if unoptimized:  # usually none: every parameter is some optimizer's
-                record.not_optimized = [
-                    info(p) for p in unoptimized if p.requires_grad and p.grad is not None
-                ]
+                trained = [p for p in unoptimized if p.requires_grad and p.grad is not None]
+                if self._checks_not_optimized:
+                    record.not_optimized = [info(p) for p in trained]
+                if trained and self.behaviour is not None:
+                    self._guarded("behaviour checks", self.behaviour.got_gradients, trained)
         if self._audits_setup:
             # Counts the step has already made: a requires_grad flip, a param
             # group or a parameter added changes them. No call on a healthy step.
@@ -1102,6 +1109,8 @@ class StepPipeline:
             }
             self._unoptimized = [p for p in self.layers.parameters() if id(p) not in held]
             self._membership_key = key
+            if self.behaviour is not None:
+                self._guarded("behaviour checks", self.behaviour.held_by_none, self._unoptimized)
         return self._unoptimized
 
     def rebuild_layers(self) -> None:

@@ -371,6 +371,27 @@ class BehaviourWatch:
         if self.modes is not None:
             self.modes.find_frozen_parts()
 
+    def held_by_none(self, params: list[nn.Parameter]) -> None:
+        """The model's parameters no watched optimizer holds (the membership changed):
+        those requiring grad and never given a gradient make frozen parts too."""
+        if self.modes is not None:
+            self.modes.held_by_none(params)
+
+    def got_gradients(self, params: list[nn.Parameter]) -> None:
+        """Parameters no optimizer holds had gradients at a step: none of them is idle.
+
+        A part taken for frozen on the first pass, before any gradient (a backbone
+        left out of the optimizer, ``not_optimized``'s), is no frozen part: its
+        finding is dropped, and one frozen later is found and dated anew.
+        """
+        modes = self.modes
+        if modes is None:
+            return
+        modes.got_gradients(params)
+        seen = self._frozen_seen
+        if seen is not None and not modes.still_frozen(seen[0].eval_in_train.modules):
+            self._frozen_seen = None
+
     def _part_name(self, module: nn.Module) -> str | None:
         """The name in the model of a part called on its own (None: not one of its parts).
 

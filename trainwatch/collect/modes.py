@@ -15,7 +15,7 @@ the called ones.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -105,6 +105,15 @@ class ModeWatch:
         self._not_running: tuple[tuple[bool, ...], int] | None = None
         # No parameter of the model trains (a loss network watched on its own).
         self.wholly_frozen = False
+        # Ids of parameters that keep requires_grad=True yet train no more than
+        # frozen ones: no watched optimizer holds them and no step has seen them
+        # with a gradient (a teacher run under no_grad, never frozen). Told by the
+        # step pipeline, which knows the optimizers' membership (see held_by_none);
+        # empty without an optimizer.
+        self.idle: frozenset[int] = frozenset()
+        # Ids of parameters no optimizer holds that a step saw with a gradient:
+        # updated by hand from it, or meant to train; never idle again.
+        self._got_gradients: set[int] = set()
         self.refresh()
 
     def refresh(self) -> None:
@@ -129,7 +138,8 @@ class ModeWatch:
 
     def find_frozen_parts(self) -> None:
         """The listed modules inside a large frozen part: asked again when the
-        parameters' ``requires_grad`` flags change (one walk of the model then).
+        parameters' ``requires_grad`` flags change, or which of them are
+        :attr:`idle` (one walk of the model then).
 
         A large frozen part is a subtree that trains no parameter while the
         module around it does, holding at least :data:`FROZEN_SHARE` of the
@@ -145,7 +155,8 @@ class ModeWatch:
         self.wholly_frozen = False
         if model is None or not self.listed:
             return
-        total, trained = _counts(model)
+        idle = self.idle
+        total, trained = _counts(model, idle)
         if trained == total:
             return  # nothing is frozen: no walk of the modules
         if not trained:
@@ -159,7 +170,7 @@ class ModeWatch:
         for name, module in model.named_modules():
             if any(name.startswith(part + ".") for part in parts):
                 continue
-            size, trains = _counts(module)
+            size, trains = _counts(module, idle)
             large = size >= FROZEN_SHARE * total
             if size and not trains and large and not _embeddings_only(module):
                 parts.append(user_name(name))
@@ -195,7 +206,8 @@ class ModeWatch:
         if not found:
             return None
         root = self._root()
-        if root is not None and not all(_in_frozen_part(root, item.name) for item in found):
+        idle = self.idle
+        if root is not None and not all(_in_frozen_part(root, item.name, idle) for item in found):
             # Unfrozen since the list was made (a backbone trained again from this
             # step, put back in training mode with it): the parts are found anew.
             self.find_frozen_parts()
@@ -204,7 +216,7 @@ class ModeWatch:
                 for item in self.in_frozen
                 if (module := item.ref()) is not None
                 and module.training
-                and _in_frozen_part(root, item.name)
+                and _in_frozen_part(root, item.name, idle)
             ]
             if not found:
                 return None
@@ -219,12 +231,39 @@ class ModeWatch:
             False,
             len(self.listed),
             in_frozen_parts=[item.name for item in found],
+            held_by_no_optimizer=root is not None
+            and any(_idle_part(root, item.name, idle) for item in found),
         )
 
     def still_frozen(self, names: list[str]) -> bool:
         """Whether the parts around these listed modules train no parameter now."""
         root = self._root()
-        return root is not None and all(_in_frozen_part(root, name) for name in names)
+        idle = self.idle
+        return root is not None and all(_in_frozen_part(root, name, idle) for name in names)
+
+    def held_by_none(self, params: Iterable[nn.Parameter]) -> None:
+        """The model's parameters no watched optimizer holds, anew (the optimizers'
+        membership changed: at an optimizer's attach, a param group added).
+
+        Those with requires_grad=True never seen with a gradient are :attr:`idle`:
+        a teacher called under ``no_grad`` inside the model's own pass and never
+        frozen is as frozen a part as one with ``requires_grad_(False)``.
+        """
+        self._set_idle(frozenset(id(p) for p in params if p.requires_grad) - self._got_gradients)
+
+    def got_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Parameters no optimizer holds had gradients at a step: they are updated
+        by hand from them, or meant to train (a part left out of the optimizer,
+        ``not_optimized``'s finding): no frozen part."""
+        ids = {id(p) for p in params}
+        self._got_gradients |= ids
+        if not self.idle.isdisjoint(ids):
+            self._set_idle(self.idle - ids)
+
+    def _set_idle(self, idle: frozenset[int]) -> None:
+        if idle != self.idle:
+            self.idle = idle
+            self.find_frozen_parts()
 
     def learn_functional(self, found: list[Listed]) -> None:
         """Add modules seen calling dropout or batch norm as functions, in the order seen."""
@@ -343,7 +382,8 @@ class ModeWatch:
         ):
             # Only where it can matter: normalisation layers in eval are an idiom
             # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
-            report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name)]
+            idle = self.idle
+            report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name, idle)]
         return report
 
 
@@ -352,13 +392,14 @@ class ModeWatch:
 FROZEN_SHARE = 1 / 3
 
 
-def _counts(module: nn.Module) -> tuple[int, int]:
-    """(parameters, those that train), in elements."""
+def _counts(module: nn.Module, idle: frozenset[int]) -> tuple[int, int]:
+    """(parameters, those that train), in elements: one trains when it requires
+    grad and is not ``idle`` (see :attr:`ModeWatch.idle`)."""
     total = trained = 0
     for param in module.parameters():
         size = param.numel()
         total += size
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in idle:
             trained += size
     return total, trained
 
@@ -384,23 +425,39 @@ def _inside(name: str, part: str) -> bool:
     return not part or name == part or name.startswith(part + ".")
 
 
-def _in_frozen_part(root: nn.Module, name: str) -> bool:
-    """Whether the nearest module holding parameters, from ``name`` up, trains none.
+def _in_frozen_part(root: nn.Module, name: str, idle: frozenset[int]) -> bool:
+    """Whether the nearest module holding parameters, from ``name`` up, trains none
+    (none requires grad, or those that do are ``idle``: held by no optimizer,
+    never given a gradient).
 
     Dropout has none of its own: the part around it (``backbone`` for
     ``backbone.3``) says whether it is a frozen feature extractor. Asked only
     when a training pass found modules in eval mode.
     """
+    holder = _holder(root, name)
+    if holder is None:
+        return False
+    # Stops at its first trainable parameter.
+    return not any(p.requires_grad and id(p) not in idle for p in holder.parameters())
+
+
+def _idle_part(root: nn.Module, name: str, idle: frozenset[int]) -> bool:
+    """Whether the part around ``name`` is frozen for being :attr:`ModeWatch.idle`,
+    its parameters still requiring grad: the report says no optimizer holds them."""
+    holder = _holder(root, name)
+    return holder is not None and any(id(p) in idle for p in holder.parameters())
+
+
+def _holder(root: nn.Module, name: str) -> nn.Module | None:
+    """The nearest module holding parameters, from ``name`` up (None: none does)."""
     path = name.split(".") if name else []
     while True:
         try:
             module = root.get_submodule(".".join(path))
         except AttributeError:
-            return False
-        params = module.parameters()
-        first = next(params, None)
-        if first is not None:  # the nearest holding parameters: stop at its first trainable
-            return not first.requires_grad and not any(p.requires_grad for p in params)
+            return None
+        if next(module.parameters(), None) is not None:
+            return module
         if not path:
-            return False
+            return None
         path.pop()

@@ -57,8 +57,12 @@ class EvalInTrainModeRule(Rule):
 
     def _frozen_part(self, step: int, report: ModeReport) -> Alert:
         """Info: training mode may be the intent (a frozen backbone's batch norm
-        adapting its statistics to new data), but a frozen teacher or feature
-        extractor run with dropout on gives noisy targets or features."""
+        adapting its statistics to new data, a mean teacher's dropout), but a frozen
+        teacher or feature extractor run with dropout on gives noisy targets or
+        features. A part whose parameters still require grad but that no optimizer
+        holds and no gradient reaches (a teacher run under ``no_grad``, never
+        frozen) trains no more than a frozen one: the same finding, the same
+        severity, its message saying so."""
         dropout = any("norm" not in kind.lower() for kind in report.kinds)
         effect = (
             "its dropout is on, so what it computes for the rest of the model is noisy"
@@ -66,16 +70,30 @@ class EvalInTrainModeRule(Rule):
             else "its batch norm normalises with each batch's statistics and keeps "
             "overwriting its running averages"
         )
+        part = (
+            "a part of the model that never trains (no optimizer holds its parameters, "
+            "which get no gradient)"
+            if report.held_by_no_optimizer
+            else "a frozen part of the model (no parameter of it trains)"
+        )
+        freeze = (
+            " Its parameters still require grad: requires_grad_(False) on it says it is frozen."
+            if report.held_by_no_optimizer
+            else ""
+        )
         alert = self.alert(
             step,
             report.modules[0],
-            f"a frozen part of the model (no parameter of it trains) runs in training "
-            f"mode while the rest trains: {_listing(report)}; {effect}",
+            f"{part} runs in training mode while the rest trains: {_listing(report)}; {effect}",
             "a frozen teacher, backbone or feature extractor is usually kept in eval "
             "mode: call .eval() on it after every model.train() (or override train() "
             "to keep it there). Nothing to do if its training-mode behaviour is the "
-            "intent (batch-norm statistics adapting to new data).",
-            {**_data(report), "finding": "frozen part in training mode"},
+            f"intent (batch-norm statistics adapting to new data).{freeze}",
+            {
+                **_data(report),
+                "finding": "frozen part in training mode",
+                "held_by_no_optimizer": report.held_by_no_optimizer,
+            },
         )
         return dataclasses.replace(alert, severity="info")
 
