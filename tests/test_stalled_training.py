@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -206,6 +207,141 @@ def test_an_optimizer_over_another_copy_of_the_model_stalls(quiet_watch):
     assert "no trainable weight moved" in found[0].message or (
         found[0].data["update_ratio_median"] == 0.0
     )
+
+
+# -- updates that stopped after real steps ----------------------------------------------
+def _scheduled(name: str, opt: torch.optim.Optimizer, steps: int):
+    """A learning-rate schedule and how it is stepped: "batch", "epoch" or "plateau"."""
+    lr = torch.optim.lr_scheduler
+    if name == "steplr-per-batch":  # 10x every 3 epochs, stepped every batch
+        return lr.StepLR(opt, step_size=3, gamma=0.1), "batch"
+    if name == "exponentiallr-per-batch":  # 0.8 per epoch, stepped every batch
+        return lr.ExponentialLR(opt, gamma=0.8), "batch"
+    if name == "learning-rate-0-from-step-30":
+        return lr.LambdaLR(opt, lambda step: 1.0 if step < 30 else 0.0), "batch"
+    if name == "steplr-per-epoch":
+        return lr.StepLR(opt, step_size=3, gamma=0.1), "epoch"
+    if name == "exponentiallr-per-epoch":
+        return lr.ExponentialLR(opt, gamma=0.8), "epoch"
+    if name == "cosine-to-0":
+        return lr.CosineAnnealingLR(opt, T_max=steps), "batch"
+    if name == "warm-up-then-cosine-to-0":
+
+        def warm_cosine(step: int) -> float:
+            if step < 40:
+                return step / 40
+            return 0.5 * (1 + math.cos(math.pi * (step - 40) / (steps - 40)))
+
+        return lr.LambdaLR(opt, warm_cosine), "batch"
+    if name == "onecycle":
+        return lr.OneCycleLR(opt, max_lr=1e-2, total_steps=steps), "batch"
+    assert name == "reduce-on-plateau"
+    return lr.ReduceLROnPlateau(opt, factor=0.3, patience=1), "plateau"
+
+
+STOPPED = ["steplr-per-batch", "exponentiallr-per-batch", "learning-rate-0-from-step-30"]
+SCHEDULES = [
+    "steplr-per-epoch",
+    "exponentiallr-per-epoch",
+    "cosine-to-0",
+    "warm-up-then-cosine-to-0",
+    "onecycle",
+    "reduce-on-plateau",
+]
+
+
+@pytest.mark.parametrize("schedule", STOPPED + SCHEDULES)
+def test_a_learning_rate_that_collapses_after_real_steps_stalls_once_the_updates_stop(
+    quiet_watch, schedule
+):
+    """A per-epoch scheduler stepped every batch moves the output in its first steps,
+    then leaves the weights bit for bit as they were: told at the second sampled step
+    past the warm-up where the updates stopped (steps 199 and 299). Schedules that end
+    at 0, or decay as designed, stay silent. The loss is not handed over, as in a plain
+    loop watched with tw.watch."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    steps, per_epoch = 400, 20
+    scheduler, stepped = _scheduled(schedule, opt, steps)
+    monitor = quiet_watch(model, opt)  # the defaults: re-runs every 100 steps, from step 200
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(64, 8, generator=gen)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), x[:, :1].sin())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if stepped == "batch":
+            scheduler.step()
+        elif (step + 1) % per_epoch == 0:
+            if stepped == "plateau":
+                scheduler.step(sum(losses[-per_epoch:]) / per_epoch)
+            else:
+                scheduler.step()
+    monitor.close()
+    found = _stalls(monitor.alerts)
+    if schedule not in STOPPED:
+        assert found == []
+        return
+    (alert,) = found
+    assert (alert.step, alert.module) == (299, "")
+    assert alert.data["criterion"] == "updates_stopped"
+    assert alert.data["stopped_since"] == 99 and alert.data["update_ratio_max"] < 1e-8
+    assert alert.data["change"] > 1e-2  # the first steps moved the output: not that criterion
+    assert alert.message.startswith("training stopped: from step 99 on, the updates ")
+    assert "at 3 sampled steps in a row" in alert.message
+    if schedule == "learning-rate-0-from-step-30":
+        assert "every learning rate is 0" in alert.message
+    else:
+        assert "lr " in alert.message and " now" in alert.message
+        assert alert.data["learning_rates"][0] < alert.data["learning_rates_then"][0] < 1e-9
+    assert "stepped every batch" in alert.hint
+
+
+@pytest.mark.parametrize("planted", ["scaler-skips-every-step", "learning-rate-0"])
+def test_a_grad_scaler_skipping_every_step_is_not_told_as_updates_that_stopped(
+    quiet_watch, planted
+):
+    """Watched with monitor.step(), a step GradScaler skipped leaves the weights as they
+    were, as a learning rate of 0 does; its gradients hold NaN/Inf. Skips that go on are
+    amp_skipped_steps' finding, told once; the same loop whose learning rate drops to 0
+    has its updates stopped."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    monitor = quiet_watch(model, scaler=scaler)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(400):
+        x = torch.randn(64, 8, generator=gen)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), x[:, :1].sin())
+        if step == 150:
+            if planted == "learning-rate-0":
+                opt.param_groups[0]["lr"] = 0.0
+        if step >= 150 and planted == "scaler-skips-every-step":
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        monitor.step(loss=loss)
+    monitor.close()
+    found = _stalls(monitor.alerts)
+    if planted == "scaler-skips-every-step":
+        assert found == []
+        assert "amp_skipped_steps" in {a.rule for a in monitor.alerts}
+        return
+    # Stopped from the sampled step 199 on: at least as long as it ran by step 399.
+    (alert,) = found
+    assert (alert.step, alert.data["criterion"], alert.data["stopped_since"]) == (
+        399,
+        "updates_stopped",
+        199,
+    )
+    assert "the loss flat" in alert.message  # since the updates stopped, not since step 0
 
 
 # -- healthy families ------------------------------------------------------------------
@@ -418,14 +554,35 @@ def test_a_still_output_with_a_falling_loss_is_no_stall():
 
 
 def test_no_verdict_before_warm_up_or_above_min_change():
+    # Each alone (one sampled step whose updates stopped is not enough for that criterion).
+    for steps, change in [(100, 0.0), (200, 1e-3), (200, None)]:
+        rule = StalledTrainingRule(StalledTrainingConfig())
+        record = StepRecord(step=steps - 1, stall_phase=1, stall=_report(change, steps=steps))
+        assert rule.evaluate(record) == []
+
+
+@pytest.mark.parametrize("stopped_from, fires_at", [(9_900, None), (4_000, 7_999)])
+def test_updates_stopped_at_a_long_runs_last_sampled_steps_are_a_schedule_ending_at_0(
+    stopped_from, fires_at
+):
+    """A 10,000-step cosine schedule to 0 has its last sampled steps' updates below any
+    floor: stopped for fewer steps than it ran, silent. Updates that stopped at step
+    4,000 are told once they have stayed stopped as long (the loss unknown)."""
     rule = StalledTrainingRule(StalledTrainingConfig())
-    assert rule.evaluate(StepRecord(step=99, stall_phase=1, stall=_report(0.0, steps=100))) == []
-    assert rule.evaluate(StepRecord(step=199, stall_phase=1, stall=_report(1e-3))) == []
-    assert rule.evaluate(StepRecord(step=199, stall_phase=1, stall=_report(None))) == []
+    fired = []
+    for steps in range(100, 10_001, 100):
+        ratio = 0.0 if steps >= stopped_from else 1e-3
+        report = StallReport(
+            steps=steps, change=5.0, update_ratios={"fc": ratio, "out": ratio}, trainable=9, total=9
+        )
+        alerts = rule.evaluate(StepRecord(step=steps - 1, stall_phase=1, stall=report))
+        fired += [a.step for a in alerts]
+    assert fired == ([] if fires_at is None else [fires_at])
 
 
 @pytest.mark.parametrize(
-    "key, value", [("every", 0), ("warmup", 0), ("min_change", -1.0), ("rows", 0)]
+    "key, value",
+    [("every", 0), ("warmup", 0), ("min_change", -1.0), ("rows", 0), ("min_update_ratio", -1.0)],
 )
 def test_bad_values_fail_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"stalled_training.{key}"):
@@ -590,4 +747,5 @@ def test_the_tuning_benchmark_prints_each_run_and_the_margins(capsys):
     assert main(["--steps", "12", "--every", "4", "--warmup", "8"]) == 0
     out = capsys.readouterr().out
     assert "fine-tune adam 1e-5" in out and "lora on 1e-6 branch" in out
-    assert "healthy runs move at least" in out
+    assert "steplr per batch" in out and "mlp adamw cosine to 0" in out
+    assert "healthy runs move at least" in out and "min_update_ratio 1e-08 sits" in out

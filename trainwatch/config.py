@@ -217,14 +217,28 @@ class StalledTrainingConfig(RuleConfig):
     warmup: int = field(default=200, metadata=_range(1))
     # Stalled: the output's RMS move on the first batch stays below
     # ``min_change`` of the output's spread past the warm-up. Healthy runs
-    # (fine-tunes at lr 1e-5 included) move it 3e-2 or more, a learning rate
-    # of 1e-12 or adapters on a module scaled by 1e-6 2e-7 or less
-    # (benchmarks/tune_stalled_training.py) ...
+    # (fine-tunes at lr 1e-5 included) move it 3e-2 or more, at lr 1e-6 3e-3,
+    # a learning rate of 1e-12 or adapters on a module scaled by 1e-6 2e-7 or
+    # less (benchmarks/tune_stalled_training.py) ...
     min_change: float = field(default=1e-5, metadata=_range(0.0))
     # ... while the loss is flat: its mean over the latest ``loss_window``
     # steps within ``loss_change`` (relative) or batch noise of the first ones.
     loss_window: int = field(default=20, metadata=_range(2))
     loss_change: float = field(default=0.05, metadata=_range(0.0))
+    # Stalled too: the updates stopped after the first steps had moved the
+    # output (a per-epoch scheduler stepped every batch). Every layer's
+    # update-to-weight ratio ||dW||/||W|| below ``min_update_ratio`` at two
+    # sampled steps in a row past the warm-up, stopped for at least as many
+    # steps as the phase ran before, the loss flat as above since the first
+    # of those sampled steps (the steps before it may have trained). Healthy
+    # runs stay at 5.7e-6 or more two sampled steps in a row (a fine-tune at
+    # lr 1e-6; 3e-4 or more through 400-step cosine-to-0, warm-up+cosine,
+    # OneCycleLR and ReduceLROnPlateau schedules, whose last sampled step
+    # alone falls to 1e-9..7e-8); StepLR(3, 0.1) and ExponentialLR(0.8)
+    # stepped every batch leave the weights bit for bit as they were, 0
+    # (benchmarks/tune_stalled_training.py). A sampled step whose gradients
+    # hold NaN/Inf (a GradScaler's skipped step) starts the count over.
+    min_update_ratio: float = field(default=1e-8, metadata=_range(0.0))
 
 
 @dataclass

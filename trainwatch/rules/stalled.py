@@ -6,6 +6,12 @@ an optimizer holding another copy of the weights) shows in neither the loss
 curve's shape nor the gradients: the gradients are fine, the updates are
 not. The move of the model's own output on a fixed batch, relative to that
 output's spread, is scale-free, so one threshold fits every model.
+
+That move is counted from the phase's first batch, so a learning rate that
+collapses after a few real steps (a per-epoch schedule stepped every batch)
+leaves it large for ever. The updates themselves tell that case: every
+layer's update-to-weight ratio, measured on the same sampled steps, falls
+orders of magnitude below any real training's and stays there.
 """
 
 from __future__ import annotations
@@ -26,8 +32,20 @@ _HINT = (
     "deepcopy, a reload or a wrapper). Check the optimizer's learning rate and which "
     "parameters are trainable; healthy updates move weights by about 1e-3 of their norm."
 )
+_STOPPED_HINT = (
+    "the updates stopped after the first steps, usually because the learning rate "
+    "collapsed: a scheduler meant per epoch stepped every batch (StepLR's step_size, "
+    "ExponentialLR's gamma, MultiStepLR's milestones counted in epochs), a decay in the "
+    "wrong unit, or a schedule that reaches 0 long before the run ends. Check where "
+    "sched.step() is called and the learning rate the optimizer holds now; with that "
+    "as intended, the gradients themselves vanished. Healthy updates move weights by "
+    "about 1e-3 of their norm."
+)
 # Healthy runs' typical update-to-weight ratio, quoted in the message.
 _HEALTHY_RATIO = 1e-3
+# Sampled steps in a row, past the warm-up, whose updates stopped: one alone
+# may be the last step of a schedule that ends at 0.
+_STOPPED_SAMPLES = 2
 # How many standard errors of the two loss windows' difference still count as flat.
 _NOISE = 3.0
 
@@ -45,6 +63,7 @@ class StalledTrainingRule(Rule):
         self._latest_losses: list[float] = []  # the latest ``loss_window`` (plain data)
         self._fired = False  # once per phase
         self._phase = 0
+        self._stopped = _Stopped()
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.stall_phase != self._phase:
@@ -57,25 +76,34 @@ class StalledTrainingRule(Rule):
                 self._latest_losses.append(loss)
                 del self._latest_losses[: -self.config.loss_window]
         report = record.stall
-        if report is None or self._fired or report.change is None:
+        if report is None or self._fired:
             return []
         config = self.config
-        if report.steps < config.warmup or report.change >= config.min_change:
+        stopped = self._stopped
+        stopped.note(record, report, config, self._latest_losses)
+        if report.steps < config.warmup:
             return []
-        if not self._loss_flat():
-            return []
-        self._fired = True
-        return [self._alert(record.step, report)]
+        still = report.change is not None and report.change < config.min_change
+        if still and self._loss_flat(self._first_losses):
+            self._fired = True
+            return [self._alert(record.step, report)]
+        # The loss from when the updates stopped: the steps before may have trained.
+        if stopped.long_enough(report.steps) and self._loss_flat(stopped.losses):
+            self._fired = True
+            return [self._stopped_alert(record.step, report)]
+        return []
 
     def _restart(self, phase: int) -> None:
         self._phase = phase
         self._first_losses = []
         self._latest_losses = []
         self._fired = False
+        self._stopped = _Stopped()
 
-    def _loss_flat(self) -> bool:
-        """Flat, or not known (no loss handed over): the output's move decides alone."""
-        first, latest = self._first_losses, self._latest_losses
+    def _loss_flat(self, first: list[float]) -> bool:
+        """The latest losses as ``first`` (the phase's first, or those when the updates
+        stopped), or not known (no loss handed over): the figures decide alone."""
+        latest = self._latest_losses
         if len(first) < 2 or len(latest) < 2:
             return True
         before, after = statistics.fmean(first), statistics.fmean(latest)
@@ -84,19 +112,16 @@ class StalledTrainingRule(Rule):
         )
         return abs(after - before) <= max(self.config.loss_change * abs(before), _NOISE * noise)
 
-    def _loss_text(self) -> str:
-        if len(self._first_losses) < 2 or len(self._latest_losses) < 2:
+    def _loss_text(self, first: list[float]) -> str:
+        if len(first) < 2 or len(self._latest_losses) < 2:
             return "the loss unknown (pass it with monitor.step(loss=loss))"
-        before = statistics.fmean(self._first_losses)
+        before = statistics.fmean(first)
         after = statistics.fmean(self._latest_losses)
         return f"the loss flat ({before:.4g} -> {after:.4g})"
 
     def _alert(self, step: int, report: StallReport) -> Alert:
         ratios = report.update_ratios
-        share = report.trainable / report.total if report.total else 0.0
-        audit = f"trainable {report.trainable:,} of {report.total:,} parameters ({share:.2%})"
-        if report.trainable_in:
-            audit += ", most in " + ", ".join(repr(name) for name in report.trainable_in)
+        audit = _audit(report)
         if ratios:
             typical = statistics.median(ratios.values())
             top = max(ratios, key=ratios.__getitem__)
@@ -112,9 +137,10 @@ class StalledTrainingRule(Rule):
         message = (
             f"training changes nothing: after {report.steps} steps the output on the first "
             f"batch moved {report.change:.1e} of its spread (below {self.config.min_change:g}), "
-            f"{self._loss_text()}; {audit}{update}{rates}"
+            f"{self._loss_text(self._first_losses)}; {audit}{update}{rates}"
         )
         data = {
+            "criterion": "output_change",
             "change": report.change,
             "steps": report.steps,
             "min_change": self.config.min_change,
@@ -126,3 +152,116 @@ class StalledTrainingRule(Rule):
             "learning_rates": lrs,
         }
         return self.alert(step, "", message, _HINT, data)
+
+    def _stopped_alert(self, step: int, report: StallReport) -> Alert:
+        ratios = report.update_ratios
+        stopped = self._stopped
+        typical = statistics.median(ratios.values())
+        top = max(ratios, key=ratios.__getitem__)
+        lrs = sorted(set(report.learning_rates))
+        if lrs and not any(lrs):
+            rates = "; every learning rate is 0"
+        elif lrs:
+            rates = f"; lr {_rates(stopped.first_rates)} at step {stopped.since_step}"
+            rates += f", {_rates(lrs)} now"
+        else:
+            rates = ""
+        healthy = f"healthy ~{_HEALTHY_RATIO:.0e}"
+        if ratios[top] > 0.0:
+            what = (
+                f"the updates barely change the weights: update/weight ||dW||/||W|| at most "
+                f"{ratios[top]:.1e} (in {top!r}, median {typical:.1e}; {healthy}), below "
+                f"{self.config.min_update_ratio:g},"
+            )
+        else:
+            what = (
+                "the updates leave every weight exactly as it was (||dW|| = 0 in every "
+                f"layer; ||dW||/||W|| {healthy})"
+            )
+        before = (
+            f"before, the output on the first batch moved {report.change:.1e} of its spread"
+            if report.change is not None
+            else "the output on the first batch not measured"
+        )
+        message = (
+            f"training stopped: from step {stopped.since_step} on, {what} at "
+            f"{stopped.samples} sampled steps in a row{rates}; "
+            f"{self._loss_text(stopped.losses)}; {before}; {_audit(report)}"
+        )
+        data = {
+            "criterion": "updates_stopped",
+            "change": report.change,
+            "steps": report.steps,
+            "stopped_since": stopped.since_step,
+            "min_update_ratio": self.config.min_update_ratio,
+            "trainable": report.trainable,
+            "total": report.total,
+            "trainable_in": list(report.trainable_in),
+            "update_ratio_median": typical,
+            "update_ratio_max": ratios[top],
+            "update_ratios": dict(ratios),
+            "learning_rates": lrs,
+            "learning_rates_then": sorted(set(stopped.first_rates)),
+        }
+        return self.alert(step, "", message, _STOPPED_HINT, data)
+
+
+class _Stopped:
+    """The sampled steps in a row whose updates left every layer as it was.
+
+    Stopped: every layer's ``||dW|| / ||W||`` below ``min_update_ratio``,
+    orders of magnitude under any real training (a learning rate of 1e-6
+    still moves Adam's weights by about 1e-5 of their norm). A step whose
+    gradients held NaN/Inf (GradScaler skipped it, the weights stayed put
+    with a healthy learning rate) says nothing and starts the count over:
+    skips that go on are amp_skipped_steps' finding. The first stopped step
+    of the row is kept to tell when the updates stopped, at what learning
+    rate, and the loss then: the loss is compared with that one, as the
+    steps before it may have trained.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0  # stopped sampled steps in a row
+        self.past_warmup = 0  # of them, those at or past the warm-up
+        self.since = 0  # the phase's steps at the row's first
+        self.since_step = 0  # its step number
+        self.first_rates: list[float] = []
+        self.losses: list[float] = []  # the latest losses then
+
+    def note(
+        self,
+        record: StepRecord,
+        report: StallReport,
+        config: StalledTrainingConfig,
+        losses: list[float],
+    ) -> None:
+        ratios = report.update_ratios
+        norm = record.total_norm
+        skipped = norm is not None and not math.isfinite(norm)
+        if skipped or not ratios or not max(ratios.values()) < config.min_update_ratio:
+            self.samples = self.past_warmup = 0
+            return
+        if not self.samples:
+            self.since, self.since_step = report.steps, record.step
+            self.first_rates = list(report.learning_rates)
+            self.losses = list(losses)
+        self.samples += 1
+        self.past_warmup += report.steps >= config.warmup
+
+    def long_enough(self, steps: int) -> bool:
+        """Stopped at enough sampled steps past the warm-up, and for at least as many
+        steps as the phase ran before: a schedule that decays to 0 at the end of a
+        long run has its last sampled steps stopped, never half its steps."""
+        return self.past_warmup >= _STOPPED_SAMPLES and 2 * self.since <= steps
+
+
+def _audit(report: StallReport) -> str:
+    share = report.trainable / report.total if report.total else 0.0
+    audit = f"trainable {report.trainable:,} of {report.total:,} parameters ({share:.2%})"
+    if report.trainable_in:
+        audit += ", most in " + ", ".join(repr(name) for name in report.trainable_in)
+    return audit
+
+
+def _rates(lrs: list[float]) -> str:
+    return ", ".join(f"{lr:.1e}" for lr in sorted(set(lrs))) or "unknown"
