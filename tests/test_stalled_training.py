@@ -580,6 +580,24 @@ def test_updates_stopped_at_a_long_runs_last_sampled_steps_are_a_schedule_ending
     assert fired == ([] if fires_at is None else [fires_at])
 
 
+def test_updates_stopped_before_a_checkpoint_count_after_resuming(tmp_path):
+    """The row of stopped sampled steps is plain data in the rule's state (loaded with
+    weights_only=True, as Lightning does): the resumed run tells it on time."""
+
+    def record(steps: int) -> StepRecord:
+        report = StallReport(
+            steps=steps, change=5.0, update_ratios={"fc": 0.0}, trainable=9, total=9
+        )
+        return StepRecord(step=steps - 1, stall_phase=1, stall=report)
+
+    rule = StalledTrainingRule(StalledTrainingConfig())
+    assert rule.evaluate(record(100)) == [] and rule.evaluate(record(200)) == []
+    torch.save(rule.state_dict(), tmp_path / "state.pt")
+    resumed = StalledTrainingRule(StalledTrainingConfig())
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert [a.step for a in resumed.evaluate(record(300))] == [299]
+
+
 @pytest.mark.parametrize(
     "key, value",
     [("every", 0), ("warmup", 0), ("min_change", -1.0), ("rows", 0), ("min_update_ratio", -1.0)],

@@ -217,8 +217,10 @@ class _Stopped:
     skips that go on are amp_skipped_steps' finding. The first stopped step
     of the row is kept to tell when the updates stopped, at what learning
     rate, and the loss then: the loss is compared with that one, as the
-    steps before it may have trained.
+    steps before it may have trained. Slotted: a checkpoint keeps it (rules/state.py).
     """
+
+    __slots__ = ("samples", "past_warmup", "since", "since_step", "first_rates", "losses")
 
     def __init__(self) -> None:
         self.samples = 0  # stopped sampled steps in a row
