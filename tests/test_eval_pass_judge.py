@@ -214,7 +214,9 @@ def test_passes_between_other_steps_of_a_model_that_never_trains_are_told_when_i
     assert told == list(range(IDLE_PASSES + 3)) and at_close == []
     # A shorter run: certain only at close, all of them still told.
     assert _between_other_steps(40) == ([], list(range(40)))
-    assert _between_other_steps(2) == ([], [])  # one or two: maybe a target's last
+    # One or two, its weights never seen moving between passes: no target's last
+    # passes, an evaluation too.
+    assert _between_other_steps(2) == ([], [0, 1])
 
 
 def test_a_generator_s_samples_before_its_first_training_pass_are_let_go():
@@ -230,3 +232,35 @@ def test_a_generator_s_samples_before_its_first_training_pass_are_let_go():
         judge.training_pass()
         told += judge.step_boundary()
     assert told + judge.flush() == []
+
+
+def test_one_or_two_last_passes_of_a_model_never_trained_nor_seen_moving_are_told_at_close():
+    # An SWA copy evaluated once at the end (one pass, or two batches): nothing
+    # showed it to be a target, and it never trained: an evaluation.
+    for passes in (1, 2):
+        judge = EvalPassJudge()
+        for _ in range(passes):
+            assert judge.nograd_pass(StepRecord(step=7, source="forward"), 0, 7) == []
+        assert [r.step for r in judge.step_boundary() + judge.flush()] == [7] * passes
+
+
+def test_a_target_s_last_passes_at_close_are_let_go():
+    # Control: a target run on two views a step, its weights moving with every
+    # step; its last step's two passes are still held when the monitor closes.
+    judge = EvalPassJudge()
+    told = []
+    for step in range(20):
+        for _ in range(2):
+            told += judge.nograd_pass(StepRecord(step=step, source="forward"), step, step)
+        told += judge.step_boundary()
+    assert told + judge.flush() == []
+
+
+def test_a_model_checked_once_under_no_grad_then_trained_is_silent_at_close():
+    # Control: the shape check before training, let go at the first training pass.
+    judge = EvalPassJudge()
+    judge.nograd_pass(StepRecord(step=0, source="forward"), 0, 0)
+    for _ in range(5):
+        judge.training_pass()
+        assert judge.step_boundary() == []
+    assert judge.flush() == []

@@ -9,12 +9,21 @@ mode (dropout on, batch norm updating its statistics on validation data)
 goes unreported.
 
 While a lookout is installed, entering either block turns the forward hooks
-on for that block, at the 1st, 2nd, 4th, 8th... entry from the same line of
-the script. A block entered at every step (an EMA update, a DQN target) turns
-them on a logarithmic number of times over a run; one entered for the first
-time at step 500 turns them on at once; one torch enters itself
-(``clip_grad_norm_``'s own ``no_grad``) never. Between those entries a block
-costs one wrapped ``__enter__`` and ``__exit__`` and a dictionary lookup.
+on for that block, at the 1st, 2nd, 4th, 8th... entry from the same place in
+the script reached from the same call. A block entered at every step (an EMA
+update, a DQN target) turns them on a logarithmic number of times over a run;
+one entered for the first time at step 500 turns them on at once; one torch
+enters itself (``clip_grad_norm_``'s own ``no_grad``) never. Between those
+entries a block costs one wrapped ``__enter__`` and ``__exit__`` and a
+dictionary lookup.
+
+The call counts because an evaluation helper is shared: ``evaluate(m)`` with
+its ``no_grad`` on one line, called for the model every epoch and for an SWA
+or EMA copy from epoch 6 on. Counted by the block's line alone, the copy's
+first evaluation was the 7th entry and went unseen; counted with the call
+that led there, it is the first entry from ``evaluate(swa_model)``. (Models
+passed through one call, ``for m in models: evaluate(m)``, share its 1st,
+2nd, 4th... entries still.)
 
 The same lookout, with a monitor as its watcher, finds the parts of a model
 called on their own in such a block (``model.encode(x)`` in an evaluation):
@@ -78,7 +87,9 @@ class NoGradLookout:
 
     def __init__(self, watcher: Watcher) -> None:
         self._watcher = weakref.ref(watcher)
-        self._entries: dict[tuple[Any, int], int] = {}
+        # Entries by site: the block's instruction and the call that led to it.
+        self._entries: dict[tuple[int, int, int, int], int] = {}
+        self._codes: list[tuple[Any, Any]] = []  # the code objects the ids stand for
         self._installed = False
 
     def install(self) -> None:
@@ -101,10 +112,19 @@ class NoGradLookout:
         watcher = self._watcher()
         if watcher is None or not watcher.look_wanted():
             return
-        line = script.f_code, script.f_lineno
-        count = self._entries.get(line, 0) + 1
-        self._entries[line] = count
-        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th... entry from this line
+        # Counted per site: the block's place in the script and the call that led
+        # there. A helper shared by every evaluation (``evaluate(model)``, then
+        # ``evaluate(ema)`` from epoch 6 on) enters its block from one site per
+        # model, so a model first met there late is met at its site's first entry.
+        # Places are told by code objects' ids and instruction offsets: no hash of
+        # a code object (a long script's is long) nor walk of its line table.
+        code, caller = script.f_code, (script.f_back or script)
+        site = id(code), script.f_lasti, id(caller.f_code), caller.f_lasti
+        count = self._entries.get(site, 0) + 1
+        self._entries[site] = count
+        if count == 1:
+            self._codes.append((code, caller.f_code))  # their ids stay theirs
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th... entry from this site
             vars(block).setdefault(_LOOKING, []).append((self, watcher.look()))
 
     def left(self, token: Any) -> None:

@@ -31,8 +31,8 @@ optimizer was built but never steps (loaded from a checkpoint, it forgot
 ``teacher.eval()``) look the same. Such passes are held, their weights
 unchanged: the generator's first training pass lets them go (a critic takes a
 hundred steps at most before it, the original WGAN's warm-up);
-:data:`IDLE_PASSES` of them with none, or three of them still held when the
-monitor closes, are an evaluation, told with the step of the first.
+:data:`IDLE_PASSES` of them with none, or any still held when the monitor
+closes, are an evaluation, told with the step of the first.
 
 A model whose weights changed between two such passes with no training pass
 of its own between them is trained another way: an EMA or momentum target
@@ -47,6 +47,13 @@ step, per view). An EMA copy kept for evaluation moves just the same, but is
 run only now and then: passes :data:`SPARSE_GAP` or more steps of the
 process apart (every model's steps, on one clock) with its weights moved in
 between are an evaluation of that copy, one that forgot ``ema.eval()``.
+
+A target's last one or two passes, still held when the monitor closes, have
+no next pass to show its weights moving: once seen moving as a target, it is
+let go. A model never trained here and never seen moving so, whose one or
+two no-grad passes are all it ran (an SWA or EMA copy evaluated once at the
+end, a model loaded and tested), ran an evaluation in training mode: told at
+close.
 """
 
 from __future__ import annotations
@@ -83,6 +90,9 @@ class EvalPassJudge:
         self._weights: object = None  # what the weights were at the last such pass
         self._clock: int | None = None  # the process's steps at the last such pass
         self.trained = False  # a training pass of this model was seen
+        # Its weights were seen moving between two passes close together, with no
+        # training pass of its own between them: a target network (see flush).
+        self._target = False
         # Its optimizer never stepped while others took IDLE_PASSES steps, one
         # between each two of its passes: every such pass is an evaluation.
         self._idle = False
@@ -133,6 +143,7 @@ class EvalPassJudge:
             # network. Its passes are part of training, this one and those held.
             self.in_a_row = 1
             self._held = []
+            self._target = True
             return []
         # Two in a row may be part of every step (two views, two augmentations),
         # trained here or not (a target called on two views a step, BYOL): only
@@ -166,7 +177,7 @@ class EvalPassJudge:
         if moved:
             # Changed with no training pass of its own: trained another way, so
             # the passes before were part of training, and its optimizer not idle.
-            self._held, self._idle = [], False
+            self._held, self._idle, self._target = [], False, True
         if self._idle:
             return [record]
         self._held.append(record)
@@ -225,12 +236,19 @@ class EvalPassJudge:
         return due
 
     def flush(self) -> list[StepRecord]:
+        """What is still held at close: an evaluation, unless a target's last passes.
+
+        A target network (seen moving between its passes, trained by no backward
+        here) ends the run with one or two passes whose next pass never comes
+        to show its weights moving again: those are part of its training. A
+        model never seen moving so and never trained, whose one or two passes
+        are all there is (an SWA or EMA copy evaluated once at the end, a model
+        loaded and tested), ran an evaluation in training mode: told.
+        """
         due, self._held = self._held, []
-        # A model never trained by backward here: one or two last passes were never
-        # told apart from a target's (no next pass to show its weights moving);
-        # three or more held are passes after other models' steps, its weights
-        # unchanged and its optimizer idle to the end: an evaluation.
-        return due if self.trained or len(due) > SHORT_RUN else []
+        if self._target and not self.trained and len(due) <= SHORT_RUN:
+            return []
+        return due
 
 
 class PartStreak:

@@ -10,12 +10,12 @@ part would cost each training pass a call per part.
 Instead a ``no_grad`` or ``inference_mode`` block entered while the model is in
 training mode, has trained, holds dropout or batch norm and is not in a pass of
 its own is looked into at the 1st, 2nd, 4th, 8th... entry from its line of the
-script (:mod:`trainwatch.late_models`): a global forward pre-hook for the
-block's duration sees its outermost module calls. A part of the model called
-there, with dropout or batch norm in training mode, is followed from then on:
-each of its calls on its own without gradients is one of the model's passes,
-this very call the first (its calls inside the model's passes, or with
-gradients, cost two early returns). The evaluation judge
+script and the call that led there (:mod:`trainwatch.late_models`): a global
+forward pre-hook for the block's duration sees its outermost module calls. A
+part of the model called there, with dropout or batch norm in training mode,
+is followed from then on: each of its calls on its own without gradients is
+one of the model's passes, this very call the first (its calls inside the
+model's passes, or with gradients, cost two early returns). The evaluation judge
 (``collect/eval_passes.py``) sees those passes as it sees the whole model's,
 so a part called under ``no_grad`` at every step (a target computed with
 ``model.encode(x2)``) is training, and one called now and then is an
