@@ -235,18 +235,21 @@ class EvalPassJudge:
         due, self._held = self._held, []
         return due
 
-    def flush(self) -> list[StepRecord]:
+    def flush(self, optimized: bool = False) -> list[StepRecord]:
         """What is still held at close: an evaluation, unless a target's last passes.
 
         A target network (seen moving between its passes, trained by no backward
         here) ends the run with one or two passes whose next pass never comes
-        to show its weights moving again: those are part of its training. A
-        model never seen moving so and never trained, whose one or two passes
-        are all there is (an SWA or EMA copy evaluated once at the end, a model
-        loaded and tested), ran an evaluation in training mode: told.
+        to show its weights moving again: those are part of its training. So
+        does a model with an optimizer of its own (``optimized``) that has not
+        trained yet: a generator sampled at its critic's first step or two, in a
+        run stopped before the generator's own first step (a smoke run). A model
+        never seen moving so, never trained and with no optimizer, whose one or
+        two passes are all there is (an SWA or EMA copy evaluated once at the
+        end, a model loaded and tested), ran an evaluation in training mode: told.
         """
         due, self._held = self._held, []
-        if self._target and not self.trained and len(due) <= SHORT_RUN:
+        if not self.trained and len(due) <= SHORT_RUN and (self._target or optimized):
             return []
         return due
 
