@@ -9,6 +9,7 @@ import pickle
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -236,3 +237,34 @@ def test_an_evaluation_run_after_a_clean_fit_stays_clean(tmp_path):
     assert callback.alerts == []
     counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())
     assert counts["counts"] == []
+
+
+class _LbfgsNet(BoringNet):
+    """LBFGS under automatic optimisation: Lightning's closure resets the gradients
+    at each evaluation, unless ``optimizer_zero_grad`` is overridden to do nothing."""
+
+    def __init__(self, reset: bool) -> None:
+        super().__init__()
+        self.reset = reset
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=10)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self.reset:
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["lightning_resets", "reset_overridden"])
+def test_lbfgs_closure_evaluations_without_reset_fire_at_the_first_step(tmp_path, reset):
+    callback = TrainWatchCallback(console=False)
+    _trainer(tmp_path, callback).fit(_LbfgsNet(reset))
+    assert callback.monitor.step_count == 4
+    told = [(a.rule, a.step) for a in callback.alerts if a.rule == "accumulated_gradient"]
+    assert told == ([] if reset else [("accumulated_gradient", 0)])
+    if reset:
+        assert callback.alerts == []
+    else:
+        assert not [a for a in callback.alerts if a.rule == "amp_skipped_steps"]
+        (alert,) = [a for a in callback.alerts if a.rule == "accumulated_gradient"]
+        assert "an earlier evaluation of step 0's closure" in alert.message

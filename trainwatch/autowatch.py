@@ -300,6 +300,9 @@ class AutoWatch:
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
+        # A pending optimizer inside its step(closure) now (None: none): its model,
+        # found inside the closure, joins that step under way.
+        self._closure_stepping: weakref.ref[Optimizer] | None = None
         # Modules found sharing parameters with another model of ours without being
         # part of it (a classifier built around a pretrained autoencoder's encoder),
         # by id: see _take_over.
@@ -680,13 +683,22 @@ class AutoWatch:
                     self._take_over(optimizer)
                 if optimizer in self._pending:
                     self._still_pending(optimizer)
+                    self._note_closure_step(optimizer, args, kwargs)
             return None
         self._handled.add(optimizer)
         try:
             self._attach(optimizer)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
+        if optimizer in self._pending:
+            self._note_closure_step(optimizer, args, kwargs)
         return None
+
+    def _note_closure_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """A pending optimizer's step begins: with a closure, its model may be found
+        inside it, and then joins this step under way (``_attach``)."""
+        closure = args[1] if len(args) > 1 else (kwargs or {}).get("closure")
+        self._closure_stepping = weakref.ref(optimizer) if closure is not None else None
 
     def _attach(self, optimizer: Optimizer) -> None:
         """Join the optimizer to every monitor of ours that owns some of its parameters.
@@ -727,6 +739,9 @@ class AutoWatch:
                     if resumed:
                         monitor.load_state_dict({"step": resumed})
                 monitor.add_optimizer(optimizer)
+                stepping = self._closure_stepping
+                if stepping is not None and stepping() is optimizer:
+                    monitor.closure_step_began(optimizer)  # found inside its closure
                 # its optimizer marks its steps from now on: backward ends are not needed
                 for handle in self._backward_ends.pop(id(monitor), []):
                     handle.remove()
@@ -912,17 +927,18 @@ class AutoWatch:
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.stopped = True
             raise StopRun
-        if (
-            self._forward_handles
-            and self.steps >= _SETTLED_AFTER
-            and not self._pending
-            and self.monitors
-            and all(m.optimizers or m.closed or not m.step_count for m in self.monitors)
-        ):
-            # Every model found steps with an optimizer, or takes no steps at all
-            # (a momentum target, an EMA copy, a frozen teacher: run, never
-            # trained by backward; their own pass hooks stay).
-            self._unhook_forwards()
+        if self._forward_handles:  # models may still be found (pending optimizers)
+            self._closure_stepping = None  # no step under way now
+            if (
+                self.steps >= _SETTLED_AFTER
+                and not self._pending
+                and self.monitors
+                and all(m.optimizers or m.closed or not m.step_count for m in self.monitors)
+            ):
+                # Every model found steps with an optimizer, or takes no steps at all
+                # (a momentum target, an EMA copy, a frozen teacher: run, never
+                # trained by backward; their own pass hooks stay).
+                self._unhook_forwards()
         return None
 
     def _manual_step(self, monitor: Monitor) -> None:

@@ -428,6 +428,17 @@ class Monitor:
                         self._held_early.add(index)
                 return
 
+    def closure_step_began(self, optimizer: Optimizer) -> None:
+        """``optimizer``, just added, is inside its own ``step(closure)`` already:
+        ``trainwatch run`` finds a model first called inside the closure (LBFGS),
+        after that step's pre-hook. The step's remaining evaluations are followed
+        as its pre-hook would have had them (see ``_before_optimizer_step``)."""
+        for index, opt in enumerate(self._optimizers):
+            if opt is inner_optimizer(optimizer):
+                self._pending.pop(index, None)
+                self._guarded("step collector", self._pipeline.closure_step_begins, index)
+                return
+
     def before_clipping(self, param: torch.Tensor) -> None:
         """``clip_grad_norm_`` is about to rescale the gradients ``param`` is among.
 
@@ -533,8 +544,9 @@ class Monitor:
             # LBFGS & co compute gradients inside step(): gather them after it.
             self._pending.pop(index, None)
             # Their updates and forwards interleave inside step(): a weight's
-            # version counter then moves between passes by the optimizer's doing.
-            self._pipeline.forget_update()
+            # version counter then moves between passes by the optimizer's doing,
+            # and each evaluation's backward uses the gradients.
+            self._guarded("step collector", self._pipeline.closure_step_begins, index)
             return
         if "step collector" in self._disabled:
             return
@@ -555,9 +567,17 @@ class Monitor:
 
     def _gather_into_pending(self, index: int) -> None:
         stale = self._pending.get(index)
-        if stale is not None and self._pipeline.probe is not None:
+        if (
+            stale is not None
+            and self._pipeline.probe is not None
+            # Gathered again by a later evaluation of the same closure step: not skipped.
+            and not self._pipeline.in_closure_step()
+        ):
             self._guarded("amp skip count", self._pipeline.carry_skipped, stale)
-        self._pending[index] = self._pipeline.gather(index, self._step)
+        pending = self._pipeline.gather(index, self._step)
+        self._pending[index] = pending
+        if self._pipeline.in_closure_step():  # inside a framework's closure (Lightning)
+            self._pipeline.name_closure_accumulation(pending)
 
     def _after_optimizer_step(
         self, index: int, optimizer: Optimizer | None = None, args: Any = (), kwargs: Any = None
@@ -567,7 +587,10 @@ class Monitor:
         step = self._advance()
         pending = self._pending.pop(index, None)
         if pending is None and "step collector" not in self._disabled:
-            pending = self._guarded("step collector", self._pipeline.gather, index, self._step)
+            gather = self._pipeline.gather
+            if _closure_of(args, kwargs) is not None:
+                gather = self._pipeline.gather_closure_step
+            pending = self._guarded("step collector", gather, index, self._step)
         if pending is None:
             self._pipeline.applied(
                 step, None, self._pipeline.optimizer_params(index), len(self._optimizers) == 1
@@ -705,6 +728,11 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _closure_of(args: Any, kwargs: Any) -> Any:
+    """The closure an optimizer step hook's ``step()`` was given (None: none)."""
+    return args[1] if len(args) > 1 else (kwargs or {}).get("closure")
 
 
 def _any_lazy(model: nn.Module) -> bool:

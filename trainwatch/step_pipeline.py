@@ -202,6 +202,8 @@ class StepPipeline:
         self.tracker.attach(layers.parameters())
         self.passes.subscribe("accumulation tracker", self.tracker, starts=False)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
+        # PROCESS_STEPS.taken when the latest optimizer step with a closure began.
+        self._closure_taken = -1
         # Each optimizer's latest step (None: monitor.step()): with several, the
         # step before this one is often another optimizer's.
         self._applied_at: dict[int | None, int] = {}
@@ -467,11 +469,48 @@ class StepPipeline:
             if isinstance(group.get("lr"), (int, float))
         ]
 
-    def forget_update(self) -> None:
-        """A step whose updates and passes interleave (a closure optimizer) begins:
-        where the last update left the weights no longer says who wrote them."""
+    def closure_step_begins(self, index: int) -> None:
+        """An optimizer step with a closure (LBFGS) begins: its updates and passes
+        interleave inside ``step()``.
+
+        Where the last update left the weights no longer says who wrote them;
+        each backward of the step is followed as a use of the gradients (see
+        ``GradResetTracker.closure_step_begins``); and its passes are the step's
+        own evaluations, not steps a GradScaler skipped (``in_closure_step``).
+        """
+        self._closure_taken = PROCESS_STEPS.taken
         if self.probe is not None:
             self.probe.updated = None
+        if self.tracker.enabled:
+            self.tracker.closure_step_begins(
+                self.optimizer_params(index), len(self._optimizers) == 1
+            )
+
+    def in_closure_step(self) -> bool:
+        """An optimizer step with a closure is in progress (no step has ended since it
+        began): a pass without a step boundary is one more evaluation of it."""
+        return self._closure_taken == PROCESS_STEPS.taken
+
+    def gather_closure_step(self, index: int, now: int) -> PendingStep:
+        """The step of an optimizer with a closure, gathered after ``step()`` returned.
+
+        Its evaluations' backward passes came with no step boundary between
+        them, as a GradScaler's skipped steps do; they were all this step's
+        own (LBFGS reads each), so the probe forgets them as skipped passes.
+        """
+        if self.probe is not None:
+            self.probe.bad_backward_passes.clear()
+        pending = self.gather(index, now)
+        self.name_closure_accumulation(pending)
+        self.tracker.closure_step_over()
+        return pending
+
+    def name_closure_accumulation(self, pending: PendingStep) -> None:
+        """Where this closure step's backward added onto gradients an earlier
+        evaluation of the same step had used, the alert says so (not the previous
+        step's use)."""
+        if self.tracker.closure_evaluations_accumulated:
+            pending.record.accumulation_method = "closure"
 
     def _nograd_finding(self) -> None:
         """A pass without gradients met a NaN/Inf in a model with no steps of its own
@@ -491,7 +530,7 @@ class StepPipeline:
         """A forward pass of the whole model begins: GradScaler may have skipped a step."""
         probe = self.probe
         rule = self.config.amp_skipped_steps
-        if probe is None or not rule.enabled:
+        if probe is None or not rule.enabled or self.in_closure_step():
             return
         passes = len(probe.bad_backward_passes)
         if passes < rule.patience * self.judge.passes_per_step:

@@ -167,6 +167,35 @@ def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool
     return not any(map(eq, map(_VERSION, now), versions))  # zeroed in place
 
 
+class _ClosureStep:
+    """An optimizer step with a closure in progress, and where the weights stood when
+    its latest backward ended (None: no backward of it has ended yet)."""
+
+    __slots__ = ("params", "whole", "taken", "weights")
+
+    def __init__(self, params: Sequence[torch.Tensor], whole: bool) -> None:
+        self.params = params
+        self.whole = whole
+        self.taken = PROCESS_STEPS.taken  # moves at the step's end
+        self.weights: list[int] | None = None
+
+    def live(self) -> bool:
+        """The step has not ended (no step boundary since it began)."""
+        return self.taken == PROCESS_STEPS.taken
+
+    def same_evaluation(self, accumulated: bool) -> bool:
+        """A backward that begins with the weights where the previous one of this step
+        left them belongs to the same evaluation of the closure (micro-batches summed
+        into one gradient): by design onto the previous one's gradients. Not once an
+        accumulation was found: the stale gradients stay followed to the boundary."""
+        return (
+            self.weights is not None
+            and not accumulated
+            and self.live()
+            and list(map(_VERSION, self.params)) == self.weights
+        )
+
+
 class GradResetTracker:
     def __init__(
         self, on_error: Callable[[str, BaseException], None], check_resets: bool = True
@@ -212,6 +241,13 @@ class GradResetTracker:
         # Told when a backward through the model has ended (``on_backward_end``);
         # an OrderedDict, which RemovableHandle can refer to weakly.
         self._end_listeners: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        # The optimizer step with a closure in progress (None: none), and the
+        # listener that arms its parameters at each of its backward passes' end.
+        self._closure: _ClosureStep | None = None
+        self._closure_listener: RemovableHandle | None = None
+        # That step's accumulation was found between two of its own evaluations
+        # (onto gradients the step itself had used, not the previous step).
+        self.closure_evaluations_accumulated = False
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -308,6 +344,10 @@ class GradResetTracker:
         Variable._execution_engine.queue_callback(self._ends)
         if not self.check_resets:
             return
+        closure = self._closure
+        if closure is not None and closure.same_evaluation(self._any_accumulated):
+            self._stale = []
+            return
         if snapshot is not None:
             self._unpack_snapshot()
         suspects: list[_ParamState] = []
@@ -384,6 +424,50 @@ class GradResetTracker:
             if self._end_listeners:
                 for callback in list(self._end_listeners.values()):
                     callback()  # each guards itself; a halt passes through
+
+    # -- optimizer steps with a closure ----------------------------------
+    def closure_step_begins(self, params: Sequence[torch.Tensor], whole: bool) -> None:
+        """An optimizer step with a closure (LBFGS) begins: it evaluates the closure,
+        moves the weights and evaluates it again, all inside ``step()``.
+
+        Each evaluation uses the gradients its backward made, which the next
+        one must find reset: a backward that begins on gradients the previous
+        evaluation left, with the weights moved since, adds onto gradients
+        already used (``zero_grad()`` missing from the closure). So each
+        backward of this step arms ``params`` as it ends, as a step boundary
+        does; the step boundary after ``step()`` reads what was found. Paid by
+        closure steps only, one arm per backward.
+        """
+        self.closure_evaluations_accumulated = False
+        if not self.enabled or not self.check_resets:
+            return
+        self._closure = _ClosureStep(params, whole)
+        if self._closure_listener is None:
+            self._closure_listener = self.on_backward_end(self._closure_backward_ended)
+
+    def _closure_backward_ended(self) -> None:
+        """A backward ended: inside the closure step, its gradients are armed as used
+        (the next evaluation must find them reset); once the step is over, or once
+        its accumulation was found (the step boundary reads it), the listener goes."""
+        closure = self._closure
+        if closure is None or not closure.live() or self._any_accumulated:
+            # Found after one of the step's own arms: between two evaluations.
+            self.closure_evaluations_accumulated = (
+                closure is not None and closure.live() and closure.weights is not None
+            )
+            self.closure_step_over()
+            return
+        seen = self.backward_seen  # the arm is no step boundary: the loss stays this step's
+        self.arm(closure.params, whole=closure.whole)
+        self.backward_seen = seen
+        closure.weights = list(map(_VERSION, closure.params))
+
+    def closure_step_over(self) -> None:
+        """No closure step in progress any more."""
+        self._closure = None
+        if self._closure_listener is not None:
+            self._closure_listener.remove()
+            self._closure_listener = None
 
     def note_left(self) -> None:
         """Which gradients this backward left, each tensor's id and version, in C loops.

@@ -11,6 +11,11 @@ _HINT = (
     "backward; with gradient accumulation, after optimizer.step(). Without it "
     "every step re-applies all earlier gradients."
 )
+_CLOSURE_HINT = (
+    "call optimizer.zero_grad() at the start of the closure: an optimizer that "
+    "evaluates it several times per step() (LBFGS) needs fresh gradients at each "
+    "evaluation, and without the reset each one adds onto the gradients of all before it."
+)
 _HAND_HINT = (
     "reset each gradient once the update has used it (p.grad = None, p.grad.zero_() "
     "or model.zero_grad()); with gradient accumulation, after the update. Without "
@@ -31,20 +36,29 @@ class AccumulatedGradientRule(Rule):
         # Under trainwatch run a second boundary confirms what the first found:
         # the alert keeps the first one's step, where backward added onto them.
         step = record.step if record.accumulated_since is None else record.accumulated_since
-        used = (
-            f"an update had already used (the weights changed since step {step - 1}, "
-            "their gradients were not reset)"
-            if by_hand
-            else f"step {record.step - 1 if record.used_at is None else record.used_at} "
-            "had already used"
-        )
+        in_closure = record.accumulation_method == "closure"
+        if by_hand:
+            used = (
+                f"an update had already used (the weights changed since step {step - 1}, "
+                "their gradients were not reset)"
+            )
+        elif in_closure:
+            used = (
+                f"an earlier evaluation of step {step}'s closure had already used "
+                "(the optimizer moved the weights in between)"
+            )
+        else:
+            used = (
+                f"step {record.step - 1 if record.used_at is None else record.used_at} "
+                "had already used"
+            )
         return [
             self.alert(
                 step,
                 None,
                 f"backward added onto the gradients {used}, in {len(record.accumulated)} "
                 f"parameters ({short_names(record.accumulated, 3)}): zero_grad() is missing",
-                _HAND_HINT if by_hand else _HINT,
+                _HAND_HINT if by_hand else _CLOSURE_HINT if in_closure else _HINT,
                 {
                     "parameters": len(record.accumulated),
                     "modules": list(owners),
