@@ -572,3 +572,171 @@ def test_trainwatch_run_takes_no_stale_gradient_of_a_pretraining_head_for_traini
         if a["rule"] == "not_optimized"
     ]
     assert found == ([("1", "optimizer_stopped")] if second_phase == "old_head_in_loss" else [])
+
+
+# -- an optimizer that never stepped, beside a gradient merely left behind ----------------
+
+
+def _probe_then_finetune(diagnostic: bool, forget_body_step: bool) -> list:
+    """Linear probing, then fine-tuning (LP-FT): the body frozen while only the head's
+    optimizer steps, then both. One diagnostic backward over the whole model first
+    (every parameter gets a gradient?) leaves the body's gradients behind: the
+    head's optimizer never resets them. The planted bug: the body trainable from
+    the start and ``opt_body.step()`` forgotten."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+    model.head = nn.Linear(16, 2)
+    opt_body = torch.optim.Adam(model.body.parameters(), 1e-4)
+    opt_head = torch.optim.Adam(model.head.parameters(), 1e-3)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long()
+    with tw.watch(model, [opt_body, opt_head], console=False) as monitor:
+        if diagnostic:
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert all(p.grad is not None for p in model.parameters())
+        model.body.requires_grad_(forget_body_step)
+        for _ in range(60):  # the linear probe: only the head's optimizer
+            opt_head.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt_head.step()
+        model.body.requires_grad_(True)
+        for _ in range(40):  # fine-tuning
+            opt_body.zero_grad()
+            opt_head.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if not forget_body_step:
+                opt_body.step()
+            opt_head.step()
+    return [a for a in monitor.alerts if a.severity != "info"]
+
+
+def test_a_body_frozen_for_a_linear_probe_with_gradients_left_behind_is_silent():
+    assert _probe_then_finetune(diagnostic=True, forget_body_step=False) == []
+
+
+@pytest.mark.parametrize("diagnostic", [False, True], ids=["plain", "after_a_diagnostic"])
+def test_a_body_optimizer_whose_step_is_forgotten_is_told_beside_stale_gradients(diagnostic):
+    (alert,) = _probe_then_finetune(diagnostic=diagnostic, forget_body_step=True)
+    assert alert.rule == "not_optimized" and alert.data["kind"] == "optimizer_never_steps"
+    assert alert.data["optimizer"] == 0 and alert.step == PATIENCE
+    assert {name.split(".")[0] for name in alert.data["parameters"]} == {"body"}
+
+
+def _distilled_beside_a_saliency_map(teacher_in_loss: bool, reset_after: bool) -> list:
+    """A teacher whose optimizer is built for a later phase, one saliency backward
+    through it (``loss.backward()`` for the input's gradient), then a student
+    distilled from it under ``no_grad``: nothing trains the teacher, nothing is
+    lost. The planted bug: the teacher's own loss in the student's, its step
+    forgotten."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt_t = torch.optim.Adam(teacher.parameters(), 1e-4)
+    opt_s = torch.optim.Adam(student.parameters(), 1e-3)
+    with (
+        tw.watch(teacher, opt_t, console=False) as watched_teacher,
+        tw.watch(student, opt_s, console=False),
+    ):
+        x = torch.randn(16, 8, requires_grad=True)
+        nn.functional.cross_entropy(teacher(x), torch.randint(0, 3, (16,))).backward()
+        assert x.grad is not None  # the saliency map
+        if reset_after:
+            teacher.zero_grad()
+        for _ in range(60):
+            x = torch.randn(32, 8)
+            with torch.set_grad_enabled(teacher_in_loss):
+                t = teacher(x)
+            s = student(x)
+            loss = nn.functional.kl_div(s.log_softmax(1), t.softmax(1), reduction="batchmean")
+            if teacher_in_loss:
+                loss = loss + nn.functional.cross_entropy(t, t.argmax(1))
+            opt_s.zero_grad()
+            if reset_after:
+                opt_t.zero_grad()
+            loss.backward()
+            opt_s.step()
+    return [a for a in watched_teacher.alerts if a.severity != "info"]
+
+
+@pytest.mark.parametrize("reset_after", [False, True], ids=["gradients_kept", "reset"])
+def test_a_teacher_reached_by_one_saliency_backward_is_silent(reset_after):
+    assert _distilled_beside_a_saliency_map(teacher_in_loss=False, reset_after=reset_after) == []
+
+
+@pytest.mark.parametrize("reset_after", [False, True], ids=["accumulated", "reset_first"])
+def test_a_teacher_trained_by_the_loss_whose_step_is_forgotten_is_told(reset_after):
+    (alert,) = _distilled_beside_a_saliency_map(teacher_in_loss=True, reset_after=reset_after)
+    assert alert.rule == "not_optimized" and alert.data["kind"] == "optimizer_never_steps"
+    assert PATIENCE <= alert.step <= PATIENCE + 2
+
+
+LINEAR_PROBE = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+forget = sys.argv[1] == "forget"
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 2))
+body, head = model[:4], model[4]
+opt_body = torch.optim.Adam(body.parameters(), 1e-4)
+opt_head = torch.optim.Adam(head.parameters(), 1e-3)
+x = torch.randn(256, 8)
+y = (x[:, 0] > 0).long()
+F.cross_entropy(model(x), y).backward()  # does every parameter get a gradient?
+assert all(p.grad is not None for p in model.parameters())
+body.requires_grad_(forget)
+for _ in range(60):  # the linear probe: only the head's optimizer
+    opt_head.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt_head.step()
+body.requires_grad_(True)
+for _ in range(40):
+    opt_body.zero_grad()
+    opt_head.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    if not forget:
+        opt_body.step()
+    opt_head.step()
+"""
+
+SALIENCY_THEN_DISTILL = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(0)
+forget = sys.argv[1] == "forget"
+teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+opt_t = torch.optim.Adam(teacher.parameters(), 1e-4)  # for a later phase
+opt_s = torch.optim.Adam(student.parameters(), 1e-3)
+x = torch.randn(16, 8, requires_grad=True)
+F.cross_entropy(teacher(x), torch.randint(0, 3, (16,))).backward()
+saliency = x.grad.abs().amax(1)
+for _ in range(60):
+    x = torch.randn(32, 8)
+    with torch.set_grad_enabled(forget):
+        t = teacher(x)
+    s = student(x)
+    loss = F.kl_div(s.log_softmax(1), t.softmax(1), reduction="batchmean")
+    if forget:
+        loss = loss + F.cross_entropy(t, t.argmax(1))
+    opt_s.zero_grad()
+    opt_t.zero_grad()
+    loss.backward()
+    opt_s.step()
+"""
+
+
+@pytest.mark.parametrize("script", ["linear_probe", "saliency_then_distill"])
+@pytest.mark.parametrize("how", ["healthy", "forget"])
+def test_trainwatch_run_takes_no_gradient_left_behind_for_an_optimizer_never_stepping(
+    tmp_path, script, how
+):
+    body = LINEAR_PROBE if script == "linear_probe" else SALIENCY_THEN_DISTILL
+    found = [(a["rule"], a["data"].get("kind")) for a in _run_alerts(tmp_path, body, how)]
+    assert found == ([("not_optimized", "optimizer_never_steps")] if how == "forget" else [])

@@ -32,6 +32,7 @@ from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.idle_optimizer import LOOK_AHEAD as IDLE_LOOK_AHEAD
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
 from trainwatch.collect.idle_optimizer import (
     STOPPED_LOOK_AHEAD,
@@ -280,18 +281,16 @@ class StepPipeline:
         # until its first step.
         self.idle: IdleOptimizer | None = None
         if self._checks_not_optimized:
-            tracker = self.tracker
             self.idle = IdleOptimizer(
-                root,
-                optimizers,
-                steps_taken,
-                weak_callback(self._optimizer_idle),
-                lambda: tracker.backward_seen,
+                root, optimizers, steps_taken, weak_callback(self._optimizer_idle)
             )
             self.passes.subscribe("idle optimizer", self.idle)
         # Per optimizer of the model's, the model's steps when it was first seen not
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
+        # Per such optimizer, the gradients its parameters held at the last look
+        # (see _sibling_idle).
+        self._sibling_seen: dict[int, GradientsSeen] = {}
         # With several optimizers: when to look next for one that stopped stepping,
         # and those already told. The first look notes the gradients of any optimizer
         # idle since the start, for the next look to judge.
@@ -401,6 +400,7 @@ class StepPipeline:
             return
         if self.idle is not None:  # the model trains: nothing more to watch for
             self.passes.unsubscribe(self.idle)
+            self.idle.detach()
             self.idle = None
         applied_at = self._applied_at
         applied_at[pending.record.optimizer] = step
@@ -568,15 +568,25 @@ class StepPipeline:
     def _sibling_idle(self, step: int) -> None:
         """One of the model's optimizers has not stepped once while its others took
         :data:`IDLE_PATIENCE` steps, and its parameters hold gradients (a sparse
-        embedding's ``SparseAdam`` beside the dense ``Adam``, its ``step()`` forgotten)."""
+        embedding's ``SparseAdam`` beside the dense ``Adam``, its ``step()`` forgotten).
+
+        Gradients some backward wrote since the look before: a ``.grad`` merely
+        left behind (a body frozen for a linear probe, the rest of the model
+        first trained under an earlier optimizer or reached by one diagnostic
+        backward) is no training. So its gradients are noted from
+        :data:`IDLE_LOOK_AHEAD` steps, and judged against that note.
+        """
         taken = self._steps_taken()
         stepping: set[int] | None = None  # parameters of the optimizers that step
         for index in range(len(self._optimizers)):
             if index in self._applied_at:
                 continue
             since = self._attached_at.setdefault(index, taken)
-            if since < 0 or taken - since < IDLE_PATIENCE:
+            if since < 0 or taken - since < IDLE_LOOK_AHEAD:
                 continue
+            due = taken - since >= IDLE_PATIENCE
+            if not due and index in self._sibling_seen:
+                continue  # noted: judged when due
             if stepping is None:
                 stepping = {
                     id(p)
@@ -588,17 +598,24 @@ class StepPipeline:
             # over the same parameters): only the ones no stepping optimizer holds.
             # Frozen or not: Lightning's toggle_optimizer(opt_g) freezes the
             # discriminator's parameters around the generator's step, and a
-            # gradient on a parameter of an optimizer that never stepped came
-            # from some backward all the same.
-            held = [
+            # gradient written since the last look on a parameter of an optimizer
+            # that never stepped came from some backward all the same.
+            own = [
                 p
                 for p in self.optimizer_params(index)
                 if p.grad is not None and id(p) not in stepping
             ]
+            seen = gradients_seen(own)
+            before = self._sibling_seen.get(index, {})
+            self._sibling_seen[index] = seen
+            if not due:
+                continue  # noted for the look that judges it
+            held = fresh_gradients(own, before, seen)
             if not held:
                 self._attached_at[index] = taken  # not trained now (a later phase's)
                 continue
             self._attached_at[index] = -1  # told once
+            self._sibling_seen.pop(index, None)
             self._tell_idle(step, index, held, taken - since)
         if step >= self._stopped_check_at:
             self._stopped_check_at = step + STOPPED_STEPPING // 4

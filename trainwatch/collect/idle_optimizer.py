@@ -7,7 +7,10 @@ monitor counts its steps from that optimizer's step hooks, which never run,
 so no rule ever judged it. Seen from the model's own passes instead: a model
 whose optimizer has not stepped once while the process took
 :data:`PATIENCE` optimizer steps of other models, and whose parameters hold
-gradients, is reported once (``not_optimized``).
+gradients that some backward wrote since a look a few steps before, is
+reported once (``not_optimized``): a ``.grad`` merely left behind (one
+diagnostic backward, a saliency map, before another model trains beside it)
+is no training.
 
 It listens to the passes only until the model's first step: a model that
 trains pays nothing for it from then on.
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from trainwatch.process_steps import PROCESS_STEPS
 
@@ -33,6 +37,9 @@ from trainwatch.process_steps import PROCESS_STEPS
 # optimizer never stepped is told (a GAN's critic steps 5 times per generator
 # step: its generator still steps within a few).
 PATIENCE = 20
+# Steps of other models from which a model whose optimizer never stepped has its
+# gradients' writes listened for, a quarter of PATIENCE before it is judged.
+LOOK_AHEAD = PATIENCE - PATIENCE // 4
 # Steps since one of a model's optimizers last stepped, while another steps, from
 # which parameters only it holds that still get gradients are never updated (long
 # enough for phases that alternate every few tens of steps).
@@ -90,40 +97,66 @@ class IdleOptimizer:
         optimizers: list[Any],
         steps_taken: Callable[[], int],
         found: Callable[[int, list[nn.Parameter]], None],
-        backward_reached: Callable[[], bool] = lambda: False,
     ) -> None:
         self._model = model
-        # Whether some backward has reached the model since watching began (its
-        # optimizer never stepped, so nothing cleared it since).
-        self._backward_reached = backward_reached
         self._optimizers = optimizers  # the monitor's own list
         self._steps_taken = steps_taken
         self._found = found
         self._since = PROCESS_STEPS.taken
+        # From the look ahead on: ids of the trainable parameters whose gradient
+        # some backward wrote since (None: not listening).
+        self._written: set[int] | None = None
+        self._listening: list[RemovableHandle] = []
         self.done = False
 
     def pass_starts(self, module: nn.Module) -> None:
         if (
             self.done
             or not self._optimizers
-            or PROCESS_STEPS.taken - self._since < PATIENCE
+            or PROCESS_STEPS.taken - self._since < LOOK_AHEAD
             or self._steps_taken()
         ):
             return
-        trainable = [p for p in self._model.parameters() if p.requires_grad]
-        held = [p for p in trainable if p.grad is not None]
+        written = self._written
+        if written is None:
+            self._listen()
+            return
+        if PROCESS_STEPS.taken - self._since < PATIENCE:
+            return
+        held = [p for p in self._model.parameters() if p.requires_grad and id(p) in written]
+        self._stop_listening()
         if not held:
-            if not self._backward_reached():
-                self._since = PROCESS_STEPS.taken  # no backward reaches it (yet): wait again
-                return
-            # Reset before this pass (zero_grad() first, as the tutorials order
-            # it): backward reached it all the same, its gradients are only gone.
-            held = trainable
+            self._since = PROCESS_STEPS.taken  # no backward reaches it (now): wait again
+            return
         self.done = True
         self._found(PROCESS_STEPS.taken - self._since, held)
+
+    def _listen(self) -> None:
+        """Note each write of a trainable parameter's gradient from now on.
+
+        Whatever order the loop resets them in (``zero_grad()`` before the
+        forward leaves none to see as a pass starts), a gradient is written by
+        a backward; one merely left behind is not. The hooks hold the set only,
+        not the monitor or the model.
+        """
+        written: set[int] = set()
+        note = written.add
+        self._written = written
+        self._listening = [
+            p.register_post_accumulate_grad_hook(lambda param: note(id(param)))
+            for p in self._model.parameters()
+            if p.requires_grad
+        ]
+
+    def _stop_listening(self) -> None:
+        for handle in self._listening:
+            handle.remove()
+        self._listening = []
+        self._written = None
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         return None
 
     def detach(self) -> None:
         self.done = True
+        self._stop_listening()
