@@ -344,6 +344,30 @@ def test_a_grad_scaler_skipping_every_step_is_not_told_as_updates_that_stopped(
     assert "the loss flat" in alert.message  # since the updates stopped, not since step 0
 
 
+@pytest.mark.parametrize("hand_loss", [False, True])
+def test_a_fit_that_converged_exactly_is_no_stall(quiet_watch, hand_loss):
+    """The first script of many: y = 3x + 2 fitted by full-batch SGD for 800 steps. From
+    about step 300 the gradients are zero and the weights stay exactly as they are, at
+    the learning rate the run began with: converged, not stalled (the control beside a
+    learning rate that collapses, which stops the updates while the gradients push)."""
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 100).unsqueeze(1)
+    y = 3 * x + 2
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = quiet_watch(model, opt)
+    for _ in range(800):
+        loss = nn.functional.mse_loss(model(x), y)
+        if hand_loss:  # the loss known too: flat at about 1e-13 from there on
+            monitor.record_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    assert loss.item() < 1e-9
+    assert _stalls(monitor.alerts) == []
+
+
 # -- healthy families ------------------------------------------------------------------
 class _TinyTransformer(nn.Module):
     def __init__(self) -> None:

@@ -155,6 +155,9 @@ class StallReport:
     total: int = 0
     trainable_in: list[str] = field(default_factory=list)  # the modules holding most of them
     learning_rates: list[float] = field(default_factory=list)  # the optimizers' own
+    # Each param group's learning rate before any scheduler (its ``initial_lr``, else
+    # its ``lr``): what a schedule decayed from.
+    initial_learning_rates: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -462,11 +462,18 @@ class StepPipeline:
         before, pending.weights_before = pending.weights_before, None
         pending.stall_due = False
         pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
-        pending.record.stall.learning_rates = [
-            float(group["lr"])
+        groups = [
+            group
             for opt in self._optimizers
             for group in opt.param_groups
             if isinstance(group.get("lr"), (int, float))
+        ]
+        pending.record.stall.learning_rates = [float(group["lr"]) for group in groups]
+        pending.record.stall.initial_learning_rates = [
+            float(group["initial_lr"])
+            if isinstance(group.get("initial_lr"), (int, float))
+            else float(group["lr"])
+            for group in groups
         ]
 
     def closure_step_begins(self, index: int) -> None:

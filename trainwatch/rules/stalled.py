@@ -48,6 +48,14 @@ _HEALTHY_RATIO = 1e-3
 _STOPPED_SAMPLES = 2
 # How many standard errors of the two loss windows' difference still count as flat.
 _NOISE = 3.0
+# Updates that stopped are the learning rate's doing once every group's rate is
+# 0 or this far below the largest the phase had (a schedule's initial_lr included).
+# At its own learning rate a run whose updates stop has converged (gradients of
+# zero: an exact fit, LBFGS at its tolerance), which is no stall.
+_RATE_FELL = 1e-3
+# Gradients still alive: the step's total norm at least this share of the largest
+# the phase's sampled steps had. A converged fit's fall by many orders of magnitude.
+_GRADIENTS_ALIVE = 1e-3
 
 
 class StalledTrainingRule(Rule):
@@ -64,6 +72,8 @@ class StalledTrainingRule(Rule):
         self._fired = False  # once per phase
         self._phase = 0
         self._stopped = _Stopped()
+        self._peak_rate = 0.0  # the largest learning rate the phase had, as sampled
+        self._peak_norm = 0.0  # and the largest total gradient norm
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.stall_phase != self._phase:
@@ -75,12 +85,18 @@ class StalledTrainingRule(Rule):
             else:
                 self._latest_losses.append(loss)
                 del self._latest_losses[: -self.config.loss_window]
+        norm = record.total_norm
+        if norm is not None and math.isfinite(norm) and norm > self._peak_norm:
+            self._peak_norm = norm
         report = record.stall
         if report is None or self._fired:
             return []
         config = self.config
         stopped = self._stopped
         stopped.note(record, report, config, self._latest_losses)
+        self._peak_rate = max(
+            [self._peak_rate, *report.learning_rates, *report.initial_learning_rates]
+        )
         if report.steps < config.warmup:
             return []
         still = report.change is not None and report.change < config.min_change
@@ -88,10 +104,34 @@ class StalledTrainingRule(Rule):
             self._fired = True
             return [self._alert(record.step, report)]
         # The loss from when the updates stopped: the steps before may have trained.
-        if stopped.long_enough(report.steps) and self._loss_flat(stopped.losses):
+        if (
+            stopped.long_enough(report.steps)
+            and self._rate_fell(report)
+            and self._gradients_alive(record)
+            and self._loss_flat(stopped.losses)
+        ):
             self._fired = True
             return [self._stopped_alert(record.step, report)]
         return []
+
+    def _rate_fell(self, report: StallReport) -> bool:
+        """Whether the learning rate can have stopped the updates: every group's now
+        0, or :data:`_RATE_FELL` of the phase's largest or less (a step the updates
+        stopped at a learning rate as high as ever is a converged run's). Unknown
+        (no watched optimizer, hand-written updates): the gradients decide."""
+        rates = report.learning_rates
+        if not rates:
+            return True
+        now = max(rates)
+        return now == 0.0 or now <= _RATE_FELL * self._peak_rate
+
+    def _gradients_alive(self, record: StepRecord) -> bool:
+        """Whether the gradients still push: a run whose gradients fell to nothing
+        (an exact fit, LBFGS returning at its tolerance) stops its own updates."""
+        norm = record.total_norm
+        if norm is None or not self._peak_norm:
+            return True  # not known
+        return norm >= _GRADIENTS_ALIVE * self._peak_norm
 
     def _restart(self, phase: int) -> None:
         self._phase = phase
@@ -99,6 +139,8 @@ class StalledTrainingRule(Rule):
         self._latest_losses = []
         self._fired = False
         self._stopped = _Stopped()
+        self._peak_rate = 0.0
+        self._peak_norm = 0.0
 
     def _loss_flat(self, first: list[float]) -> bool:
         """The latest losses as ``first`` (the phase's first, or those when the updates

@@ -22,7 +22,9 @@ _HINTS = {
         "the layer ran with gradients off inside the training pass: torch.no_grad() "
         "around it, or a reentrant torch.utils.checkpoint (use_reentrant=True) whose "
         "inputs do not require grad (a frozen embedding before it); pass "
-        "use_reentrant=False or make the input require grad."
+        "use_reentrant=False or make the input require grad. A freeze meant this way "
+        "(the backbone for the first steps) is better said with requires_grad_(False) "
+        "on its parameters, which also keeps the optimizer's state off them."
     ),
     "never_called": (
         "the layer is defined but its forward never ran, so its parameters get no "
