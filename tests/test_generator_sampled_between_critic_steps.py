@@ -300,11 +300,12 @@ def test_a_generator_sampled_a_hundred_critic_steps_before_its_first_step_is_sil
     assert [a for a in map(json.loads, lines) if a["rule"] == "eval_in_train_mode"] == []
 
 
-@pytest.mark.parametrize("critic_steps", [1, 2])
+@pytest.mark.parametrize("critic_steps", [1, 2, 5, 19])
 def test_a_smoke_run_stopped_before_the_generators_first_step_is_silent(tmp_path, critic_steps):
-    """One or two samples of a generator with an optimizer of its own, the run
-    stopped before the generator's first step (``--max-steps``): it may still
-    train, so they are no evaluation at close, unlike an SWA copy's."""
+    """Samples of a generator with an optimizer of its own, the run stopped before the
+    generator's first step (``--max-steps``; WGAN-GP takes five critic steps a
+    generator step): it may still train, so they are no evaluation at close, unlike
+    an SWA copy's; twenty or more are an idle optimizer's (the teacher's above)."""
     script = tmp_path / "wgan.py"
     script.write_text(WGAN_WARM_UP.replace("range(100)", f"range({critic_steps})"))
     run_script(script, [], log_dir=tmp_path / "log", console=False, max_steps=critic_steps)

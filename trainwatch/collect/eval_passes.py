@@ -77,6 +77,11 @@ SHORT_RUN = 2
 # hundred critic steps before its generator's first). Also the most passes held
 # for a model that trained and then stopped having step boundaries of its own.
 IDLE_PASSES = 200
+# Held passes of such a model (an optimizer of its own, never trained) from which
+# they are an evaluation at close: as many as the steps of other models after
+# which an optimizer that never stepped is idle (not_optimized's patience). Fewer
+# may be a generator's samples in a run stopped before its first step.
+IDLE_AT_CLOSE = 20
 
 
 class EvalPassJudge:
@@ -242,14 +247,18 @@ class EvalPassJudge:
         here) ends the run with one or two passes whose next pass never comes
         to show its weights moving again: those are part of its training. So
         does a model with an optimizer of its own (``optimized``) that has not
-        trained yet: a generator sampled at its critic's first step or two, in a
-        run stopped before the generator's own first step (a smoke run). A model
+        trained yet, up to :data:`IDLE_AT_CLOSE` passes: a generator sampled at
+        each of its critic's steps, in a run stopped before the generator's own
+        first step (a smoke run, ``--max-steps 5`` on a WGAN-GP); from there on its
+        optimizer is idle (a teacher's, built and never stepped). A model
         never seen moving so, never trained and with no optimizer, whose one or
         two passes are all there is (an SWA or EMA copy evaluated once at the
         end, a model loaded and tested), ran an evaluation in training mode: told.
         """
         due, self._held = self._held, []
-        if not self.trained and len(due) <= SHORT_RUN and (self._target or optimized):
+        if not self.trained and optimized and len(due) < IDLE_AT_CLOSE:
+            return []  # it may still train: a smoke run stopped in its critic's steps
+        if not self.trained and self._target and len(due) <= SHORT_RUN:
             return []
         return due
 
