@@ -71,8 +71,9 @@ class EvalInTrainModeRule(Rule):
             "overwriting its running averages"
         )
         part = (
-            "a part of the model that never trains (no optimizer holds its parameters, "
-            "which get no gradient)"
+            "a part of the model that no optimizer trains (no optimizer holds its "
+            "parameters, which get no gradient; an EMA or momentum target moved by hand "
+            "is one)"
             if report.held_by_no_optimizer
             else "a frozen part of the model (no parameter of it trains)"
         )
