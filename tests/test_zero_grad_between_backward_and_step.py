@@ -210,6 +210,16 @@ def test_clipping_with_zero_grad_before_backward_is_silent(model, quiet_watch, h
     assert rules_of(monitor) == []
 
 
+def _told_only_where_reset_between(monitor, where: str, steps_applied: int) -> None:
+    """The reset between backward and step is one warning at the model; the control
+    (reset before the forward) applies every step the scaler did not skip, silently."""
+    if where == "between":
+        assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
+    else:
+        assert monitor.step_count == steps_applied
+        assert rules_of(monitor) == []
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("where", ["between", "before"])
 def test_amp_unscale_clip_and_zero_grad_before_the_scalers_step(
@@ -234,11 +244,7 @@ def test_amp_unscale_clip_and_zero_grad_before_the_scalers_step(
             opt.zero_grad(set_to_none=set_to_none)
         scaler.step(opt)
         scaler.update()
-    if where == "between":
-        assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
-    else:
-        assert monitor.step_count == 7
-        assert rules_of(monitor) == []
+    _told_only_where_reset_between(monitor, where, steps_applied=7)
 
 
 @pytest.mark.parametrize("where", ["between", "before"])
@@ -260,11 +266,7 @@ def test_grad_scaler_with_skipped_steps(model, quiet_watch, where):
             opt.zero_grad(set_to_none=False)
         scaler.step(opt)
         scaler.update()
-    if where == "between":
-        assert _told(monitor.alerts) == [("zero_gradient", "", 0, "reset_before_step")]
-    else:
-        assert monitor.step_count == 7
-        assert rules_of(monitor) == []
+    _told_only_where_reset_between(monitor, where, steps_applied=7)
 
 
 def test_a_layer_cut_off_by_detach_is_still_named_per_layer(model, quiet_watch):

@@ -83,6 +83,7 @@ _WRAPPER_SEARCHES = 3
 _PARAMS = itemgetter("params")  # a param group's parameters
 _GROUPS = attrgetter("param_groups")  # an optimizer's
 _VERSION = attrgetter("_version")  # a tensor's in-place write counter
+_OWNER = attrgetter("owner")  # a parameter record's module
 _DATA_PTR = methodcaller("data_ptr")  # its storage: new after ``param.data = ...``
 
 
@@ -798,7 +799,7 @@ class StepPipeline:
                 record.frozen_pending = True
             else:
                 record.frozen_moved = moved
-                if index is not None and any(p.owner == EXTERNAL for p in record.frozen):
+                if index is not None and EXTERNAL in map(_OWNER, record.frozen):
                     self._guarded(
                         "frozen outside the model", self._frozen_outside, record, index, params
                     )
