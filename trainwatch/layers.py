@@ -31,6 +31,26 @@ def _parametrized_owner(name: str, module: nn.Module) -> str:
     return name
 
 
+# Holders of parameters that are never called themselves: the module holding
+# one uses its weights in its own forward (a vmap ensemble's stacked weights,
+# per-layer matrices used as ``x @ self.ws[i]``).
+_PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def own_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The weights ``module``'s own forward uses: those of its ParameterList and
+    ParameterDict children too, which no call of their own ever names."""
+    own = list(module.parameters(recurse=False))
+    containers = [c for c in module.children() if isinstance(c, _PARAMETER_CONTAINERS)]
+    if not containers:
+        return own
+    found = {id(p): p for p in own}
+    for container in containers:
+        for param in own_parameters(container):
+            found.setdefault(id(param), param)
+    return list(found.values())
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     name: str  # qualified parameter name, e.g. "encoder.fc1.weight"

@@ -84,6 +84,7 @@ from trainwatch.collect.tensors import (
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
+from trainwatch.layers import own_parameters
 
 __all__ = [
     "FINITE",
@@ -1148,12 +1149,12 @@ def _inside_backward() -> bool:
 
 
 def _nonfinite_weights(module: nn.Module) -> tuple[list[torch.Tensor], bool]:
-    """The module's own non-finite ``nn.Parameter``s, and whether a stand-in for one
-    (a plain tensor ``functional_call`` put in its place) is non-finite. Asked
-    only after an output went non-finite."""
+    """The module's own non-finite ``nn.Parameter``s (a ParameterList's it holds
+    included), and whether a stand-in for one (a plain tensor ``functional_call``
+    put in its place) is non-finite. Asked only after an output went non-finite."""
     own: list[torch.Tensor] = []
     given = False
-    for weight in module.parameters(recurse=False):
+    for weight in own_parameters(module):
         if not bool(torch.isfinite(weight.detach()).all()):
             if isinstance(weight, nn.Parameter):
                 own.append(weight)

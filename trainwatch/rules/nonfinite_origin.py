@@ -25,7 +25,7 @@ from trainwatch.collect.nonfinite_locate import (
 from trainwatch.collect.nonfinite_replay import NOT_REPLAYED
 from trainwatch.collect.tensors import local_part
 from trainwatch.halt_sync import running_distributed
-from trainwatch.layers import ParamInfo
+from trainwatch.layers import ParamInfo, own_parameters
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 
 # Why a rank that did not replay its backward knows the NaN/Inf came from another.
@@ -320,8 +320,9 @@ def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Te
     """Judged on what this rank holds: a check of a whole DTensor would be a collective.
 
     A meta parameter (a template run only through ``functional_call``) has no
-    values, so none to find non-finite."""
-    params = module.parameters(recurse=recurse)
+    values, so none to find non-finite. A module's own weights include those of
+    the ParameterLists it holds: its forward uses them."""
+    params = module.parameters() if recurse else own_parameters(module)
     return [
         p
         for p in params
