@@ -5,7 +5,9 @@ groups, stepped once after two forward/backward passes, by
 ``first_step``/``second_step`` or ``step(closure)``) and Lookahead (an old
 timm copy holding ``_base_optimizer`` that never runs ``Optimizer.__init__``)
 count the inner optimizer's steps; SAM's zero_grad between its two backward
-passes is its design, not a reset before the step.
+passes is its design, not a reset before the step. A Lookahead written as a
+plain class (no ``Optimizer`` at all) that holds ``optimizer`` and shares its
+groups is watched through it too, by ``tw.watch`` and ``add_optimizer``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,46 @@ class Lookahead(torch.optim.Optimizer):
         self._base_optimizer.zero_grad(set_to_none)
 
 
+class PlainLookahead:
+    """Lookahead written as a plain class: it holds ``optimizer`` and shares its groups."""
+
+    def __init__(self, optimizer, k=5, alpha=0.5):
+        self.optimizer, self.k, self.alpha = optimizer, k, alpha
+        self.param_groups = optimizer.param_groups
+        self.state = defaultdict(dict)
+        self._counter = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["slow"] = p.detach().clone()
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self._counter += 1
+        if self._counter % self.k == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    slow = self.state[p]["slow"]
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+
+class PlainLookaheadOptimizer(PlainLookahead, torch.optim.Optimizer):
+    """The same, an ``Optimizer`` subclass that never runs ``Optimizer.__init__``."""
+
+
+class Holder:
+    """Holds an optimizer but trains parameters of its own: no wrapper of it."""
+
+    def __init__(self, optimizer, params):
+        self.optimizer = optimizer
+        self.param_groups = [{"params": list(params)}]
+
+
 class Unhooked(torch.optim.Optimizer):
     """An optimizer of its own that skips ``Optimizer.__init__`` and wraps nothing."""
 
@@ -115,6 +157,9 @@ class Unhooked(torch.optim.Optimizer):
 _NAMESPACE: dict = {}
 exec(compile(WRAPPERS, "wrappers", "exec"), _NAMESPACE)
 SAM, Lookahead, Unhooked = (_NAMESPACE[name] for name in ("SAM", "Lookahead", "Unhooked"))
+PlainLookahead, PlainLookaheadOptimizer, Holder = (
+    _NAMESPACE[name] for name in ("PlainLookahead", "PlainLookaheadOptimizer", "Holder")
+)
 
 STEPS = 20
 
@@ -188,6 +233,42 @@ def test_lookahead_without_optimizer_init_is_watched_through_its_base(quiet_watc
     assert monitor.optimizers == [opt._base_optimizer]
     assert monitor.step_count == STEPS
     assert _warnings(monitor) == ([] if zero_grad_until is None else [("accumulated_gradient", 10)])
+
+
+@pytest.mark.parametrize("form", ["plain_class", "optimizer_subclass"])
+@pytest.mark.parametrize("zero_grad_until", [None, 10], ids=["healthy", "zero_grad_dropped"])
+@pytest.mark.parametrize("given", ["to_watch", "to_add_optimizer"])
+def test_a_lookahead_holding_its_optimizer_is_watched_through_it(
+    quiet_watch, form, zero_grad_until, given
+):
+    model = _model()
+    wrapper = PlainLookahead if form == "plain_class" else PlainLookaheadOptimizer
+    opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if given == "to_watch":
+        monitor = quiet_watch(model, opt)
+    else:
+        monitor = quiet_watch(model)
+        monitor.add_optimizer(opt)
+    for step in range(STEPS):
+        if zero_grad_until is None or step < zero_grad_until:
+            opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+    assert monitor.optimizers == [opt.optimizer]
+    assert monitor.step_count == STEPS
+    assert _warnings(monitor) == ([] if zero_grad_until is None else [("accumulated_gradient", 10)])
+
+
+def test_a_plain_class_holding_an_optimizer_of_other_parameters_is_refused_naming_it(
+    quiet_watch,
+):
+    model = _model()
+    holder = Holder(torch.optim.SGD(model.parameters(), lr=0.1), [nn.Parameter(torch.zeros(3))])
+    with pytest.raises(WatchError, match=r"got Holder, which holds one as \.optimizer .*pass"):
+        quiet_watch(model, holder)
+    monitor = quiet_watch(model)
+    with pytest.raises(WatchError, match=r"pass that optimizer \(\.optimizer\) instead"):
+        monitor.add_optimizer(holder)
 
 
 def test_an_optimizer_no_hook_can_see_is_refused_by_name(quiet_watch):

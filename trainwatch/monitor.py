@@ -20,10 +20,12 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainwatch import clip_hook, registry, termination
 from trainwatch.alert import Alert
 from trainwatch.collect.data_order import own_batching, sequential_order
+from trainwatch.collect.unwatched_updates import RemoveAtNextPass, holds_any
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -31,7 +33,7 @@ from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.guard import Guard
 from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
-from trainwatch.optimizer_wrappers import inner_optimizer
+from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.raised import note_raise
@@ -139,6 +141,12 @@ class Monitor:
             on_raise=weak_callback(self._name_the_module),
             claim=weak_callback(self._claim),
         )
+        # Weights updated while no watched optimizer steps: a global pre-step hook
+        # looks for the optimizer doing it (see _unwatched_updates), and the
+        # backward passes counted when that was found (None: not looking).
+        self._pipeline.on_unwatched = weak_callback(self._unwatched_updates)
+        self._unwatched_catch: Any = None
+        self._unwatched_passes: int | None = None
         if data is not None:
             self.watch_data(data)
         registry.claim(layers.parameters(), self)
@@ -714,6 +722,64 @@ class Monitor:
             return
         if alerts:
             self._dispatcher.publish(alerts, may_halt=may_halt)  # may raise TrainingHealthError
+
+    # -- an optimizer the monitor was not given -----------------------------------
+    def _unwatched_updates(self, passes: int) -> None:
+        """The weights kept moving for ``passes`` passes while no watched optimizer
+        stepped: the optimizer doing it is looked for at the next optimizer steps
+        of the process (one global pre-step hook, until found), and watched from
+        its step on, as ``trainwatch run`` does. Found by the next verdict
+        already, no optimizer step over the model's parameters came: something
+        else writes the weights (a hand-written update), told as such."""
+        if self._unwatched_passes is None:
+            self._unwatched_passes = passes
+            self._unwatched_catch = self._handles.add(
+                register_optimizer_step_pre_hook(WeakHook(self, "_unwatched_step"))
+            )
+            return
+        self._end_unwatched_look()
+        self._unwatched_catch.remove()
+        alerts = self._pipeline.unwatched_alerts(passes, None)
+        if alerts:
+            self._dispatcher.publish(alerts, may_halt=False)
+
+    def _unwatched_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """A step of some optimizer while the one training the model unwatched is
+        looked for: one holding the model's parameters, not watched, is it."""
+        if self.closed or self._unwatched_passes is None:
+            return
+        self._guarded("unwatched updates", self._adopt_unwatched, optimizer)
+
+    def _adopt_unwatched(self, optimizer: Optimizer) -> None:
+        inner = inner_optimizer(optimizer)
+        if any(opt is inner for opt in self._optimizers):
+            self._stop_catching()  # watched steps came back: nothing to look for now
+            return
+        if not takes_step_hooks(inner) or not holds_any(inner, self._pipeline.layers.__contains__):
+            return  # another model's, or one no hook can follow
+        passes = self._unwatched_passes
+        self._stop_catching()
+        alerts = self._pipeline.unwatched_alerts(passes or 0, inner)
+        if alerts:
+            self._dispatcher.publish(alerts, may_halt=False)
+        # Watched from this step on: its per-instance hooks run after the global
+        # ones, so this step is gathered and counted too.
+        self.add_optimizer(inner)
+
+    def _stop_catching(self) -> None:
+        """The catch ends from inside a global step hook, while PyTorch iterates over
+        them: the hook goes at the model's next pass. The weights are looked at
+        afresh (a later phase's optimizer is looked for too)."""
+        self._unwatched_passes = None
+        if self._pipeline.unwatched is not None:
+            self._pipeline.unwatched.restart()
+        passes = self._pipeline.passes
+        passes.subscribe("unwatched updates", RemoveAtNextPass(passes, self._unwatched_catch))
+
+    def _end_unwatched_look(self) -> None:
+        self._unwatched_passes = None
+        if self._pipeline.unwatched is not None:
+            self._pipeline.unwatched.detach()
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:

@@ -41,7 +41,7 @@ def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
             "watch (pass the model that holds the weights)"
         )
     for index, opt in enumerate(optimizers):
-        check_optimizer_matches(opt, layers, index)
+        check_optimizer_matches(inner_optimizer(opt), layers, index)
     for param in layers.parameters():
         owner = registry.owner_of(param)
         if owner is not None and not owner.yields_to_explicit_watch:
@@ -55,17 +55,35 @@ def preflight(model: nn.Module, optimizers: Sequence[Optimizer]) -> LayerMap:
 
 def check_optimizer(optimizer: Any) -> None:
     """Anything but a torch optimizer is refused, naming what it was, and so is
-    one whose steps no hook can see (a wrapper's inner optimizer is watched instead)."""
-    if not isinstance(optimizer, Optimizer):
-        raise WatchError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if not takes_step_hooks(inner_optimizer(optimizer)):
+    one whose steps no hook can see (a wrapper's inner optimizer is watched instead).
+
+    A wrapper written as a plain class (a Lookahead holding ``self.optimizer``
+    and sharing its ``param_groups``) is no ``Optimizer`` itself; the one it
+    steps is, and that is what gets watched.
+    """
+    inner = inner_optimizer(optimizer)
+    if not isinstance(inner, Optimizer):
+        raise WatchError(_not_an_optimizer(optimizer))
+    if not takes_step_hooks(inner):
         raise WatchError(
             f"optimizer {type(optimizer).__name__} never ran torch.optim.Optimizer.__init__, "
             "so its steps run no hooks, and it holds no optimizer of its parameters to watch "
             "instead: call super().__init__ in its __init__, or pass the optimizer it steps"
         )
+
+
+def _not_an_optimizer(optimizer: Any) -> str:
+    """The refusal of something that is not a torch optimizer, naming the one it
+    holds where it holds one (a wrapper whose parameters are not the inner one's)."""
+    message = f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+    own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+    held = [name for name, value in own.items() if isinstance(value, Optimizer)]
+    if held:
+        message += (
+            f", which holds one as .{held[0]} but does not train the same parameters "
+            f"(no shared param_groups): pass that optimizer (.{held[0]}) instead"
+        )
+    return message
 
 
 def check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:

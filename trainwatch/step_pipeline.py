@@ -50,6 +50,7 @@ from trainwatch.collect.stall import FirstBatchProbe
 from trainwatch.collect.step_calls import StepCalls
 from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
+from trainwatch.collect.unwatched_updates import UnwatchedUpdates
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -286,6 +287,14 @@ class StepPipeline:
                 root, optimizers, steps_taken, weak_callback(self._optimizer_idle)
             )
             self.passes.subscribe("idle optimizer", self.idle)
+        # Weights updated while no watched optimizer steps (an optimizer the loop
+        # built later and never handed over): looked at from the probe's count of
+        # backward passes without a step, so only past such a gap. The monitor is
+        # told (``on_unwatched``) and looks for the optimizer.
+        self.unwatched: UnwatchedUpdates | None = None
+        self.on_unwatched: Callable[[int], None] | None = None
+        if self._checks_not_optimized and self.probe is not None:
+            self.unwatched = UnwatchedUpdates()
         # Per optimizer of the model's, the model's steps when it was first seen not
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
@@ -313,6 +322,7 @@ class StepPipeline:
             self.class_targets,
             self.stall,
             self.idle,
+            self.unwatched,
         )
 
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
@@ -535,11 +545,51 @@ class StepPipeline:
             self._dispatcher.publish(alerts, may_halt=False)
 
     def _on_new_pass(self) -> None:
-        """A forward pass of the whole model begins: GradScaler may have skipped a step."""
+        """A forward pass of the whole model begins after backward passes no step
+        followed: GradScaler may have skipped steps, or an optimizer the monitor
+        does not watch may train the model."""
         probe = self.probe
-        rule = self.config.amp_skipped_steps
-        if probe is None or not rule.enabled or self.in_closure_step():
+        if probe is None or self.in_closure_step():
             return
+        if self.config.amp_skipped_steps.enabled:
+            self._amp_skipped(probe)
+        look = self.unwatched
+        if look is not None and not look.done and self._optimizers:
+            self._guarded("unwatched updates", self._look_unwatched, look)
+
+    def _look_unwatched(self, look: UnwatchedUpdates) -> None:
+        """The weights, looked at every few passes while no watched step comes: moved
+        look after look, something the monitor does not watch updates them."""
+        if look.look(
+            self.passes.passes,
+            self._steps_taken(),
+            self.judge.passes_per_step,
+            self._trainable,
+        ):
+            if self.on_unwatched is not None:
+                self.on_unwatched(self.passes.passes - self._passes_at_step)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The model's trainable parameters (a pass may start with their gradients reset)."""
+        return [p for p in self.layers.parameters() if p.requires_grad]
+
+    def unwatched_alerts(self, passes: int, found: Optimizer | None) -> list[Alert]:
+        """The weights moved for ``passes`` passes with no watched step: ``found`` (None:
+        no optimizer step over the model's parameters was seen) updates them."""
+        taken = self._steps_taken()
+        record = StepRecord(
+            step=self._step_count(),
+            source="unwatched",
+            optimizer_class=type(found).__name__ if found is not None else None,
+        )
+        record.not_optimized = [self.layers.info(p) for p in self._trainable()]
+        record.idle_steps = max(passes, 1)
+        record.idle_since = self._step_count() - 1 if taken else None
+        return self.rules.evaluate(record)
+
+    def _amp_skipped(self, probe: NonfiniteProbe) -> None:
+        """Enough backward passes went without a step: were they steps GradScaler skipped?"""
+        rule = self.config.amp_skipped_steps
         passes = len(probe.bad_backward_passes)
         if passes < rule.patience * self.judge.passes_per_step:
             return

@@ -107,6 +107,8 @@ _REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
 _MAX_WAITING = 16
+# Backward passes without a step kept per step (their flags); past it the oldest go.
+NOTED_PASSES = 64
 
 # Modules that cannot turn finite inputs into NaN/Inf, forward or backward:
 # left unhooked, they cost nothing, and the next checked module still sees
@@ -490,16 +492,17 @@ class NonfiniteProbe:
         # a new record keeps memory flat across many passes per step.
         self._this_pass = _new_pass_state()
         # Told only once enough backward passes went without a step (GradScaler
-        # skipping): the monitor sets the count (at a step's end, when the
-        # step's list of passes is new, so only a pass noted here can reach it).
+        # skipping, an optimizer the monitor does not watch): the monitor sets
+        # the count (at a step's end, when the step's list of passes is new, so
+        # only a pass noted here can reach it); no more than the list keeps.
         if self.on_new_pass is not None and (
-            len(self._this_step.bad_backward_passes) >= self.passes_worth_a_look
+            len(self._this_step.bad_backward_passes) >= min(self.passes_worth_a_look, NOTED_PASSES)
         ):
             self.on_new_pass()
 
     def _note_pass(self, flag: torch.Tensor | float) -> None:
         self._this_step.bad_backward_passes.append(flag)
-        if len(self._this_step.bad_backward_passes) > 64:
+        if len(self._this_step.bad_backward_passes) > NOTED_PASSES:
             del self._this_step.bad_backward_passes[0]
 
     def note_skipped_pass(self, flag: torch.Tensor | float) -> None:

@@ -178,6 +178,8 @@ class NotOptimizedRule(_ReportOnce):
         owners = sorted({p.owner for p in params})
         if record.source == "manual":
             return [self._never_updated(record, params, owners)]
+        if record.source == "unwatched":
+            return [self._unwatched(record, params, owners)]
         if record.idle_optimizer is not None:
             return [self._sibling_never_steps(record, params, owners)]
         return [
@@ -247,6 +249,58 @@ class NotOptimizedRule(_ReportOnce):
                 "optimizer": index,
                 "optimizer_class": record.optimizer_class,
                 "kind": "optimizer_never_steps",
+            },
+        )
+
+    def _unwatched(self, record: StepRecord, params: list[ParamInfo], owners: list[str]) -> Alert:
+        """The weights move while no watched optimizer steps: an optimizer the monitor
+        was not given trains the model (found and watched from now on, where
+        ``record.optimizer_class`` names it), or something else writes them."""
+        since = (
+            f"since step {record.idle_since}"
+            if record.idle_since is not None
+            else "since watching began"
+        )
+        found = record.optimizer_class
+        if found is not None:
+            message = (
+                f"the model's weights keep changing while no watched optimizer has stepped "
+                f"{since} ({record.idle_steps} passes): {found}, an optimizer this monitor "
+                "was not given, trains it; its steps went unchecked until now, and it is "
+                "watched from this step on"
+            )
+            hint = (
+                "a new optimizer built for a new phase (a new head, fine-tuning)? Hand it "
+                "over where it is built, monitor.add_optimizer(optimizer), so every step of "
+                "it is checked, or run the script under `trainwatch run`, which finds new "
+                "optimizers by itself."
+            )
+            kind = "unwatched_optimizer"
+        else:
+            message = (
+                f"the model's weights keep changing while no watched optimizer has stepped "
+                f"{since} ({record.idle_steps} passes), and no optimizer step over its "
+                "parameters was seen: something this monitor does not watch updates it, "
+                "and those updates are not checked"
+            )
+            hint = (
+                "an optimizer whose step() runs no hooks, or a hand-written update? Pass "
+                "an optimizer that trains the model to monitor.add_optimizer(optimizer) "
+                "(or run the script under `trainwatch run`); for hand-written updates, "
+                "watch the model without an optimizer and call monitor.step() after each one."
+            )
+            kind = "unwatched_updates"
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            message,
+            hint,
+            {
+                "parameters": [p.name for p in params],
+                "passes": record.idle_steps,
+                "last_step": record.idle_since,
+                "optimizer_class": found,
+                "kind": kind,
             },
         )
 
