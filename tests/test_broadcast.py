@@ -113,8 +113,13 @@ def test_a_no_grad_pass_after_the_forward_keeps_the_mode_until_the_step_or_close
     assert torch._C._len_torch_function_stack() == 0
     with torch.no_grad():
         model(x)  # an evaluation between steps: nothing of the step is left to follow
-    assert torch._C._len_torch_function_stack() == 0
-    model(x)
+    # Only the evaluation audit's mode, following what the evaluation computes.
+    assert torch._C._len_torch_function_stack() == 1
+    top = torch._C._get_function_stack_at(0).audit()
+    assert top is monitor._pipeline.behaviour.evaluations.follower
+    model(x)  # a training pass ends the evaluation's span
+    assert torch._C._len_torch_function_stack() == 1  # the training audit's, for its loss
+    assert torch._C._get_function_stack_at(0).audit() is monitor._pipeline.behaviour.broadcast
     with torch.no_grad():
         model(x)
     monitor.close()

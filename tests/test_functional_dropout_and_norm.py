@@ -303,8 +303,13 @@ def test_a_look_leaves_no_hook_and_no_mode_behind(quiet_watch):
     _evaluate(model, data)
     assert not module_hooks._global_forward_hooks
     assert not module_hooks._global_forward_pre_hooks
-    assert torch._C._len_torch_function_stack() == 0
+    # No mode of the look's: the one left follows what the evaluation computed
+    # (the broadcast audit of evaluations), until the next pass of the model.
+    follower = monitor._pipeline.behaviour.evaluations.follower
+    depth = torch._C._len_torch_function_stack()
+    assert [torch._C._get_function_stack_at(i) for i in range(depth)] == [follower._mode]
     _train(model, opt, data, 2, seed=1)
+    assert torch._C._len_torch_function_stack() == 0
     assert [a.rule for a in monitor.alerts] == ["eval_in_train_mode"]
 
 

@@ -151,3 +151,57 @@ def test_regression_head_with_matching_label_shapes_is_silent():
 def test_regression_loss_computed_inside_the_models_forward_is_silent():
     # BertForSequenceClassification squeezes logits and labels alike before its MSE.
     assert _found(_regression(4, hand_written_loss=False, labels_shape="(N,)")) == []
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_an_evaluation_with_labels_metrics_and_generation_is_silent(family):
+    """The loss computed in ``forward`` at eval, token or label accuracy, perplexity and
+    a greedy ``generate``: every evaluation pass followed, nothing paired by mistake."""
+    model = model_of(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tw.watch(model, optimizer, console=io.StringIO(), broadcast={"audit_steps": 20}) as mon:
+        for step in range(4):
+            optimizer.zero_grad()
+            model(**batch_for(family, step)).loss.backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            for step in range(3):
+                inputs = batch_for(family, 50 + step)
+                out = model(**inputs)
+                out.loss.exp()
+                labels = inputs["labels"]
+                if family == "bert":
+                    (out.logits.argmax(-1) == labels).float().mean()
+                else:
+                    shifted = labels[:, 1:]
+                    hits = (out.logits[:, :-1].argmax(-1) == shifted) & (shifted != -100)
+                    hits.sum() / (shifted != -100).sum()
+            if family == "gpt2":
+                ids = inputs["input_ids"][:2, :4]
+                model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.train()
+    assert [a.rule for a in mon.alerts if a.severity != "info"] == []
+
+
+@pytest.mark.parametrize("bug", [True, False], ids=["n1_against_n", "squeezed"])
+def test_a_regression_heads_validation_loss_written_by_hand_is_judged(bug):
+    """Trained on the model's own loss; validated by hand against ``(N,)`` labels."""
+    torch.manual_seed(0)
+    model = bert(num_labels=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tw.watch(model, optimizer, console=io.StringIO()) as monitor:
+        for step in range(6):
+            inputs = batch_for("bert", step)
+            y = inputs.pop("labels").float()
+            optimizer.zero_grad()
+            model(**inputs, labels=y).loss.backward()
+            optimizer.step()
+            if step == 4:
+                model.eval()
+                with torch.no_grad():
+                    logits = model(**inputs).logits  # (N, 1)
+                    ((logits - y if bug else logits.squeeze(-1) - y) ** 2).mean().item()
+                model.train()
+    found = [(a.rule, a.step, a.data.get("phase")) for a in monitor.alerts if a.severity != "info"]
+    assert found == ([("broadcast", 5, "evaluation")] if bug else [])

@@ -268,3 +268,53 @@ def test_lbfgs_closure_evaluations_without_reset_fire_at_the_first_step(tmp_path
         assert not [a for a in callback.alerts if a.rule == "amp_skipped_steps"]
         (alert,) = [a for a in callback.alerts if a.rule == "accumulated_gradient"]
         assert "an earlier evaluation of step 0's closure" in alert.message
+
+
+class _ValidatedRegressor(BoringNet):
+    """Targets ``(N,)`` in validation: ``bug`` pairs them with the ``(N, 1)`` output."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        self.bug = bug
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        target, pred = y.squeeze(-1), self(x)
+        error = pred - target if self.bug else pred.squeeze(-1) - target
+        self.log("val_loss", (error**2).mean())
+
+
+@pytest.mark.parametrize("sanity", [2, 0], ids=["sanity_check", "after_the_last_step"])
+def test_a_validation_step_pairing_n1_with_n_is_a_broadcast_in_evaluation(tmp_path, sanity):
+    """Caught in the sanity check before the first step, or (without one) in the
+    validation after the last step, told when the fit ends."""
+    callback = TrainWatchCallback(console=False)
+    trainer = _trainer(
+        tmp_path,
+        callback,
+        max_epochs=1,
+        max_steps=-1,
+        limit_val_batches=2,
+        num_sanity_val_steps=sanity,
+    )
+    trainer.fit(_ValidatedRegressor(bug=True))
+    (alert,) = callback.alerts
+    assert alert.rule == "broadcast" and alert.data["phase"] == "evaluation"
+    assert alert.step == (0 if sanity else 8)
+    assert alert.data["shapes"] == [[8, 1], [8]] and "in an evaluation pass" in alert.message
+
+
+@pytest.mark.parametrize("sanity", [2, 0], ids=["sanity_check", "after_the_last_step"])
+def test_a_healthy_validation_step_is_silent(tmp_path, sanity):
+    callback = TrainWatchCallback(console=False)
+    trainer = _trainer(
+        tmp_path,
+        callback,
+        max_epochs=1,
+        max_steps=-1,
+        limit_val_batches=2,
+        num_sanity_val_steps=sanity,
+    )
+    trainer.fit(_ValidatedRegressor(bug=False))
+    assert callback.alerts == []
+    assert torch._C._len_torch_function_stack() == 0

@@ -706,3 +706,40 @@ def test_a_clean_run_of_the_nan_script_has_no_alert(tmp_path):
     script = write(tmp_path, "train.py", NAN_FROM)
     assert run_script(script, ["6"], log_dir=tmp_path / "log", console=False) == 0
     assert alerts(tmp_path / "log") == []
+
+
+VALIDATED = """
+import sys
+import torch
+from netdef import Net, batch
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+xv, yv = batch(99, n=40)
+yv = yv.squeeze(-1)  # a dataset of scalars yields (N,) targets
+for step in range(10):
+    x, y = batch(step)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if step % 5 == 4:
+        model.eval()
+        with torch.no_grad():
+            pred = model(xv)
+            if sys.argv[1] == "bug":
+                val = ((pred - yv) ** 2).mean()
+            else:
+                val = ((pred.squeeze(-1) - yv) ** 2).mean()
+        model.train()
+        print("val", round(val.item(), 3))
+"""
+
+
+@pytest.mark.parametrize("bug", [True, False], ids=["n1_against_n", "squeezed"])
+def test_a_validation_loss_broadcast_in_an_unmodified_script(tmp_path, bug):
+    script = write(tmp_path, "validated.py", VALIDATED)
+    code = run_script(script, ["bug" if bug else "ok"], log_dir=tmp_path / "log", console=False)
+    assert code == 0
+    found = [(a["rule"], a["step"], a["data"].get("phase")) for a in alerts(tmp_path / "log")]
+    assert found == ([("broadcast", 5, "evaluation")] if bug else [])

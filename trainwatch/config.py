@@ -156,8 +156,8 @@ class TrainInEvalModeConfig(RuleConfig):
 @dataclass
 class BroadcastConfig(RuleConfig):
     severity: SeverityName = "error"
-    # A shape bug is there from the first step: audit this many steps, then
-    # the check costs nothing.
+    # A shape bug is there from the first step: audit this many steps, and the
+    # first this many evaluation passes of the run, then the check costs nothing.
     audit_steps: int = field(default=3, metadata=_range(0))
 
 

@@ -342,8 +342,9 @@ class Monitor:
                 self._dispatcher.publish(unfinished, may_halt=False)
             if self._pipeline.behaviour is not None:
                 behaviour = self._pipeline.behaviour
+                evaluated = behaviour.evaluation_flush()
                 held = behaviour.eval_passes.flush(behaviour.optimized())
-                for record in [*held, *behaviour.frozen_part_flush()]:
+                for record in [*evaluated, *held, *behaviour.frozen_part_flush()]:
                     self._dispatcher.publish(self._rules.evaluate(record), may_halt=False)
             if self._pipeline.late_loss is not None:
                 step, value = self._pipeline.late_loss

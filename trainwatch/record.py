@@ -86,6 +86,9 @@ class BroadcastReport:
     shapes: list[tuple[int, ...]]
     result: tuple[int, ...]
     source: str | None = None
+    # "training": in a training step's loss; "evaluation": in what an evaluation
+    # computed from the model's outputs (a validation loss, a metric).
+    phase: str = "training"
 
 
 @dataclass

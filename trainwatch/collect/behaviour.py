@@ -19,7 +19,9 @@ join the step's single readback.
   the modules seen calling them are then checked like dropout modules.
 - Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
   also measures the loss target's spread, constant_output's reference for the
-  model's own output.
+  model's own output. The first evaluation passes are audited the same way
+  (``collect/broadcast_eval.py``), handed over from the end of a pass only
+  when gradients are off or the model is in eval mode.
 - Activations: sampled statistics (``collect/activations.py``).
 """
 
@@ -35,6 +37,7 @@ from torch import nn
 
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
+from trainwatch.collect.broadcast_eval import EvaluationAudit
 from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak
 from trainwatch.collect.functional_modes import FunctionalLook
@@ -119,11 +122,18 @@ class BehaviourWatch:
         # Parts of the model called on their own in a no-grad block (an evaluation
         # through model.encode): looked for while the model holds dropout or batch norm.
         self.lone_parts: LoneParts | None = None
-        self.broadcast = (
-            BroadcastAudit(config.broadcast.audit_steps, on_error)
-            if rule_ids & rules_needing("broadcast_audit")
-            else None
+        audits = bool(rule_ids & rules_needing("broadcast_audit"))
+        audit_steps = config.broadcast.audit_steps
+        self.broadcast = BroadcastAudit(audit_steps, on_error) if audits else None
+        # The first evaluation passes' audit (as many passes as the audit has steps).
+        self.evaluations = (
+            EvaluationAudit(audit_steps, step_of, publish, on_error) if audits else None
         )
+        # The model's passes counter at its last pass without gradients, and how many
+        # such passes came in a row up to it: a pass with gradients since the step
+        # boundary, between them, makes a pass without gradients a target side.
+        self._last_nograd = -2
+        self._nograd_run = 0
         spread, zeros = "constant_output" in rule_ids, "dead_units" in rule_ids
         # The sampled steps of the enabled ones: every step before the later of
         # their first_steps, then every step a multiple of one's ``every``.
@@ -279,34 +289,67 @@ class BehaviourWatch:
                         self.modes.learn_functional(found)
                         if self.lone_parts is not None:
                             self.lone_parts.follow()
-            if not grad and self.check_eval_pass:
-                report = self.modes.in_mode(
-                    True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
-                )
-                if report is not None and part is not None:
-                    # A part after a training pass (or a step's end) starts a streak.
-                    fresh = not self.eval_passes.in_a_row
-                    report = self._part_streak.joined(part[0], report, fresh)
-                elif report is not None:
-                    self._part_streak.reset()
-                if report is not None:
-                    self._judge_nograd_pass(model, report)
+            # Gradients asked once: a training pass's checks, or an evaluation's.
             if grad:
                 passes = self.eval_passes
                 if passes.in_a_row or not passes.trained:  # else it has nothing to do
                     passes.training_pass()
-            if grad and modes.in_frozen and not self._told_frozen and self.check_eval_pass:
-                self._frozen_in_training(modes)
-            if grad and self.check_train_step and self.train_in_eval is None and modes.listed:
-                report = modes.in_mode(False, part=part)
-                if report is not None:
-                    for tensor in floating_tensors(output):
-                        # Not on a leaf (a returned parameter): the hook would stay on it.
-                        if tensor.requires_grad and tensor.grad_fn is not None:
-                            hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
-                            break
+                if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
+                    self._frozen_in_training(modes)
+                if self.check_train_step and self.train_in_eval is None and modes.listed:
+                    report = modes.in_mode(False, part=part)
+                    if report is not None:
+                        for tensor in floating_tensors(output):
+                            # Not on a leaf (a returned parameter): the hook would stay on it.
+                            if tensor.requires_grad and tensor.grad_fn is not None:
+                                hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
+                                break
+            elif self.check_eval_pass:
+                self._nograd_modes(model, modes, part)
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad)
+        if not grad or not module.training:
+            self._evaluation_ends(module, output, grad)
+
+    def _nograd_modes(
+        self, model: nn.Module | None, modes: ModeWatch, part: tuple[str, nn.Module] | None
+    ) -> None:
+        """A pass without gradients: modules in training mode, told or held."""
+        report = modes.in_mode(
+            True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
+        )
+        if report is not None and part is not None:
+            # A part after a training pass (or a step's end) starts a streak.
+            fresh = not self.eval_passes.in_a_row
+            report = self._part_streak.joined(part[0], report, fresh)
+        elif report is not None:
+            self._part_streak.reset()
+        if report is not None:
+            self._judge_nograd_pass(model, report)
+
+    def _evaluation_ends(self, module: nn.Module, output: Any, grad: bool) -> None:
+        """A pass without gradients or in eval mode ended: an evaluation's, perhaps."""
+        audit = self.evaluations
+        if audit is None or not audit.live:
+            return
+        if grad:
+            training = self.broadcast
+            if not audit.grad_passes or (training is not None and training.live):
+                return  # the training audit follows every pass with gradients of its steps
+        else:
+            trained = self._trained_this_step()
+            if trained and module.training:
+                return  # a target side (a DQN's), the training audit's
+        audit.evaluation_ends(output, grad, self.passes)
+
+    def _trained_this_step(self) -> bool:
+        """A pass with gradients since the step boundary: this pass without gradients
+        comes after one, not only after others without gradients."""
+        passes = self.passes
+        now = passes.passes if passes is not None else 0
+        run = self._nograd_run + 1 if now == self._last_nograd + 1 else 1
+        self._last_nograd, self._nograd_run = now, run
+        return self._model_passes > run
 
     def _judge_nograd_pass(self, model: nn.Module | None, report: ModeReport) -> None:
         """A pass without gradients ran modules in training mode: an evaluation, or
@@ -365,6 +408,11 @@ class BehaviourWatch:
         if not self.modes.still_frozen(seen[0].eval_in_train.modules):
             return []
         return [seen[0]]
+
+    def evaluation_flush(self) -> list[StepRecord]:
+        """At close: what the last evaluation's span found (a validation after the
+        last step has no pass after it to end its span)."""
+        return self.evaluations.flush() if self.evaluations is not None else []
 
     def parameters_changed(self) -> None:
         """Parameters were frozen or unfrozen: which parts are frozen, asked again."""
@@ -491,6 +539,8 @@ class BehaviourWatch:
             self.lone_parts.detach()
         if self.broadcast is not None:
             self.broadcast.detach()
+        if self.evaluations is not None:
+            self.evaluations.detach()
         if self.sampler is not None:
             self.sampler.detach()
         self._structure.detach()

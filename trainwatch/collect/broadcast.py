@@ -21,7 +21,9 @@ There the mode follows the labels alone, through the ops that only reshape or
 convert them, and judges each elementwise op or loss that pairs them with
 something else: a ``(N, 1)`` prediction against ``(N,)`` labels inside the
 model's ``forward`` is the same bug. After the audit the mode is never entered
-again, so the check costs nothing.
+again, so the check costs nothing. The first evaluation passes of the run,
+whenever they come, are followed by an audit of their own with this judge
+(``collect/broadcast_eval.py``).
 """
 
 from __future__ import annotations
@@ -425,6 +427,9 @@ class _AuditMode(TorchFunctionMode):
 
 
 class BroadcastAudit:
+    # What its findings are told as: the loss of a training step.
+    phase = "training"
+
     def __init__(self, steps: int, on_error: Any) -> None:
         self.steps_left = steps
         self.live = steps > 0
@@ -586,6 +591,13 @@ class BroadcastAudit:
         if len(self._tracked) < _MAX_TRACKED:
             self._tracked[id(tensor)] = tensor
 
+    def _follows(self, tensor: torch.Tensor, name: str) -> bool:
+        """Followed: what carries the model's gradient, and its detached copy (an
+        advantage built from values). Not what was only computed from it without
+        gradient: an action sampled from the policy, and the rewards and
+        observations an environment makes of it, are not the model's output."""
+        return tensor.requires_grad or name == "detach"
+
     def _derived(self, tensor: torch.Tensor) -> bool:
         return self._tracked.get(id(tensor)) is tensor
 
@@ -621,12 +633,7 @@ class BroadcastAudit:
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         for tensor in _tensors(out):
-            # Followed: what carries the model's gradient, and its detached
-            # copy (an advantage built from values). Not what was only computed
-            # from it without gradient: an action sampled from the policy, and
-            # the rewards and observations an environment makes of it, are not
-            # the model's output.
-            if tensor.requires_grad or name == "detach":
+            if self._follows(tensor, name):
                 self._track(tensor)
         if name in _REGRESSION and self.target_spread is None:
             self._measure_target(operands)
@@ -672,4 +679,4 @@ class BroadcastAudit:
         op = name.strip("_")
         if op.startswith("r") and name.startswith("__r"):
             op = op[1:]  # __rsub__: the same subtraction, operands swapped
-        self.findings.append(BroadcastReport(op, [first, second], result, _user_line()))
+        self.findings.append(BroadcastReport(op, [first, second], result, _user_line(), self.phase))

@@ -1,0 +1,421 @@
+"""broadcast in an evaluation: a validation loss or metric that pairs (N, 1) with (N,).
+
+Training may be sound while the number model selection, early stopping or a
+plateau scheduler reads is wrong: ``((pred - y) ** 2).mean()`` with ``pred
+(N, 1)`` and ``y (N,)`` averages every prediction against every target. The
+first evaluation passes of a run are followed into what the loop computes
+from them, whenever they come, and what they find is told with
+``data["phase"] == "evaluation"``. Each planted bug has its healthy form
+beside it, and the evaluation code every run has (accuracy, top-k,
+calibration, a confusion matrix, retrieval distances, torchmetrics,
+``inference_mode``) stays silent.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import trainwatch as tw
+from tests.conftest import TinyNet, batches, rules_of
+
+
+def _line(marker: str) -> int:
+    """The line of this file that holds ``marker`` (the planted op's source line)."""
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if marker in text and "_line(" not in text)
+
+
+def _validation_data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 8, generator=gen)
+    return x, x[:, 0].sin()  # targets (N,), as a dataset of scalars yields them
+
+
+def _fit(model, opt, steps: int, evaluate, every: int) -> None:
+    """A plain loop with ``evaluate()`` after every ``every``-th step (from step every-1)."""
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if step % every == every - 1:
+            evaluate()
+
+
+def _evaluation(model, loss, no_grad: bool = True):
+    """The usual validation: eval mode, no gradients, the model put back in training."""
+    xv, yv = _validation_data()
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            value = loss(model(xv), yv).item()
+        model.train()
+        return value
+
+    return evaluate
+
+
+def _broadcasts(monitor) -> list[tw.Alert]:
+    return [a for a in monitor.alerts if a.rule == "broadcast"]
+
+
+def _buggy(out, y):
+    return ((out - y) ** 2).mean()  # EVAL-BUG: (N, 1) - (N,)
+
+
+def _healthy(out, y):
+    return ((out.squeeze(-1) - y) ** 2).mean()
+
+
+def test_a_validation_loss_pairing_n1_with_n_is_caught_after_the_training_audit(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 12, _evaluation(model, _buggy), every=5)  # first evaluation after step 4
+    (alert,) = _broadcasts(monitor)
+    assert alert.severity == "error" and alert.module is None
+    assert alert.step == 5  # the step the evaluation ran in, past the 3 audited steps
+    assert alert.data["phase"] == "evaluation"
+    assert alert.data["op"] == "sub" and alert.data["result"] == [40, 40]
+    assert alert.data["shapes"] == [[40, 1], [40]]
+    assert alert.data["source"].endswith(f"test_broadcast_in_evaluation.py:{_line('EVAL-BUG')}")
+    assert "in an evaluation pass" in alert.message
+    assert "early stopping" in alert.hint
+
+
+def test_a_healthy_validation_loss_is_silent_and_leaves_no_mode_or_listener(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 30, _evaluation(model, _healthy), every=5)
+    assert rules_of(monitor) == []
+    # The evaluation audit is spent: nothing of it runs on the steps or passes after.
+    assert torch._C._len_torch_function_stack() == 0
+    assert "broadcast audit of evaluations" not in monitor._pipeline.passes.listener_names()
+
+
+def test_the_training_audits_broadcast_is_still_told_as_training(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in batches(4):
+        opt.zero_grad()
+        ((model(x) - y.squeeze(-1)) ** 2).mean().backward()
+        opt.step()
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 0 and alert.data["phase"] == "training"
+    assert "in an evaluation pass" not in alert.message
+
+
+def test_mse_loss_in_a_validation_at_the_first_step_is_caught(quiet_watch):
+    """An evaluation during the training audit's steps: the evaluation audit's."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "Using a target size"
+        _fit(model, opt, 4, _evaluation(model, F.mse_loss), every=1)
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 1 and alert.data["phase"] == "evaluation"
+    assert alert.data["op"] == "mse_loss"
+
+
+def test_a_validation_after_the_last_step_is_told_when_the_monitor_closes(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 6, lambda: None, every=100)
+    _evaluation(model, _buggy)()
+    assert _broadcasts(monitor) == []  # no pass after it has ended its span yet
+    monitor.close()
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 6 and alert.data["phase"] == "evaluation"
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_healthy_validation_after_the_last_step_is_silent_at_close(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 6, lambda: None, every=100)
+    _evaluation(model, _healthy)()
+    monitor.close()
+    assert rules_of(monitor) == []
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_validation_with_gradients_on_in_eval_mode_is_caught(quiet_watch):
+    """``model.eval()`` without ``no_grad``: still an evaluation."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 12, _evaluation(model, _buggy, no_grad=False), every=5)
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 5 and alert.data["phase"] == "evaluation"
+
+
+def test_a_healthy_validation_with_gradients_on_in_eval_mode_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 12, _evaluation(model, _healthy, no_grad=False), every=5)
+    assert rules_of(monitor) == []
+
+
+def test_a_model_trained_in_eval_mode_is_no_evaluation_and_its_evaluation_is_still_audited(
+    quiet_watch,
+):
+    """No dropout, ``model.eval()`` once and never undone: its training passes are not
+    evaluations (each is trained on), and the later validation is still followed."""
+    torch.manual_seed(0)
+    model = TinyNet().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    xv, yv = _validation_data()
+    for step, (x, y) in enumerate(batches(20)):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if step == 5:
+            # Past the training audit: every training pass hereafter costs no mode.
+            assert torch._C._len_torch_function_stack() == 0
+        if step == 15:
+            with torch.no_grad():
+                _buggy(model(xv), yv).item()
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 16 and alert.data["phase"] == "evaluation"
+
+
+class _QNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 32)
+        self.q = nn.Linear(32, 3)
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        return self.q(torch.relu(self.body(s)))
+
+
+def _dqn(steps: int, *, target_first: bool, bug: bool, quiet_watch) -> tw.Monitor:
+    """One network, its TD target under ``no_grad`` before or after the online pass."""
+    torch.manual_seed(0)
+    net = _QNet()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    monitor = quiet_watch(net, opt)
+    for _ in range(steps):
+        s, s2 = torch.randn(32, 4), torch.randn(32, 4)
+        a, r = torch.randint(0, 3, (32, 1)), torch.randn(32)
+        if target_first:
+            with torch.no_grad():
+                target = r + 0.99 * net(s2).max(1).values  # (N,)
+        q = net(s).gather(1, a)  # (N, 1)
+        if not target_first:
+            with torch.no_grad():
+                target = r + 0.99 * net(s2).max(1).values
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loss = F.smooth_l1_loss(q if bug else q.squeeze(1), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return monitor
+
+
+@pytest.mark.parametrize("target_first", [False, True], ids=["after_online", "before_online"])
+def test_a_dqn_target_pass_is_the_training_audits_target_side(target_first, quiet_watch):
+    monitor = _dqn(12, target_first=target_first, bug=True, quiet_watch=quiet_watch)
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 0 and alert.data["phase"] == "training"
+    assert alert.data["op"] == "smooth_l1_loss" and alert.data["result"] == [32, 32]
+
+
+@pytest.mark.parametrize("target_first", [False, True], ids=["after_online", "before_online"])
+def test_a_healthy_dqn_target_pass_is_silent(target_first, quiet_watch):
+    monitor = _dqn(12, target_first=target_first, bug=False, quiet_watch=quiet_watch)
+    assert rules_of(monitor) == []
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_only_the_first_evaluation_passes_are_followed(quiet_watch):
+    """A long validation is not slowed throughout: ``audit_steps`` passes, then nothing."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, broadcast={"audit_steps": 2})
+    _fit(model, opt, 4, lambda: None, every=100)
+    xv, yv = _validation_data()
+    model.eval()
+    with torch.no_grad():
+        for i in range(5):
+            out = model(xv)
+            if i == 2:
+                assert torch._C._len_torch_function_stack() == 0  # the span has ended
+                _buggy(out, yv)  # the third pass: too late to see
+            else:
+                _healthy(out, yv)
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+# -- evaluation code that pairs on purpose ----------------------------------------
+
+
+class _Classifier(nn.Module):
+    """Logits over 10 classes, and the features they come from (an embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _class_batches(n: int, batch: int = 16):
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(n):
+        yield torch.randn(batch, 8, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+
+
+def _metrics_of_one_batch(out: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    classes = out.shape[1]
+    probs = out.softmax(1)
+    conf, pred = probs.max(1)
+    correct = (pred == y).float()
+    onehot = (y[:, None] == torch.arange(classes)).float()
+    bins = torch.linspace(0, 1, 11)
+    in_bin = (conf[:, None] > bins[None, :-1]) & (conf[:, None] <= bins[None, 1:])
+    gap = (conf[:, None] - correct[:, None]).abs() * in_bin
+    return [
+        (out.argmax(1) == y).float().mean(),  # accuracy
+        (out.topk(5).indices == y.view(-1, 1)).any(1).float().mean(),  # top-5
+        gap.sum() / len(y),  # expected calibration error
+        ((probs - onehot) ** 2).sum(1).mean(),  # Brier score
+        F.cross_entropy(out, y),
+        torch.bincount(y * classes + pred, minlength=classes * classes).view(classes, classes),
+    ]
+
+
+def test_classification_metrics_of_an_evaluation_are_silent(quiet_watch):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    torch.manual_seed(0)
+    model = _Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, broadcast={"audit_steps": 50})
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+    calibration = torchmetrics.classification.MulticlassCalibrationError(num_classes=10)
+    for x, y in _class_batches(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    outs, labels = [], []
+    with torch.no_grad():
+        for x, y in _class_batches(6):
+            out = model(x)
+            _metrics_of_one_batch(out, y)
+            accuracy.update(out, y)
+            calibration.update(out.softmax(1), y)
+            outs.append(out)
+            labels.append(y)
+        every = torch.cat(outs)  # collected, judged at the end
+        _metrics_of_one_batch(every, torch.cat(labels))
+        accuracy.compute(), calibration.compute()
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+def test_retrieval_distances_between_two_evaluation_outputs_are_silent(quiet_watch):
+    """Queries and a gallery both from the model: every pair is meant (equal sizes too)."""
+    torch.manual_seed(0)
+    model = TinyNet(outputs=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, broadcast={"audit_steps": 50})
+    for x, y in batches(4, outputs=4):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        gallery = torch.cat([model(x) for x, _ in batches(2, batch=16)])  # (32, 4)
+        for x, _ in batches(3, seed=5):
+            q = model(x)  # (32, 4): as many queries as gallery items
+            (q[:, None] - gallery[None]).pow(2).sum(-1).argmin(1)
+            sq_q, sq_g = (q**2).sum(1), (gallery**2).sum(1)
+            (sq_q.unsqueeze(1) + sq_g - 2 * q @ gallery.T).argmin(1)  # (N, 1) + (N,) on purpose
+            torch.cdist(q, gallery).topk(3, largest=False)
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+def test_a_regression_metric_accumulated_over_an_evaluation_is_caught_and_its_fix_silent(
+    quiet_watch,
+):
+    """torchmetrics-like accumulation by hand: the broadcast in ``update`` is found."""
+    for bug, found in ((True, ["broadcast"]), (False, [])):
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = quiet_watch(model, opt)
+        _fit(model, opt, 4, lambda: None, every=100)
+        total, count = torch.zeros(()), 0
+        model.eval()
+        with torch.no_grad():
+            for x, y in batches(3, seed=9):
+                pred = model(x) * 2.0 + 0.5  # de-normalised: followed without gradients
+                target = y.squeeze(-1)
+                error = pred - target if bug else pred.squeeze(-1) - target
+                total += error.abs().sum()
+                count += len(target)
+        model.train()
+        monitor.close()
+        assert rules_of(monitor) == found, bug
+
+
+def test_inference_under_inference_mode_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = _Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in _class_batches(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.inference_mode():
+        for x, _ in _class_batches(5):
+            probs = model(x).softmax(-1)
+            probs.max(1).values.mean(), probs.argmax(1)
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+def test_an_evaluation_loss_caught_under_inference_mode(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 4, lambda: None, every=100)
+    xv, yv = _validation_data()
+    model.eval()
+    with torch.inference_mode():
+        _buggy(model(xv), yv)
+    monitor.close()
+    (alert,) = _broadcasts(monitor)
+    assert alert.data["phase"] == "evaluation"
