@@ -347,3 +347,57 @@ def test_halt_on_an_evaluation_done_right_never_stops(quiet_watch):
     model.train()
     _train(model, opt, 2, seed=1)
     assert monitor.alerts == []
+
+
+class _Autoencoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+        self.dec = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.enc(x))
+
+
+def _autoencoder_evaluations(quiet_watch, sample_after: bool, evaluations: int = 2):
+    torch.manual_seed(0)
+    model = _Autoencoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for _ in range(evaluations):
+        for x, _ in batches(3, seed=1):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x.new_zeros(x.shape[0], 8)).backward()
+            opt.step()
+        with torch.no_grad():  # forgot model.eval()
+            model(torch.randn(4, 8))
+            if sample_after:
+                model.dec(torch.randn(4, 4))  # samples drawn in the same evaluation
+    monitor.close()
+    return monitor
+
+
+@pytest.mark.parametrize("sample_after", [True, False])
+def test_a_part_sampled_in_the_same_evaluation_is_not_told_again(quiet_watch, sample_after):
+    monitor = _autoencoder_evaluations(quiet_watch, sample_after)
+    told = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert [(a.step, a.module) for a in told] == [(3, "enc.2")]
+    assert told[0].data["modules"] == ["enc.2", "dec.2"]
+    counts = {k: n for k, n in monitor.alert_counts.items() if k[0] == "eval_in_train_mode"}
+    assert counts == {("eval_in_train_mode", "enc.2"): 2}  # both evaluations, the decoder's in them
+
+
+def test_a_part_evaluated_on_its_own_is_still_told(quiet_watch):
+    torch.manual_seed(0)
+    model = _Autoencoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for x, _ in batches(3, seed=1):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x.new_zeros(x.shape[0], 8)).backward()
+        opt.step()
+    with torch.no_grad():
+        model.dec(torch.randn(4, 4))  # only the decoder, no full pass before it
+    monitor.close()
+    told = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert [(a.step, a.module) for a in told] == [(3, "dec.2")]

@@ -32,12 +32,32 @@ class EvalInTrainModeRule(Rule):
     reads = "eval_in_train"
     config: EvalInTrainModeConfig
 
+    def __init__(self, config: EvalInTrainModeConfig) -> None:
+        super().__init__(config)
+        # The step of the last evaluation told and the modules it named: a part of
+        # the model called on its own after a full pass of the same evaluation (a
+        # VAE's decoder sampled) is the same mistake, not a second one.
+        self._told_step = -1
+        self._told_modules: list[str] = []
+        self._told_total = 0  # mode-dependent modules in what that pass ran
+
     def evaluate(self, record: StepRecord) -> list[Alert]:
         report = record.eval_in_train
         if report is None:
             return []
         if report.during_training:
             return [self._frozen_part(record.step, report)]
+        if (
+            record.step == self._told_step
+            and report.total < self._told_total
+            and set(report.modules) <= set(self._told_modules)
+        ):
+            return []  # a part of what this evaluation's fuller pass named
+        self._told_step, self._told_modules, self._told_total = (
+            record.step,
+            report.modules,
+            report.total,
+        )
         return [
             self.alert(
                 record.step,
