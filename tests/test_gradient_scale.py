@@ -13,7 +13,7 @@ from trainwatch.record import StepRecord
 from trainwatch.rules.gradient_scale import ExplodingGradientRule
 
 
-def _loop(model, opt, steps, scale_at=None, scale=1e4, batch=32):
+def _loop(model, opt, steps, scale_at=None, scale=1e4, batch=32, clip=None):
     data = batches(
         steps, batch=batch, inputs=model[0].in_features if isinstance(model, nn.Sequential) else 8
     )
@@ -23,6 +23,8 @@ def _loop(model, opt, steps, scale_at=None, scale=1e4, batch=32):
         if step == scale_at:
             loss = loss * scale  # a loss term that blows up for one batch
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
 
 
@@ -35,6 +37,19 @@ def test_loss_spike_after_warmup_is_exploding_at_that_step(model, quiet_watch):
     assert alert.module in {"fc1", "fc2", "head"}
     assert alert.data["ratio"] > 1000
     assert set(alert.data["layers"]) == {"fc1", "fc2", "head"}
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_loop_that_clips_already_is_not_told_to_clip(model, quiet_watch, clip):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    _loop(model, opt, 90, scale_at=70, clip=clip)
+    (alert,) = [a for a in monitor.alerts if a.rule == "exploding_gradient"]
+    assert alert.step == 70 and alert.data["ratio"] > 1000  # measured before the clip
+    if clip is None:
+        assert "Clip gradients (torch.nn.utils.clip_grad_norm_)" in alert.hint
+    else:
+        assert "Clip gradients" not in alert.hint and "bounds the update" in alert.hint
 
 
 def test_healthy_training_and_spikes_during_warmup_stay_quiet(model, quiet_watch):

@@ -25,6 +25,7 @@ Torch before 2.6 has no ``_clip_grads_with_norm_``: nothing is wrapped there.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -73,6 +74,21 @@ def _clip_grads_with_norm_(
         except Exception:  # the monitor reports its own failures
             pass
     return result
+
+
+def total_in_progress() -> float | None:
+    """The total norm ``clip_grad_norm_`` measured, while the step it is about to
+    rescale is gathered (None: no clip in progress), to say what the clip does to
+    gradients found non-finite or overflowing. Read from the wrapper's own frame
+    further down the stack: a clip pays nothing for it, and only such a step asks.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _clip_grads_with_norm_.__code__:
+            total = frame.f_locals.get("total_norm")
+            return float(total) if isinstance(total, torch.Tensor) else None
+        frame = frame.f_back
+    return None
 
 
 def install(monitor: Any) -> None:

@@ -507,6 +507,9 @@ class Monitor:
         count = len(self._optimizers)
         if known is not None and known[0] == id(param) and known[1] == count:
             return known[2]
+        # Asked only as clip_grad_norm_ runs: the loop clips, hints say no more.
+        for rule in self._rules:
+            rule.loop_clips = True
         for index, opt in enumerate(self._optimizers):
             if any(p is param for group in opt.param_groups for p in group["params"]):
                 self._clipped_holder = (id(param), count, index)

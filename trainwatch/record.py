@@ -20,7 +20,9 @@ class NonfiniteReport:
 
     module: str | None
     # "module", "input" (data), "loss", "parameter"; "unlocated" when the
-    # step's forward ran where no hook sees it (a model compiled in place)
+    # step's forward ran where no hook sees it (a model compiled in place);
+    # "norm_overflow" (as ``nonfinite_backward`` only): no NaN/Inf at all, the
+    # gradients are finite but their norm overflowed (exploding_gradient tells it)
     cause: str
     kind: str | None = None
     count: int | None = None
@@ -37,6 +39,11 @@ class NonfiniteReport:
     # exploding_gradient was reported before: the NaN/Inf is where that led
     # (a learning rate too high), not a log or a division at its domain's edge.
     after_exploding: bool = False
+    # The gradients' norm overflowed while every gradient is finite: the largest
+    # element (in ``parameter``), and the total norm a clip_grad_norm_ in progress
+    # measured (None: none was).
+    largest: float | None = None
+    clip_norm: float | None = None
 
 
 @dataclass

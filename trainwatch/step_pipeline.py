@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch import registry
+from trainwatch import clip_hook, registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
@@ -43,7 +43,8 @@ from trainwatch.collect.idle_optimizer import (
     gradients_seen,
 )
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
-from trainwatch.collect.nonfinite import NonfiniteProbe, StepWindow
+from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
+from trainwatch.collect.norm_overflow import norm_overflow
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
 from trainwatch.collect.stall import FirstBatchProbe
@@ -350,10 +351,15 @@ class StepPipeline:
         )
         for flag in flags:
             probe.note_skipped_pass(flag)
-        if window.forward_origin is not None or window.backward_origin is not None:
+        if (
+            window.forward_origin is not None
+            or window.backward_origin is not None
+            or window.output_bad
+        ):
             # Where the skipped step's NaN/Inf was born (a corrupt batch overflowing
-            # fp16), located before the scaler skipped it: told now, as no step
-            # boundary of its own will come.
+            # fp16, a NaN in the input itself, which no module makes), located
+            # before the scaler or the loop's own guard skipped it: told now, as
+            # no step boundary of its own will come.
             self._dispatcher.publish(self._window_alerts(window, self._step_count()))
         self._on_new_pass()
 
@@ -378,12 +384,23 @@ class StepPipeline:
             listed = norms.tolist() if norms is not None else None
             bad_grads = listed is not None and not all(map(math.isfinite, listed))
         if bad_grads:
+            overflow = self._guarded("non-finite probe", self._norm_overflow)
+            if overflow is not None:
+                probe.note_norm_overflow(overflow)  # nothing for a replay to locate
+                return listed
             paused, self.tracker.enabled = self.tracker.enabled, False
             try:
                 probe.replay_backward()
             finally:
                 self.tracker.enabled = paused
         return listed
+
+    def _norm_overflow(self) -> NonfiniteFinding | None:
+        """The norms came out non-finite: whether the gradients are all finite, only
+        too large for the norm's fp32 sum of squares (a corrupt target of 1e21)."""
+        return norm_overflow(
+            self.layers.parameters(), self.layers.info, clip_hook.total_in_progress()
+        )
 
     def applied(
         self,

@@ -594,6 +594,12 @@ class NonfiniteProbe:
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
 
+    def note_norm_overflow(self, finding: NonfiniteFinding) -> None:
+        """The step's gradient norms overflowed while every gradient is finite: what
+        the trigger found, handed over with the step in place of a backward origin."""
+        if self._this_step.backward_origin is None:
+            self._this_step.backward_origin = finding
+
     def on_grad_entering(self, candidate: _AwaitedPass, position: int, grad: torch.Tensor) -> None:
         """Kept, not summed: the step's gradient norms show whether anything is off.
 
@@ -1019,6 +1025,7 @@ class NonfiniteProbe:
             direction="backward",
             cause="module",
             kind=origin.kind if origin is not None else None,
+            dtype=found.dtype,  # its output's: the gradient through it has that dtype
             device=found.device,
         )
         finding.op, finding.op_basis = op_of_node(node), "re-run"

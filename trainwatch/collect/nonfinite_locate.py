@@ -42,7 +42,8 @@ class NonfiniteFinding:
     cause: str  # "module": born here; "input": the model's input was already bad;
     # "loss": gradient non-finite where it enters the model (the loss's backward);
     # "unreplayed": born inside the model from finite inputs, module not located
-    # (a model that may not be replayed on one rank: FSDP-sharded)
+    # (a model that may not be replayed on one rank: FSDP-sharded);
+    # NORM_OVERFLOW: no NaN/Inf at all, the gradients' norm overflowed
     kind: str | None = None  # "nan" / "inf" when known exactly
     count: int | None = None
     shape: tuple[int, ...] | None = None
@@ -61,9 +62,20 @@ class NonfiniteFinding:
     # Whether any of them was written since the last update applied (a version
     # counter moved): by the training code, not the optimizer (None: not known).
     weights_written: bool | None = None
+    # NORM_OVERFLOW: the parameter holding the largest gradient element, its
+    # magnitude, and the total norm of a clip_grad_norm_ about to rescale them
+    # (None: none was in progress).
+    parameter: str | None = None
+    owner: str | None = None
+    largest: float | None = None
+    clip_norm: float | None = None
 
 
 FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0
+
+# The cause of a step whose gradient norms came out non-finite while every
+# gradient is finite: too large for the fp32 sum of squares, no NaN/Inf.
+NORM_OVERFLOW = "norm_overflow"
 
 
 def sums_as_codes(sums: list[torch.Tensor]) -> torch.Tensor:

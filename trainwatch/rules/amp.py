@@ -6,6 +6,9 @@ down until it fits), however long it takes; the judge never hands those skips
 over. Once updates apply, a long run of skips, or skipping most recent steps,
 means the forward or backward overflows at any scale. A scale below 1 means
 even unscaled gradients overflow: the scaler has nothing left to give.
+Where no scaler's loss scale is in view, the steps are skipped all the same
+(a loop's own guard on a non-finite norm skips them as a scaler does) and
+the alert says so without speaking of a scale.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from trainwatch.rules.base import Rule
 _HINT = (
     "the forward pass overflows even at a tiny scale: find where with nonfinite_forward, "
     "use bf16, or keep the overflowing op in fp32 (torch.autocast(enabled=False) around it)"
+)
+
+
+_NO_SCALER_HINT = (
+    "skipping a bad batch now and then is harmless; skipping every one means the "
+    "NaN/Inf comes back each step: nonfinite_forward / nonfinite_backward name the "
+    "module and op where it was born, so fix it there (an epsilon, a clamp, bad "
+    "data). If a GradScaler does the skipping, pass it as tw.watch(..., scaler=scaler)"
 )
 
 
@@ -87,6 +98,18 @@ class SkippedStepsRule(Rule):
             )
         else:
             return None
+        if amp.scale is None:
+            # No GradScaler's scale in view (none watched, or none at all): the
+            # skipping is the loop's own guard, or a scaler trainwatch was not given.
+            return self.alert(
+                step,
+                None,
+                f"{what}: something keeps skipping the updates (a guard in the loop on "
+                "a non-finite loss or gradient norm: no GradScaler with a loss scale is "
+                "watched), so the model has stopped training while the NaN/Inf persists",
+                _NO_SCALER_HINT,
+                data,
+            )
         return self.alert(
             step,
             None,

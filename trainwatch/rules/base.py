@@ -23,6 +23,9 @@ class Rule:
     # The record field without which this rule has nothing to say (an empty
     # one is skipped without a call); None: it sees every record (streaks).
     reads: ClassVar[str | None] = None
+    # The loop clips its gradients (trainwatch saw clip_grad_norm_ run): a hint
+    # then does not tell it to. Set by the monitor, not a learnt state.
+    loop_clips: bool = False
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config
@@ -32,7 +35,7 @@ class Rule:
         raise NotImplementedError
 
     # -- checkpoints ------------------------------------------------------------
-    _NOT_STATE: ClassVar[frozenset[str]] = frozenset({"config", "component"})
+    _NOT_STATE: ClassVar[frozenset[str]] = frozenset({"config", "component", "loop_clips"})
 
     def state_dict(self) -> dict[str, Any]:
         """Whatever the rule learnt so far (streaks, averages), as plain data."""
@@ -65,6 +68,11 @@ class Rule:
             hint=hint,
             data=data or {},
         )
+
+
+def unless_clipping(rule: Rule, advice: str) -> str:
+    """``advice`` to clip gradients, or nothing where the loop clips them already."""
+    return "" if rule.loop_clips else advice
 
 
 def by_owner(params: Iterable[ParamInfo]) -> dict[str, list[ParamInfo]]:

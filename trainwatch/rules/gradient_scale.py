@@ -28,8 +28,9 @@ from operator import add, mul, sub
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
-from trainwatch.record import StepRecord
+from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule
 
 _EXPLODING_HINT = (
@@ -37,6 +38,19 @@ _EXPLODING_HINT = (
     "that blows up (log of ~0, division by a tiny std), or bad data in this batch. "
     "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or "
     "add warm-up, and check the batch that caused it."
+)
+# The loop clips already: the clip bounds the update, not what made the jump.
+_EXPLODING_HINT_CLIPPED = (
+    "usually a learning rate too high for this point of training, a loss term "
+    "that blows up (log of ~0, division by a tiny std), or bad data in this batch. "
+    "The loop's clip_grad_norm_ bounds the update, not the cause: lower the "
+    "learning rate or add warm-up, and check the batch that caused it."
+)
+_OVERFLOW_HINT = (
+    "values that large come from an outlier far outside the data's range in this "
+    "batch (a corrupt target or input, whose error dominates the loss) or from "
+    "weights the updates blew up: check this batch, drop or clamp outliers, or use "
+    "a robust loss (huber_loss, smooth_l1_loss)"
 )
 _VANISHING_HINT = (
     "the signal dies on its way back to this layer: saturating activations "
@@ -183,6 +197,11 @@ class ExplodingGradientRule(Rule):
             warm = self._warm.get(tuple(record.layer_norms))
             if warm is not None and self._moved_in_c(warm, record):
                 return []
+        overflow = record.nonfinite_backward
+        if overflow is not None and overflow.cause == NORM_OVERFLOW:
+            # Off the usual step (its norms are not finite): no layer's history
+            # moves, as for any spike.
+            return [self._overflow_alert(record, overflow)]
         self._write_back()  # the per-layer look reads every history, writes the step's
         alerts = self._evaluate_each_layer(record)
         touched = set(record.layer_norms).union(record.restarted_layers)
@@ -190,6 +209,34 @@ class ExplodingGradientRule(Rule):
         if not alerts and not record.restarted_layers:
             self._keep_warm(record)
         return alerts
+
+    def _overflow_alert(self, record: StepRecord, report: NonfiniteReport) -> Alert:
+        """Gradients too large for their norm's fp32 sum of squares: the largest
+        explosion there is, past any warm-up, though no gradient holds a NaN/Inf."""
+        dtype = (report.dtype or "torch.float32").removeprefix("torch.")
+        message = (
+            f"gradients too large to measure: their norm overflows {dtype} to inf, "
+            "though every gradient is finite (no NaN/Inf; the largest element "
+            f"{report.largest:.3g}, in {report.parameter})"
+        )
+        data: dict[str, Any] = {
+            "cause": NORM_OVERFLOW,
+            "parameter": report.parameter,
+            "largest": report.largest,
+            "dtype": report.dtype,
+        }
+        if record.source == "passes":
+            # Gathered, then no optimizer step came: the loop (or a GradScaler)
+            # skipped it.
+            message += "; no optimizer step followed"
+        elif report.clip_norm is not None and not math.isfinite(report.clip_norm):
+            message += (
+                "; clip_grad_norm_ measured their total norm as inf too and scales "
+                "every gradient by max_norm / inf = 0: this step's update carries none "
+                "of this batch's gradient"
+            )
+            data["clipped_to_zero"] = True
+        return self.alert(record.step, report.module, message, _OVERFLOW_HINT, data)
 
     def _diverging(self, runaway: _Runaway, record: StepRecord) -> Alert | None:
         """A learning rate far too high from the start: the warm-up hides it from the
@@ -237,8 +284,12 @@ class ExplodingGradientRule(Rule):
             f"({runaway.first:.3g} to {total:.3g}), at least {rate:g}x a step for "
             f"the last {steps} steps: training is diverging from the start",
             "the learning rate is far too high for this model (or the loss scale of a "
-            "hand-rolled mixed precision is wrong): lower it by orders of magnitude, add "
-            "warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_).",
+            "hand-rolled mixed precision is wrong): lower it by orders of magnitude"
+            + (
+                " or add warm-up."
+                if self.loop_clips
+                else ", add warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_)."
+            ),
             {
                 "norm": total,
                 "first_norm": runaway.first,
@@ -381,7 +432,7 @@ class ExplodingGradientRule(Rule):
                 layer,
                 f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
                 f"{what}{others}",
-                _EXPLODING_HINT,
+                _EXPLODING_HINT_CLIPPED if self.loop_clips else _EXPLODING_HINT,
                 {
                     "norm": norm,
                     "typical": typical,

@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
 from trainwatch.record import NonfiniteReport, StepRecord
-from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.base import Rule, by_owner, short_names, unless_clipping
 from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE
 
 _OP_HINTS = {
@@ -29,10 +30,34 @@ _OP_HINTS = {
     "add an epsilon, e.g. (x.pow(2).sum() + eps).sqrt()",
     "aten::norm": "the gradient of a norm at a zero vector is undefined: add an epsilon",
     "aten::mul": "a product overflowed (Inf * 0 = NaN, or a value past the dtype's range)",
-    "aten::addmm": "a matmul overflowed: in fp16 keep activations below 65504 "
-    "(bf16, a lower learning rate, or normalisation)",
-    "aten::mm": "a matmul overflowed: in fp16 keep activations below 65504",
 }
+
+# Matmuls overflow past their dtype's range: what to do depends on which.
+_MATMULS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm")
+_FP16_OVERFLOW = (
+    "a matmul overflowed: in fp16 keep activations below 65504 "
+    "(bf16, a lower learning rate, or normalisation)"
+)
+_RANGE_OVERFLOW = (
+    "a matmul overflowed {dtype}'s range (about {top}): values that large come from "
+    "an outlier in the data (a corrupt input or target) or from weights the updates "
+    "blew up: check this batch, normalise the inputs, or lower the learning rate"
+)
+_RANGES = {"torch.float32": "3.4e38", "torch.bfloat16": "3.4e38", "torch.float64": "1.8e308"}
+_UNKNOWN_OVERFLOW = (
+    "a matmul overflowed its dtype's range (65504 in fp16, about 3.4e38 in fp32 and "
+    "bf16): keep fp16 activations small (bf16, normalisation), and look for an "
+    "outlier in the data or weights blown up by the updates"
+)
+
+
+def _matmul_hint(dtype: str | None) -> str:
+    """fp16's small range has its own remedies; past fp32's, the values themselves are wrong."""
+    if dtype == "torch.float16":
+        return _FP16_OVERFLOW
+    if dtype in _RANGES:
+        return _RANGE_OVERFLOW.format(dtype=dtype.removeprefix("torch."), top=_RANGES[dtype])
+    return _UNKNOWN_OVERFLOW
 
 
 _UNLOCATED_HINT = (
@@ -47,6 +72,8 @@ _UNLOCATED_HINT = (
 
 
 def _hint(report: NonfiniteReport, default: str) -> str:
+    if report.op in _MATMULS:
+        return _matmul_hint(report.dtype)
     if report.op and report.op in _OP_HINTS:
         return _OP_HINTS[report.op]
     if report.op:
@@ -74,6 +101,9 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
         }.items()
         if value is not None
     }
+    if report.largest is not None:
+        data["parameter"] = report.parameter
+        data["largest"] = report.largest
     if report.spread:
         data["spread"] = report.spread[:20]
         data["spread_count"] = len(report.spread)
@@ -107,7 +137,7 @@ class _ReportRule(Rule):
         data = _data(report)
         if report.after_exploding:
             message += " (after exploding_gradient was reported)"
-            hint = _AFTER_EXPLODING
+            hint = _AFTER_EXPLODING + (" or add a warm-up" if self.loop_clips else _OR_CLIP)
             data["after_exploding"] = True
         return [self.alert(record.step, report.module, message, hint, data)]
 
@@ -115,8 +145,9 @@ class _ReportRule(Rule):
 _AFTER_EXPLODING = (
     "the gradients were exploding before this (exploding_gradient): the updates "
     "likely grew the weights and activations until they overflowed. Lower the "
-    "learning rate, add a warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_)"
+    "learning rate"
 )
+_OR_CLIP = ", add a warm-up, or clip gradients (torch.nn.utils.clip_grad_norm_)"
 
 
 class NonfiniteForwardRule(_ReportRule):
@@ -166,9 +197,9 @@ class NonfiniteForwardRule(_ReportRule):
             return (
                 f"first non-finite value of the forward pass, from `{report.module}` whose "
                 f"own weights are non-finite{spread}",
-                "an optimizer update blew these weights up: lower the learning rate or "
-                "clip gradients; set nonfinite_parameter.check_every: 1 to be told at the "
-                "update itself",
+                "an optimizer update blew these weights up: lower the learning rate"
+                + unless_clipping(self, " or clip gradients")
+                + "; set nonfinite_parameter.check_every: 1 to be told at the update itself",
             )
         if report.cause == "module_or_parameter":
             return (
@@ -192,7 +223,7 @@ class NonfiniteForwardRule(_ReportRule):
             _hint(
                 report,
                 "look for a log/sqrt/division of values at the edge of their domain, "
-                "an exp that overflowed, or a value past fp16's range",
+                "an exp that overflowed, or a value past its dtype's range (65504 in fp16)",
             ),
         )
 
@@ -203,7 +234,10 @@ class NonfiniteBackwardRule(_ReportRule):
     reads = "nonfinite_backward"
 
     def report(self, record: StepRecord) -> NonfiniteReport | None:
-        return record.nonfinite_backward
+        report = record.nonfinite_backward
+        if report is not None and report.cause == NORM_OVERFLOW:
+            return None  # no NaN/Inf: exploding_gradient tells it
+        return report
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         report = record.nonfinite_backward
@@ -256,15 +290,28 @@ class NonfiniteBackwardRule(_ReportRule):
                 else "while its output gradient was finite"
             )
         )
+        # A step no boundary judged was skipped (a GradScaler, the loop's own guard).
+        applied = (
+            "no optimizer step followed it"
+            if record.source == "passes"
+            else "the optimizer step applied it"
+        )
         return (
-            f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
-            "the optimizer step applied it",
+            f"first non-finite gradient of the backward pass: {_what(report)}, {where}; {applied}",
             _hint(
                 report,
                 "a derivative that is infinite at the edge of its domain (sqrt or a norm "
                 "at 0, log at 0, division by 0): add an epsilon",
             ),
         )
+
+
+_LOSS_OVERFLOW = (
+    "the loss overflowed, not the model: an error so large that its square passes "
+    "float32's range (about 3.4e38), from a target or input far outside the data's "
+    "range (a corrupt label): check this batch for outliers, drop or clamp them, or "
+    "use a robust loss (huber_loss, smooth_l1_loss)"
+)
 
 
 class NonfiniteLossRule(_ReportRule):
@@ -288,13 +335,24 @@ class NonfiniteLossRule(_ReportRule):
                 "non-finite is not known",
                 _UNLOCATED_HINT,
             )
+        if report.largest is not None:
+            clipped = ""
+            if report.clip_norm is not None and not math.isfinite(report.clip_norm):
+                clipped = "; clip_grad_norm_ scales them by max_norm / inf = 0"
+            return (
+                f"the loss is non-finite{value} while the model's output was finite; "
+                "every gradient is finite, but so large that their norm overflows "
+                f"(the largest element {report.largest:.3g}, in {report.parameter}){clipped}",
+                _LOSS_OVERFLOW,
+            )
         return (
             f"the loss is non-finite{value} while the model's output was finite",
             _hint(
                 report,
                 "the loss function made it: a log of a probability that reached 0 "
-                "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, or "
-                "a division by a zero count (an empty mask)",
+                "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, "
+                "a division by a zero count (an empty mask), or an error so large that "
+                "its square overflows (a target far outside the data's range)",
             ),
         )
 
@@ -333,8 +391,9 @@ class NonfiniteParameterRule(Rule):
                 f"{short_names(params)} became non-finite in the optimizer step "
                 f"{step} although its gradients were finite (or were written through "
                 ".data after it, which no counter sees)",
-                "the update blew the weights up: lower the learning rate, clip gradients "
-                "(torch.nn.utils.clip_grad_norm_), or check the optimizer's eps/state; "
+                "the update blew the weights up: lower the learning rate, "
+                + unless_clipping(self, "clip gradients (torch.nn.utils.clip_grad_norm_), ")
+                + "or check the optimizer's eps/state; "
                 "unless code after optimizer.step() writes into param.data (a clamp)",
                 {"parameters": [p.name for p in params], "optimizer": record.optimizer},
             )

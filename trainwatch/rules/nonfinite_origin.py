@@ -17,6 +17,7 @@ from torch import nn
 from trainwatch.collect.nonfinite_locate import (
     FINITE,
     NEG_INF,
+    NORM_OVERFLOW,
     NonfiniteFinding,
     StepWindow,
     locate_backward,
@@ -124,6 +125,9 @@ class NonfiniteJudge:
         bad_grads = [
             param for param, norm in zip(record.present, record.param_norms) if not isfinite(norm)
         ]
+        overflow = _norm_overflow(window, bad_grads)
+        if overflow is not None:
+            bad_grads = []  # every gradient finite: only their norm overflowed
         forward_bad = False
         if window is not None:
             forward_bad = self._forward(
@@ -156,8 +160,15 @@ class NonfiniteJudge:
                 self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
             _mark_after_exploding(record, reported)
             return
-        if bad_grads and forward_clean and window is not None:
+        if (
+            forward_clean
+            and window is not None
+            # A step that never came (skipped) has no norms: its origin stands alone.
+            and (bad_grads or window.backward_origin is not None)
+        ):
             self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
+        if overflow is not None and forward_clean:
+            self._overflow(record, overflow)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
             record.nonfinite_loss = NonfiniteReport(module=None, cause="value")
         bad_grad_names = {p.name for p in bad_grads}
@@ -247,6 +258,25 @@ class NonfiniteJudge:
         return True
 
     @staticmethod
+    def _overflow(record: StepRecord, finding: NonfiniteFinding) -> None:
+        """Finite gradients whose norm overflowed: an explosion, not a NaN/Inf; or,
+        where the loss the loop handed over overflowed to +inf too, that loss (a
+        NaN loss is told as it is, beside the explosion)."""
+        report = NonfiniteReport(
+            module=finding.owner,
+            cause=NORM_OVERFLOW,
+            dtype=finding.dtype,
+            parameter=finding.parameter,
+            largest=finding.largest,
+            clip_norm=finding.clip_norm,
+        )
+        if record.loss == math.inf:
+            report.module, report.cause = None, "value"
+            record.nonfinite_loss = report
+        else:
+            record.nonfinite_backward = report
+
+    @staticmethod
     def _unlocated(record: StepRecord, bad_grads: list[ParamInfo], loss_bad: bool) -> None:
         """No hook saw this step's forward (compiled in place): say what is bad, not where.
 
@@ -314,6 +344,24 @@ class NonfiniteJudge:
                 record.nonfinite_backward = report
             return
         record.nonfinite_backward = self._report(finding)
+
+
+def _norm_overflow(
+    window: StepWindow | None, bad_grads: list[ParamInfo]
+) -> NonfiniteFinding | None:
+    """The probe's finding that every gradient of the model is finite, only their norm
+    overflowed; taken out of the window, where it stands in for a backward origin.
+
+    None when a parameter outside the model (not looked at) has a non-finite
+    norm: that one is judged as before.
+    """
+    if window is None or window.backward_origin is None:
+        return None
+    finding = window.backward_origin
+    if finding.cause != NORM_OVERFLOW:
+        return None
+    window.backward_origin = None
+    return finding if all(param.in_model for param in bad_grads) else None
 
 
 def _nonfinite_params(module: nn.Module, recurse: bool = False) -> list[torch.Tensor]:
