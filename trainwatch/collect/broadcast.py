@@ -113,6 +113,22 @@ _ELEMENTWISE = frozenset(
         "kl_div",
     }
 )
+# Loss functions compare an output with its target sample by sample: an axis
+# given in the loss never makes their pairing a matrix meant on purpose.
+_LOSSES = frozenset(
+    {
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "soft_margin_loss",
+        "poisson_nll_loss",
+        "gaussian_nll_loss",
+        "kl_div",
+    }
+)
 
 
 # Arguments of a forward pass that hold the targets of a loss computed inside it.
@@ -191,7 +207,9 @@ def batch_broadcast(
     ``(Q, 1, D)`` against ``(K, D)`` prototypes pair on purpose, and may have
     equal sizes by chance. ``given`` holds the axes of the higher-rank operand
     created in the loss code: such an axis pairing against shared per-sample
-    axes (``z.unsqueeze(1) - keys``) is a pairing written on purpose.
+    axes (``z.unsqueeze(1) - keys``), or meeting the other's batch as the last
+    axis (``area_a[:, None] + area_b`` in a pairwise IoU, ``s.unsqueeze(1) - t``
+    in a ranking margin), is a pairing written on purpose.
     """
     if len(first) == len(second) or not first or not second:
         return None
@@ -208,7 +226,7 @@ def batch_broadcast(
         high, low, paired = high[:-1], low[:-1], paired[:-1]
     rank = len(paired)
     low_padded = (1,) * (rank - len(low)) + tuple(low)
-    if high[-1] == 1 and paired[-1] > 1:
+    if high[-1] == 1 and paired[-1] > 1 and rank - 1 not in given:
         size = paired[-1]
         if any(low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1):
             return result
@@ -242,9 +260,11 @@ def _inner_pairing(
     return None
 
 
-# Ops that may give a tensor a new axis in the loss code, and ops after which
-# it still has the axes it had (a copy, a cast, a move to the model's device).
-_ADDS_AXES = frozenset({"unsqueeze", "__getitem__", "view", "reshape", "unflatten", "expand"})
+# Ops that give a tensor a new axis in the loss code, and ops after which it
+# still has the axes it had (a copy, a cast, a move to the model's device). A
+# view or reshape to ``(N, 1)`` gives none: it is how a target is matched to an
+# ``(N, 1)`` output, and put on the wrong side (the output squeezed) it is the bug.
+_ADDS_AXES = frozenset({"unsqueeze", "__getitem__"})
 _KEEPS_AXES = frozenset(
     {"to", "float", "double", "half", "bfloat16", "type_as", "contiguous", "clone", "detach"}
 )
@@ -299,6 +319,14 @@ def _new_axes(
     return _inserted_ones(tuple(source.shape), tuple(out.shape))
 
 
+def _scalars_beside(args: Any, kwargs: dict[str, Any]) -> bool:
+    """The op's other operands reach no axis of its first: ``area[:, None] * 0.5``,
+    ``s[:, None] / tau`` keep the axis given; ``pred * mask[:, None]`` makes one
+    that also came out of the model."""
+    others = (*args[1:], *kwargs.values())
+    return all(not isinstance(v, torch.Tensor) or v.dim() == 0 for v in others)
+
+
 def _given_axes(
     name: str, args: Any, kwargs: dict[str, Any], out: Any, before: frozenset[int]
 ) -> frozenset[int]:
@@ -307,12 +335,13 @@ def _given_axes(
     source = args[0] if args else None
     if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
         return frozenset()
-    if name in _KEEPS_AXES:
-        return before if out.shape == source.shape else frozenset()
     if name not in _ADDS_AXES or out.dim() <= source.dim():
+        same = out.shape == source.shape
+        if same and (name in _KEEPS_AXES or _scalars_beside(args, kwargs)):
+            return before
         return frozenset()
     new = _new_axes(name, args, kwargs, source, out)
-    if new is None:  # a reshape beyond inserting axes: any size-1 axis may be new
+    if new is None:  # an index beyond inserting axes: any size-1 axis may be new
         return frozenset(i for i, size in enumerate(out.shape) if size == 1)
     kept = [i for i in range(out.dim()) if i not in new]
     if [out.shape[i] for i in kept] != list(source.shape):
@@ -620,13 +649,15 @@ class BroadcastAudit:
         in a kernel between the data and the model's samples pairs on purpose too."""
         source = args[0] if args else None
         before = self._axes_given_to(source) if isinstance(source, torch.Tensor) else frozenset()
+        if not before and name not in _ADDS_AXES:
+            return
         axes = _given_axes(name, args, kwargs, out, before)
         if axes and len(self._given) < _MAX_TRACKED:
             self._given[id(out)] = (weakref.ref(out), axes)
 
     def after_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         name = _op_name(func)
-        if name in _ADDS_AXES or name in _KEEPS_AXES:
+        if name in _ADDS_AXES or self._given:
             self._note_given_axes(name, args, kwargs, out)
         if not any(self._derived(t) for t in _inputs(args, kwargs)):
             return
@@ -666,10 +697,13 @@ class BroadcastAudit:
         # The inner form pairs the model's output with a target or mask; two
         # tensors both derived from the model (``z1.unsqueeze(1) - z2``, every
         # embedding against every other view's) are paired on purpose, and so is
-        # one given its pairing axis in the loss (against a momentum encoder's keys).
+        # one given its pairing axis in the loss (against a momentum encoder's keys,
+        # a pairwise IoU's ``area_a[:, None] + area_b``), unless a loss function
+        # takes it: ``F.mse_loss(pred, y.unsqueeze(1))`` is a mismatched target.
         high = a if a.dim() > b.dim() else b
         batch = None if self._derived(a) == self._derived(b) else self._batch
-        result = batch_broadcast(first, second, batch, self._axes_given_to(high))
+        given = frozenset() if name in _LOSSES else self._axes_given_to(high)
+        result = batch_broadcast(first, second, batch, given)
         if result is None or _one_tensor(a, b):
             return
         key = (name, first, second)
