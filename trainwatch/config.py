@@ -157,8 +157,15 @@ class TrainInEvalModeConfig(RuleConfig):
 class BroadcastConfig(RuleConfig):
     severity: SeverityName = "error"
     # A shape bug is there from the first step: audit this many steps, and the
-    # first this many evaluation passes of the run, then the check costs nothing.
+    # first this many evaluation passes of the run, then the check costs nothing;
+    # both again when a new phase of training begins (a new optimizer, a part of
+    # the model replaced, parameters frozen or unfrozen).
     audit_steps: int = field(default=3, metadata=_range(0))
+    # A loss changed with no such sign: one step audited again at step
+    # ``recheck_from``, then at intervals that double up to ``recheck_every``
+    # (100, 200, 400, 800, 1600, 3200, 4800...). 0: never.
+    recheck_from: int = field(default=100, metadata=_range(0))
+    recheck_every: int = field(default=1600, metadata=_range(1))
 
 
 @dataclass

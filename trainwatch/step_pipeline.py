@@ -80,6 +80,7 @@ NEVER_MOVED = 50
 # Steps with gradients but no pass seen after which the search for a
 # torch.compile wrapper made after watching (around which the passes run) stops.
 _WRAPPER_SEARCHES = 3
+_NEVER = 1 << 62  # a step count no run reaches
 
 
 _PARAMS = itemgetter("params")  # a param group's parameters
@@ -256,6 +257,15 @@ class StepPipeline:
             if self._tracks_calls:
                 self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
+        # When the broadcast audit is armed again (the step count at a boundary, the
+        # one compare a healthy step makes for it): a new phase of training began
+        # (``_new_phase``), or the step before a sampled one.
+        self._audits = self.behaviour is not None and self.behaviour.broadcast is not None
+        self._phase_began = False
+        self._setups_seen: set[tuple[Any, ...]] = set()  # (optimizer, setup signature)
+        first = config.broadcast.recheck_from
+        self._sample_at = first - 1 if self._audits and first > 0 else _NEVER
+        self._audit_at = self._sample_at
         # Which parameters no optimizer holds: not_optimized's, and the mode checks'
         # (a part never frozen but held by none and given no gradient is frozen).
         self._reads_membership = self._checks_not_optimized or (
@@ -828,6 +838,7 @@ class StepPipeline:
             self.restarted.clear()
             if self.stall is not None:
                 self.stall.restart(now)  # a new phase, compared from its own first batch
+            self._new_phase(now)
         manual = index is None
         if manual and self.tracker.track_reached:
             known = self.layers.known()
@@ -893,6 +904,11 @@ class StepPipeline:
             )
             setup = self.setup
             if setup.signatures.get(index) != signature:
+                if index in setup.signatures and (index, signature) not in self._setups_seen:
+                    # Parameters frozen or unfrozen into a setup not trained before: a
+                    # new phase (a loop toggling between two setups re-arms no more).
+                    self._new_phase(now)
+                self._setups_seen.add((index, signature))
                 setup.signatures[index] = signature
                 setup.due = True
                 frozen_now = {info.name: info for info in record.frozen}
@@ -990,6 +1006,8 @@ class StepPipeline:
             pending.behaviour = self._guarded(
                 "behaviour checks", self.behaviour.gather, record, frame
             )
+            if now >= self._audit_at:
+                self._guarded("broadcast audit", self._rearm_audit, now)
         if isinstance(self.loss, torch.Tensor):
             pending.loss = frame.add(self.loss.reshape(-1)[:1])
         elif self.loss is not None:
@@ -1261,6 +1279,29 @@ class StepPipeline:
         self._claim(fresh)
         if self.probe is not None:
             self.probe.find_device(self._root)
+
+    def _new_phase(self, now: int) -> None:
+        """A new phase of training (a new optimizer, a part of the model replaced,
+        parameters frozen or unfrozen) may bring a new loss: the broadcast audit
+        runs its first steps again, armed at this step's boundary."""
+        if self._audits:
+            self._phase_began = True
+            self._audit_at = min(self._audit_at, now)
+
+    def _rearm_audit(self, now: int) -> None:
+        """Arm the broadcast audit for the steps after this one: ``audit_steps`` of
+        a new phase, or one sampled step (a loss changed with no other sign)."""
+        behaviour = self.behaviour
+        section = self.config.broadcast
+        if self._phase_began:
+            self._phase_began = False
+            behaviour.rearm_audit(section.audit_steps, phase=True)
+        if now >= self._sample_at:
+            behaviour.rearm_audit(1, phase=False)
+            while self._sample_at <= now:
+                step = self._sample_at + 1
+                self._sample_at += min(step, section.recheck_every)
+        self._audit_at = self._sample_at
 
     def listen_for_targets(self, look: ClassTargetLook) -> None:
         """Only the passes of sampled steps reach the look: others pay nothing for it."""

@@ -21,7 +21,10 @@ join the step's single readback.
   also measures the loss target's spread, constant_output's reference for the
   model's own output. The first evaluation passes are audited the same way
   (``collect/broadcast_eval.py``), handed over from the end of a pass only
-  when gradients are off or the model is in eval mode.
+  when gradients are off or the model is in eval mode. Both are re-armed
+  (``rearm_audit``) when the pipeline sees a new phase of training begin,
+  and the training audit for one step at sparse sampled steps; between them
+  no pass calls the audit.
 - Activations: sampled statistics (``collect/activations.py``).
 """
 
@@ -124,7 +127,10 @@ class BehaviourWatch:
         self.lone_parts: LoneParts | None = None
         audits = bool(rule_ids & rules_needing("broadcast_audit"))
         audit_steps = config.broadcast.audit_steps
-        self.broadcast = BroadcastAudit(audit_steps, on_error) if audits else None
+        # The training audit; ``broadcast`` holds it only while it runs (a healthy
+        # step past it asks one attribute), and ``rearm_audit`` puts it back.
+        self._audit = BroadcastAudit(audit_steps, on_error) if audits else None
+        self.broadcast = self._audit
         # The first evaluation passes' audit (as many passes as the audit has steps).
         self.evaluations = (
             EvaluationAudit(audit_steps, step_of, publish, on_error) if audits else None
@@ -503,26 +509,47 @@ class BehaviourWatch:
             # before its wrapper was found): the modes now are the pass's.
             record.train_in_eval = self.modes.in_mode(False)
         self._model_passes = 0
-        if self.broadcast is not None:
-            record.broadcasts = self.broadcast.step_boundary()
+        audit = self.broadcast
+        if audit is not None:
+            record.broadcasts = audit.step_boundary()
+            if audit.finished:
+                # Over, its findings handed over and its mode off the stack (a mode
+                # entered after it may still hold it there: then it stays, and is
+                # popped at a later boundary).
+                self.broadcast = None
         token = None
         if self.sampler is not None:
             self.sampler.active = False
             names, stats = self.sampler.take()
-            target = self.broadcast.take_target() if self.broadcast is not None else None
-            if target is not None:
-                names.append(RowKey(TARGET, "", True))
-                row = torch.full((len(FIELDS),), float("nan"), device=target.device)
-                row[0] = target
-                stats = row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
+            if audit is not None:
+                stats = self._with_target(audit, names, stats)
             if stats is not None:
                 token = BehaviourToken(names, frame.add(stats))
-        if self.broadcast is not None and self.broadcast.finished:
-            # Over, its findings handed over and its mode off the stack (a mode
-            # entered after it may still hold it there: then it stays, and is
-            # popped at a later boundary).
-            self.broadcast = None
         return token
+
+    def _with_target(
+        self, audit: BroadcastAudit, names: list[RowKey], stats: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The sampled rows, and the loss target's spread the audit measured as one more."""
+        target = audit.take_target()
+        if target is None:
+            return stats
+        names.append(RowKey(TARGET, "", True))
+        row = torch.full((len(FIELDS),), float("nan"), device=target.device)
+        row[0] = target
+        return row[None] if stats is None else torch.cat([stats, row[None].to(stats)])
+
+    def rearm_audit(self, steps: int, phase: bool) -> None:
+        """Audit the loss of the next ``steps`` steps: a new phase of training (a new
+        head, optimizer or loss, perhaps a new target's shape) or a sampled step.
+        A new phase re-arms the evaluation audit too."""
+        audit = self._audit
+        if audit is None or audit.ended:
+            return
+        audit.rearm(steps)
+        self.broadcast = audit
+        if phase and self.evaluations is not None:
+            self.evaluations.rearm(steps)
 
     def land(self, record: StepRecord, token: BehaviourToken) -> None:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
@@ -537,8 +564,8 @@ class BehaviourWatch:
             self.functional.detach()
         if self.lone_parts is not None:
             self.lone_parts.detach()
-        if self.broadcast is not None:
-            self.broadcast.detach()
+        if self._audit is not None:
+            self._audit.detach()
         if self.evaluations is not None:
             self.evaluations.detach()
         if self.sampler is not None:

@@ -20,10 +20,14 @@ exception: a pass given labels (an argument named ``labels``, ``targets``,
 There the mode follows the labels alone, through the ops that only reshape or
 convert them, and judges each elementwise op or loss that pairs them with
 something else: a ``(N, 1)`` prediction against ``(N,)`` labels inside the
-model's ``forward`` is the same bug. After the audit the mode is never entered
-again, so the check costs nothing. The first evaluation passes of the run,
-whenever they come, are followed by an audit of their own with this judge
-(``collect/broadcast_eval.py``).
+model's ``forward`` is the same bug. After the audit the mode is not entered
+again until the audit is re-armed (``rearm``): for as many steps again when a
+new phase of training begins (the monitor sees a new optimizer, a part of the
+model replaced, parameters frozen or unfrozen), and for one step at sparse
+sampled steps, for a loss changed with no such sign. In between the check
+costs nothing. The first evaluation passes of the run, whenever they come
+(and of each new phase), are followed by an audit of their own with this
+judge (``collect/broadcast_eval.py``).
 """
 
 from __future__ import annotations
@@ -463,6 +467,11 @@ class BroadcastAudit:
         self.steps_left = steps
         self.live = steps > 0
         self._on_error = on_error
+        # Failed or detached: never re-armed.
+        self.ended = False
+        # Whether a regression-like op's target side is measured (the first audit's
+        # steps only: constant_output's reference is the run's first targets).
+        self.measures_target = True
         self._mode = _AuditMode(self)
         self._depth: int | None = None  # the mode stack's depth with ours on top
         # Tensors derived from the step's forward passes, by id; an entry goes
@@ -592,6 +601,16 @@ class BroadcastAudit:
         self._batch = None
         return found
 
+    def rearm(self, steps: int) -> None:
+        """Audit ``steps`` more steps from the next pass: a new phase of training, or a
+        sampled step. What was told already (an op and its shapes) is not told again."""
+        if self.ended or steps <= 0:
+            return
+        if not self.live:
+            self.measures_target = False
+        self.steps_left = max(self.steps_left, steps)
+        self.live = True
+
     def take_target(self) -> torch.Tensor | None:
         found, self.target_spread = self.target_spread, None
         return found
@@ -603,6 +622,7 @@ class BroadcastAudit:
 
     def detach(self) -> None:
         self.live = False
+        self.ended = True
         self._leave_inside()
         self.stop()
         self._tracked.clear()
@@ -611,6 +631,7 @@ class BroadcastAudit:
 
     def fail(self, exc: BaseException) -> None:
         self.live = False
+        self.ended = True
         self._leave_inside()
         _IN_PASS.discard(self)
         self._on_error("broadcast audit", exc)
@@ -631,6 +652,8 @@ class BroadcastAudit:
         return self._tracked.get(id(tensor)) is tensor
 
     def _measure_target(self, operands: list[torch.Tensor]) -> None:
+        if not self.measures_target:
+            return
         if len(operands) < 2 or sum(self._derived(t) for t in operands[:2]) != 1:
             return
         target = operands[1] if self._derived(operands[0]) else operands[0]

@@ -12,10 +12,11 @@ the last step boundary: a DQN's target computed after the online pass is the
 training audit's), or any pass without gradients of the model in eval mode;
 once the training audit is over, a pass with gradients of the model in eval
 mode too (a validation loop without ``no_grad``). The first ``passes`` of
-them are followed, by the training audit's own judge, into what the loop
-computes from them until the next pass with gradients of the model in
-training mode starts: the outputs of one evaluation stay followed across its
-passes, so a metric over their ``torch.cat`` is judged too. In an evaluation
+them, and again of each new phase of training (``rearm``), are followed, by
+the training audit's own judge, into what the loop computes from them until
+the next pass with gradients of the model in training mode starts: the
+outputs of one evaluation stay followed across its passes, so a metric over
+their ``torch.cat`` is judged too. In an evaluation
 everything is computed without gradients, so everything floating derived
 from the outputs is followed (predicted classes and ``topk`` indices, being
 integers, are not). A pairing is judged only when exactly one operand comes
@@ -129,7 +130,7 @@ class EvaluationAudit:
         judge.pass_starts()  # the model's own ops are not what the loop computes
         trained, record = self._settle()
         if not self.live:
-            self.detach()
+            self._rest()
         elif trained or (torch.is_grad_enabled() and module.training):
             judge.forget()
             _IN_PASS.discard(judge)  # no pass_ends comes once unsubscribed
@@ -164,6 +165,20 @@ class EvaluationAudit:
             record = self._settle()[1]
         self.detach()
         return [] if record is None else [record]
+
+    def _rest(self) -> None:
+        """Its passes used up: nothing followed, no listening, until a new phase
+        of training re-arms it (``rearm``)."""
+        judge = self.follower
+        judge.forget()
+        _IN_PASS.discard(judge)
+        self._leave_passes()
+
+    def rearm(self, passes: int) -> None:
+        """A new phase of training: its first evaluation passes are followed too (a
+        new task comes with its own validation loss). Never after a failure or close."""
+        if not self.follower.ended:
+            self.passes_left = max(self.passes_left, passes)
 
     def _leave_passes(self) -> None:
         passes, self._passes = self._passes, None
