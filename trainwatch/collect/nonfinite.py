@@ -226,7 +226,9 @@ class _StepState:
     out_seen: set[int] = field(default_factory=set)
     immediate_grads: bool = True
     any_bad_grad: bool = False
-    grad_entering_bad: bool = False
+    # The first non-finite gradient entering the model, as it was (None: all
+    # finite): its dtype and kind tell an fp16 overflow from a non-finite loss.
+    entering_origin: NonfiniteFinding | None = None
     # Where the entering hooks of this step's last two passes with grad sit
     # (one list a pass): an earlier pass's are taken out.
     awaiting: list[list[PlacedHook]] = field(default_factory=list)
@@ -661,13 +663,18 @@ class NonfiniteProbe:
     def _entering_bad(self) -> bool:
         """Whether the gradient that entered the model in the last backward was non-finite."""
         if not self._this_pass.bad:
-            self._this_pass.bad = any(
-                g is not None and g.is_floating_point() and not finite_exact(g)
-                for g in self._this_pass.grad_entering
+            bad = next(
+                (
+                    g
+                    for g in self._this_pass.grad_entering
+                    if g is not None and g.is_floating_point() and not finite_exact(g)
+                ),
+                None,
             )
-            self._this_step.grad_entering_bad = (
-                self._this_step.grad_entering_bad or self._this_pass.bad
-            )
+            if bad is not None:
+                self._this_pass.bad = True
+                if self._this_step.entering_origin is None:
+                    self._this_step.entering_origin = _entering_origin(bad)
         return self._this_pass.bad
 
     def _replaying_context(self, grad: bool) -> Any:
@@ -700,7 +707,10 @@ class NonfiniteProbe:
         self._step_bad = True
         if self._bad_streak >= _REPLAY_STREAK:
             return False  # still broken: what follows is the cascade, already reported
-        if self._this_step.forward_origin is not None or self._this_step.grad_entering_bad:
+        if (
+            self._this_step.forward_origin is not None
+            or self._this_step.entering_origin is not None
+        ):
             return False
         module, args, kwargs = self._this_pass.last_call
         module = replay_target(module)
@@ -1077,7 +1087,7 @@ class NonfiniteProbe:
             step.forward_origin is not None
             or step.backward_origin is not None
             or step.output_bad
-            or step.grad_entering_bad
+            or step.entering_origin
             or self._waiting
             or step.sums
         )
@@ -1091,7 +1101,7 @@ class NonfiniteProbe:
             forward_origin=self._this_step.forward_origin,
             backward_origin=self._this_step.backward_origin,
             grad_events=self._this_step.grad_events,
-            grad_entering_bad=self._this_step.grad_entering_bad,
+            entering_origin=self._this_step.entering_origin,
             output_bad=self._this_step.output_bad,
             forward_seen=self._this_step.saw_pass,
             backward_replayed=self._this_step.backward_replayed,
@@ -1123,6 +1133,22 @@ class NonfiniteProbe:
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
         return window
+
+
+def _entering_origin(grad: torch.Tensor) -> NonfiniteFinding:
+    """The gradient non-finite where it enters the model, as it is: an Inf in fp16
+    is the loss's gradient past fp16's range, a NaN more likely the loss itself."""
+    grad = grad.detach()
+    return NonfiniteFinding(
+        module=0,
+        direction="backward",
+        cause="loss",
+        kind="nan" if bool(torch.isnan(grad).any()) else "inf",
+        count=int((~torch.isfinite(grad)).sum()),
+        shape=tuple(grad.shape),
+        dtype=str(grad.dtype),
+        device=str(grad.device),
+    )
 
 
 def _made_negative_inf(

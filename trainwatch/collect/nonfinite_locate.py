@@ -98,7 +98,9 @@ class StepWindow:
     grad_events: list[tuple[ForwardCall, str, int]]
     # Per sum: the tensor was outside autograd, so a sum of -inf is a mask.
     maskable: list[bool] = field(default_factory=list)
-    grad_entering_bad: bool = False
+    # The first non-finite gradient entering the model, as it was checked when it
+    # came (None: every one was finite, or it was not checked there).
+    entering_origin: NonfiniteFinding | None = None
     # A spot pass's output was non-finite (whether or not a replay located it).
     output_bad: bool = False
     # Some forward pass of the model ran where the hooks see it.
@@ -237,13 +239,14 @@ def locate_backward(
     out_bad: set[int] = set()
     out_seen: set[int] = set()
     first_bad: ForwardCall | None = None
+    first_index = 0
     for call, side, index in events:
         if side == "out":
             out_seen.add(id(call))
         if index >= len(finite) or finite[index]:
             continue
         if first_bad is None:
-            first_bad = call
+            first_bad, first_index = call, index
         if side == "out":
             out_bad.add(id(call))
         elif id(call) not in out_bad and id(call) in out_seen:
@@ -255,7 +258,15 @@ def locate_backward(
                 device=call.device,
             )
     if first_bad is not None:
-        return NonfiniteFinding(first_bad.module, "backward", "loss", device=first_bad.device)
+        # Its output's dtype: the gradient entering it has that dtype.
+        return NonfiniteFinding(
+            first_bad.module,
+            "backward",
+            "loss",
+            kind=_kind([first_index], codes),
+            dtype=first_bad.dtype,
+            device=first_bad.device,
+        )
     return None
 
 

@@ -10,7 +10,7 @@ from trainwatch.alert import Alert
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names, unless_clipping
-from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE
+from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE, GRADIENT_OVERFLOW
 
 _OP_HINTS = {
     "aten::log": "log of a softmax or of a probability that reached 0: use log_softmax, "
@@ -281,6 +281,8 @@ class NonfiniteBackwardRule(_ReportRule):
                 "the NaN/Inf was born is not located",
                 _UNLOCATED_HINT,
             )
+        if report.cause == GRADIENT_OVERFLOW:
+            return _gradient_overflow(record, report)
         where = (
             "in the loss's backward, before the gradient reached the model"
             if report.cause == "loss"
@@ -290,20 +292,50 @@ class NonfiniteBackwardRule(_ReportRule):
                 else "while its output gradient was finite"
             )
         )
-        # A step no boundary judged was skipped (a GradScaler, the loop's own guard).
-        applied = (
-            "no optimizer step followed it"
-            if record.source == "passes"
-            else "the optimizer step applied it"
-        )
         return (
-            f"first non-finite gradient of the backward pass: {_what(report)}, {where}; {applied}",
+            f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
+            f"{_applied(record)}",
             _hint(
                 report,
                 "a derivative that is infinite at the edge of its domain (sqrt or a norm "
                 "at 0, log at 0, division by 0): add an epsilon",
             ),
         )
+
+
+_GRADIENT_OVERFLOW_HINT = (
+    "scale the loss with torch.amp.GradScaler (weights kept in fp32 under autocast): "
+    "it lowers the scale and skips a step that overflows; or make the loss smaller "
+    "(a mean rather than a sum, a smaller static loss scale), or train in bf16, "
+    "whose range is fp32's"
+)
+
+
+def _applied(record: StepRecord) -> str:
+    """A step no boundary judged was skipped (a GradScaler, the loop's own guard)."""
+    if record.source == "passes":
+        return "no optimizer step followed it"
+    return "the optimizer step applied it"
+
+
+def _gradient_overflow(record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
+    """fp16's range, not the loss: the loss is finite, or not known to be otherwise."""
+    if record.loss is not None:
+        cause = (
+            f"while the loss ({record.loss:.4g}) is finite: a loss this large, or one "
+            "scaled up without a GradScaler, sends back a gradient past fp16's range"
+        )
+    else:
+        cause = (
+            "from a large loss or a loss scale too high (no GradScaler); the loss was "
+            "not handed over (monitor.step(loss=loss)), so a loss itself non-finite "
+            "is not ruled out"
+        )
+    return (
+        "the gradient entering the model's output overflowed float16's range (65504): "
+        f"{_what(report)}, {cause}; {_applied(record)}",
+        _GRADIENT_OVERFLOW_HINT,
+    )
 
 
 _LOSS_OVERFLOW = (

@@ -29,6 +29,9 @@ from trainwatch.halt_sync import running_distributed
 from trainwatch.layers import ParamInfo, own_parameters
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 
+# The cause of a gradient that overflowed fp16 where it entered the model's output.
+GRADIENT_OVERFLOW = "gradient_overflow"
+
 # Why a rank that did not replay its backward knows the NaN/Inf came from another.
 EVERY_MODULE_FINITE = "every module's gradient in this rank's own backward was summed: finite"
 
@@ -113,7 +116,7 @@ class NonfiniteJudge:
             and window.forward_origin is None
             and window.backward_origin is None
             and not window.output_bad
-            and not window.grad_entering_bad
+            and not window.entering_origin
             and not values
             and not window.skipped_host
             and window.forward_seen
@@ -300,8 +303,8 @@ class NonfiniteJudge:
         loss_bad: bool,
     ) -> None:
         finding = window.backward_origin
-        if finding is None and window.grad_entering_bad:
-            finding = NonfiniteFinding(0, "backward", "loss")
+        if finding is None:
+            finding = window.entering_origin
         if finding is None and grad_sums is not None:
             finding = locate_backward(
                 window.grad_events, [v == FINITE for v in grad_sums], grad_sums
@@ -338,12 +341,32 @@ class NonfiniteJudge:
         if finding.cause == "loss":
             report = self._report(finding)
             report.module = None
-            if loss_bad or record.loss is None:
+            if _fp16_overflow(finding, record.loss):
+                report.cause = GRADIENT_OVERFLOW
+                record.nonfinite_backward = report
+            elif loss_bad or record.loss is None:
                 record.nonfinite_loss = report
             else:
                 record.nonfinite_backward = report
             return
         record.nonfinite_backward = self._report(finding)
+
+
+def _fp16_overflow(finding: NonfiniteFinding, loss: float | None) -> bool:
+    """Whether a gradient non-finite where it enters the model overflowed fp16's range
+    (65504) there, rather than coming from a non-finite loss.
+
+    The loss's gradient is cast to the fp16 output's dtype on its way in: a
+    large loss, or a loss scaled up without a GradScaler, sends back values
+    past 65504, which turn to Inf while the loss stays finite. A NaN there,
+    with the loss not handed over, is more likely the loss itself (NaN
+    targets) and is told as before.
+    """
+    if finding.dtype != "torch.float16":
+        return False
+    if loss is not None:
+        return math.isfinite(loss)
+    return finding.kind != "nan"
 
 
 def _norm_overflow(
