@@ -134,6 +134,20 @@ class Holder:
         self.param_groups = [{"params": list(params)}]
 
 
+class PCGrad:
+    """A gradient-surgery wrapper (PCGrad's layout): holds its optimizer as ``_optim``
+    and trains its parameters, with no ``param_groups`` of its own."""
+
+    def __init__(self, optimizer):
+        self._optim = optimizer
+
+    def zero_grad(self):
+        return self._optim.zero_grad(set_to_none=True)
+
+    def step(self):
+        return self._optim.step()
+
+
 class Unhooked(torch.optim.Optimizer):
     """An optimizer of its own that skips ``Optimizer.__init__`` and wraps nothing."""
 
@@ -157,8 +171,8 @@ class Unhooked(torch.optim.Optimizer):
 _NAMESPACE: dict = {}
 exec(compile(WRAPPERS, "wrappers", "exec"), _NAMESPACE)
 SAM, Lookahead, Unhooked = (_NAMESPACE[name] for name in ("SAM", "Lookahead", "Unhooked"))
-PlainLookahead, PlainLookaheadOptimizer, Holder = (
-    _NAMESPACE[name] for name in ("PlainLookahead", "PlainLookaheadOptimizer", "Holder")
+PlainLookahead, PlainLookaheadOptimizer, Holder, PCGrad = (
+    _NAMESPACE[name] for name in ("PlainLookahead", "PlainLookaheadOptimizer", "Holder", "PCGrad")
 )
 
 STEPS = 20
@@ -264,11 +278,32 @@ def test_a_plain_class_holding_an_optimizer_of_other_parameters_is_refused_namin
 ):
     model = _model()
     holder = Holder(torch.optim.SGD(model.parameters(), lr=0.1), [nn.Parameter(torch.zeros(3))])
-    with pytest.raises(WatchError, match=r"got Holder, which holds one as \.optimizer .*pass"):
+    with pytest.raises(WatchError, match=r"got Holder, which holds one as \.optimizer .*pass") as e:
         quiet_watch(model, holder)
+    assert "does not train the same parameters" in str(e.value)
     monitor = quiet_watch(model)
     with pytest.raises(WatchError, match=r"pass that optimizer \(\.optimizer\) instead"):
         monitor.add_optimizer(holder)
+
+
+def test_a_wrapper_with_no_param_groups_of_its_own_is_refused_for_that_not_other_parameters(
+    quiet_watch,
+):
+    model = _model()
+    pcgrad = PCGrad(torch.optim.Adam(model.parameters(), lr=1e-3))
+    with pytest.raises(WatchError) as refused:
+        quiet_watch(model, pcgrad)
+    message = str(refused.value)
+    assert "holds an optimizer as ._optim and exposes no param_groups of its own" in message
+    assert "pass that optimizer (._optim) instead" in message
+    assert "does not train the same parameters" not in message
+    # The advice taken: the wrapper's steps are its optimizer's, all counted.
+    monitor = quiet_watch(model, pcgrad._optim)
+    for step in range(STEPS):
+        pcgrad.zero_grad()
+        _loss(model, step).backward()
+        pcgrad.step()
+    assert monitor.step_count == STEPS and _warnings(monitor) == []
 
 
 def test_an_optimizer_no_hook_can_see_is_refused_by_name(quiet_watch):

@@ -74,16 +74,25 @@ def check_optimizer(optimizer: Any) -> None:
 
 def _not_an_optimizer(optimizer: Any) -> str:
     """The refusal of something that is not a torch optimizer, naming the one it
-    holds where it holds one (a wrapper whose parameters are not the inner one's)."""
+    holds where it holds one: a wrapper with no ``param_groups`` of its own (a
+    PCGrad holding ``._optim``) cannot be told to train the same parameters, one
+    with others of its own does not."""
     message = f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
     own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
     held = [name for name, value in own.items() if isinstance(value, Optimizer)]
-    if held:
-        message += (
-            f", which holds one as .{held[0]} but does not train the same parameters "
-            f"(no shared param_groups): pass that optimizer (.{held[0]}) instead"
+    if not held:
+        return message
+    name = held[0]
+    if getattr(optimizer, "param_groups", None) is None:
+        return (
+            f"{message}, which holds an optimizer as .{name} and exposes no param_groups "
+            f"of its own: pass that optimizer (.{name}) instead"
         )
-    return message
+    return (
+        f"{message}, which holds one as .{name} but does not train the same parameters "
+        f"(its param_groups are not the held optimizer's): pass that optimizer (.{name}) "
+        "instead"
+    )
 
 
 def check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:

@@ -305,7 +305,7 @@ class StepPipeline:
         self.unwatched: UnwatchedUpdates | None = None
         self.on_unwatched: Callable[[int], None] | None = None
         if self._checks_not_optimized and self.probe is not None:
-            self.unwatched = UnwatchedUpdates()
+            self.unwatched = UnwatchedUpdates(self.passes)
         # Per optimizer of the model's, the model's steps when it was first seen not
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
@@ -586,13 +586,16 @@ class StepPipeline:
 
     def _look_unwatched(self, look: UnwatchedUpdates) -> None:
         """The weights, looked at every few passes while no watched step comes: moved
-        look after look, something the monitor does not watch updates them."""
-        if look.look(
-            self.passes.passes,
-            self._steps_taken(),
-            self.judge.passes_per_step,
-            self._trainable,
-        ):
+        look after look, something the monitor does not watch updates them.
+
+        The passes a step takes are measured from the second step on; until then
+        the first step's own count stands in (Reptile's K inner passes before
+        each outer step are no gap)."""
+        steps = self._steps_taken()
+        per_step = self.judge.passes_per_step
+        if steps == 1:
+            per_step = max(per_step, self._passes_at_step)
+        if look.look(self.passes.passes, steps, per_step, self._trainable):
             if self.on_unwatched is not None:
                 self.on_unwatched(self.passes.passes - self._passes_at_step)
 

@@ -19,9 +19,20 @@ and a run that ended leave the weights where they are; an L-BFGS step's
 own evaluations are no gap between steps. Healthy steps pay nothing: the
 probe's count starts over at every step, so no look comes.
 
-The weights' in-place writes are seen from their version counters (an
-optimizer's update under ``no_grad``), a write through ``.data`` or a new
-``.data`` from a few values of three parameters.
+Before the watched optimizer's first step the looks wait for
+:data:`BEFORE_FIRST_STEP` passes: meta-learning adapts the weights in an
+inner loop of its own (Reptile's inner SGD, K steps per task) before the
+outer, watched optimizer first steps, and an optimizer adopted then would
+count every inner step as the model's.
+
+A move is a change of values, seen from a few values spread over each
+parameter (a write through ``.data`` or a new ``.data`` bumps no version
+counter; an in-place write of the same values, such as a state dict loaded
+again or a clamp that clamps nothing, bumps one and changes nothing). A
+parameter the model's own forward writes (an ``nn.Embedding`` with
+``max_norm`` renormalises the rows it looks up, changing them the first time
+each is looked up after a step) is no evidence: the pass a look comes in
+tells those from their version counters, moved between its start and end.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.tensors import local_part
 
 # Passes between two looks at the weights (at least two steps' worth of passes).
@@ -42,7 +54,10 @@ WINDOW = 10
 # Looks in a row that found the weights moved before they are told of: one
 # write (a checkpoint loaded before an attribution phase) is no training.
 MOVED_LOOKS = 2
-# Values of each sampled parameter compared (a write through ``.data``).
+# The model's passes with no look while its watched optimizer never stepped yet:
+# many inner-loop steps (Reptile's K, up to a hundred) come before the first.
+BEFORE_FIRST_STEP = 256
+# Values spread over each parameter, compared from look to look.
 _SAMPLED_VALUES = 16
 
 _VERSION = attrgetter("_version")
@@ -55,48 +70,57 @@ class _Note:
     steps: int  # the monitor's steps taken then
     passes: int  # the model's passes then
     params: list[torch.Tensor]  # the model's trainable ones
-    versions: list[int]
-    sampled: list[torch.Tensor]  # a few of them
-    values: list[torch.Tensor | None]  # their first values, copied
+    versions: list[int]  # theirs, as the look's pass began
+    looked_at: tuple[int, ...]  # ids of those no forward writes, whose values are kept
+    values: list[torch.Tensor]  # a few of each one's values, as bytes, one copy per device
 
 
-def _first_values(param: torch.Tensor) -> torch.Tensor | None:
-    local = local_part(param.detach())
-    if local.layout != torch.strided or local.numel() == 0:
-        return None
-    return local.reshape(-1)[:_SAMPLED_VALUES].clone()
+def _sampled_bytes(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A few values spread over each parameter, copied together (one small copy per
+    device), as bytes: a NaN weight left alone is no change."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for param in params:
+        local = local_part(param.detach())
+        if local.layout != torch.strided or local.numel() == 0 or local.is_meta:
+            continue
+        flat = local.reshape(-1)
+        stride = max(1, flat.numel() // _SAMPLED_VALUES)
+        by_device.setdefault(flat.device, []).append(flat[::stride][:_SAMPLED_VALUES])
+    return [torch.cat(values).view(torch.uint8) for values in by_device.values()]
 
 
-def _note(params: list[torch.Tensor], steps: int, passes: int) -> _Note:
-    sampled = [params[0], params[len(params) // 2], params[-1]] if params else []
+def _note(params: list[torch.Tensor], steps: int, passes: int, skipped: set[int]) -> _Note:
+    looked_at = [p for p in params if id(p) not in skipped]
     return _Note(
         steps,
         passes,
         params,
         list(map(_VERSION, params)),
-        sampled,
-        [_first_values(p) for p in sampled],
+        tuple(map(id, looked_at)),
+        _sampled_bytes(looked_at),
     )
 
 
-def _moved(note: _Note) -> bool:
-    """Whether any weight was written since ``note``: a version counter moved (C
-    compares), or one of the sampled values changed (a write through ``.data``)."""
-    if list(map(_VERSION, note.params)) != note.versions:
-        return True
-    for param, then in zip(note.sampled, note.values):
-        now = _first_values(param)
-        if then is not None and now is not None and not torch.equal(then, now):
-            return True
-    return False
+def _moved(then: _Note, now: _Note) -> bool:
+    """Whether the weights' values changed between two looks (or the weights are others)."""
+    return (
+        then.looked_at != now.looked_at
+        or len(then.values) != len(now.values)
+        or not all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(then.values, now.values)
+        )
+    )
 
 
 class UnwatchedUpdates:
     """Looks at the weights while backward passes go by with no watched step."""
 
-    def __init__(self) -> None:
+    def __init__(self, passes: ModelPasses) -> None:
+        self._passes = passes
         self._note: _Note | None = None
         self._moved = 0  # looks in a row that found the weights moved
+        # ids of the parameters the model's own forward writes (embedding_renorm_).
+        self._written_in_forward: set[int] = set()
         self.done = False  # told: no more looks
 
     def look(
@@ -110,22 +134,45 @@ class UnwatchedUpdates:
         no watched step (``steps``: the monitor's steps taken; ``passes``: the
         model's; ``per_step``: passes a step usually takes; ``params``: the
         model's trainable ones now)."""
+        if steps == 0 and passes < BEFORE_FIRST_STEP:
+            return False
         note = self._note
         if note is not None and note.steps != steps:
             note = None  # a watched step came: the gap closed
             self._moved = 0
         if note is None:
-            self._note = _note(params(), steps, passes)
+            self._take_note(params(), steps, passes)
             return False
         if passes - note.passes < max(WINDOW, 2 * per_step):
             return False
-        moved = _moved(note)
-        self._note = _note(params(), steps, passes)
+        moved = _moved(note, self._take_note(params(), steps, passes))
         self._moved = self._moved + 1 if moved else 0
         if self._moved < MOVED_LOOKS:
             return False
         self._moved = 0
         return True
+
+    def _take_note(self, params: list[torch.Tensor], steps: int, passes: int) -> _Note:
+        """Notes the weights; inside a pass, its end tells which ones its forward wrote."""
+        self._note = note = _note(params, steps, passes, self._written_in_forward)
+        if self._passes.in_pass and not self._passes.listens(self):
+            self._passes.subscribe("forward writes", self, starts=False)
+        return note
+
+    def pass_starts(self, module: nn.Module) -> None:
+        return None
+
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """The pass a note was taken in ended: a parameter whose version counter
+        moved since is written by the model's own forward, and looked at no more."""
+        self._passes.unsubscribe(self)
+        note = self._note
+        if note is None:
+            return
+        written = {id(p) for p, then in zip(note.params, note.versions) if p._version != then}
+        if written - self._written_in_forward:
+            self._written_in_forward |= written
+            self._note = _note(note.params, note.steps, note.passes, self._written_in_forward)
 
     def restart(self) -> None:
         """Look again from scratch (the optimizer found is watched now)."""
@@ -134,6 +181,7 @@ class UnwatchedUpdates:
 
     def detach(self) -> None:
         self.restart()
+        self._passes.unsubscribe(self)
         self.done = True
 
 
