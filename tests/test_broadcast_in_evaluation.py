@@ -13,6 +13,7 @@ calibration, a confusion matrix, retrieval distances, torchmetrics,
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -93,7 +94,7 @@ def test_a_healthy_validation_loss_is_silent_and_leaves_no_mode_or_listener(quie
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = quiet_watch(model, opt)
+    monitor = quiet_watch(model, opt, broadcast={"evaluation_passes": 3})
     _fit(model, opt, 30, _evaluation(model, _healthy), every=5)
     assert rules_of(monitor) == []
     # The evaluation audit is spent: nothing of it runs on the steps or passes after.
@@ -250,11 +251,11 @@ def test_a_healthy_dqn_target_pass_is_silent(target_first, quiet_watch):
 
 
 def test_only_the_first_evaluation_passes_are_followed(quiet_watch):
-    """A long validation is not slowed throughout: ``audit_steps`` passes, then nothing."""
+    """A long validation is not slowed throughout: ``evaluation_passes``, then nothing."""
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = quiet_watch(model, opt, broadcast={"audit_steps": 2})
+    monitor = quiet_watch(model, opt, broadcast={"evaluation_passes": 2})
     _fit(model, opt, 4, lambda: None, every=100)
     xv, yv = _validation_data()
     model.eval()
@@ -419,3 +420,383 @@ def test_an_evaluation_loss_caught_under_inference_mode(quiet_watch):
     monitor.close()
     (alert,) = _broadcasts(monitor)
     assert alert.data["phase"] == "evaluation"
+
+
+# -- comparisons: an accuracy pairing (N, 1) with (N,) --------------------------
+
+
+def _binary_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return x, (x[:, 0] + x[:, 1] > 0).float()  # labels (N,), as a dataset yields them
+
+
+def _binary_accuracy(form: str, buggy: bool):
+    """An accuracy of a one-logit head; ``buggy`` pairs ``(N, 1)`` with the ``(N,)`` labels."""
+
+    def accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        target = y if buggy else y.unsqueeze(1)
+        if form == "thresholded":
+            return ((out > 0).float() == target).float().mean()  # ACC-BUG
+        return (torch.sigmoid(out).round() == target).float().mean()
+
+    return accuracy
+
+
+@pytest.mark.parametrize("form", ["thresholded", "rounded_sigmoid"])
+@pytest.mark.parametrize("buggy", [True, False], ids=["bug", "healthy"])
+def test_a_binary_accuracy_pairing_n1_with_n_is_caught(form, buggy, quiet_watch):
+    """``((logits > 0).float() == y).float().mean()``: about one half whatever the model."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    accuracy = _binary_accuracy(form, buggy)
+    xv, yv = _binary_data(200, 2)
+    for epoch in range(2):
+        for step in range(8):
+            x, y = _binary_data(32, 10 * epoch + step)
+            opt.zero_grad()
+            F.binary_cross_entropy_with_logits(model(x), y.unsqueeze(1)).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            value = accuracy(model(xv), yv).item()
+        model.train()
+        assert (abs(value - 0.5) < 0.05) == buggy  # the bug's number, next to the fix's
+    monitor.close()
+    if not buggy:
+        assert rules_of(monitor) == []
+        return
+    (alert,) = _broadcasts(monitor)
+    assert alert.step == 8 and alert.data["phase"] == "evaluation"
+    assert alert.data["op"] == "eq" and alert.data["result"] == [200, 200]
+    assert alert.data["shapes"] == [[200, 1], [200]]
+    if form == "thresholded":
+        assert alert.data["source"].endswith(f"in_evaluation.py:{_line('ACC-BUG')}")
+
+
+@pytest.mark.parametrize("buggy", [True, False], ids=["bug", "healthy"])
+def test_argmax_with_keepdim_against_the_labels_is_caught(buggy, quiet_watch):
+    """Classes kept as ``(N, 1)`` by ``keepdim=True``, compared with ``(N,)`` labels."""
+    torch.manual_seed(0)
+    model = _Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in _class_batches(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        for x, y in _class_batches(3):
+            out = model(x)
+            pred = out.argmax(1, keepdim=True) if buggy else out.argmax(1)
+            (pred == y).float().mean()
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == (["broadcast"] if buggy else [])
+    if buggy:
+        (alert,) = _broadcasts(monitor)
+        assert alert.data["op"] == "eq" and alert.data["shapes"] == [[16, 1], [16]]
+
+
+def _comparisons_on_purpose(out: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Evaluation code comparing on purpose, with as many samples as classes."""
+    n, classes = out.shape
+    probs = out.softmax(1)
+    conf, pred = probs.max(1)
+    top5 = out.topk(5, 1, True, True).indices
+    ranked = top5.t()  # (5, N): the ImageNet example's accuracy
+    correct = ranked.eq(y.view(1, -1).expand_as(ranked))
+    lengths = pred + 1  # a length per sample, predicted
+    bins = torch.linspace(0, 1, n + 1)
+    thresholds = torch.full((classes,), 0.2)
+    padded = torch.where(torch.arange(n) % 4 == 0, torch.full_like(y, -100), y)
+    kept = padded != -100
+    return [
+        (out.argmax(1) == y).float().mean(),
+        (top5 == y.view(-1, 1)).any(1).float().mean(),
+        correct[:1].reshape(-1).float().sum(0, keepdim=True) * (100.0 / n),
+        (lengths[:, None] > torch.arange(n)).float().sum(1),  # a mask of each length
+        (conf[:, None] > bins[None, :]).float().sum(0),  # calibration bins
+        (probs > thresholds).float().mean(0),  # a threshold per class
+        ((pred == padded) & kept).float().sum() / kept.sum(),  # labels ignored at -100
+        (torch.sigmoid(out) > 0.5).eq(F.one_hot(y, classes).bool()).float().mean(),
+        torch.isclose(probs.sum(1), torch.ones(n)).all(),
+    ]
+
+
+def test_comparisons_made_on_purpose_in_an_evaluation_are_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = _Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for x, y in _class_batches(4, batch=10):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.eval()
+    outs, labels = [], []
+    with torch.no_grad():
+        for x, y in _class_batches(5, batch=10):  # as many samples as classes
+            out = model(x)
+            _comparisons_on_purpose(out, y)
+            outs.append(out)
+            labels.append(y)
+        _comparisons_on_purpose(torch.cat(outs), torch.cat(labels))
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+def test_a_comparison_in_a_training_step_is_not_judged(quiet_watch):
+    """A training loss goes through no comparison (it carries no gradient): an accuracy
+    logged beside the loss is left to the evaluations, which judge the same code."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    for step in range(4):
+        x, y = _binary_data(32, step)
+        out = model(x)
+        loss = F.binary_cross_entropy_with_logits(out, y.unsqueeze(1))
+        (torch.sigmoid(out).round() == y).float().mean()  # logged, not trained on
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    assert rules_of(monitor) == []
+
+
+# -- a whole first evaluation ---------------------------------------------------
+
+
+@pytest.mark.parametrize("buggy", [True, False], ids=["bug", "healthy"])
+def test_a_metric_over_the_outputs_of_many_validation_batches_is_caught(buggy, quiet_watch):
+    """Twelve batches collected, the error computed once over their ``torch.cat``."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit(model, opt, 4, lambda: None, every=100)
+    preds, targets = [], []
+    model.eval()
+    with torch.no_grad():
+        for x, y in batches(12, seed=4):
+            preds.append(model(x))  # (N, 1)
+            targets.append(y.squeeze(-1))  # (N,)
+        pred, target = torch.cat(preds), torch.cat(targets)
+        ((pred if buggy else pred.squeeze(-1)) - target).abs().mean()
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == (["broadcast"] if buggy else [])
+    if buggy:
+        (alert,) = _broadcasts(monitor)
+        assert alert.data["result"] == [384, 384] and alert.data["phase"] == "evaluation"
+
+
+class _PolicyWithValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 16)
+        self.policy = nn.Linear(16, 2)
+        self.value = nn.Linear(16, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(obs))
+        return self.policy(h), self.value(h)
+
+
+@pytest.mark.parametrize("buggy", [True, False], ids=["bug", "healthy"])
+def test_a_value_error_over_an_evaluation_episode_of_single_passes_is_caught(buggy, quiet_watch):
+    """A greedy episode of 20 batch-of-one passes; its (1, 1) values stacked to (T, 1, 1)."""
+    torch.manual_seed(0)
+    model = _PolicyWithValue()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    for _ in range(4):
+        logits, value = model(torch.randn(8, 4))
+        loss = F.mse_loss(value.squeeze(-1), torch.randn(8)) - logits.log_softmax(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        values, rewards, obs = [], [], torch.zeros(1, 4)
+        for t in range(20):
+            logits, value = model(obs)
+            values.append(value)  # (1, 1)
+            obs = obs + 0.1 * (logits.argmax(-1).float() - 0.5)
+            rewards.append(float(t == 19))
+        returns = torch.tensor(rewards).flip(0).cumsum(0).flip(0)  # (T,)
+        stacked = torch.stack(values)  # (T, 1, 1)
+        ((stacked.view(-1, 1) if buggy else stacked.view(-1)) - returns).pow(2).mean()
+    model.train()
+    monitor.close()
+    assert rules_of(monitor) == (["broadcast"] if buggy else [])
+    if buggy:
+        (alert,) = _broadcasts(monitor)
+        assert alert.data["shapes"] == [[20, 1], [20]]
+
+
+def test_evaluation_passes_are_set_apart_from_the_training_audits_steps(quiet_watch):
+    """``audit_steps`` bounds the training audit only: a whole validation is followed."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt, broadcast={"audit_steps": 1})
+    assert monitor.config.broadcast.evaluation_passes == 64
+    _fit(model, opt, 3, lambda: None, every=100)
+    xv, yv = _validation_data()
+    model.eval()
+    with torch.no_grad():
+        for i in range(40):
+            out = model(xv)
+            (_buggy if i == 39 else _healthy)(out, yv)
+    model.train()
+    monitor.close()
+    (alert,) = _broadcasts(monitor)
+    assert alert.data["phase"] == "evaluation"
+
+
+# -- under trainwatch run: a dataset first evaluated late -----------------------
+
+_LIGHTNING = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+bug = sys.argv[1] == "bug"
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))  # (N, 1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.mse_loss(self(x).squeeze(-1), y)
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x).squeeze(-1), y))
+
+    def test_step(self, batch, _):
+        x, y = batch
+        out = self(x)
+        self.log("test_mae", ((out if bug else out.squeeze(1)) - y).abs().mean())
+
+    def predict_step(self, batch, _):
+        return self(batch[0]).squeeze(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def data(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 8, generator=gen)
+    return DataLoader(TensorDataset(x, x[:, 0].sin()), batch_size=16)
+
+
+torch.manual_seed(0)
+trainer = pl.Trainer(
+    max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+model = Regressor()
+trainer.fit(model, data(1), data(2))
+trainer.test(model, data(3), verbose=False)
+trainer.predict(model, data(3))
+"""
+
+_PLAIN = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+where = sys.argv[1]
+
+
+def data(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 8, generator=gen)
+    return DataLoader(TensorDataset(x, x[:, 0].sin()), batch_size=16, shuffle=seed == 1)
+
+
+def evaluate(loader, bug):
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            out = model(x)  # (N, 1)
+            ((out if bug else out.squeeze(1)) - y).abs().mean()
+    model.train()
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+train, val, test = data(1), data(2), data(3)
+for epoch in range(3):
+    for x, y in train:
+        opt.zero_grad()
+        F.mse_loss(model(x).squeeze(-1), y).backward()
+        opt.step()
+    evaluate(val, where == "later_validation" and epoch == 2)
+evaluate(test, where == "test")
+"""
+
+
+def _run_alerts(tmp_path, source: str, arg: str) -> list[tuple[str, str | None]]:
+    """``trainwatch run`` on ``source``, with fewer evaluation passes than its validations."""
+    from trainwatch.runner import run_script
+
+    script = tmp_path / f"script_{arg}.py"
+    script.write_text(source)
+    log = tmp_path / f"log_{arg}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notes on a tiny run
+        code = run_script(
+            script,
+            [arg],
+            log_dir=log,
+            console=False,
+            config={"broadcast": {"evaluation_passes": 3}},
+        )
+    assert code == 0
+    found = [json.loads(line) for line in (log / "alerts.jsonl").read_text().splitlines()]
+    return [(a["rule"], a["data"].get("phase")) for a in found if a["rule"] == "broadcast"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arg", ["bug", "healthy"])
+def test_under_run_a_lightning_test_after_fit_is_audited_afresh(tmp_path, arg):
+    """The sanity check and validations spent the evaluation passes; ``trainer.test``
+    reads a dataset not evaluated before, and its first passes are followed again."""
+    found = _run_alerts(tmp_path, _LIGHTNING, arg)
+    assert found == ([("broadcast", "evaluation")] if arg == "bug" else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("test", [("broadcast", "evaluation")]),
+        ("nowhere", []),
+        # The validation set read again brings no more passes: the cost stays bounded.
+        ("later_validation", []),
+    ],
+)
+def test_under_run_a_plain_loops_test_set_is_audited_afresh(tmp_path, where, expected):
+    assert _run_alerts(tmp_path, _PLAIN, where) == expected

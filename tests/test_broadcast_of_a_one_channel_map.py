@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from tests.conftest import rules_of
 from trainwatch.collect.broadcast import batch_broadcast
+from trainwatch.rules.broadcast import _squeezes
 
 
 @pytest.mark.parametrize(
@@ -69,6 +70,9 @@ def test_a_dice_loss_pairing_a_one_channel_map_with_an_unsqueezed_mask_is_caught
     assert first.data["op"] == "mul"
     assert first.data["shapes"] == [[4, 1, 16, 16], [4, 16, 16]]
     assert first.data["result"] == [4, 4, 16, 16]
+    # The hint names the channel axis, the size-1 one, not the last.
+    assert "squeeze the (4, 1, 16, 16) side (.squeeze(1))" in first.hint
+    assert ".unsqueeze(1)" in first.hint and ".squeeze(-1)" not in first.hint
 
 
 def test_the_same_dice_loss_with_the_mask_given_its_channel_axis_is_silent(quiet_watch):
@@ -164,3 +168,22 @@ def test_a_focal_loss_choosing_with_where_between_a_map_and_a_mask_is_caught(qui
     first = next(a for a in monitor.alerts if a.rule == "broadcast")
     assert first.step == 0 and first.data["op"] == "where"
     assert first.data["result"] == [4, 4, 16, 16]
+
+
+@pytest.mark.parametrize(
+    ("high", "low", "dims", "squeeze", "reshape"),
+    [
+        ((4, 1, 16, 16), (4, 16, 16), 1, ".squeeze(1)", ".unsqueeze(1)"),  # a one-channel map
+        ((8, 1, 5), (8, 5), 1, ".squeeze(1)", ".unsqueeze(1)"),  # (N, 1, T) against (N, T)
+        ((8, 1), (8,), -1, ".squeeze(-1)", ".unsqueeze(-1)"),  # an (N, 1) output
+        ((8, 1, 1), (8, 1), -1, ".squeeze(-1)", ".unsqueeze(-1)"),  # stacked (1, 1) values
+        ((8, 1, 1), (8, 5), 1, ".squeeze(1)", ".unsqueeze(1)"),  # a (1, 1) target per sample
+        ((8, 1, 1), (8,), (1, 2), ".squeeze((1, 2))", ".view_as(other)"),  # two axes to drop
+    ],
+)
+def test_the_hint_names_the_size_one_axis_that_meets_the_batch(high, low, dims, squeeze, reshape):
+    told_squeeze, told_reshape = _squeezes(high, low)
+    assert told_squeeze == squeeze and reshape in told_reshape
+    # Squeezed as told, the side pairs no samples any more.
+    squeezed = torch.zeros(high).squeeze(dims)
+    assert torch.broadcast_shapes(squeezed.shape, low) == torch.Size(low)

@@ -320,6 +320,8 @@ class AutoWatch:
         # The DataLoader last started with gradients on (the training one), and
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
         self._train_loader: weakref.ref[Any] | None = None
+        # The datasets read for evaluations so far, by id (see _evaluation_started).
+        self._evaluated: set[int] = set()
         self._loader_iter: Any = None
         # Turns the forward hooks on in no_grad / inference_mode blocks once they
         # are off, so a model first evaluated late is found (trainwatch.late_models).
@@ -382,14 +384,30 @@ class AutoWatch:
 
     def _loader_started(self, loader: DataLoader) -> None:
         if not torch.is_grad_enabled():
+            self._evaluation_started(loader)
             return
         models = [unwrap(m.model) for m in self.monitors if not m.closed]
         if any(not model.training for model in models):
+            self._evaluation_started(loader)
             return
         self._train_loader = weakref.ref(loader)
         for monitor in self.monitors:
             if not monitor.closed:
                 monitor.watch_data(loader)
+
+    def _evaluation_started(self, loader: DataLoader) -> None:
+        """A loader read for an evaluation: a dataset evaluated for the first time (a
+        test set after fitting, Lightning's ``test`` or ``predict`` after its
+        validations) has its first passes audited for broadcasts, however many the
+        validations before it took. Its id is kept, not the dataset: one made anew
+        for each validation and given a freed one's id is taken for seen."""
+        key = id(getattr(loader, "dataset", loader))
+        if key in self._evaluated:
+            return
+        self._evaluated.add(key)
+        for monitor in self.monitors:
+            if not monitor.closed:
+                monitor.new_evaluation_data()
 
     # -- the no_grad lookout (trainwatch.late_models) --------------------------
     def look_wanted(self) -> bool:

@@ -156,11 +156,16 @@ class TrainInEvalModeConfig(RuleConfig):
 @dataclass
 class BroadcastConfig(RuleConfig):
     severity: SeverityName = "error"
-    # A shape bug is there from the first step: audit this many steps, and the
-    # first this many evaluation passes of the run, then the check costs nothing;
-    # both again when a new phase of training begins (a new optimizer, a part of
-    # the model replaced, parameters frozen or unfrozen).
+    # A shape bug is there from the first step: audit this many steps, then the
+    # check costs nothing; again when a new phase of training begins (a new
+    # optimizer, a part of the model replaced, parameters frozen or unfrozen).
     audit_steps: int = field(default=3, metadata=_range(0))
+    # The first this many evaluation passes of the run, and again of each new
+    # phase (and, under ``trainwatch run``, of a dataset first evaluated later: a
+    # test set): a whole first validation, whose metric may be taken over the
+    # outputs of all its batches. Costs only that evaluation's own loss and
+    # metric code, never a training step.
+    evaluation_passes: int = field(default=64, metadata=_range(0))
     # A loss changed with no such sign: one step audited again at step
     # ``recheck_from``, then at intervals that double up to ``recheck_every``
     # (100, 200, 400, 800, 1600, 3200, 4800...). 0: never.

@@ -265,6 +265,15 @@ class Monitor:
         self._pipeline.data_order = self._guarded("data order", sequential_order, loader)
         self._pipeline.own_batching = self._guarded("data order", own_batching, loader)
 
+    def new_evaluation_data(self) -> None:
+        """A dataset is evaluated for the first time (a test set after fitting,
+        Lightning's ``trainer.test`` or ``predict``): its first passes are followed
+        into the metrics computed from them, as a new phase's are, whatever the
+        earlier evaluations spent."""
+        behaviour = self._pipeline.behaviour
+        if behaviour is not None and not self.closed:
+            self._guarded("broadcast audit", behaviour.rearm_evaluations)
+
     @property
     def data_order(self) -> str | None:
         """How the training loader reads its data in order; None: shuffled, or not seen."""

@@ -23,8 +23,9 @@ join the step's single readback.
   (``collect/broadcast_eval.py``), handed over from the end of a pass only
   when gradients are off or the model is in eval mode. Both are re-armed
   (``rearm_audit``) when the pipeline sees a new phase of training begin,
-  and the training audit for one step at sparse sampled steps; between them
-  no pass calls the audit.
+  and the training audit for one step at sparse sampled steps; the evaluation
+  audit also when ``trainwatch run`` sees a dataset first evaluated
+  (``rearm_evaluations``); between them no pass calls the audit.
 - Activations: sampled statistics (``collect/activations.py``).
 """
 
@@ -131,9 +132,11 @@ class BehaviourWatch:
         # step past it asks one attribute), and ``rearm_audit`` puts it back.
         self._audit = BroadcastAudit(audit_steps, on_error) if audits else None
         self.broadcast = self._audit
-        # The first evaluation passes' audit (as many passes as the audit has steps).
+        # The first evaluation passes' audit: a whole first validation.
         self.evaluations = (
-            EvaluationAudit(audit_steps, step_of, publish, on_error) if audits else None
+            EvaluationAudit(config.broadcast.evaluation_passes, step_of, publish, on_error)
+            if audits
+            else None
         )
         # The model's passes counter at its last pass without gradients, and how many
         # such passes came in a row up to it: a pass with gradients since the step
@@ -548,8 +551,14 @@ class BehaviourWatch:
             return
         audit.rearm(steps)
         self.broadcast = audit
-        if phase and self.evaluations is not None:
-            self.evaluations.rearm(steps)
+        if phase:
+            self.rearm_evaluations()
+
+    def rearm_evaluations(self) -> None:
+        """Follow the next evaluation passes: those of a new phase of training, or
+        of a dataset first evaluated now (a test set, with its own metric code)."""
+        if self.evaluations is not None:
+            self.evaluations.rearm(self._config.broadcast.evaluation_passes)
 
     def land(self, record: StepRecord, token: BehaviourToken) -> None:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())

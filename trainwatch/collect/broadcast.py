@@ -117,6 +117,31 @@ _ELEMENTWISE = frozenset(
         "kl_div",
     }
 )
+# Comparisons of a prediction with its target: an accuracy ``(pred > 0) == y``
+# with ``pred (N, 1)`` and ``y (N,)`` is the same pairing. Judged in evaluations
+# only: a training loss never goes through them (they carry no gradient).
+_COMPARISONS = frozenset(
+    {
+        "eq",
+        "ne",
+        "gt",
+        "lt",
+        "ge",
+        "le",
+        "greater",
+        "less",
+        "greater_equal",
+        "less_equal",
+        "not_equal",
+        "isclose",
+        "__eq__",
+        "__ne__",
+        "__gt__",
+        "__lt__",
+        "__ge__",
+        "__le__",
+    }
+)
 # Loss functions compare an output with its target sample by sample: an axis
 # given in the loss never makes their pairing a matrix meant on purpose.
 _LOSSES = frozenset(
@@ -462,6 +487,8 @@ class _AuditMode(TorchFunctionMode):
 class BroadcastAudit:
     # What its findings are told as: the loss of a training step.
     phase = "training"
+    # The ops whose operands it judges.
+    judged_ops = _ELEMENTWISE
 
     def __init__(self, steps: int, on_error: Any) -> None:
         self.steps_left = steps
@@ -691,7 +718,7 @@ class BroadcastAudit:
                 self._track(tensor)
         if name in _REGRESSION and self.target_spread is None:
             self._measure_target(operands)
-        if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
+        if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
         self._judge(name, operands[0], operands[1])
 

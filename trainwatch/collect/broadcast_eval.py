@@ -17,9 +17,12 @@ the training audit's own judge, into what the loop computes from them until
 the next pass with gradients of the model in training mode starts: the
 outputs of one evaluation stay followed across its passes, so a metric over
 their ``torch.cat`` is judged too. In an evaluation
-everything is computed without gradients, so everything floating derived
-from the outputs is followed (predicted classes and ``topk`` indices, being
-integers, are not). A pairing is judged only when exactly one operand comes
+everything is computed without gradients, so everything derived from the
+outputs is followed, predictions thresholded to booleans and classes from
+``argmax`` included, and comparisons are judged besides the training audit's
+ops: ``((logits > 0).float() == y).float().mean()`` with ``logits (N, 1)`` and
+``y (N,)`` is an accuracy near one half whatever the model. A pairing is
+judged only when exactly one operand comes
 from the model: distances between two evaluation outputs are on purpose;
 and only when the other carries no gradient: a loss pairing a target
 network's output (a model of its own, never trained, its every pass without
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainwatch.collect.broadcast import _IN_PASS, BroadcastAudit
+from trainwatch.collect.broadcast import _COMPARISONS, _ELEMENTWISE, _IN_PASS, BroadcastAudit
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import StepRecord
@@ -56,10 +59,13 @@ class _EvaluationJudge(BroadcastAudit):
     """The training audit's judge, following an evaluation's outputs."""
 
     phase = "evaluation"
+    # An accuracy compares predictions with targets: ``(pred > 0).float() == y``.
+    judged_ops = _ELEMENTWISE | _COMPARISONS
 
     def _follows(self, tensor: torch.Tensor, name: str) -> bool:
-        """No gradient to go by: what still holds the model's values, being floating."""
-        return tensor.is_floating_point() or tensor.is_complex() or name == "detach"
+        """No gradient to go by: everything made from the outputs, thresholded
+        predictions and ``argmax(1, keepdim=True)``'s classes too."""
+        return True
 
     def _measure_target(self, operands: list[torch.Tensor]) -> None:
         """An evaluation's targets are no reference for a training output's spread."""
@@ -175,8 +181,9 @@ class EvaluationAudit:
         self._leave_passes()
 
     def rearm(self, passes: int) -> None:
-        """A new phase of training: its first evaluation passes are followed too (a
-        new task comes with its own validation loss). Never after a failure or close."""
+        """A new phase of training, or a dataset first evaluated: its first evaluation
+        passes are followed too (a new task comes with its own validation loss, a test
+        set with its own metrics). Never after a failure or close."""
         if not self.follower.ended:
             self.passes_left = max(self.passes_left, passes)
 

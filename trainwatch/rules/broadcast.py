@@ -12,6 +12,37 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
+def _size_one_axes(high: tuple[int, ...], low: tuple[int, ...]) -> list[int]:
+    """The size-1 axes of ``high`` to squeeze, for the hint: those without which it is
+    ``low`` (of a one-channel map ``(N, 1, H, W)`` against ``(N, H, W)``, axis 1), or
+    else the one that meets the other's samples (``(N, 1, 1)`` against ``(N, K)``)."""
+    rank, found, i = len(high), [], 0
+    for position, size in enumerate(high):
+        if i < len(low) and low[i] == size:
+            i += 1
+        elif size == 1:
+            found.append(position)
+        else:
+            break
+    if i == len(low) and found:
+        return found
+    padded = (1,) * (rank - len(low)) + tuple(low)
+    for j in range(1, rank):
+        if high[j] == 1 and padded[j] > 1 and any(high[k] == padded[j] for k in range(j)):
+            return [j]
+    return [rank - 1]
+
+
+def _squeezes(high: tuple[int, ...], low: tuple[int, ...]) -> tuple[str, str]:
+    """How the hint makes the two sides equal: squeezing ``high``, reshaping ``low``.
+    The last axis is named ``-1``, as an ``(N, 1)`` output is usually squeezed."""
+    axes = _size_one_axes(high, low)
+    if len(axes) > 1:
+        return f".squeeze({tuple(axes)})", ".view_as(other)"
+    axis = -1 if axes[0] == len(high) - 1 else axes[0]
+    return f".squeeze({axis})", f".view_as(other) / .unsqueeze({axis})"
+
+
 class BroadcastRule(Rule):
     id = "broadcast"
     needs = frozenset({"broadcast_audit"})
@@ -25,6 +56,7 @@ class BroadcastRule(Rule):
             high, low = (first, second) if len(first) > len(second) else (second, first)
             where = f" at {found.source}" if found.source else ""
             evaluation = found.phase == "evaluation"
+            squeeze, reshape = _squeezes(high, low)
             alerts.append(
                 self.alert(
                     record.step,
@@ -34,9 +66,8 @@ class BroadcastRule(Rule):
                     f"{' in an evaluation pass' if evaluation else ''}: every sample is "
                     "paired with every other sample's value",
                     f"make the shapes equal before the op: squeeze the {_shape(high)} "
-                    f"side (.squeeze(-1)) or reshape the {_shape(low)} side to match "
-                    "(.view_as(other) / .unsqueeze(-1)); "
-                    + (_EVALUATION if evaluation else _TRAINING),
+                    f"side ({squeeze}) or reshape the {_shape(low)} side to match "
+                    f"({reshape}); " + (_EVALUATION if evaluation else _TRAINING),
                     {
                         "op": found.op,
                         "shapes": [list(s) for s in found.shapes],
