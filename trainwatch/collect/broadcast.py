@@ -65,7 +65,26 @@ _REGRESSION = frozenset(
 )
 _MAX_FINDINGS = 4
 
-_ELEMENTWISE = frozenset(
+# Loss functions compare an output with its target sample by sample: an axis
+# given in the loss never makes their pairing a matrix meant on purpose.
+_LOSSES = frozenset(
+    {
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "soft_margin_loss",
+        "poisson_nll_loss",
+        "gaussian_nll_loss",
+        "kl_div",
+    }
+)
+
+# Ops that pair their operands element by element: the arithmetic ones, and the
+# loss functions (they compare input and target elementwise, then reduce).
+_ELEMENTWISE = _LOSSES | frozenset(
     {
         "add",
         "sub",
@@ -104,17 +123,6 @@ _ELEMENTWISE = frozenset(
         "__itruediv__",
         "__pow__",
         "__rpow__",
-        # Loss functions compare input and target elementwise, then reduce.
-        "mse_loss",
-        "l1_loss",
-        "smooth_l1_loss",
-        "huber_loss",
-        "binary_cross_entropy",
-        "binary_cross_entropy_with_logits",
-        "soft_margin_loss",
-        "poisson_nll_loss",
-        "gaussian_nll_loss",
-        "kl_div",
     }
 )
 # Comparisons of a prediction with its target: an accuracy ``(pred > 0) == y``
@@ -140,22 +148,6 @@ _COMPARISONS = frozenset(
         "__lt__",
         "__ge__",
         "__le__",
-    }
-)
-# Loss functions compare an output with its target sample by sample: an axis
-# given in the loss never makes their pairing a matrix meant on purpose.
-_LOSSES = frozenset(
-    {
-        "mse_loss",
-        "l1_loss",
-        "smooth_l1_loss",
-        "huber_loss",
-        "binary_cross_entropy",
-        "binary_cross_entropy_with_logits",
-        "soft_margin_loss",
-        "poisson_nll_loss",
-        "gaussian_nll_loss",
-        "kl_div",
     }
 )
 
