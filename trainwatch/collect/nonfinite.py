@@ -151,6 +151,7 @@ class _WaitingPass:
     kwargs: Any
     codes: torch.Tensor  # fp64 sum of each floating output (device)
     masks: list[bool]  # per output: outside autograd, so a -inf sum is a mask
+    rng: torch.Tensor | None  # the CPU generator's state as the pass began
 
 
 @dataclass
@@ -172,6 +173,7 @@ class _CallStart:
     inputs: list[torch.Tensor]
     sums: list[int]
     given: Any = None  # copies of its positional arguments (replays only)
+    rng: torch.Tensor | None = None  # the CPU generator's state then (replays only)
 
 
 @dataclass(slots=True)
@@ -191,7 +193,7 @@ class _PassState:
     calls_in_progress: list[_CallStart] = field(default_factory=list)
     # References to the batch (not copies) until the next pass: what a
     # backward replay needs if this step's gradients turn out bad.
-    last_call: tuple[nn.Module, Any, Any] | None = None
+    last_call: tuple[nn.Module, Any, Any, torch.Tensor | None] | None = None
     grad_entering: list[torch.Tensor | None] = field(default_factory=list)
     backward: bool = False  # a backward pass reached the model
     bad: bool = False  # and what entered it was non-finite
@@ -200,9 +202,12 @@ class _PassState:
     replay_seq: int = -1
 
 
-# A pass with grad whose backward may come: (its number, its call, what entered
-# it, by output position). A plain tuple: one is made per pass.
-_AwaitedPass = tuple[int, tuple[nn.Module, Any, Any], list[torch.Tensor | None]]
+# A pass with grad whose backward may come: (its number, its call and the CPU
+# generator's state as it began, what entered it, by output position). A plain
+# tuple: one is made per pass.
+_AwaitedPass = tuple[
+    int, tuple[nn.Module, Any, Any, torch.Tensor | None], list[torch.Tensor | None]
+]
 
 
 @dataclass(slots=True)
@@ -267,6 +272,12 @@ class NonfiniteProbe:
         self.at_step = mode == "step"
         # Passes whose output sums wait for the step boundary (step verdicts).
         self._waiting: list[_WaitingPass] = []
+        # The CPU generator's state as the current pass began: a replay draws the
+        # same dropout masks (and ``torch.rand`` in a forward) as the pass did, so
+        # a NaN/Inf that hangs on them (every token of a text dropped, two
+        # embeddings made equal) is found again where it was born. A copy of a
+        # few kilobytes, no op dispatched; forked state is put back after.
+        self._rng_at_start: torch.Tensor | None = None
         self.enabled = True
         self.suspended = False
         self.trace_ops = trace_ops
@@ -342,6 +353,7 @@ class NonfiniteProbe:
     def pass_starts(self, module: nn.Module) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:
             return  # the module hooks see the pass
+        self._rng_at_start = _cpu_rng_state()
         if not torch.is_grad_enabled():
             # No backward comes of a pass under no_grad (an evaluation, a DQN
             # target made between a prediction and its backward): the pass
@@ -458,8 +470,10 @@ class NonfiniteProbe:
                 ids = [self._sum_index(t) for t in ins]
                 # In a replay (cost is no object there) the op trace may need
                 # to re-run the module on what it was given, before it changed it.
-                given = detached_copies(args) if self._replaying and self.trace_ops else None
-                self._this_pass.calls_in_progress.append(_CallStart(position, ins, ids, given))
+                given = rng = None
+                if self._replaying and self.trace_ops:
+                    given, rng = detached_copies(args), _cpu_rng_state()
+                self._this_pass.calls_in_progress.append(_CallStart(position, ins, ids, given, rng))
 
     def after_call(
         self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -523,13 +537,15 @@ class NonfiniteProbe:
             if self._this_step.forward_origin is None and outs:
                 codes = torch.stack([o.detach().sum(dtype=torch.float64) for o in outs])
                 masks = [not o.requires_grad for o in outs]
-                self._waiting.append(_WaitingPass(module, args, kwargs, codes, masks))
+                self._waiting.append(
+                    _WaitingPass(module, args, kwargs, codes, masks, self._rng_at_start)
+                )
                 if len(self._waiting) >= _MAX_WAITING:
                     self.settle(None)  # a long evaluation between two steps
         elif self._this_step.forward_origin is None:
             for out in outs:
                 if not finite_exact(out):
-                    self._forward_bad(module, args, kwargs)
+                    self._forward_bad(module, args, kwargs, self._rng_at_start)
                     break
         needs_grad = [o for o in outs if o.requires_grad and o.grad_fn is not None]
         if needs_grad and torch.is_grad_enabled():
@@ -550,7 +566,7 @@ class NonfiniteProbe:
         twice in backward, not once per pass.
         """
         self._pass_seq += 1
-        call, entering = (module, args, kwargs), [None] * len(needs_grad)
+        call, entering = (module, args, kwargs, self._rng_at_start), [None] * len(needs_grad)
         candidate = (self._pass_seq, call, entering)
         this = self._this_pass
         if this.replay_seq < 0:  # no backward has reached a pass since this one began
@@ -567,10 +583,12 @@ class NonfiniteProbe:
             for hook in awaiting.pop(0):
                 take_out(hook)
 
-    def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _forward_bad(
+        self, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
+    ) -> None:
         self._step_bad = self._this_step.output_bad = True
         if self._bad_streak < _REPLAY_STREAK:
-            self._replay_forward(module, args, kwargs)
+            self._replay_forward(module, args, kwargs, rng)
 
     def settle(self, norms: torch.Tensor | None) -> bool:
         """Step verdicts: one scalar read back says whether a pass or a gradient was off.
@@ -592,7 +610,7 @@ class NonfiniteProbe:
             for value, mask in zip(w.codes.tolist(), w.masks):
                 if not (math.isfinite(value) or (value == -math.inf and mask)):
                     if self._this_step.forward_origin is None:
-                        self._forward_bad(w.module, w.args, w.kwargs)
+                        self._forward_bad(w.module, w.args, w.kwargs, w.rng)
                     break
         return norms is not None and not math.isfinite(float(norms.double().sum()))
 
@@ -677,10 +695,12 @@ class NonfiniteProbe:
                     self._this_step.entering_origin = _entering_origin(bad)
         return self._this_pass.bad
 
-    def _replaying_context(self, grad: bool) -> Any:
-        return Replay(self, grad)
+    def _replaying_context(self, grad: bool, rng: torch.Tensor | None = None) -> Any:
+        return Replay(self, grad, rng)
 
-    def _replay_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _replay_forward(
+        self, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None = None
+    ) -> None:
         """Run the pass again module by module to find where its NaN/Inf was born."""
         # Grad mode as in the pass itself, so masks and real values are told
         # apart the same way (requires_grad) in the replay.
@@ -690,7 +710,7 @@ class NonfiniteProbe:
             self._this_step.forward_origin = unreplayed_origin(module, args, kwargs)
             return
         module = target
-        with self._replaying_context(grad=torch.is_grad_enabled()):
+        with self._replaying_context(grad=torch.is_grad_enabled(), rng=rng):
             args, kwargs = detached_copies((args, kwargs))
             module(*args, **kwargs)
 
@@ -712,12 +732,12 @@ class NonfiniteProbe:
             or self._this_step.entering_origin is not None
         ):
             return False
-        module, args, kwargs = self._this_pass.last_call
+        module, args, kwargs, rng = self._this_pass.last_call
         module = replay_target(module)
         if module is None:
             self._this_step.backward_unreplayable = True
             return False
-        with self._replaying_context(grad=True):
+        with self._replaying_context(grad=True, rng=rng):
             args, kwargs = detached_copies((args, kwargs))
             output = module(*args, **kwargs)
             outs = [o for o in floating_tensors(output) if non_leaf(o)]
@@ -807,7 +827,8 @@ class NonfiniteProbe:
         self._this_step.calls.append(call)
         if immediate:
             given = start.given if start is not None and start.given is not None else args
-            self._check_now(call, module, given, kwargs, ins, outs)
+            rng = start.rng if start is not None else None
+            self._check_now(call, module, given, kwargs, ins, outs, rng)
             if self._replaying and self.trace_ops:
                 self._note_negative_inf(call, module, given, kwargs, ins)
         if torch.is_grad_enabled():
@@ -828,7 +849,9 @@ class NonfiniteProbe:
         kwargs: Any,
         ins: list[torch.Tensor],
         outs: list[torch.Tensor],
+        rng: torch.Tensor | None = None,
     ) -> None:
+        """``rng``: the CPU generator's state as the call began (an op trace re-runs it)."""
         bad_out = [t for i, t in zip(call.outputs, outs) if not self._is_finite(i, t)]
         if not bad_out:
             return
@@ -875,7 +898,7 @@ class NonfiniteProbe:
         if self.trace_ops and not given_bad:
             self.suspended = True
             try:
-                found: OpFinding | None = trace_first_nonfinite_op(module, args, kwargs)
+                found: OpFinding | None = trace_first_nonfinite_op(module, args, kwargs, rng)
             finally:
                 self.suspended = False
             if found is not None:
@@ -1177,6 +1200,8 @@ def _made_negative_inf(
 
 # The id of the backward pass running on this thread (-1: none), if torch says.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# The CPU generator's state, copied (bound once: taken as every pass begins).
+_cpu_rng_state = torch.default_generator.get_state
 
 
 def _inside_backward() -> bool:

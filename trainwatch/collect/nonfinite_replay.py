@@ -91,11 +91,16 @@ def unreplayed_origin(module: nn.Module, args: Any, kwargs: Any) -> NonfiniteFin
 
 
 class Replay:
-    """Re-running a pass must not change training: RNG forked, buffers swapped."""
+    """Re-running a pass must not change training: RNG forked, buffers swapped.
 
-    def __init__(self, probe: NonfiniteProbe, grad: bool) -> None:
+    ``rng``: the CPU generator's state as the pass began, set inside the fork,
+    so the replay draws what the pass drew (its dropout masks).
+    """
+
+    def __init__(self, probe: NonfiniteProbe, grad: bool, rng: torch.Tensor | None = None) -> None:
         self.probe = probe
         self.grad = grad
+        self.rng = rng
         self._stack: Any = None
 
     def __enter__(self) -> Replay:
@@ -105,6 +110,8 @@ class Replay:
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         # The CUDA generators too: a replay's dropout must not move training's RNG.
         self._stack.enter_context(forked_rngs(devices=probe.cuda_devices()))
+        if self.rng is not None:
+            torch.default_generator.set_state(self.rng)
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one

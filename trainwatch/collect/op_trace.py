@@ -270,15 +270,28 @@ def _null() -> Iterator[None]:
 
 
 def trace_first_nonfinite_op(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rng: torch.Tensor | None = None,
 ) -> OpFinding | None:
-    """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf."""
+    """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf.
+
+    ``rng``: the CPU generator's state as the call began, so the re-run draws
+    what the call drew (a dropout mask inside the module).
+    """
     tracer = _FirstNonfinite()
-    _rerun(module, args, kwargs, tracer)
+    _rerun(module, args, kwargs, tracer, rng)
     return tracer.answer
 
 
-def _rerun(module: nn.Module, args: Any, kwargs: Any, tracer: _FirstNonfinite) -> None:
+def _rerun(
+    module: nn.Module,
+    args: Any,
+    kwargs: Any,
+    tracer: _FirstNonfinite,
+    rng: torch.Tensor | None = None,
+) -> None:
     """Run ``module`` once more under ``tracer``, leaving training as it was."""
     devices = [
         t.device.index or 0
@@ -296,6 +309,8 @@ def _rerun(module: nn.Module, args: Any, kwargs: Any, tracer: _FirstNonfinite) -
             eager(),
             tracer,
         ):
+            if rng is not None:
+                torch.default_generator.set_state(rng)
             module(*args, **kwargs)
     except Exception:
         pass  # what the trace found before the failure still stands
