@@ -13,9 +13,11 @@ from trainwatch.rules.base import Rule, by_owner, short_names, unless_clipping
 from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE, GRADIENT_OVERFLOW
 
 _OP_HINTS = {
-    "aten::log": "log of a softmax or of a probability that reached 0: use log_softmax, "
-    "cross_entropy or BCEWithLogitsLoss instead of log(softmax(x)) / log(sigmoid(x)), "
-    "or clamp the argument",
+    "aten::log": "log of a value at or below 0: a softmax or a probability that reached "
+    "0 (use log_softmax, cross_entropy or BCEWithLogitsLoss instead of log(softmax(x)) / "
+    "log(sigmoid(x))), or a quantity meant to stay positive that went negative (a "
+    "variance, a scale: predict its log, or pass it through softplus or exp); or clamp "
+    "the argument",
     "aten::_softmax": "a softmax over a row that is entirely -inf (a fully masked row): "
     "keep at least one position unmasked or use a large negative number instead of -inf",
     "aten::exp": "exp overflowed: scale or clamp the logits, or use logsumexp / softmax, "

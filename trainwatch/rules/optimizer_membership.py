@@ -162,8 +162,9 @@ class NotOptimizedRule(_ReportOnce):
                 owner,
                 f"{short_names(params)} received gradients but no watched optimizer "
                 "holds them, so they are never updated",
-                "was this module replaced after the optimizer was built (a new head "
-                "for fine-tuning), or the model moved with .to()/.half() while "
+                "was the optimizer built over only part of the model "
+                "(self.encoder.parameters()), this module replaced after the optimizer was "
+                "built (a new head for fine-tuning), or the model moved with .to()/.half() while "
                 "torch.__future__.set_overwrite_module_params_on_conversion(True) "
                 "replaces its parameters? Build the optimizer after the last change to "
                 "the model, or add the parameters with optimizer.add_param_group().",
