@@ -262,6 +262,10 @@ class _Overlap:
         return [m.passes_seen for m in self.others()] == self._passes
 
 
+# Evaluation datasets remembered (by id) before the memory starts over.
+_EVALUATED_KEPT = 256
+
+
 class AutoWatch:
     """Global hooks that give each model a Monitor and each optimizer its monitor."""
 
@@ -404,6 +408,9 @@ class AutoWatch:
         key = id(getattr(loader, "dataset", loader))
         if key in self._evaluated:
             return
+        if len(self._evaluated) >= _EVALUATED_KEPT:
+            # A loop building its evaluation data anew each time: the ids stay bounded.
+            self._evaluated.clear()
         self._evaluated.add(key)
         for monitor in self.monitors:
             if not monitor.closed:
