@@ -179,3 +179,27 @@ def test_steps_a_watched_grad_scaler_skips_are_told_as_the_scaler_s():
     scaler = torch.amp.GradScaler("cpu")
     (alert,) = _skipping_loop({"scaler": scaler}, scaler)
     assert "GradScaler keeps skipping" in alert.message and "scale" in alert.data
+
+
+class LogVariance(nn.Module):
+    """A heteroscedastic head taking the log of a predicted variance that can go negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.var = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.var(x))
+
+
+def test_the_log_of_a_variance_gone_negative_is_hinted_at_softplus_not_only_log_softmax():
+    torch.manual_seed(0)
+    model = LogVariance()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        opt.zero_grad()
+        model(torch.randn(16, 8)).mean().backward()  # some predicted variances < 0
+        opt.step()
+    (alert,) = [a for a in monitor.alerts if a.rule == "nonfinite_forward"]
+    assert (alert.module, alert.data["op"]) == ("", "aten::log")
+    assert "softplus" in alert.hint and "log_softmax" in alert.hint
