@@ -4,8 +4,8 @@ The step's trigger for a NaN/Inf is a non-finite gradient norm, an fp32 sum
 of squares. Finite gradients overflow it too once their elements pass about
 1e19 (a corrupt target of 1e21 under a squared error makes such gradients):
 no NaN/Inf anywhere, and nothing for a replay to locate. Asked only once the
-trigger fired, so the usual step pays nothing: one reduction per gradient,
-read back together.
+trigger fired, so the usual step pays nothing: one batched reduction of the
+gradients, read back together.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def norm_overflow(
     if not held:
         return None
     device = held[0][1].device
-    # The largest magnitude is NaN/Inf exactly when the gradient holds one.
-    tops = torch.stack([g.abs().amax().float().to(device) for _, g in held]).tolist()
+    # Each gradient's largest magnitude (its inf-norm, one batched kernel): NaN/Inf
+    # exactly when the gradient holds one.
+    largest = torch._foreach_norm([g for _, g in held], math.inf)
+    tops = torch.stack([t.float().to(device) for t in largest]).tolist()
     if not all(map(math.isfinite, tops)):
         return None
     where = max(range(len(tops)), key=tops.__getitem__)
