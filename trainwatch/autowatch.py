@@ -80,6 +80,11 @@ class _ModelView(Sink):
         if owner is not None:
             owner._emit(self._tag(alert), self.model_name)
 
+    def emit_many(self, alerts: Sequence[Alert]) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._emit_many([self._tag(alert) for alert in alerts], self.model_name)
+
     def repeat(self, alert: Alert, count: int) -> None:
         owner = self.owner()
         if owner is not None:
@@ -508,10 +513,17 @@ class AutoWatch:
 
     # -- the shared sinks ---------------------------------------------------
     def _emit(self, alert: Alert, model: str) -> None:
-        self._tallies[(model, alert.key)] = AlertTally(alert, 1, alert.step)
-        self._note_worst(alert)
-        shown = self._for_console(alert, model)
-        self._each_sink("emit", lambda s: s.emit(shown if isinstance(s, ConsoleSink) else alert))
+        self._emit_many([alert], model)
+
+    def _emit_many(self, alerts: Sequence[Alert], model: str) -> None:
+        """One publish of a model's monitor: its console folds a same-step flood."""
+        for alert in alerts:
+            self._tallies[(model, alert.key)] = AlertTally(alert, 1, alert.step)
+            self._note_worst(alert)
+        shown = [self._for_console(alert, model) for alert in alerts]
+        self._each_sink(
+            "emit", lambda s: s.emit_many(shown if isinstance(s, ConsoleSink) else alerts)
+        )
 
     def _note_worst(self, alert: Alert) -> None:
         """The highest severity raised, for --fail-on (internal errors aside)."""

@@ -51,23 +51,20 @@ class Dispatcher:
         halt: Alert | None = None
         if self.rank is not None:
             alerts = [_with_rank(alert, self.rank) for alert in alerts]
+        heard: list[tuple[Alert, int]] = []  # each alert with its count; 1: a new one
         for alert in alerts:
             tally = self.tallies.get(alert.key)
             if tally is None:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self.reported.add(alert.rule)
-                self._each_sink("emit", lambda sink, a=alert: sink.emit(a))
-                for observer in OBSERVERS:
-                    observer.heard(self, alert, False)
+                heard.append((alert, 1))
                 if halt is None and alert.rule in self.halt_on:
                     halt = alert
             else:
                 tally.count += 1
                 tally.last_step = alert.step
-                count = tally.count
-                self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
-                for observer in OBSERVERS:
-                    observer.heard(self, alert, True)
+                heard.append((alert, tally.count))
+        self._tell(heard)
         if halt is not None:
             if not may_halt:
                 # Found while a property was read: raised at the next step
@@ -76,6 +73,22 @@ class Dispatcher:
                 return
             self.held = None
             raise TrainingHealthError(halt)
+
+    def _tell(self, heard: list[tuple[Alert, int]]) -> None:
+        """The new alerts to each sink in one call (the console folds a same-step
+        flood into one group), then the repeats, then the observers, all in order.
+
+        A repeat of an alert new in this same publish reaches the sinks after it.
+        """
+        new = [alert for alert, count in heard if count == 1]
+        if new:
+            self._each_sink("emit", lambda sink: sink.emit_many(new))
+        for alert, count in heard:
+            if count > 1:
+                self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
+        for alert, count in heard:
+            for observer in OBSERVERS:
+                observer.heard(self, alert, count > 1)
 
     def raise_held(self) -> None:
         """Apply a halt that was found where raising was not allowed."""

@@ -68,9 +68,10 @@ class Reporter:
     def relay(self) -> RelaySink:
         return RelaySink(self)
 
-    def publish(self, alert: Alert) -> None:
+    def publish(self, alerts: Sequence[Alert]) -> None:
+        """One publish of the Monitor's, kept together (the console groups a flood)."""
         if not self.closed:
-            self.dispatcher.publish([stamp(alert, self.rank)], may_halt=False)
+            self.dispatcher.publish([stamp(alert, self.rank) for alert in alerts], may_halt=False)
 
     def receive(self, records: Sequence[dict[str, Any]]) -> None:
         """Rank zero: alerts gathered from the other ranks (already stamped)."""
@@ -99,10 +100,13 @@ class RelaySink(Sink):
         self.reporter = reporter
 
     def emit(self, alert: Alert) -> None:
-        self.reporter.publish(alert)
+        self.reporter.publish([alert])
+
+    def emit_many(self, alerts: Sequence[Alert]) -> None:
+        self.reporter.publish(alerts)
 
     def repeat(self, alert: Alert, count: int) -> None:
-        self.reporter.publish(alert)
+        self.reporter.publish([alert])
 
     def on_step(self, numbers: StepNumbers) -> None:
         if not self.reporter.closed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trainwatch.alert import Alert
@@ -47,6 +48,15 @@ class Sink:
 
     def emit(self, alert: Alert) -> None:
         """A new (rule, module) alert: render it now."""
+
+    def emit_many(self, alerts: Sequence[Alert]) -> None:
+        """The new alerts of one publish, in order (often one step's findings).
+
+        A sink that keeps one record per alert takes them one by one; the
+        console overrides this to fold a same-step flood into one group.
+        """
+        for alert in alerts:
+            self.emit(alert)
 
     def repeat(self, alert: Alert, count: int) -> None:
         """The same (rule, module) fired again; ``count`` is its total so far."""

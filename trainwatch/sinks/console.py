@@ -7,7 +7,8 @@ and unwrapped (rich drops styling when stderr is not a terminal).
 from __future__ import annotations
 
 import sys
-from typing import IO
+from collections.abc import Callable, Hashable, Sequence
+from typing import IO, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -15,15 +16,60 @@ from rich.text import Text
 
 from trainwatch.alert import Alert
 from trainwatch.setup_audit import SetupAudit
-from trainwatch.sinks.base import Sink, Summary
+from trainwatch.sinks.base import AlertTally, Sink, Summary
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
+# One mistake (a .detach() above a stack of layers, a frozen encoder) can raise
+# the same finding in many modules at once: this many or more are one group.
+GROUP_AT = 4
+# The other modules a grouped line names before it only counts them.
+NAMES_SHOWN = 8
+
+T = TypeVar("T")
 
 
 def _module_label(module: str | None) -> str:
     if module is None:
         return ""
     return "<model>" if module == "" else module
+
+
+def _fold(items: Sequence[T], key: Callable[[T], Hashable | None]) -> list[list[T]]:
+    """Items in order, those sharing a key one list at the first one's place when
+    there are ``GROUP_AT`` or more; a key of None never groups."""
+    members: dict[Hashable, list[T]] = {}
+    for item in items:
+        shared = key(item)
+        if shared is not None:
+            members.setdefault(shared, []).append(item)
+    folded = []
+    for item in items:
+        shared = key(item)
+        group = members[shared] if shared is not None else [item]
+        if len(group) < GROUP_AT:
+            folded.append([item])
+        elif group[0] is item:
+            folded.append(group)
+    return folded
+
+
+def _same_finding(alert: Alert) -> Hashable | None:
+    """Alerts of one publish that say the same thing of different modules."""
+    if alert.module is None:
+        return None
+    return (
+        alert.rule,
+        alert.severity,
+        alert.step,
+        alert.data.get("rank"),
+        alert.data.get("finding"),
+    )
+
+
+def _same_row(tally: AlertTally) -> Hashable | None:
+    """Summary rows that differ in their module only."""
+    shared = _same_finding(tally.first)
+    return None if shared is None else (shared, tally.count)
 
 
 class ConsoleSink(Sink):
@@ -50,6 +96,25 @@ class ConsoleSink(Sink):
 
     def emit(self, alert: Alert) -> None:
         self.console.print(self.render(alert))
+
+    def emit_many(self, alerts: Sequence[Alert]) -> None:
+        """A same-step flood is one line and a list of the other modules, not a
+        wall of near-identical lines; the files keep one record per alert."""
+        for group in _fold(alerts, _same_finding):
+            self.console.print(self.render_group(group))
+
+    @classmethod
+    def render_group(cls, alerts: Sequence[Alert]) -> Text:
+        """The first alert's line; with others, one indented line naming them."""
+        line = cls.render(alerts[0])
+        others = [_module_label(alert.module) for alert in alerts[1:]]
+        if others:
+            named = ", ".join(others[:NAMES_SHOWN])
+            if len(others) > NAMES_SHOWN:
+                named += f", ... (+{len(others) - NAMES_SHOWN} more)"
+            line.append(f"\n  and {len(others)} more modules with the same finding: ")
+            line.append(named, style="magenta")
+        return line
 
     @staticmethod
     def render(alert: Alert) -> Text:
@@ -89,14 +154,18 @@ class ConsoleSink(Sink):
         table.add_column("severity")
         table.add_column("first step", justify="right")
         table.add_column("count", justify="right")
-        for tally in sorted(summary.tallies, key=lambda t: (t.first.step, t.first.rule)):
-            alert = tally.first
+        ordered = sorted(summary.tallies, key=lambda t: (t.first.step, t.first.rule))
+        for group in _fold(ordered, _same_row):
+            alert = group[0].first
+            module = _module_label(alert.module) or "-"
+            if len(group) > 1:
+                module += f" +{len(group) - 1} more"
             table.add_row(
                 alert.rule,
-                _module_label(alert.module) or "-",
+                module,
                 Text(alert.severity, style=_STYLE.get(alert.severity, "")),
                 str(alert.step),
-                str(tally.count),
+                str(group[0].count),
             )
         if not summary.tallies:
             table.add_row(Text("no alerts", style="green"), "", "", "", "")
