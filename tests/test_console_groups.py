@@ -4,6 +4,7 @@ stay one per (rule, module)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -158,6 +159,18 @@ def test_three_of_a_finding_stay_three_lines_and_other_rules_are_not_merged():
         "trainwatch step 3 ERROR zero_gradient [layers.0]",
         "  and 3 more modules with the same finding",
     ]
+
+
+def test_different_kinds_of_one_rule_are_different_findings():
+    out = io.StringIO()
+    never_called = _flood("zero_gradient", 2, kind="never_called")
+    cut = [
+        dataclasses.replace(a, module=f"cut.{i}") for i, a in enumerate(_flood("zero_gradient", 2))
+    ]
+    ConsoleSink(out, width=400).emit_many([*never_called, *cut])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4
+    assert not any("more modules" in line for line in lines)
 
 
 def test_repeats_in_the_same_publish_are_counted_not_printed_nor_grouped():

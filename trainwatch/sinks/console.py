@@ -54,15 +54,20 @@ def _fold(items: Sequence[T], key: Callable[[T], Hashable | None]) -> list[list[
 
 
 def _same_finding(alert: Alert) -> Hashable | None:
-    """Alerts of one publish that say the same thing of different modules."""
+    """Alerts of one publish that say the same thing of different modules (a rule's
+    kinds and causes are different findings: a layer without a gradient is not
+    one whose gradient is zero)."""
     if alert.module is None:
         return None
+    data = alert.data
     return (
         alert.rule,
         alert.severity,
         alert.step,
-        alert.data.get("rank"),
-        alert.data.get("finding"),
+        data.get("rank"),
+        data.get("finding"),
+        data.get("kind"),
+        data.get("cause"),
     )
 
 
