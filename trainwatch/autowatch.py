@@ -662,6 +662,7 @@ class AutoWatch:
         name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
+        monitor.model_name = name
         monitor.yields_to_explicit_watch = True
         monitor.steps_end_at_backward = True
         if self.relay is not None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
+from trainwatch.process_steps import ORIGINS_TOLD, OriginTold
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import AlertTally, Sink, StepNumbers, Summary
 
@@ -41,6 +43,8 @@ class Dispatcher:
         self.reported: set[str] = set()  # rule ids that have fired so far
         # Under torch.distributed without a relay: this rank, stamped on each alert.
         self.rank: int | None = None
+        # The watched model's name, as other monitors' knock-on alerts name it.
+        self.model: str | None = None
 
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
@@ -58,6 +62,8 @@ class Dispatcher:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self.reported.add(alert.rule)
                 heard.append((alert, 1))
+                if alert.rule.startswith("nonfinite") and alert.severity != "info":
+                    self._origin_told(alert)
                 if halt is None and alert.rule in self.halt_on:
                     halt = alert
             else:
@@ -73,6 +79,13 @@ class Dispatcher:
                 return
             self.held = None
             raise TrainingHealthError(halt)
+
+    def _origin_told(self, alert: Alert) -> None:
+        """A NaN/Inf origin, for the process's other monitors: what follows it in their
+        models (weights copied from this one) is its knock-on, not a second origin."""
+        ORIGINS_TOLD.tell(
+            OriginTold(alert.rule, self.model, alert.module, alert.step, weakref.ref(self))
+        )
 
     def _tell(self, heard: list[tuple[Alert, int]]) -> None:
         """The new alerts to each sink in one call (the console folds a same-step

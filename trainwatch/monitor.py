@@ -35,7 +35,7 @@ from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
-from trainwatch.process_steps import PROCESS_STEPS
+from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
 from trainwatch.raised import note_raise
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
@@ -46,6 +46,17 @@ from trainwatch.weak import weak_callback, weak_getter
 from trainwatch.whole_layers import WholeLayerNorms, fully_sharded
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def _land_every_in_flight() -> None:
+    """Every open monitor's step still in flight (lagged readback), read back now: a
+    NaN/Inf origin found there is told before another model's copy of it is judged."""
+    for monitor in list(_OPEN):
+        if not monitor.closed:
+            monitor._land_in_flight(may_halt=False)
+
+
+ORIGINS_TOLD.settle = _land_every_in_flight
 
 
 class Monitor:
@@ -86,6 +97,7 @@ class Monitor:
         self.closed = False
         self._memory = MemorySink()
         self._dispatcher = Dispatcher([self._memory, *sinks], self.config.halt_on)
+        self._dispatcher.model = type(root).__name__
         if running_distributed():
             # Each rank's alerts say which rank they are from (a relay, if any,
             # stamps the same number); set again at the first step boundary for
@@ -184,6 +196,17 @@ class Monitor:
     def step_count(self) -> int:
         """Optimizer steps seen (or ``monitor.step()`` calls without an optimizer)."""
         return self._step
+
+    @property
+    def model_name(self) -> str | None:
+        """The model's name where other monitors' alerts name it (a NaN/Inf's knock-on
+        in an EMA copy names the model it came from): its class, or the name
+        `trainwatch run` gave it."""
+        return self._dispatcher.model
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self._dispatcher.model = name
 
     @property
     def scaler(self) -> Any:
@@ -371,6 +394,7 @@ class Monitor:
             _OPEN.discard(self)
             if not _OPEN:
                 PROCESS_STEPS.now = 0  # no training under way: the next run starts at 0
+                ORIGINS_TOLD.clear()  # nor any NaN/Inf it reported
             clip_hook.release(self)
             try:
                 self._shut()

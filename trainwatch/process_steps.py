@@ -5,10 +5,18 @@ no steps of its own. Whether its no-grad passes come at every step of the
 model that is trained (a target network: part of training) or only now and
 then (an EMA copy evaluated every few hundred steps) is told on this clock,
 and what such a model finds is dated by the step the training is in.
+
+The NaN/Inf origins any monitor of the process has reported are kept here
+too: a model whose weights the training code copies from another (an EMA
+copy, a target network) takes that model's NaN/Inf through the copy, which
+its own monitor alone would take for a second origin.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -28,6 +36,52 @@ class ProcessSteps:
 
 
 PROCESS_STEPS = ProcessSteps()
+
+
+@dataclass(frozen=True)
+class OriginTold:
+    """A NaN/Inf origin one monitor reported: what another model's knock-on names."""
+
+    rule: str
+    model: str | None  # the reporting monitor's model (its `trainwatch run` name)
+    module: str | None
+    step: int  # that monitor's step
+    # Whoever told it (its dispatcher): a monitor dropped unclosed takes its origins along.
+    teller: weakref.ref[Any] = field(compare=False, repr=False)
+
+
+class OriginsTold:
+    """The NaN/Inf origins reported in this process while some monitor is open.
+
+    Written only when an origin is first reported and read only when a
+    NaN/Inf is found: nothing at a healthy step. Cleared when the last open
+    monitor closes, so a new run in the same process starts with none.
+    """
+
+    __slots__ = ("told", "settle")
+
+    def __init__(self) -> None:
+        self.told: list[OriginTold] = []
+        # Reads back every open monitor's step still in flight (set by the monitor
+        # module): under lagged readback an origin found at the latest step is
+        # told only at the next one, after the copy made from it was judged.
+        self.settle: Callable[[], None] | None = None
+
+    def tell(self, origin: OriginTold) -> None:
+        self.told.append(origin)
+
+    def first(self) -> OriginTold | None:
+        """The earliest origin whose teller is still alive (the one the rest follow),
+        once the steps in flight are read back."""
+        if self.settle is not None:
+            self.settle()
+        return next((origin for origin in self.told if origin.teller() is not None), None)
+
+    def clear(self) -> None:
+        self.told.clear()
+
+
+ORIGINS_TOLD = OriginsTold()
 
 
 class AnyOptimizerSteps:

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainwatch.fresh import fresh_maker
 from trainwatch.layers import ParamInfo
+from trainwatch.process_steps import OriginTold
 
 
 @dataclass
@@ -168,6 +169,8 @@ class StallReport:
     # Each param group's learning rate before any scheduler (its ``initial_lr``, else
     # its ``lr``): what a schedule decayed from.
     initial_learning_rates: list[float] = field(default_factory=list)
+    # not_optimized has told that no optimizer updates any of the trainable weights.
+    left_out_told: bool = False
 
 
 @dataclass(slots=True)
@@ -279,8 +282,10 @@ class StepRecord:
     # When the weights' NaN/Inf is seen in the next forward, the update that
     # made it was the step before: alerts carry that step.
     nonfinite_params_step: int | None = None
-    # They were written in place after the last update, by the training code.
-    nonfinite_params_written: bool = False
+    # They were written in place after the last update, by the training code; an
+    # OriginTold where another model's NaN/Inf was reported before (copied from it:
+    # its knock-on). One field for both: the record is made at every step.
+    nonfinite_params_written: bool | OriginTold = False
     # Backward passes with non-finite gradients that no optimizer step used
     # (GradScaler skipping) in a row, ending at this record.
     skipped_backward_passes: int = 0

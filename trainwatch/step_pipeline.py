@@ -513,6 +513,21 @@ class StepPipeline:
             else float(group["lr"])
             for group in groups
         ]
+        pending.record.stall.left_out_told = self._left_out_told()
+
+    def _left_out_told(self) -> bool:
+        """Whether not_optimized has told that nothing updates any of the model's
+        trainable weights (a loss module's learned weights left out of the
+        optimizer): a stall then is that finding again, not a second one."""
+        trainable = [self.layers.info(p).name for p in self._trainable()]
+        if not trainable:
+            return False
+        told: set[str] = set()
+        for tally in self._dispatcher.tallies.values():
+            alert = tally.first
+            if alert.rule == "not_optimized" and not _still_updated(alert):
+                told.update(alert.data.get("parameters", ()))
+        return told.issuperset(trainable)
 
     def closure_step_begins(self, index: int) -> None:
         """An optimizer step with a closure (LBFGS) begins: its updates and passes
@@ -1341,3 +1356,9 @@ def _moves_none(optimizer: Optimizer) -> bool:
         if (type(rate) is not float and type(rate) is not int) or rate != 0:
             return False
     return True
+
+
+def _still_updated(alert: Alert) -> bool:
+    """A not_optimized finding of weights that do move (an optimizer the monitor was
+    not given, a hand-written update): it leaves a stall of theirs to be told."""
+    return str(alert.data.get("kind", "")).startswith("unwatched")

@@ -8,6 +8,8 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
+from trainwatch.layers import ParamInfo
+from trainwatch.process_steps import OriginTold
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names, unless_clipping
 from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE, GRADIENT_OVERFLOW
@@ -399,7 +401,13 @@ class NonfiniteParameterRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         step = record.nonfinite_params_step
         step = record.step if step is None else step
-        if record.nonfinite_params_written:
+        written = record.nonfinite_params_written
+        if isinstance(written, OriginTold):
+            return [
+                _knock_on(self, step, owner, params, record.optimizer, written)
+                for owner, params in by_owner(record.nonfinite_params).items()
+            ]
+        if written:
             return [
                 self.alert(
                     step,
@@ -433,3 +441,39 @@ class NonfiniteParameterRule(Rule):
             )
             for owner, params in by_owner(record.nonfinite_params).items()
         ]
+
+
+def _knock_on(
+    rule: Rule,
+    step: int,
+    owner: str,
+    params: list[ParamInfo],
+    optimizer: int | None,
+    origin: OriginTold,
+) -> Alert:
+    """Weights the training code wrote non-finite after another model's NaN/Inf was
+    reported: copied from that model (an EMA update, a target network's sync),
+    its cascade; told once, as info, naming the origin it follows."""
+    model = f"{origin.model}'s" if origin.model else "another watched model's"
+    where = f" in `{origin.module}`" if origin.module else ""
+    return rule.alert(
+        step,
+        owner,
+        f"{short_names(params)} became non-finite before step {step}'s forward, written "
+        f"by the training code after {model} NaN/Inf reported at step {origin.step}"
+        f"{where} ({origin.rule}): copied from that model (an EMA or target-network "
+        "update), its knock-on, not a second origin",
+        f"fix the origin reported in {origin.model or 'that model'}; these weights follow it",
+        {
+            "parameters": [p.name for p in params],
+            "optimizer": optimizer,
+            "cause": "written",
+            "follows": {
+                "rule": origin.rule,
+                "model": origin.model,
+                "module": origin.module,
+                "step": origin.step,
+            },
+        },
+        severity="info",
+    )

@@ -27,6 +27,7 @@ from trainwatch.collect.nonfinite_replay import NOT_REPLAYED
 from trainwatch.collect.tensors import local_part
 from trainwatch.halt_sync import running_distributed
 from trainwatch.layers import ParamInfo, own_parameters
+from trainwatch.process_steps import ORIGINS_TOLD, OriginTold
 from trainwatch.record import AmpReport, NonfiniteReport, StepRecord
 
 # The cause of a gradient that overflowed fp16 where it entered the model's output.
@@ -42,9 +43,18 @@ def knock_on(reported: Collection[str]) -> bool:
     The one place this is decided: once a non-finite origin was reported,
     what follows (weights poisoned by its update, every later loss) is its
     cascade, never a second origin. ``reported`` holds the rule ids that
-    have fired so far.
+    have fired so far in this monitor; another model's origin reaches it
+    only through weights the training code copies (``_written_after``).
     """
     return any(rule.startswith("nonfinite") for rule in reported)
+
+
+def _written_after() -> OriginTold | None:
+    """The NaN/Inf another monitor of the process reported before weights of this
+    model were written non-finite: the copy it came through (an EMA, a target
+    network's update) makes them its knock-on. This monitor's own origins are
+    ``knock_on``'s, decided before; so any told here is another model's."""
+    return ORIGINS_TOLD.first()
 
 
 def _finite(value: float) -> bool:
@@ -249,7 +259,7 @@ class NonfiniteJudge:
                 # Written in place since the last update (a clamp, a checkpoint
                 # loaded, a copy): the training code made them, before this forward.
                 record.nonfinite_params = [info(p) for p in bad_params]
-                record.nonfinite_params_written = True
+                record.nonfinite_params_written = _written_after() or True
                 return True
             if info is not None and record.step > 0:
                 # Finite gradients, non-finite weights: the last update made them.

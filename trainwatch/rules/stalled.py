@@ -97,8 +97,8 @@ class StalledTrainingRule(Rule):
         self._peak_rate = max(
             [self._peak_rate, *report.learning_rates, *report.initial_learning_rates]
         )
-        if report.steps < config.warmup:
-            return []
+        if report.steps < config.warmup or report.left_out_told:
+            return []  # (left out of every optimizer: not_optimized's finding, told)
         still = report.change is not None and report.change < config.min_change
         if still and self._loss_flat(self._first_losses):
             self._fired = True
