@@ -461,9 +461,10 @@ def _knock_on(
         owner,
         f"{short_names(params)} became non-finite before step {step}'s forward, written "
         f"by the training code after {model} NaN/Inf reported at step {origin.step}"
-        f"{where} ({origin.rule}): copied from that model (an EMA or target-network "
-        "update), its knock-on, not a second origin",
-        f"fix the origin reported in {origin.model or 'that model'}; these weights follow it",
+        f"{where} ({origin.rule}): most likely copied from that model (an EMA or "
+        "target-network update), its knock-on, not a second origin",
+        f"fix the origin reported in {origin.model or 'that model'} first; if these weights "
+        "take nothing from that model, look at the code that writes them",
         {
             "parameters": [p.name for p in params],
             "optimizer": optimizer,
