@@ -203,3 +203,52 @@ def test_the_log_of_a_variance_gone_negative_is_hinted_at_softplus_not_only_log_
     (alert,) = [a for a in monitor.alerts if a.rule == "nonfinite_forward"]
     assert (alert.module, alert.data["op"]) == ("", "aten::log")
     assert "softplus" in alert.hint and "log_softmax" in alert.hint
+
+
+class Transcriber(nn.Module):
+    """A 1-D conv front-end and a GRU, log-probabilities per frame for CTC."""
+
+    def __init__(self, classes: int = 6) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.rnn = nn.GRU(16, 16, batch_first=True)
+        self.out = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x)).transpose(1, 2)
+        return self.out(self.rnn(h)[0]).log_softmax(-1).transpose(0, 1)  # (T, N, C)
+
+
+def _ctc_alerts(target_length: int, zero_infinity: bool) -> list[tw.Alert]:
+    torch.manual_seed(0)
+    model = Transcriber()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ctc = nn.CTCLoss(zero_infinity=zero_infinity)
+    frames = 10
+    with tw.watch(model, opt, console=False) as monitor:
+        for _ in range(3):
+            x = torch.randn(4, 8, frames)
+            targets = torch.randint(1, 6, (4, target_length))
+            loss = ctc(
+                model(x),
+                targets,
+                torch.full((4,), frames),
+                torch.full((4,), target_length),
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return monitor.alerts
+
+
+def test_a_ctc_target_longer_than_its_input_is_named_in_the_loss_hint():
+    alerts = [a for a in _ctc_alerts(target_length=14, zero_infinity=False) if a.severity != "info"]
+    assert alerts and alerts[0].rule == "nonfinite_loss"
+    assert "zero_infinity=True" in alerts[0].hint
+
+
+def test_ctc_targets_that_fit_their_input_or_zero_infinity_raise_nothing():
+    assert _ctc_alerts(target_length=4, zero_infinity=False) == []
+    assert [
+        a for a in _ctc_alerts(target_length=14, zero_infinity=True) if a.severity != "info"
+    ] == []

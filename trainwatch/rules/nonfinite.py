@@ -387,7 +387,9 @@ class NonfiniteLossRule(_ReportRule):
                 report,
                 "the loss function made it: a log of a probability that reached 0 "
                 "(use cross_entropy / BCEWithLogitsLoss), NaN or Inf in the targets, "
-                "a division by a zero count (an empty mask), or an error so large that "
+                "a division by a zero count (an empty mask), a CTC target its input "
+                "cannot align to (ctc_loss gives inf: a target longer than its input "
+                "after downsampling; pass zero_infinity=True), or an error so large that "
                 "its square overflows (a target far outside the data's range)",
             ),
         )
