@@ -329,3 +329,23 @@ class StepRecord:
 
 # Made at every step (trainwatch.fresh): new_step_record(step), the rest at defaults.
 new_step_record = fresh_maker(StepRecord)
+
+
+@dataclass
+class WipedReport:
+    """An optimizer's steps in a row each of whose backward passes after the first
+    began on the previous one's gradients wiped (zero_grad() inside the
+    accumulation loop): each step applied only its last backward's gradients."""
+
+    since: int  # the first of those steps
+    steps: int
+    backward_passes: int  # per step (the latest step's)
+    wiped: int  # of them, how many were wiped before the step
+
+
+@dataclass(slots=True)
+class BetweenBackwardsRecord(StepRecord):
+    """Not a step's record: a finding about the backward passes between an
+    optimizer's steps (``source`` "between_backwards"), its parameters in ``present``."""
+
+    wiped: WipedReport | None = None

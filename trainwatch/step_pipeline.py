@@ -27,6 +27,8 @@ from trainwatch import clip_hook, registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
+from trainwatch.collect.between_backwards import IDLE_STEPS as WIPES_IDLE_STEPS
+from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
@@ -60,7 +62,13 @@ from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
 from trainwatch.layers import EXTERNAL, LayerMap, ParamInfo, names_outside
 from trainwatch.process_steps import PROCESS_STEPS
-from trainwatch.record import AmpReport, ClassTargets, NonfiniteReport, StepRecord
+from trainwatch.record import (
+    AmpReport,
+    BetweenBackwardsRecord,
+    ClassTargets,
+    NonfiniteReport,
+    StepRecord,
+)
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_watch import SetupWatch
@@ -206,6 +214,10 @@ class StepPipeline:
         self.tracker = GradResetTracker(on_error, "accumulation_tracker" in needs)
         self.tracker.attach(layers.parameters())
         self.passes.subscribe("accumulation tracker", self.tracker, starts=False)
+        if "zero_gradient" in self._rule_ids:
+            # zero_grad() between the backward passes of a step is looked for.
+            self.tracker.follow_wipes = self.passes
+        self._wiped_steps = WipedSteps(config.zero_gradient.patience)
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         # PROCESS_STEPS.taken when the latest optimizer step with a closure began.
         self._closure_taken = -1
@@ -484,6 +496,32 @@ class StepPipeline:
         step_calls.follow(found)
         if step_calls.following and not self.passes.listens(step_calls):
             self.passes.subscribe("step calls", step_calls)
+
+    def _judge_wipes(self, index: int, now: int, params: list[torch.Tensor]) -> None:
+        """Whether this step of optimizer ``index`` applied only its last backward's
+        gradients, zero_grad() having wiped each earlier one's; told (zero_gradient,
+        ``reset_between_backwards``) once that held for ``patience`` steps in a row."""
+        tracker = self.tracker
+        look = tracker.wipes
+        if look is None or index in self._wiped_steps.told:
+            return
+        found = self._wiped_steps.judge(index, look.run, now, look.verdict(params))
+        if look.idle >= WIPES_IDLE_STEPS:
+            tracker.stop_following()  # a one-off second backward (a probe) started it
+        if found is None:
+            return
+        if len(self._wiped_steps.told) >= len(self._optimizers):
+            tracker.stop_following()  # every optimizer told: nothing left to look for
+            tracker.follow_wipes = None
+        record = BetweenBackwardsRecord(
+            step=found.since,
+            source="between_backwards",
+            optimizer=index,
+            optimizer_class=type(self._optimizers[index]).__name__,
+        )
+        record.present = [self.layers.info(p) for p in params if p in self.layers]
+        record.wiped = found
+        self._dispatcher.publish(self.rules.evaluate(record))
 
     def _check_parameters(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
         """Norms of the weights just updated: one batched kernel, read with the step."""
@@ -851,6 +889,8 @@ class StepPipeline:
                 self._guarded("gradient reset check", self.tracker.rewritten_since_backward, params)
                 is True
             )
+            if self.tracker.wipes is not None:  # a step with several backward passes
+                self._guarded("reset between backwards", self._judge_wipes, index, now, params)
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)
             self.restarted.clear()

@@ -40,6 +40,7 @@ from torch.autograd import Variable
 from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch.collect.between_backwards import BetweenBackwards
 from trainwatch.collect.tensors import all_plain, floating_list, local_part
 from trainwatch.hooks import WeakHook, hook_pass_tensor
 from trainwatch.process_steps import PROCESS_STEPS
@@ -153,6 +154,11 @@ class _ParamState:
 #       or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)))
 
 
+# ``left`` after a step boundary while zero_grad() between backward passes is
+# looked for: nothing noted (as None), but the boundary's checks still run.
+_NOTHING_LEFT: dict[int, tuple[int, int]] = {}
+
+
 def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool:
     """Every gradient of the snapshot was reset (set to None, replaced or zeroed in
     place), told in C loops; False where any may not have been."""
@@ -238,6 +244,15 @@ class GradResetTracker:
         # One of each hook object, reused every pass.
         self._starts = WeakHook(self, "backward_starts")
         self._ends = WeakHook(self, "backward_ends")
+        # On the outputs of passes made after a step's first backward found its
+        # gradients reset (an accumulation loop's later micro-batches).
+        self._later_starts = WeakHook(self, "later_backward_starts")
+        # The model's passes, where zero_grad() between the backward passes of a
+        # step is looked for (None: not looked for), and that look once started
+        # (by a second backward pass of a step: see BetweenBackwards).
+        self.follow_wipes: Any = None
+        self.wipes: BetweenBackwards | None = None
+        self._wipes_listener: RemovableHandle | None = None
         # Told when a backward through the model has ended (``on_backward_end``);
         # an OrderedDict, which RemovableHandle can refer to weakly.
         self._end_listeners: OrderedDict[int, Callable[[], None]] = OrderedDict()
@@ -274,6 +289,7 @@ class GradResetTracker:
                 self._fallback = last.register_hook(self._starts)
 
     def detach(self) -> None:
+        self.stop_following()
         if self._fallback is not None:
             self._fallback.remove()
             self._fallback = None
@@ -296,9 +312,12 @@ class GradResetTracker:
         any of them accumulates. An output dropped unused (an action chosen with
         grad on) leaves no waiting hook, and the next pass's output gets one.
         Once this step's gradients were all found reset, later backward passes
-        of the step are accumulation by design: no hook at all.
+        of the step are accumulation by design, with a hook only to see whether
+        each began on the previous one's gradients wiped (``_hook_later_pass``).
         """
         if not self.enabled or self._snapshot_reset or not torch.is_grad_enabled():
+            if self._snapshot_reset and self.follow_wipes is not None:
+                self._hook_later_pass(output)
             return
         hooked = self._hooked_output
         if hooked is not None and hooked() is not None:
@@ -310,6 +329,17 @@ class GradResetTracker:
                 # leaves about 8 bytes behind for good (traced over 2,000 passes).
                 placed = hook_pass_tensor(tensor, self._starts)
                 self._hooked_output = placed[0] if placed is not None else None
+                return
+
+    def _hook_later_pass(self, output: object) -> None:
+        """A pass after the step's first backward (its gradients found reset): its
+        backward is looked at as it begins, where zero_grad() between the backward
+        passes is looked for. One hook per such pass, as on the step's first."""
+        if not self.enabled or self.track_reached or not torch.is_grad_enabled():
+            return
+        for tensor in floating_list(output):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                hook_pass_tensor(tensor, self._later_starts)
                 return
 
     # -- backward ----------------------------------------------------------
@@ -329,7 +359,8 @@ class GradResetTracker:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
         # Asked without the stale-gradient check too: gradients found reset leave
-        # backward's end nothing to note (see note_left).
+        # backward's end nothing to note (see note_left). A later backward of the
+        # step comes back here as cheaply (its pass's hook has had its look).
         if snapshot is not None and (self._snapshot_reset or _all_reset(snapshot)):
             self._snapshot_reset = True  # later backward passes of the step too
             self._stale = []
@@ -342,6 +373,10 @@ class GradResetTracker:
             return
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._ends)
+        if self.left is not None and self.wipes is None and self.follow_wipes is not None:
+            # A second backward since the step, its first noted (the first steps,
+            # several optimizers): looked at from here on.
+            self._start_following(self.left)
         if not self.check_resets:
             return
         closure = self._closure
@@ -379,6 +414,88 @@ class GradResetTracker:
             grads = [state.param.grad.detach() for state in suspects]
             for state, norm in zip(suspects, _max_abs(grads)):
                 state.content = norm
+
+    def later_backward_starts(self, grad: torch.Tensor | None = None) -> None:
+        """A backward reaching a pass made after the step's first backward: a second
+        backward pass of the step. From here on each backward is looked at (see
+        BetweenBackwards); this one's predecessor was not, so it says nothing yet."""
+        if (
+            self.enabled
+            and self.wipes is None
+            and self.follow_wipes is not None
+            and not self.track_reached
+            and not self._in_backward
+        ):
+            self._start_following(None)
+        self.backward_starts(grad)
+
+    def following_starts(self, grad: torch.Tensor | None = None) -> None:
+        """``backward_starts`` while zero_grad() between backward passes is looked
+        for: first the look, before any gradient of this backward accumulates."""
+        look = self.wipes
+        if self.enabled and not self._in_backward and look is not None:
+            try:
+                look.starts()
+            except Exception as exc:
+                self.stop_following()
+                self._on_error("reset between backwards", exc)
+        self.backward_starts(grad)
+
+    def _start_following(self, seed: dict[int, tuple[int, int]] | None) -> None:
+        """Each backward is looked at as it begins and ends, until stop_following,
+        from this one, a later backward of its run; ``seed``: what the one before
+        it left, where noted (None: it says nothing)."""
+        try:
+            look = self.wipes = BetweenBackwards(self._states, self.follow_wipes, seed)
+            self._starts.method = "following_starts"
+            self._later_starts.method = "following_starts"
+            self._wipes_listener = self.on_backward_end(self._wipes_backward_ended)
+            self.follow_wipes.subscribe("reset between backwards", look, starts=False)
+            self.arm = self._arm_following  # type: ignore[method-assign]
+            look.starts()
+        except Exception as exc:
+            self.stop_following()
+            self.follow_wipes = None
+            self._on_error("reset between backwards", exc)
+
+    def _arm_following(
+        self, params: Sequence[torch.Tensor], whole: bool = False, writes_may_follow: bool = False
+    ) -> None:
+        """``arm``, leaving a note of nothing where it forgets the latest backward's:
+        the step boundary of another optimizer stepping after the same backward
+        passes (a backbone's and a head's) still judges them."""
+        GradResetTracker.arm(self, params, whole, writes_may_follow)
+        self.left = _NOTHING_LEFT
+
+    def stop_following(self) -> None:
+        """Back to the usual hooks; the look's next start begins afresh."""
+        look, self.wipes = self.wipes, None
+        if look is None:
+            return
+        self._starts.method = "backward_starts"
+        self._later_starts.method = "later_backward_starts"
+        self.__dict__.pop("arm", None)
+        if self.left is _NOTHING_LEFT:
+            self.left = None
+        if self._wipes_listener is not None:
+            self._wipes_listener.remove()
+            self._wipes_listener = None
+        if self.follow_wipes is not None and self.follow_wipes.listens(look):
+            self.follow_wipes.unsubscribe(look)
+        look.close()
+
+    def _wipes_backward_ended(self) -> None:
+        """What this backward left, for the next backward's look."""
+        look = self.wipes
+        if look is None or not self.enabled:
+            return
+        try:
+            if self._snapshot_reset or not self.left:
+                self.note_left()  # not noted by backward_ends on this path
+            look.ended(self.left)  # type: ignore[arg-type]
+        except Exception as exc:
+            self.stop_following()
+            self._on_error("reset between backwards", exc)
 
     def on_backward_end(self, callback: Callable[[], None]) -> RemovableHandle:
         """Call ``callback`` when each backward that reached the model has ended, every

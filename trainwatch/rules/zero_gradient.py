@@ -8,7 +8,7 @@ from typing import Any
 from trainwatch.alert import Alert
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
-from trainwatch.record import StepRecord
+from trainwatch.record import BetweenBackwardsRecord, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.trainable_parameters import common_module
 
@@ -119,6 +119,12 @@ _RESET_HINT = (
     "backward (or right after optimizer.step()); with gradient accumulation, after "
     "the step."
 )
+_WIPED_HINT = (
+    "zero_grad() sits inside the gradient-accumulation loop, so each micro-batch wipes "
+    "the gradients the earlier ones left. Move optimizer.zero_grad() to right after "
+    "optimizer.step(), inside the `if` that steps (or before the first micro-batch of "
+    "each accumulation window only)."
+)
 _RESET_HOW = {"set_to_none": "set to None", "zeroed_in_place": "zeroed in place"}
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
@@ -182,6 +188,8 @@ class ZeroGradientRule(Rule):
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
+            if record.source == "between_backwards":
+                return self._reset_between_backwards(record)  # type: ignore[arg-type]
             return []
         # Under DDP the next iteration fails when a layer of the optimizer's is
         # never called: that is worth saying at once, not after `patience`.
@@ -441,6 +449,37 @@ class ZeroGradientRule(Rule):
                     "since_step": since,
                     "steps": count,
                     "optimizer": record.optimizer,
+                },
+            )
+        ]
+
+    def _reset_between_backwards(self, record: BetweenBackwardsRecord) -> list[Alert]:
+        """Found by the step pipeline, once per optimizer, after ``patience`` steps."""
+        found = record.wiped
+        if found is None:
+            return []
+        names = [info.name for info in record.present]
+        passes, wiped = found.backward_passes, found.wiped
+        return [
+            self.alert(
+                found.since,
+                common_module([info.owner for info in record.present]),
+                f"the optimizer steps once every {passes} backward passes, but zero_grad() "
+                f"ran before each of them: only the last backward's gradients reach each "
+                f"step, the other {wiped} {'is' if wiped == 1 else 'are'} wiped (in "
+                f"{found.steps} consecutive steps since step {found.since}): each update "
+                f"learns from a batch {passes}x smaller than meant (and, with the loss "
+                f"divided by {passes} for the accumulation, takes a {passes}x smaller step)",
+                _WIPED_HINT,
+                {
+                    "kind": "reset_between_backwards",
+                    "backward_passes": passes,
+                    "wiped": wiped,
+                    "optimizer": record.optimizer,
+                    "parameters": names[:50],
+                    "count": len(names),
+                    "since_step": found.since,
+                    "steps": found.steps,
                 },
             )
         ]
