@@ -24,6 +24,7 @@ from torch import nn
 from tests.conftest import batches, rules_of
 from tests.lightning_models import BoringNet, quiet_trainer
 from trainwatch.cli import main as cli_main
+from trainwatch.collect.between_backwards import SETTLED_STEPS
 from trainwatch.lightning import TrainWatchCallback
 
 F = nn.functional
@@ -83,6 +84,19 @@ def test_zero_grad_after_the_step_is_silent(quiet_watch, how, accum):
     monitor = quiet_watch(model, opt)
     _accumulate(model, opt, accum, "after", RESETS[how])
     assert monitor.step_count == 5
+    assert rules_of(monitor) == []
+
+
+def test_accumulating_as_intended_settles_and_the_look_comes_off(quiet_watch):
+    """A loop that accumulates as intended pays for the look over its first steps only."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = quiet_watch(model, opt)
+    tracker = monitor._pipeline.tracker
+    _accumulate(model, opt, 4, "after", steps=3)
+    assert tracker.wipes is not None  # looking
+    _accumulate(model, opt, 4, "after", steps=SETTLED_STEPS)
+    assert tracker.wipes is None and tracker.follow_wipes is None
     assert rules_of(monitor) == []
 
 

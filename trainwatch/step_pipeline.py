@@ -508,11 +508,12 @@ class StepPipeline:
         found = self._wiped_steps.judge(index, look.run, now, look.verdict(params))
         if look.idle >= WIPES_IDLE_STEPS:
             tracker.stop_following()  # a one-off second backward (a probe) started it
+        if all(map(self._wiped_steps.settled, range(len(self._optimizers)))):
+            # Every optimizer told, or accumulating as intended: nothing left to look for.
+            tracker.stop_following()
+            tracker.follow_wipes = None
         if found is None:
             return
-        if len(self._wiped_steps.told) >= len(self._optimizers):
-            tracker.stop_following()  # every optimizer told: nothing left to look for
-            tracker.follow_wipes = None
         record = BetweenBackwardsRecord(
             step=found.since,
             source="between_backwards",

@@ -49,6 +49,10 @@ _FOREIGN_NODES = 32
 # Steps in a row with no second backward pass before the look stops (a one-off
 # probe started it); the next second backward starts it again.
 IDLE_STEPS = 50
+# Steps in a row of an optimizer whose several backward passes accumulated (none
+# wiped the one before) that settle it: a loop accumulating as intended pays for
+# the look over its first steps only.
+SETTLED_STEPS = 20
 # Runs numbered across every look of the process (a look stopped and started
 # again goes on counting: a step's verdicts are told apart by their run).
 _RUNS = count(1)
@@ -308,6 +312,12 @@ class WipedSteps:
         # Per optimizer: (run, step, held, backward passes, wiped), the latest last.
         self._latest: dict[int, list[tuple[int, int, bool, int, int]]] = {}
         self.told: set[int] = set()
+        # Per optimizer: steps in a row whose backward passes accumulated as intended.
+        self._accumulating: dict[int, int] = {}
+
+    def settled(self, index: int) -> bool:
+        """Told, or seen accumulating as intended for ``SETTLED_STEPS`` steps in a row."""
+        return index in self.told or self._accumulating.get(index, 0) >= SETTLED_STEPS
 
     def judge(
         self, index: int, run: int, step: int, verdict: tuple[int, int, bool]
@@ -317,6 +327,10 @@ class WipedSteps:
         if index in self.told:
             return None
         passes, wiped, held = verdict
+        if passes >= 2 and wiped == 0:
+            self._accumulating[index] = self._accumulating.get(index, 0) + 1
+        elif passes >= 2:
+            self._accumulating[index] = 0
         latest = self._latest.setdefault(index, [])
         if latest and latest[-1][0] == run:
             latest[-1] = (run, latest[-1][1], held, passes, wiped)
