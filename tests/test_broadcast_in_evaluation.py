@@ -800,3 +800,60 @@ def test_under_run_a_lightning_test_after_fit_is_audited_afresh(tmp_path, arg):
 )
 def test_under_run_a_plain_loops_test_set_is_audited_afresh(tmp_path, where, expected):
     assert _run_alerts(tmp_path, _PLAIN, where) == expected
+
+
+def _shared_loss(out, y):
+    return ((out - y) ** 2).mean()  # SHARED-BUG: one helper for training and validation
+
+
+def _fit_with_shared_loss(model, opt, steps: int, evaluate_first: bool) -> None:
+    """A loop whose training and validation call one loss helper; validated before
+    training starts (a baseline, as Lightning's sanity check does) or after."""
+    evaluate = _evaluation(model, _shared_loss)
+    if evaluate_first:
+        evaluate()
+    for x, y in batches(steps):
+        opt.zero_grad()
+        _shared_loss(model(x), y.squeeze(-1)).backward()
+        opt.step()
+    evaluate()
+
+
+def test_an_evaluation_told_first_does_not_absorb_the_training_finding(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit_with_shared_loss(model, opt, 4, evaluate_first=True)
+    evaluation, training = _broadcasts(monitor)
+    assert evaluation.data["phase"] == "evaluation" and evaluation.step == 0
+    assert training.data["phase"] == "training" and training.step == 0
+    assert "collapses to predicting the target mean" in training.hint
+    assert "training itself may be sound" not in training.hint
+    source = f"test_broadcast_in_evaluation.py:{_line('SHARED-BUG')}"
+    assert evaluation.data["source"].endswith(source) and training.data["source"].endswith(source)
+
+
+def test_a_line_told_in_training_is_not_told_again_for_an_evaluation(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    _fit_with_shared_loss(model, opt, 4, evaluate_first=False)
+    (alert,) = _broadcasts(monitor)
+    assert alert.data["phase"] == "training"
+
+
+def test_a_healthy_shared_loss_evaluated_first_is_silent(quiet_watch):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    evaluate = _evaluation(model, _healthy)
+    evaluate()
+    for x, y in batches(4):
+        opt.zero_grad()
+        _healthy(model(x), y.squeeze(-1)).backward()
+        opt.step()
+    evaluate()
+    assert rules_of(monitor) == []

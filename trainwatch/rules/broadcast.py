@@ -44,10 +44,20 @@ def _squeezes(high: tuple[int, ...], low: tuple[int, ...]) -> tuple[str, str]:
 
 
 class BroadcastRule(Rule):
+    """One finding for training and one for evaluation: an evaluation seen first (a
+    Lightning sanity check, a baseline validation before training) must not absorb
+    the training finding a shared loss helper raises next, whose hint is not the
+    evaluation's "training itself may be sound". A line told in training is not
+    told again for an evaluation: the same fix mends both."""
+
     id = "broadcast"
     needs = frozenset({"broadcast_audit"})
     reads = "broadcasts"
     config: BroadcastConfig
+
+    def __init__(self, config: BroadcastConfig) -> None:
+        super().__init__(config)
+        self.training_sources: set[str] = set()  # the lines told in training
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         alerts = []
@@ -56,6 +66,19 @@ class BroadcastRule(Rule):
             high, low = (first, second) if len(first) > len(second) else (second, first)
             where = f" at {found.source}" if found.source else ""
             evaluation = found.phase == "evaluation"
+            if evaluation and found.source and found.source in self.training_sources:
+                continue
+            if not evaluation and found.source:
+                self.training_sources.add(found.source)
+            data = {
+                "op": found.op,
+                "shapes": [list(s) for s in found.shapes],
+                "result": list(found.result),
+                "source": found.source,
+                "phase": found.phase,
+            }
+            if evaluation:
+                data["finding"] = "evaluation"  # counted apart from training's
             squeeze, reshape = _squeezes(high, low)
             alerts.append(
                 self.alert(
@@ -68,13 +91,7 @@ class BroadcastRule(Rule):
                     f"make the shapes equal before the op: squeeze the {_shape(high)} "
                     f"side ({squeeze}) or reshape the {_shape(low)} side to match "
                     f"({reshape}); " + (_EVALUATION if evaluation else _TRAINING),
-                    {
-                        "op": found.op,
-                        "shapes": [list(s) for s in found.shapes],
-                        "result": list(found.result),
-                        "source": found.source,
-                        "phase": found.phase,
-                    },
+                    data,
                 )
             )
         return alerts
