@@ -256,3 +256,36 @@ def test_trainwatch_run_groups_the_flood_on_its_console_and_writes_every_alert(t
     assert len(_alert_lines(err, "zero_gradient")) == 1
     assert "and 5 more modules with the same finding: encoder.1, encoder.2," in err
     assert len([r for r in _jsonl(tmp_path / "log") if r["rule"] == "zero_gradient"]) == 6
+
+
+def test_a_partial_freeze_another_optimizer_or_another_model_is_a_finding_of_its_own():
+    out = io.StringIO()
+    whole = _flood("frozen_in_optimizer", 4, trainable=0, optimizer=0)
+    partial = [
+        dataclasses.replace(a, module=f"adapter.{i}")
+        for i, a in enumerate(_flood("frozen_in_optimizer", 1, trainable=1, optimizer=0))
+    ]
+    other_optimizer = [
+        dataclasses.replace(a, module=f"head.{i}")
+        for i, a in enumerate(_flood("frozen_in_optimizer", 1, trainable=0, optimizer=1))
+    ]
+    ConsoleSink(out, width=400).emit_many([*whole, *partial, *other_optimizer])
+    lines = out.getvalue().splitlines()
+    assert [line.split(": ")[0] for line in lines] == [
+        "trainwatch step 3 WARNING frozen_in_optimizer [layers.0]",
+        "  and 3 more modules with the same finding",
+        "trainwatch step 3 WARNING frozen_in_optimizer [adapter.0]",
+        "trainwatch step 3 WARNING frozen_in_optimizer [head.0]",
+    ]
+
+
+def test_the_summary_keeps_two_models_rows_apart_under_run():
+    generator = _flood("frozen_in_optimizer", 2, model="G")
+    critic = [
+        dataclasses.replace(a, module=f"D:{a.module}")
+        for a in _flood("frozen_in_optimizer", 2, model="D")
+    ]
+    summary = Summary(4, [AlertTally(a, 1, 3) for a in [*generator, *critic]], {})
+    out = io.StringIO()
+    Console(file=out, width=200).print(ConsoleSink.render_summary(summary))
+    assert "more" not in out.getvalue()

@@ -54,9 +54,11 @@ def _fold(items: Sequence[T], key: Callable[[T], Hashable | None]) -> list[list[
 
 
 def _same_finding(alert: Alert) -> Hashable | None:
-    """Alerts of one publish that say the same thing of different modules (a rule's
-    kinds and causes are different findings: a layer without a gradient is not
-    one whose gradient is zero)."""
+    """Alerts of one publish that say the same thing of different modules: a rule's
+    kinds and causes are different findings (a layer without a gradient is not
+    one whose gradient is zero), and so are different optimizers, different
+    models under ``trainwatch run``, and a module frozen whole against one frozen
+    in part beside trainable parameters (a name filter too broad)."""
     if alert.module is None:
         return None
     data = alert.data
@@ -65,9 +67,12 @@ def _same_finding(alert: Alert) -> Hashable | None:
         alert.severity,
         alert.step,
         data.get("rank"),
+        data.get("model"),
+        data.get("optimizer"),
         data.get("finding"),
         data.get("kind"),
         data.get("cause"),
+        bool(data.get("trainable")),
     )
 
 
