@@ -226,6 +226,8 @@ def test_a_loss_module_left_out_of_the_optimizer_is_told_once(tmp_path):
     assert [(a["rule"], a["data"].get("kind"), a["data"].get("model")) for a in found] == [
         ("not_optimized", "never_updated", "UncertaintyWeightedLoss")
     ]
+    # Its loss audit's mode, entered at each pass given the targets, came off with it.
+    assert torch._C._len_torch_function_stack() == 0
 
 
 def test_a_loss_module_in_the_optimizer_is_silent(tmp_path):

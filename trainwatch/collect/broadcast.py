@@ -533,6 +533,11 @@ class BroadcastAudit:
             return
         if not torch.is_grad_enabled():
             return
+        if self._depth is not None:
+            # Our mode is still on the stack, waiting for one above it to leave
+            # (asked from inside a handler): entering it again would leave a
+            # second copy behind for good once the first one leaves.
+            return
         labels = _label_tensors(module, *inputs)
         if not labels or not _stack_is_ours_to_use():
             return
