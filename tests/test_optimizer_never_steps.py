@@ -740,3 +740,24 @@ def test_trainwatch_run_takes_no_gradient_left_behind_for_an_optimizer_never_ste
     body = LINEAR_PROBE if script == "linear_probe" else SALIENCY_THEN_DISTILL
     found = [(a["rule"], a["data"].get("kind")) for a in _run_alerts(tmp_path, body, how)]
     assert found == ([("not_optimized", "optimizer_never_steps")] if how == "forget" else [])
+
+
+def test_lightning_toggle_optimizer_does_not_show_the_generator_frozen_in_the_setup_table(
+    tmp_path,
+):
+    """The audit is made at a step of the toggled GAN: the table still shows every
+    parameter trainable, as the model is."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.lightning_models import quiet_trainer
+    from trainwatch.lightning import TrainWatchCallback
+
+    torch.manual_seed(0)
+    callback = TrainWatchCallback(console=False)
+    data = DataLoader(TensorDataset(torch.randn(32 * 4, 2)), batch_size=32)
+    gan = _ToggledGAN.build(True)
+    quiet_trainer(tmp_path, [callback], max_epochs=1).fit(gan, data)
+    audit = callback.monitor.setup_audit
+    total = sum(p.numel() for p in gan.parameters())
+    assert audit.trainable == total
+    assert all(p.requires_grad for p in gan.parameters())  # put back as they were

@@ -10,8 +10,10 @@ that backward gave some trainable parameter a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -37,7 +39,8 @@ class SetupWatch:
         """A new audit, and the record its rule judges (optimizer coverage)."""
         self.due = False
         revision = self.latest.revision + 1 if self.latest is not None else 0
-        audit = build_audit(root, optimizers, revision=revision, step=max(step, 0))
+        with _untoggled(root):
+            audit = build_audit(root, optimizers, revision=revision, step=max(step, 0))
         self.latest = audit
         # Where the trainable ones sit (adapters at the module holding the pair).
         inner = [row.module for row in audit.locations if row.section == "trainable"]
@@ -63,3 +66,27 @@ class SetupWatch:
             unreached=list(record.missing),
             never_called=record.never_called,
         )
+
+
+@contextmanager
+def _untoggled(root: nn.Module) -> Iterator[None]:
+    """The parameters' own ``requires_grad`` while the audit is made.
+
+    Lightning's ``toggle_optimizer`` (a manual-optimisation GAN's recipe) freezes
+    every parameter the stepping optimizer does not hold, for the while, and
+    keeps their flags in ``_param_requires_grad_state``: an audit made then
+    would show the generator frozen at the discriminator's step. Outside any
+    autograd op (the step boundary), flipping them back and forth is harmless.
+    """
+    saved = getattr(root, "_param_requires_grad_state", None)
+    if not isinstance(saved, dict) or not saved:
+        yield
+        return
+    toggled = [(p, p.requires_grad) for p in saved if isinstance(p, torch.Tensor) and p.is_leaf]
+    try:
+        for param, _ in toggled:
+            param.requires_grad_(bool(saved[param]))
+        yield
+    finally:
+        for param, flag in toggled:
+            param.requires_grad_(flag)
