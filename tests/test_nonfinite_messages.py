@@ -252,3 +252,39 @@ def test_ctc_targets_that_fit_their_input_or_zero_infinity_raise_nothing():
     assert [
         a for a in _ctc_alerts(target_length=14, zero_infinity=True) if a.severity != "info"
     ] == []
+
+
+class MeanPooled(nn.Module):
+    """Token ids, a padding mask and a 0-d count handed along (as the Hugging Face
+    Trainer hands ``num_items_in_batch``); mean pooling divides by the mask's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids, mask, num_items_in_batch=None):
+        summed = (self.embed(ids) * mask[..., None]).sum(1)
+        pooled = summed / mask.sum(1, keepdim=True)  # 0/0 for a row of padding only
+        return self.head(pooled).squeeze(-1)
+
+
+def test_a_scalar_argument_is_not_told_as_the_passs_input_range():
+    torch.manual_seed(0)
+    model = MeanPooled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        for step in range(3):
+            ids = torch.randint(0, 20, (4, 6))
+            mask = torch.ones(4, 6)
+            if step == 1:
+                mask[2] = 0.0
+            out = model(ids, mask, num_items_in_batch=torch.tensor(16.0))
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    first = next(a for a in monitor.alerts if a.rule == "nonfinite_forward")
+    assert first.step == 1
+    assert "[16, 16]" not in first.message
+    assert first.data["input_min"] == 0.0 and first.data["input_max"] == 1.0  # the mask's

@@ -78,6 +78,7 @@ from trainwatch.collect.tensors import (
     finite_or_mask,
     floating_list,
     floating_tensors,
+    input_range,
     non_leaf,
     version_of,
 )
@@ -892,9 +893,9 @@ class NonfiniteProbe:
             finding.nonfinite_weights = bad_weights
             finding.weights_written = self.written_since_update(bad_weights)
         given = list(floating_tensors([args, kwargs]))
-        if given:
-            finding.input_min = min(float(t.detach().min()) for t in given)
-            finding.input_max = max(float(t.detach().max()) for t in given)
+        found = input_range(given)
+        if found is not None:
+            finding.input_min, finding.input_max = found
         if self.trace_ops and not given_bad:
             self.suspended = True
             try:
@@ -1191,10 +1192,9 @@ def _made_negative_inf(
         op_basis="re-run: made -inf from finite inputs",
     )
     finding.weights_nonfinite = False
-    inputs = [t for t in floating_tensors(given) if t.numel()]
-    if inputs:
-        finding.input_min = min(float(t.min()) for t in inputs)
-        finding.input_max = max(float(t.max()) for t in inputs)
+    found = input_range(floating_tensors(given))
+    if found is not None:
+        finding.input_min, finding.input_max = found
     return finding
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from trainwatch.collect import quiet
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding
 from trainwatch.collect.op_trace import _null, swapped_buffers
-from trainwatch.collect.tensors import floating_tensors, local_part
+from trainwatch.collect.tensors import floating_tensors, input_range, local_part
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
 from trainwatch.rng import forked_rngs
@@ -84,9 +84,9 @@ def unreplayed_origin(module: nn.Module, args: Any, kwargs: Any) -> NonfiniteFin
     finding.weights_nonfinite = not all(
         bool(torch.isfinite(local_part(p.detach())).all()) for p in module.parameters()
     )
-    if given:
-        finding.input_min = min(float(t.detach().min()) for t in given)
-        finding.input_max = max(float(t.detach().max()) for t in given)
+    found = input_range(given)
+    if found is not None:
+        finding.input_min, finding.input_max = found
     return finding
 
 

@@ -88,6 +88,19 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield tensor
 
 
+def input_range(tensors: Iterable[torch.Tensor]) -> tuple[float, float] | None:
+    """The smallest and largest value of a pass's floating inputs, for a message.
+
+    Scalars are left out: a 0-d argument is a setting or a count (a temperature,
+    the ``num_items_in_batch`` the Hugging Face Trainer hands a model), not data;
+    told as the input range it reads as if the data were constant.
+    """
+    data = [t.detach() for t in tensors if t.dim() > 0 and t.numel() > 0]
+    if not data:
+        return None
+    return min(float(t.min()) for t in data), max(float(t.max()) for t in data)
+
+
 def detached_copies(value: Any, memo: dict[int, Any] | None = None, depth: int = 0) -> Any:
     """``value`` with each tensor in it replaced by a detached copy.
 
