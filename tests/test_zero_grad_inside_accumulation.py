@@ -23,6 +23,7 @@ from torch import nn
 
 from tests.conftest import batches, rules_of
 from tests.lightning_models import BoringNet, quiet_trainer
+from tests.optimizer_wrappers import SAM
 from trainwatch.cli import main as cli_main
 from trainwatch.collect.between_backwards import SETTLED_STEPS
 from trainwatch.lightning import TrainWatchCallback
@@ -273,45 +274,6 @@ def test_per_loss_or_per_sample_gradients_combined_by_hand_are_silent(quiet_watc
             p.grad = t / 4
         opt.step()
     assert rules_of(monitor) == []
-
-
-class SAM(torch.optim.Optimizer):
-    """Sharpness-aware minimisation, as its reference implementation writes it."""
-
-    def __init__(self, params, base, rho: float = 0.05, **kwargs) -> None:
-        super().__init__(params, dict(rho=rho, **kwargs))
-        self.base_optimizer = base(self.param_groups, **kwargs)
-        self.param_groups = self.base_optimizer.param_groups
-
-    @torch.no_grad()
-    def first_step(self, zero_grad: bool = False) -> None:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.norm(torch.stack([g.norm(2) for g in grads]), 2)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    e_w = p.grad * (group["rho"] / (norm + 1e-12))
-                    p.add_(e_w)  # the weights move before the second backward
-                    self.state[p]["e_w"] = e_w
-        if zero_grad:
-            self.zero_grad()
-
-    @torch.no_grad()
-    def second_step(self, zero_grad: bool = False) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(self.state[p]["e_w"])
-        self.base_optimizer.step()
-        if zero_grad:
-            self.zero_grad()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        closure = torch.enable_grad()(closure)
-        self.first_step(zero_grad=True)
-        closure()
-        self.second_step()
 
 
 @pytest.mark.parametrize("how", ["first_and_second_step", "closure"])
