@@ -358,3 +358,84 @@ def test_control_a_branch_collapsed_to_its_bias_is_still_told():
             opt.step()
     found = [(a.rule, a.module) for a in monitor.alerts if a.rule == "constant_output"]
     assert ("constant_output", "2.f.2") in found
+
+
+# A PPO loop as written by hand: the policy's actions are drawn from its own
+# Normal(mu, std) during the rollout, and the loss's log_prob subtracts mu from
+# them. Their spread is exploration noise, not a target mu should match.
+PPO_SCRIPT = """
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+T, MB, GAMMA, LAM, CLIP = 512, 64, 0.99, 0.95, 0.2
+
+
+class ActorCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.mu = nn.Linear(64, 1)
+        self.v = nn.Linear(64, 1)
+        self.log_std = nn.Parameter(torch.zeros(1))
+
+    def forward(self, obs):
+        h = self.trunk(obs)
+        return self.mu(h), self.log_std.expand(obs.size(0), 1), self.v(h).squeeze(-1)
+
+
+net = ActorCritic()
+opt = torch.optim.Adam(net.parameters(), lr=3e-4)
+for update in range(4):
+    obs_buf, act_buf, logp_buf, rew_buf, val_buf = [], [], [], [], []
+    pos, target = torch.zeros(1), torch.rand(1) * 2 - 1
+    with torch.no_grad():
+        for t in range(T):
+            obs = torch.cat([pos, target]).unsqueeze(0)
+            mu, log_std, value = net(obs)
+            dist = torch.distributions.Normal(mu, log_std.exp())
+            action = dist.sample()
+            obs_buf.append(obs)
+            act_buf.append(action)
+            logp_buf.append(dist.log_prob(action).sum(-1))
+            val_buf.append(value)
+            pos = (pos + 0.1 * action.squeeze(0).clamp(-1, 1)).clamp(-2, 2)
+            rew_buf.append(-(pos - target).abs())
+            if (t + 1) % 64 == 0:
+                pos, target = torch.zeros(1), torch.rand(1) * 2 - 1
+    obs_b, act_b, logp_b = map(torch.cat, (obs_buf, act_buf, logp_buf))
+    rew, val = torch.cat(rew_buf), torch.cat(val_buf)
+    adv, last = torch.zeros(T), 0.0
+    for t in reversed(range(T)):  # GAE
+        nv = val[t + 1] if t + 1 < T and (t + 1) % 64 else 0.0
+        delta = rew[t] + GAMMA * nv - val[t]
+        last = delta + GAMMA * LAM * (last if (t + 1) % 64 else 0.0)
+        adv[t] = last
+    ret = adv + val
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    for epoch in range(4):
+        for idx in torch.randperm(T).split(MB):
+            o, a, lp_old, A, R = obs_b[idx], act_b[idx], logp_b[idx], adv[idx], ret[idx]
+            mu, log_std, v = net(o)
+            dist = torch.distributions.Normal(mu, log_std.exp())
+            ratio = (dist.log_prob(a).sum(-1) - lp_old).exp()
+            pg = -torch.min(ratio * A, ratio.clamp(1 - CLIP, 1 + CLIP) * A).mean()
+            loss = pg - 0.01 * dist.entropy().mean() + 0.5 * (v - R).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+"""
+
+
+def test_a_policy_mean_is_not_held_to_the_spread_of_its_own_sampled_actions(tmp_path):
+    import json
+
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "ppo.py"
+    script.write_text(PPO_SCRIPT)
+    log = tmp_path / "log"
+    assert run_script(script, [], log_dir=log, console=False) == 0
+    told = [json.loads(line) for line in (log / "alerts.jsonl").read_text().splitlines()]
+    assert [a["rule"] for a in told if a["severity"] != "info"] == []
