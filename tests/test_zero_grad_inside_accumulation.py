@@ -477,3 +477,100 @@ def test_python_dash_m_trainwatch_run_tells_it_in_a_fresh_process(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert _run_alerts(out) == [("zero_gradient", "", 0, KIND)]
+
+
+# -- backward passes of another optimizer, or writing no gradient -----------------
+class OneModuleGAN(nn.Module):
+    """Generator and discriminator in one module, watched with both optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.G(z)
+
+
+def test_a_gan_dropping_the_generator_loss_from_its_discriminator_is_silent(quiet_watch):
+    """g_loss.backward() also writes D's gradients; d_opt.zero_grad() drops them before
+    D's backward while G's stay for g_opt.step() at the end: no micro-batch wiped."""
+    gan = OneModuleGAN()
+    opt_g = torch.optim.Adam(gan.G.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(gan.D.parameters(), lr=1e-3)
+    monitor = quiet_watch(gan, [opt_g, opt_d])
+    bce = nn.BCEWithLogitsLoss()
+    for _ in range(8):
+        fake = gan(torch.randn(16, 4))
+        opt_g.zero_grad()
+        bce(gan.D(fake), torch.ones(16, 1)).backward()
+        opt_d.zero_grad()
+        d_loss = bce(gan.D(torch.randn(16, 8) + 2.0), torch.ones(16, 1))
+        (d_loss + bce(gan.D(fake.detach()), torch.zeros(16, 1))).backward()
+        opt_d.step()
+        opt_g.step()
+    assert [a for a in monitor.alerts if a.data.get("kind") == KIND] == []
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_first_order_maml_inner_autograd_grad_passes_are_no_micro_batches(quiet_watch, where):
+    """Each task's inner steps take torch.autograd.grad (no .grad written), then its
+    query loss's backward accumulates into the meta-model's gradients."""
+    from torch.func import functional_call
+
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = quiet_watch(model, opt)
+    data = batches(200, batch=8)
+    for _ in range(5):
+        if where == "after":
+            opt.zero_grad()
+        for _ in range(4):
+            if where == "inside":
+                opt.zero_grad()
+            params = dict(model.named_parameters())
+            for _ in range(3):
+                x, y = next(data)
+                loss = F.mse_loss(functional_call(model, params, (x,)), y)
+                grads = torch.autograd.grad(loss, list(params.values()))
+                params = {k: v - 0.02 * g.detach() for (k, v), g in zip(params.items(), grads)}
+            x, y = next(data)
+            (F.mse_loss(functional_call(model, params, (x,)), y) / 4).backward()
+        opt.step()
+    told = [
+        (a.step, a.data["backward_passes"]) for a in monitor.alerts if a.data.get("kind") == KIND
+    ]
+    assert told == ([(0, 4)] if where == "inside" else [])
+
+
+class TwoTasks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.GELU())
+        self.heads = nn.ModuleDict({"a": nn.Linear(16, 1), "b": nn.Linear(16, 1)})
+
+    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+        return self.heads[task](self.encoder(x))
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_a_head_only_a_wiped_micro_batch_reached_is_no_second_warning(quiet_watch, where):
+    """Task a's backward, then task b's, one step: with zero_grad() before each, head
+    a has no gradient at the step. That is the wipe's story, told once, not a layer
+    backward never reaches."""
+    model = TwoTasks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = quiet_watch(model, opt)
+    data = batches(40, batch=8)
+    for _ in range(10):
+        if where == "after":
+            opt.zero_grad()
+        for task in ("a", "b"):
+            if where == "inside":
+                opt.zero_grad()
+            x, y = next(data)
+            F.mse_loss(model(x, task), y).backward()
+        opt.step()
+    assert _told(monitor.alerts) == ([("zero_gradient", "", 0, KIND)] if where == "inside" else [])

@@ -218,6 +218,8 @@ class StepPipeline:
             # zero_grad() between the backward passes of a step is looked for.
             self.tracker.follow_wipes = self.passes
         self._wiped_steps = WipedSteps(config.zero_gradient.patience)
+        # Per optimizer whose micro-batches are wiped: its layers only earlier ones reached.
+        self._wiped_away: dict[int, frozenset[str]] = {}
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
         # PROCESS_STEPS.taken when the latest optimizer step with a closure began.
         self._closure_taken = -1
@@ -505,7 +507,14 @@ class StepPipeline:
         look = tracker.wipes
         if look is None or index in self._wiped_steps.told:
             return
-        found = self._wiped_steps.judge(index, look.run, now, look.verdict(params))
+        verdict = look.verdict(params)
+        found = self._wiped_steps.judge(index, look.run, now, verdict)
+        if verdict[2]:
+            known = self.layers.known()
+            away = {known[id(p)].name for p in look.dropped(params) if id(p) in known}
+            self._wiped_away[index] = self._wiped_away.get(index, frozenset()) | away
+        elif index not in self._wiped_steps.told:
+            self._wiped_away.pop(index, None)
         if look.idle >= WIPES_IDLE_STEPS:
             tracker.stop_following()  # a one-off second backward (a probe) started it
         if all(map(self._wiped_steps.settled, range(len(self._optimizers)))):
@@ -910,6 +919,11 @@ class StepPipeline:
             record.called_now, record.called_gradless = step_calls.take()
             record.calls_ran = frozenset(step_calls.ran)
         if record.missing:
+            if self._wiped_away and index is not None and not record.rewritten_since_backward:
+                # Reached only by micro-batches zero_grad() wiped (told as
+                # reset_between_backwards): no layer's story.
+                away = self._wiped_away.get(index, frozenset())
+                record.missing = [info for info in record.missing if info.name not in away]
             # Parameters without a gradient: under DDP the next iteration fails.
             record.never_called = self._calls.never_called()
             if self.probe is not None:

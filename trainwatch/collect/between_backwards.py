@@ -242,33 +242,55 @@ class BetweenBackwards:
 
     # -- the step ------------------------------------------------------------
     def verdict(self, params: Sequence[torch.Tensor]) -> tuple[int, int, bool]:
-        """(backward passes of the run, how many of them began on the previous one's
-        gradients wiped, whether every later one did) for an optimizer's parameters."""
+        """(backward passes of the run that wrote some of ``params``' gradients, how
+        many of them began on the previous one's gradients wiped, whether every later
+        one did) for an optimizer's parameters.
+
+        Passes that wrote none of them (another optimizer's backward, an inner
+        ``torch.autograd.grad``) are none of its micro-batches.
+        """
         passes = self._count
         self.idle = self.idle + 1 if passes < 2 else 0
         if passes < 2 or self._grad_input_key == self._key:
             return passes, 0, False
         ids = set(map(id, params))
+        wrotes: list[frozenset[int] | None] = [
+            between.wrote if between is not None else None for between in self._between
+        ]
+        wrotes.append(frozenset(self._left.wrote) if self._left is not None else None)
+        own = sum(1 for wrote in wrotes if wrote is None or not ids.isdisjoint(wrote))
+        if own < 2:
+            return own, 0, False
         wiped = [
             between
-            for between in self._between
+            for between, after in zip(self._between, wrotes[1:])
             if between is not None
             and not ids.isdisjoint(between.wrote)
             and ids.isdisjoint(between.spoiled)
+            and _dropped(between, after)
         ]
-        held = len(wiped) == passes - 1
+        held = len(wiped) >= own - 1
         if held and self._replaced(params):
             # The step's gradients are built by hand from each backward's (per-sample
             # clipping and noise, DP-SGD written out): each backward's were read
             # before the next one's zero_grad().
-            return passes, 0, False
+            return own, 0, False
         if held:
             contents = [b.content for b in wiped if b.content is not None]
             if contents and any(float(c) != 0.0 for c in contents):
                 # Rewritten and not zero: rescaled (a clip after each micro-batch).
                 self.rescaled = True
-                return passes, 0, False
-        return passes, len(wiped), held
+                return own, 0, False
+        return own, min(len(wiped), own - 1), held
+
+    def dropped(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` without a gradient now that an earlier backward of the
+        run wrote: only a micro-batch whose gradients were wiped reached them."""
+        wrote: set[int] = set()
+        for between in self._between:
+            if between is not None:
+                wrote |= between.wrote
+        return [p for p in params if p.grad is None and id(p) in wrote]
 
     def _replaced(self, params: Sequence[torch.Tensor]) -> bool:
         """Some gradient the last backward left on ``params`` is another tensor now."""
@@ -281,6 +303,16 @@ class BetweenBackwards:
             before is not None and after is not None and before[0] != after[0]
             for before, after in zip(map(last.get, ids), map(now.get, ids))
         )
+
+
+def _dropped(between: _Between, after: frozenset[int] | None) -> bool:
+    """Whether the gap dropped the earlier backward's work: every gradient it wrote
+    was reset, or what was kept the next backward added onto (an accumulation loop
+    resetting one optimizer's part only). Kept gradients the next backward leaves
+    alone are another optimizer's, waiting for its step (a GAN whose generator
+    loss also reaches the discriminator, whose zero_grad() then drops that part)."""
+    kept = between.wrote & between.spoiled
+    return not kept or (after is not None and not kept.isdisjoint(after))
 
 
 def _largest(
