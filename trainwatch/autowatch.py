@@ -56,6 +56,11 @@ _SETTLED_AFTER = 2
 # Steps of an optimizer whose parameters no model of ours holds after which its
 # model is looked for by its parameters (one called only inside torch.func).
 _PENDING_STEPS = 2
+# Optimizers over no model of ours, met while the forward hooks are off, whose
+# model is looked for in the heap at their first step. Each later one waits for
+# its model's next call (a loop building a model copy and an optimizer per
+# task, as Reptile does, would otherwise scan the heap per task).
+_SEARCHES_AT_FIRST_STEP = 4
 
 
 class StopRun(BaseException):
@@ -309,6 +314,10 @@ class AutoWatch:
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
+        self._first_step_searches = 0  # heap searches made at an optimizer's first step
+        # Pending optimizers whose first-step search was left out: their model is
+        # looked for by its parameters if its next call has not found it.
+        self._unsearched: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # A pending optimizer inside its step(closure) now (None: none): its model,
         # found inside the closure, joins that step under way.
         self._closure_stepping: weakref.ref[Optimizer] | None = None
@@ -758,8 +767,12 @@ class AutoWatch:
         if unowned and not self._forward_handles and not self._closed:
             # Its model ran while the forward hooks were off (a second model,
             # built after the first had settled): find it now, so that this
-            # step, its first, is counted.
-            self._discover_holders(unowned)
+            # step, its first, is counted; past the first few, at its next call.
+            if self._first_step_searches < _SEARCHES_AT_FIRST_STEP:
+                self._first_step_searches += 1
+                self._discover_holders(unowned)
+            else:
+                self._unsearched.add(optimizer)
         ours = {id(m): m for m in self.monitors}
         joined: dict[int, Monitor] = {}
         unowned = False
@@ -832,7 +845,10 @@ class AutoWatch:
         (``model.compile()``: its module calls happen inside the compiled
         graph, where the hooks step aside), and the hooks leave those alone. After
         :data:`_PENDING_STEPS` of its steps the model is looked for by its
-        parameters instead (one heap scan), and watched from this step on.
+        parameters instead (one heap scan), and watched from this step on;
+        so is the model of an optimizer whose first-step search was left out
+        (:data:`_SEARCHES_AT_FIRST_STEP`) when its next call has not found it
+        (a meta-model only ever updated, never called, in Reptile).
         An optimizer none of whose tensors any module holds is told then.
         """
         steps = self._pending_steps.get(id(optimizer), 0) + 1
@@ -840,7 +856,7 @@ class AutoWatch:
         if steps != _PENDING_STEPS:
             return
         try:
-            if self._transformed_calls or self._compiled_calls:
+            if self._transformed_calls or self._compiled_calls or optimizer in self._unsearched:
                 self._discover_by_parameters(optimizer, steps)
             # Else its model is yet to run (a later phase's): the forward hooks find it.
             if optimizer in self._pending:
