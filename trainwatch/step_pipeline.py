@@ -566,16 +566,17 @@ class StepPipeline:
     def _left_out_told(self) -> bool:
         """Whether not_optimized has told that nothing updates any of the model's
         trainable weights (a loss module's learned weights left out of the
-        optimizer): a stall then is that finding again, not a second one."""
-        trainable = [self.layers.info(p).name for p in self._trainable()]
-        if not trainable:
-            return False
+        optimizer): a stall then is that finding again, not a second one. The
+        parameters are named only once such a finding was told (usually none)."""
         told: set[str] = set()
         for tally in self._dispatcher.tallies.values():
             alert = tally.first
             if alert.rule == "not_optimized" and not _still_updated(alert):
                 told.update(alert.data.get("parameters", ()))
-        return told.issuperset(trainable)
+        if not told:
+            return False
+        trainable = [self.layers.info(p).name for p in self._trainable()]
+        return bool(trainable) and told.issuperset(trainable)
 
     def closure_step_begins(self, index: int) -> None:
         """An optimizer step with a closure (LBFGS) begins: its updates and passes
