@@ -112,3 +112,16 @@ def test_a_late_tasks_copy_found_by_its_call_is_checked(tmp_path, monkeypatch):
     _, alerts, _ = _run(tmp_path, monkeypatch, "late_task_accumulates")
     models = {a["data"]["model"] for a in alerts if a["rule"] == "accumulated_gradient"}
     assert len(models) == 4, alerts
+
+
+def test_a_script_importing_lightning_and_transformers_scans_no_more(tmp_path, monkeypatch):
+    # With Lightning or the Hugging Face Trainer imported, a new model's first call
+    # and its first step once looked for a LightningModule holding it and for a
+    # Trainer training it: one heap scan each, per task. Neither loop runs here.
+    import lightning.pytorch  # noqa: F401
+    import transformers.trainer  # noqa: F401
+
+    scans, alerts, kinds = _run(tmp_path, monkeypatch, "healthy")
+    assert scans <= 15
+    assert alerts == []
+    assert kinds.count(("SGD",)) == 60
