@@ -574,3 +574,37 @@ def test_a_head_only_a_wiped_micro_batch_reached_is_no_second_warning(quiet_watc
             F.mse_loss(model(x, task), y).backward()
         opt.step()
     assert _told(monitor.alerts) == ([("zero_gradient", "", 0, KIND)] if where == "inside" else [])
+
+
+def test_a_second_backward_at_every_step_that_is_no_micro_batch_is_looked_at_less_and_less(
+    quiet_watch, monkeypatch
+):
+    """Only the generator watched, the discriminator's backward reaching it at every
+    step: the look goes idle, rests, and each rest is twice as long."""
+    from trainwatch.collect import between_backwards
+
+    looked = 0
+    starts = between_backwards.BetweenBackwards.starts
+
+    def counted(self):
+        nonlocal looked
+        looked += 1
+        return starts(self)
+
+    monkeypatch.setattr(between_backwards.BetweenBackwards, "starts", counted)
+    gen, disc = _gan()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    monitor = quiet_watch(gen, opt_g)
+    bce = nn.BCEWithLogitsLoss()
+    for _ in range(400):  # 800 backward passes reach the generator
+        fake = gen(torch.randn(16, 4))
+        opt_d.zero_grad()
+        d_loss = bce(disc(torch.randn(16, 8) + 2.0), torch.ones(16, 1))
+        (d_loss + bce(disc(fake), torch.zeros(16, 1))).backward(retain_graph=True)
+        opt_d.step()
+        opt_g.zero_grad()
+        bce(disc(fake), torch.ones(16, 1)).backward()
+        opt_g.step()
+    assert looked < 400  # about 300; every one of the 800 before
+    assert [a for a in monitor.alerts if a.data.get("kind") == KIND] == []

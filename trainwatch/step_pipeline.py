@@ -516,7 +516,9 @@ class StepPipeline:
         elif index not in self._wiped_steps.told:
             self._wiped_away.pop(index, None)
         if look.idle >= WIPES_IDLE_STEPS:
-            tracker.stop_following()  # a one-off second backward (a probe) started it
+            # A one-off second backward (a probe) started it, or a backward that is
+            # no micro-batch comes at every step: a rest, doubled each time.
+            tracker.rest_following(WIPES_IDLE_STEPS)
         if all(map(self._wiped_steps.settled, range(len(self._optimizers)))):
             # Every optimizer told, or accumulating as intended: nothing left to look for.
             tracker.stop_following()

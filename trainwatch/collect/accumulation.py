@@ -252,6 +252,12 @@ class GradResetTracker:
         # (by a second backward pass of a step: see BetweenBackwards).
         self.follow_wipes: Any = None
         self.wipes: BetweenBackwards | None = None
+        # A look that went idle (its second backward passes wrote none of an
+        # optimizer's micro-batches: a GAN's discriminator backward reaching the
+        # generator) starts again no sooner than this process step, each rest
+        # twice as long as the one before.
+        self._wipes_resume_at = 0
+        self._wipes_rests = 0
         self._wipes_listener: RemovableHandle | None = None
         # Told when a backward through the model has ended (``on_backward_end``);
         # an OrderedDict, which RemovableHandle can refer to weakly.
@@ -337,6 +343,8 @@ class GradResetTracker:
         passes is looked for. One hook per such pass, as on the step's first."""
         if not self.enabled or self.track_reached or not torch.is_grad_enabled():
             return
+        if PROCESS_STEPS.taken < self._wipes_resume_at:
+            return  # resting
         for tensor in floating_list(output):
             if tensor.requires_grad and tensor.grad_fn is not None:
                 hook_pass_tensor(tensor, self._later_starts)
@@ -445,6 +453,8 @@ class GradResetTracker:
         """Each backward is looked at as it begins and ends, until stop_following,
         from this one, a later backward of its run; ``seed``: what the one before
         it left, where noted (None: it says nothing)."""
+        if PROCESS_STEPS.taken < self._wipes_resume_at:
+            return  # resting after an idle look
         try:
             look = self.wipes = BetweenBackwards(self._states, self.follow_wipes, seed)
             self._starts.method = "following_starts"
@@ -466,6 +476,14 @@ class GradResetTracker:
         passes (a backbone's and a head's) still judges them."""
         GradResetTracker.arm(self, params, whole, writes_may_follow)
         self.left = _NOTHING_LEFT
+
+    def rest_following(self, steps: int) -> None:
+        """Stop an idle look, and start none for ``steps`` process steps, then for
+        twice as many after each later rest: a loop whose steps keep bringing a
+        second backward that is no micro-batch pays for the look O(log steps) times."""
+        self.stop_following()
+        self._wipes_resume_at = PROCESS_STEPS.taken + steps * (1 << min(self._wipes_rests, 20))
+        self._wipes_rests += 1
 
     def stop_following(self) -> None:
         """Back to the usual hooks; the look's next start begins afresh."""
