@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainwatch import dispatch, registry, termination
 from trainwatch.alert import Alert, severity_rank
+from trainwatch.callers import called_from
 from trainwatch.collect import quiet
 from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
 from trainwatch.config import Config
@@ -164,20 +165,6 @@ class _BackwardEnd:
         owner._manual_step(monitor)
 
 
-def _called_from(packages: tuple[str, ...], depth: int = 64) -> bool:
-    """Whether a frame of one of ``packages`` (paths like ``lightning/pytorch/``) is on
-    the stack: a trainer's loop runs the call being looked at."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if any(package in name for package in packages):
-            return True
-        frame = frame.f_back
-    return False
-
-
 _LIGHTNING_LOOPS = ("/lightning/pytorch/", "/pytorch_lightning/")
 _HF_TRAINER = ("/transformers/trainer",)
 
@@ -195,7 +182,7 @@ def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
         for found in (sys.modules.get("lightning.pytorch"), sys.modules.get("pytorch_lightning"))
         if found is not None and hasattr(found, "LightningModule")
     )
-    if not bases or issubclass(type(module), bases) or not _called_from(_LIGHTNING_LOOPS):
+    if not bases or issubclass(type(module), bases) or not called_from(_LIGHTNING_LOOPS):
         return None
     for obj in gc.get_objects():
         if issubclass(type(obj), bases) and any(sub is module for sub in obj.modules()):
@@ -225,7 +212,7 @@ def _hf_global_step(model: nn.Module) -> int:
     """
     found = sys.modules.get("transformers.trainer")
     trainer_class = getattr(found, "Trainer", None)
-    if trainer_class is None or not _called_from(_HF_TRAINER):
+    if trainer_class is None or not called_from(_HF_TRAINER):
         return 0  # (not inside a Trainer's loop: no Trainer trains the model)
     for obj in gc.get_objects():
         # By type: isinstance asks a dead weak proxy among the live objects and raises.

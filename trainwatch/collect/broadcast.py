@@ -33,15 +33,14 @@ judge (``collect/broadcast_eval.py``).
 from __future__ import annotations
 
 import inspect
-import sys
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from trainwatch.callers import called_from
 from trainwatch.collect import quiet
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.op_trace import _user_line
@@ -436,23 +435,11 @@ def _op_name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
 
 
-_DISTRIBUTIONS_DIR = str(Path(torch.distributions.__file__).resolve().parent)
-
-
-def _in_distributions(depth: int = 12) -> bool:
-    """The op runs inside ``torch.distributions`` (``Normal(mu, std).log_prob(a)``
-    subtracts the mean from the action): the other side is a sample the policy
-    drew itself, spread by its exploration noise, not a target the output should
-    match; the model's spread is not measured against it. Asked on audited
-    steps only, and only until a target was measured."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.startswith(_DISTRIBUTIONS_DIR):
-            return True
-        frame = frame.f_back
-    return False
+# Where ``Normal(mu, std).log_prob(a)`` subtracts the mean from the action: the
+# other side is a sample the policy drew itself, spread by its exploration
+# noise, not a target the output should match; the model's spread is not
+# measured against it (asked on audited steps only, until a target is measured).
+_DISTRIBUTIONS = ("/torch/distributions/",)
 
 
 def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -734,7 +721,11 @@ class BroadcastAudit:
         for tensor in _tensors(out):
             if self._follows(tensor, name):
                 self._track(tensor)
-        if name in _REGRESSION and self.target_spread is None and not _in_distributions():
+        if (
+            name in _REGRESSION
+            and self.target_spread is None
+            and not called_from(_DISTRIBUTIONS, depth=12)
+        ):
             self._measure_target(operands)
         if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
