@@ -65,3 +65,30 @@ def test_a_class_with_a_post_init_is_refused() -> None:
 
     with pytest.raises(TypeError, match="__post_init__"):
         fresh_maker(Checked)
+
+
+@dataclass
+class _Shared:
+    first: int
+    items: list[int] = field(default_factory=list)
+    flag: bool = False
+    name: str | None = None
+
+
+def test_a_class_without_slots_reads_plain_defaults_from_the_class_and_stores_fewer() -> None:
+    made = fresh_maker(_Shared)(4)
+    assert made == _Shared(4)
+    # Only the required field and the container are the instance's own.
+    assert set(vars(made)) == {"first", "items"}
+    made.flag = True  # set on the instance: the class default stays
+    assert fresh_maker(_Shared)(5).flag is False and _Shared.flag is False
+
+
+def test_a_fresh_step_window_equals_the_one_the_class_makes() -> None:
+    from trainwatch.collect.nonfinite import _new_window
+    from trainwatch.collect.nonfinite_locate import StepWindow
+
+    made = _new_window([], [], None, None, [])
+    assert made == StepWindow(
+        calls=[], finite=[], forward_origin=None, backward_origin=None, grad_events=[]
+    )

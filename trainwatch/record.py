@@ -173,7 +173,7 @@ class StallReport:
     left_out_told: bool = False
 
 
-@dataclass(slots=True)
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();

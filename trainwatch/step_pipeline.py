@@ -98,7 +98,7 @@ _OWNER = attrgetter("owner")  # a parameter record's module
 _DATA_PTR = methodcaller("data_ptr")  # its storage: new after ``param.data = ...``
 
 
-@dataclass(slots=True)
+@dataclass
 class PendingStep:
     """A step gathered at its start, waiting for its readback.
 

@@ -255,6 +255,9 @@ class _StepState:
 # Made at every pass and step (trainwatch.fresh).
 _new_pass_state = fresh_maker(_PassState)
 _new_step_state = fresh_maker(_StepState)
+# A step's window, the same way: (calls, finite, forward_origin, backward_origin,
+# grad_events), the rest at its defaults.
+_new_window = fresh_maker(StepWindow)
 
 
 class NonfiniteProbe:
@@ -1118,41 +1121,41 @@ class NonfiniteProbe:
 
     def take(self) -> StepWindow:
         """Hand over what this step gathered and start the next one."""
-        window = StepWindow(
-            calls=self._this_step.calls,
-            finite=self._this_step.finite,
-            maskable=self._this_step.maskable,
-            forward_origin=self._this_step.forward_origin,
-            backward_origin=self._this_step.backward_origin,
-            grad_events=self._this_step.grad_events,
-            entering_origin=self._this_step.entering_origin,
-            output_bad=self._this_step.output_bad,
-            forward_seen=self._this_step.saw_pass,
-            backward_replayed=self._this_step.backward_replayed,
-            backward_unreplayable=self._this_step.backward_unreplayable,
+        step = self._this_step
+        window = _new_window(
+            step.calls, step.finite, step.forward_origin, step.backward_origin, step.grad_events
         )
+        window.maskable = step.maskable
+        # The rest at the window's defaults on a usual step: set where they differ.
+        if step.entering_origin is not None:
+            window.entering_origin = step.entering_origin
+        if step.output_bad:
+            window.output_bad = True
+        if not step.saw_pass:
+            window.forward_seen = False
+        if step.backward_replayed:
+            window.backward_replayed = True
+        if step.backward_unreplayable:
+            window.backward_unreplayable = True
+        finite = step.finite
         needs_forward = (
-            bool(self._this_step.finite)
-            and any(v is None for v in self._this_step.finite)
-            and any(
-                not all(self._this_step.finite[i] is True for i in c.outputs)
-                for c in self._this_step.calls
-            )
+            bool(finite)
+            and any(v is None for v in finite)
+            and any(not all(finite[i] is True for i in c.outputs) for c in step.calls)
         )
         if needs_forward:
-            window.sums = sums_as_codes(self._this_step.sums)
-        if self._this_step.grad_sums and (
-            not self._this_step.immediate_grads
-            or (self._this_step.any_bad_grad and self._this_step.backward_origin is None)
+            window.sums = sums_as_codes(step.sums)
+        if step.grad_sums and (
+            not step.immediate_grads or (step.any_bad_grad and step.backward_origin is None)
         ):
-            window.grad_sums = sums_as_codes(self._this_step.grad_sums)
+            window.grad_sums = sums_as_codes(step.grad_sums)
         self._bad_streak = self._bad_streak + 1 if self._step_bad else 0
         self._step_bad = False
-        flags = self._this_step.bad_backward_passes
+        flags = step.bad_backward_passes
         if flags and any(isinstance(f, torch.Tensor) for f in flags):
             device = next(f.device for f in flags if isinstance(f, torch.Tensor))
             window.skipped = torch.stack([torch.as_tensor(f, device=device) for f in flags])
-        else:
+        elif flags:
             window.skipped_host = list(flags)
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
