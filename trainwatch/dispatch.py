@@ -49,8 +49,8 @@ class Dispatcher:
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
 
-        Only a (rule, module)'s first alert halts: a loop that caught the
-        error and carried on is not stopped again by the same finding.
+        Only a (rule, module)'s first warning or error halts: a loop that caught
+        the error and carried on is not stopped again by the same finding.
         """
         halt: Alert | None = None
         if self.rank is not None:
@@ -64,7 +64,9 @@ class Dispatcher:
                 heard.append((alert, 1))
                 if alert.rule.startswith("nonfinite") and alert.severity != "info":
                     self._origin_told(alert)
-                if halt is None and alert.rule in self.halt_on:
+                if halt is None and alert.rule in self.halt_on and alert.severity != "info":
+                    # An info line is no fault (a knock-on of an origin told
+                    # elsewhere, a layer defined but never called): no halt.
                     halt = alert
             else:
                 tally.count += 1
