@@ -130,3 +130,58 @@ def test_a_failure_building_the_monitor_leaves_training_running_unwatched(model,
 def test_control_a_bad_argument_is_still_refused_at_once(model):
     with pytest.raises(tw.WatchError, match="optimizer"):
         tw.watch(model, "sgd", console=False)
+
+
+def test_a_monitor_that_fails_to_attach_leaves_no_hook_behind(model, monkeypatch):
+    """Whatever part of the build failed, the switched-off monitor is the only one
+    on the model: the failed one's module, parameter, global and optimizer hooks
+    are all off (a global module hook left behind would run at every module call
+    of the process, long after)."""
+    from tests.test_lifecycle import NO_HOOKS, hook_counts
+    from trainwatch.collect.nonfinite import NonfiniteProbe
+
+    def broken(self, model):
+        raise RuntimeError("cannot hook this parameter")
+
+    monkeypatch.setattr(NonfiniteProbe, "attach", broken)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        train(model, opt, 3)
+    assert monitor.alerts[0].rule == "internal_error"
+    assert hook_counts(model, [opt]) == NO_HOOKS
+
+
+def test_a_monitor_failing_at_its_second_optimizer_takes_the_first_ones_hooks_off(
+    model, monkeypatch
+):
+    from tests.test_lifecycle import NO_HOOKS, hook_counts
+    from trainwatch.monitor import Monitor
+
+    original = Monitor.add_optimizer
+    added: list[int] = []
+
+    def second_fails(self, optimizer):
+        original(self, optimizer)
+        added.append(1)
+        if len(added) == 2 and self.config.zero_gradient.enabled:  # the full monitor only
+            raise RuntimeError("cannot audit this optimizer")
+
+    monkeypatch.setattr(Monitor, "add_optimizer", second_fails)
+    body = [p for name, p in model.named_parameters() if not name.startswith("head")]
+    head = [p for name, p in model.named_parameters() if name.startswith("head")]
+    opts = [torch.optim.SGD(body, lr=0.01), torch.optim.SGD(head, lr=0.01)]
+    with tw.watch(model, opts, console=False) as monitor:
+        # Only the switched-off monitor's hooks: one pre- and one post-step hook each.
+        assert [len(o._optimizer_step_pre_hooks) for o in opts] == [1, 1]
+    assert monitor.alerts[0].rule == "internal_error"
+    assert hook_counts(model, opts) == NO_HOOKS
+
+
+def test_control_a_monitor_built_whole_takes_its_hooks_off_at_close(model):
+    from tests.test_lifecycle import NO_HOOKS, hook_counts
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        train(model, opt, 3)
+    assert not [a for a in monitor.alerts if a.rule == "internal_error"]
+    assert hook_counts(model, [opt]) == NO_HOOKS

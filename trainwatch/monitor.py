@@ -159,15 +159,24 @@ class Monitor:
         self._pipeline.on_unwatched = weak_callback(self._unwatched_updates)
         self._unwatched_catch: Any = None
         self._unwatched_passes: int | None = None
-        if data is not None:
-            self.watch_data(data)
-        registry.claim(layers.parameters(), self)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         weakref.finalize(self, _collected, self._handles, *self._pipeline.parts)
-        _OPEN.add(self)
-        clip_hook.install(self)
-        for opt in optimizers:
-            self.add_optimizer(opt)
+        try:
+            if data is not None:
+                self.watch_data(data)
+            registry.claim(layers.parameters(), self)
+            _OPEN.add(self)
+            clip_hook.install(self)
+            for opt in optimizers:
+                self.add_optimizer(opt)
+        except BaseException:
+            # Nothing of a monitor that failed to attach stays on the model, its
+            # optimizers or the process (a monitor built in its place attaches anew).
+            _OPEN.discard(self)
+            clip_hook.release(self)
+            _remove_handles(self._handles, *self._pipeline.parts)
+            registry.release(self)
+            raise
         self._attaching = False
         if self._pipeline.setup.due and self._optimizers and not _any_lazy(model):
             # (A lazy module's parameters have no size before its first call:

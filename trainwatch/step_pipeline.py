@@ -96,6 +96,21 @@ _GROUPS = attrgetter("param_groups")  # an optimizer's
 _VERSION = attrgetter("_version")  # a tensor's in-place write counter
 _OWNER = attrgetter("owner")  # a parameter record's module
 _DATA_PTR = methodcaller("data_ptr")  # its storage: new after ``param.data = ...``
+# The pipeline's parts that attach hooks: each has detach(); what close() takes off.
+_PARTS = (
+    "passes",
+    "tracker",
+    "structure",
+    "_calls",
+    "_step_calls",
+    "_compile_warning",
+    "probe",
+    "behaviour",
+    "class_targets",
+    "stall",
+    "idle",
+    "unwatched",
+)
 
 
 @dataclass
@@ -141,7 +156,20 @@ class StepPipeline:
     the Monitor alive (a monitor dropped unclosed is still collected).
     """
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Built as :meth:`_build` says; a failure part way takes off what was attached
+        (a global module hook left behind would run at every module call of the
+        process, long after the monitor that failed)."""
+        try:
+            self._build(*args, **kwargs)
+        except BaseException:
+            for name in _PARTS:
+                part = getattr(self, name, None)
+                if part is not None:
+                    part.detach()
+            raise
+
+    def _build(
         self,
         model: nn.Module,
         root: nn.Module,
@@ -335,20 +363,7 @@ class StepPipeline:
         # parameters held at the last look (see fresh_gradients).
         self._grads_seen: dict[int, GradientsSeen] = {}
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
-        self.parts = (
-            self.passes,
-            self.tracker,
-            self.structure,
-            self._calls,
-            self._step_calls,
-            self._compile_warning,
-            self.probe,
-            self.behaviour,
-            self.class_targets,
-            self.stall,
-            self.idle,
-            self.unwatched,
-        )
+        self.parts = attrgetter(*_PARTS)(self)
 
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:
         return self._guard.run(component, fn, *args)
