@@ -1,6 +1,7 @@
 """``trainwatch run`` under ``torchrun --nproc_per_node 2`` (2 gloo processes, CPU): each
 rank watched, one alerts.jsonl and one console (rank zero's), ``--fail-on`` gives
-every rank exit 3, ``--max-steps`` stops every rank at the same step.
+every rank exit 3 (over what still stands at the end: not a freeze undone),
+``--max-steps`` stops every rank at the same step.
 
 The training script knows nothing of trainwatch. Each run has a hard timeout,
 so a rank left waiting fails the test instead of blocking CI.
@@ -146,3 +147,17 @@ def test_fail_on_gives_every_rank_the_same_exit_status(tmp_path, mode, status):
     assert "trainwatch" not in one.stderr + one.stdout
     if status:
         assert "failing (exit 3)" in zero.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "status"), [("unfrozen", 0), ("unfrozen_on_zero", 3)])
+def test_fail_on_passes_a_freeze_undone_on_every_rank(tmp_path, mode, status):
+    """A staged fine-tune's step-0 warning, taken back at step 4 on every rank, fails no
+    rank; left standing on rank 1 alone (it never unfreezes), it fails every rank."""
+    zero, one = _two_ranks(tmp_path, mode)
+    assert (zero.returncode, one.returncode) == (status, status), zero.stderr[-2000:]
+    assert [(r, m) for r, m, _ in _written(tmp_path)] == [
+        ("frozen_in_optimizer", "module.0"),
+        ("frozen_in_optimizer", "module.0"),
+    ]
+    assert ("failing (exit 3)" in zero.stderr) == bool(status)

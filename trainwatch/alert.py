@@ -7,6 +7,7 @@ rule can never change what another sink already rendered.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -68,3 +69,47 @@ class Alert:
             data=dict(record.get("data") or {}),
             time=float(record.get("time", 0.0)),
         )
+
+
+# An alert with the step it last fired at (a tally's first alert and last step).
+Told = tuple[Alert, int]
+
+
+def _told_of(alert: Alert) -> tuple[Any, str, str | None]:
+    return (alert.data.get("model"), alert.rule, alert.module)
+
+
+def withdrawals(told: Iterable[Told]) -> dict[tuple[Any, str, str | None], int]:
+    """Per (model, rule, module), the last step its rule took back what it had told.
+
+    A rule that learns later that its finding no longer holds (a freeze told of,
+    then undone) says so in an alert of its own carrying ``data["withdraws"]``.
+    """
+    found: dict[tuple[Any, str, str | None], int] = {}
+    for alert, _ in told:
+        if alert.data.get("withdraws"):
+            key = _told_of(alert)
+            found[key] = max(found.get(key, alert.step), alert.step)
+    return found
+
+
+def undone_at(alert: Alert, last_step: int, withdrawn: dict[Any, int]) -> int | None:
+    """The step this alert was withdrawn at; None while it stands (never taken
+    back, or told again after that)."""
+    if alert.data.get("withdraws"):
+        return None
+    step = withdrawn.get(_told_of(alert))
+    return step if step is not None and last_step <= step else None
+
+
+def standing_worst(told: Iterable[Told]) -> str | None:
+    """The highest severity still standing when the run ends (``--fail-on``):
+    internal errors aside, and so is an alert its own rule withdrew later."""
+    told = list(told)
+    withdrawn = withdrawals(told)
+    standing = [
+        alert.severity
+        for alert, last_step in told
+        if alert.rule != "internal_error" and undone_at(alert, last_step, withdrawn) is None
+    ]
+    return max(standing, key=severity_rank, default=None)

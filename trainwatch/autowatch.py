@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch import dispatch, registry, termination
-from trainwatch.alert import Alert, severity_rank
+from trainwatch.alert import Alert, standing_worst
 from trainwatch.callers import called_from
 from trainwatch.collect import quiet
 from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
@@ -311,7 +311,6 @@ class AutoWatch:
         self.max_steps = max_steps
         self.monitors: list[Monitor] = []
         self.views: list[_ModelView] = []
-        self.worst: str | None = None  # highest severity raised, internal errors aside
         self.stopped = False
         self._internal = Dispatcher(self.sinks, halt_on=())
         self._internal.sinks = self.sinks  # one list: a sink that fails leaves both
@@ -512,6 +511,13 @@ class AutoWatch:
         """Training steps so far: those of the model that has trained the most."""
         return max((m.step_count for m in self.monitors), default=0)
 
+    @property
+    def worst(self) -> str | None:
+        """The highest severity standing, for --fail-on: every model's alerts, the
+        script's own monitor's and the other ranks' (on rank zero), internal errors
+        aside and those their rule withdrew later (a freeze undone) too."""
+        return standing_worst((t.first, t.last_step) for t in self._tallies.values())
+
     def summary(self, labelled: bool = True) -> Summary:
         """Every model's alerts in one summary; names carry the model when there are several."""
         several = labelled and len(self.views) > 1
@@ -538,18 +544,10 @@ class AutoWatch:
         """One publish of a model's monitor: its console folds a same-step flood."""
         for alert in alerts:
             self._tallies[(model, alert.key)] = AlertTally(alert, 1, alert.step)
-            self._note_worst(alert)
         shown = [self._for_console(alert, model) for alert in alerts]
         self._each_sink(
             "emit", lambda s: s.emit_many(shown if isinstance(s, ConsoleSink) else alerts)
         )
-
-    def _note_worst(self, alert: Alert) -> None:
-        """The highest severity raised, for --fail-on (internal errors aside)."""
-        if alert.rule != "internal_error" and (
-            self.worst is None or severity_rank(alert.severity) > severity_rank(self.worst)
-        ):
-            self.worst = alert.severity
 
     def _heard(self, alert: Alert, repeat: bool) -> None:
         """A new alert (or a repeat) of the script's own monitor (see _ScriptsOwn)."""
@@ -560,7 +558,6 @@ class AutoWatch:
                 tally.count, tally.last_step = tally.count + 1, alert.step
             return
         self._tallies[key] = AlertTally(alert, 1, alert.step)
-        self._note_worst(alert)
         self._each_sink("emit", lambda s: None if isinstance(s, ConsoleSink) else s.emit(alert))
 
     def _received(self, alert: Alert, repeats: int) -> None:

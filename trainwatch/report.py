@@ -21,8 +21,7 @@ from rich.text import Text
 
 from trainwatch.alert import SEVERITIES, severity_rank
 from trainwatch.sinks import ALERTS_FILE, COUNTS_FILE
-
-_STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
+from trainwatch.sinks.console import severity_text
 
 
 class ReportError(Exception):
@@ -43,6 +42,8 @@ class Row:
     hint: str
     model: str | None = None
     run: str | None = None
+    # The step the rule took back what it had told (a freeze undone): no longer standing.
+    undone_step: int | None = None
 
 
 @dataclass
@@ -126,6 +127,8 @@ def build_report(path: str | os.PathLike[str]) -> Report:
     files = find_alert_files(path)
     base = Path(path) if Path(path).is_dir() else None
     groups: dict[tuple[Any, ...], Row] = {}
+    told: dict[tuple[Any, ...], int] = {}  # each row's last step told, withdrawals aside
+    withdrawn: dict[tuple[Any, ...], int] = {}  # each row's last withdrawal's step
     skipped = 0
     for file in files:
         run = None
@@ -144,6 +147,8 @@ def build_report(path: str | os.PathLike[str]) -> Report:
             data = record.get("data") if isinstance(record.get("data"), dict) else {}
             model = data.get("model")
             key = (run, model, rule, module)
+            marks = withdrawn if data.get("withdraws") else told
+            marks[key] = max(marks.get(key, step), step)
             row = groups.get(key)
             if row is None:
                 groups[key] = Row(
@@ -167,6 +172,9 @@ def build_report(path: str | os.PathLike[str]) -> Report:
                 row.severity = severity
         if file.is_file():
             _apply_counts(file.with_name(COUNTS_FILE), run, groups)
+    for key, step in withdrawn.items():
+        if key in told and told[key] <= step:
+            groups[key].undone_step = step
     rows = sorted(
         groups.values(),
         key=lambda r: (r.run or "", r.first_step, -_rank(r.severity), r.rule, r.module or ""),
@@ -234,7 +242,7 @@ def _table(report: Report) -> Table:
         cells += [
             row.rule,
             module,
-            Text(row.severity, style=_STYLE.get(row.severity, "")),
+            severity_text(row.severity, row.undone_step),
             str(row.first_step),
             str(row.last_step),
             str(row.count),

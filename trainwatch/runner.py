@@ -87,7 +87,7 @@ def run_script(
         note.print(f"[dim]trainwatch run: stopped after {watcher.steps} steps (--max-steps)[/]")
     worst = watcher.worst
     if link is not None and fail_on != "never":
-        # Every rank exits with the same status: the worst alert of any rank.
+        # Every rank exits with the same status: the worst alert standing on any rank.
         worst = link.agree_worst(worst)
     if (
         code == 0

@@ -2,8 +2,10 @@
 under ``torchrun --nproc_per_node 2 -m trainwatch run``, with no trainwatch in it.
 
 ``python ddp_torchrun_train.py OUT MODE``: MODE ``clean`` (healthy), ``nan``
-(rank 1's batch at step 5 holds a NaN) or ``no_zero_grad`` (rank 1 never
-calls ``zero_grad``). Before each optimizer step, each rank writes its
+(rank 1's batch at step 5 holds a NaN), ``no_zero_grad`` (rank 1 never
+calls ``zero_grad``), ``unfrozen`` (the first layer frozen in the optimizer,
+unfrozen at step 4: a staged fine-tune) or ``unfrozen_on_zero`` (rank 1
+never unfreezes it). Before each optimizer step, each rank writes its
 number (1 for the first) to ``OUT/steps<rank>.txt``, so a caller sees at
 which step each rank stopped.
 """
@@ -19,6 +21,7 @@ from torch import nn
 
 STEPS = 12
 NAN_AT = 5
+UNFREEZE_AT = 4
 
 
 def main() -> None:
@@ -27,13 +30,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    )
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    frozen = mode.startswith("unfrozen")
+    # A layer frozen for now is one DDP must still reduce once it trains:
+    # registered while trainable, and found unused while frozen.
+    model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=frozen)
+    net[0].requires_grad_(not frozen)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     progress = out / f"steps{rank}.txt"
     for step in range(STEPS):
+        if frozen and step == UNFREEZE_AT and not (mode == "unfrozen_on_zero" and rank == 1):
+            net[0].requires_grad_(True)
         x = torch.randn(16, 8, generator=gen)
         if mode == "nan" and rank == 1 and step == NAN_AT:
             x[3, 2] = float("nan")

@@ -137,6 +137,7 @@ class FrozenInOptimizerRule(_ReportOnce):
                     {
                         "kind": "unfrozen",
                         "finding": "unfrozen",
+                        "withdraws": True,  # the warning no longer stands (--fail-on)
                         "parameters": [self._shown.get(p.name, p.name) for p in params],
                         "optimizer": record.optimizer,
                     },

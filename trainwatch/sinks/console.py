@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainwatch.alert import Alert
+from trainwatch.alert import Alert, undone_at, withdrawals
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import AlertTally, Sink, Summary
 
@@ -80,6 +80,13 @@ def _same_row(tally: AlertTally) -> Hashable | None:
     """Summary rows that differ in their module only."""
     shared = _same_finding(tally.first)
     return None if shared is None else (shared, tally.count)
+
+
+def severity_text(severity: str, undone: int | None = None) -> Text:
+    """A finding its rule took back later stays in the table, marked as no longer standing."""
+    if undone is None:
+        return Text(severity, style=_STYLE.get(severity, ""))
+    return Text(f"{severity} (undone {undone})", style="dim")
 
 
 class ConsoleSink(Sink):
@@ -161,11 +168,20 @@ class ConsoleSink(Sink):
         table = Table(title=title, title_justify="left", show_lines=False)
         table.add_column("rule")
         table.add_column("module")
-        table.add_column("severity")
+        table.add_column("severity", no_wrap=True)
         table.add_column("first step", justify="right")
         table.add_column("count", justify="right")
         ordered = sorted(summary.tallies, key=lambda t: (t.first.step, t.first.rule))
-        for group in _fold(ordered, _same_row):
+        withdrawn = withdrawals((t.first, t.last_step) for t in summary.tallies)
+
+        def undone(tally: AlertTally) -> int | None:
+            return undone_at(tally.first, tally.last_step, withdrawn)
+
+        def same_row(tally: AlertTally) -> Hashable | None:
+            shared = _same_row(tally)
+            return None if shared is None else (shared, undone(tally))
+
+        for group in _fold(ordered, same_row):
             alert = group[0].first
             module = _module_label(alert.module) or "-"
             if len(group) > 1:
@@ -173,7 +189,7 @@ class ConsoleSink(Sink):
             table.add_row(
                 alert.rule,
                 module,
-                Text(alert.severity, style=_STYLE.get(alert.severity, "")),
+                severity_text(alert.severity, undone(group[0])),
                 str(alert.step),
                 str(group[0].count),
             )
