@@ -18,9 +18,16 @@ after a large model's kernels, each costs about 0.2 us), and where a Python
 loop over layers or modules shows even when it calls nothing. The tests hold
 the last two the same at every depth.
 
+One step leaves out the sampled and audit steps (the activation sampler,
+``stalled_training``'s re-run, the broadcast recheck). ``--window START STOP``
+(``window_bytecodes``) counts trainwatch's bytecodes at every step of a window
+as well, each kind of sampled step at the rate a run meets it, and prints the
+average a step per depth: a test holds depth 64's near depth 4's.
+
     python benchmarks/opcount.py                    # depth 4 and 64, default config
     python benchmarks/opcount.py --depths 4 16 64 --json counts.json
     python benchmarks/opcount.py --config configs/strict.yaml
+    python benchmarks/opcount.py --depths 4 16 64 --window 50 200
 """
 
 from __future__ import annotations
@@ -184,11 +191,51 @@ def count(
     return Counts(depth, plain_ops, watched_ops - plain_ops, calls, every - every_plain, bytecodes)
 
 
+def window_bytecodes(
+    depth: int,
+    start: int = 50,
+    stop: int = 200,
+    config: Any = None,
+    model: Callable[[int], nn.Module] = residual_stack,
+) -> list[int]:
+    """The bytecodes trainwatch runs at each step ``start`` to ``stop`` (both counted).
+
+    A single healthy step leaves out the sampled and audit steps (the
+    activation sampler, the broadcast recheck, stalled_training's re-run);
+    over a window they are counted at the rate a run pays them. Step ``n``
+    is the ``n``-th call of the training step.
+    """
+    torch.manual_seed(0)
+    watched = model(depth)
+    opt = torch.optim.Adam(watched.parameters(), lr=1e-3)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, 1)
+    counts = []
+    with tw.watch(watched, opt, config=config, console=False):
+        for _ in range(1, start):
+            _train_step(watched, opt, x, y)
+        for _ in range(start, stop + 1):
+            counts.append(_count_bytecodes(lambda: _train_step(watched, opt, x, y)))
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 64])
     parser.add_argument("--config", default=None, help="a YAML preset (default: the defaults)")
-    parser.add_argument("--json", default=None, help="also write the counts to this file")
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="also write the counts to this file (with --window: the step counts under "
+        "'steps', each depth's count at every step of the window under 'window')",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        nargs=2,
+        metavar=("START", "STOP"),
+        default=None,
+        help="also count trainwatch's bytecodes over steps START to STOP, sampled steps included",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = [count(depth, args.config) for depth in args.depths]
@@ -201,8 +248,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.depth:>6} {c.plain_ops:>10} {c.added_ops:>+10} {c.python_calls:>13} "
             f"{c.interpreter_calls:>+16} {c.bytecodes:>10}"
         )
+    windows = {}
+    if args.window:
+        start, stop = args.window
+        print(f"\nsteps {start}-{stop}: trainwatch bytecodes per step, sampled steps included")
+        print(f"{'depth':>6} {'average':>10} {'total':>12} {'largest':>10}")
+        for depth in args.depths:
+            steps = window_bytecodes(depth, start, stop, args.config)
+            windows[depth] = steps
+            print(f"{depth:>6} {sum(steps) / len(steps):>10.0f} {sum(steps):>12} {max(steps):>10}")
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(c) for c in results], indent=2))
+        payload: Any = [asdict(c) for c in results]
+        if windows:
+            payload = {"steps": payload, "window": {str(d): w for d, w in windows.items()}}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
     return 0
 
 

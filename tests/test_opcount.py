@@ -4,17 +4,20 @@
 step (past the first-steps audits, off the sampled steps) and the Python
 calls into the ``trainwatch`` package, on a residual stack 4 and 64 blocks
 deep. Counting is deterministic, so it can gate CI where a time could not.
+Over a window of steps (``window_bytecodes``) the sampled and audit steps are
+counted too, and those grow with depth only by what their design samples.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from statistics import fmean
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from opcount import count, residual_stack
+from opcount import count, residual_stack, window_bytecodes
 from torch import nn
 
 # Slack for a constant or two that depends on the step's shape, never on depth.
@@ -108,3 +111,39 @@ def test_the_mode_check_of_every_pass_does_not_grow_with_the_dropouts():
     deep = count(64, model=_stack_with_dropout)
     assert deep.bytecodes == shallow.bytecodes
     assert abs(deep.python_calls - shallow.python_calls) <= SAME
+
+
+# Steps 50 to 200 take every kind of sampled step: the activation sampler's
+# (every 25), stalled_training's re-run (at 100 and 200) and the steps whose
+# loss it reads, the broadcast recheck (101). There the average step at depth
+# 64 measured 789 bytecodes above depth 4's: the sampler measures 32 modules
+# of the deep stack against all 17 of the shallow one. A loop naming every
+# parameter on the sampler's steps alone (about 4,500 bytecodes each at depth
+# 64) adds about 170; the stall re-run's per-module saves and restores, the
+# broadcast recheck's mode over every gradient read and the update ratios'
+# per-parameter Python added about 2,000 before they went into C loops.
+WINDOW_GROWTH = 900
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return window_bytecodes(4), window_bytecodes(64)
+
+
+def test_sampled_steps_grow_little_with_depth(windows, counts):
+    """Sampled and audit steps may cost more at depth (a sampler measures up to 32
+    modules), but trainwatch's Python on them must not loop over every module or
+    parameter: the window's average at depth 64 stays near depth 4's."""
+    shallow, deep = windows
+    healthy = counts[0].bytecodes
+    assert sum(steps > healthy + 1000 for steps in deep) >= 7  # the sampled steps are in it
+    assert fmean(deep) - fmean(shallow) <= WINDOW_GROWTH
+
+
+def test_a_loop_over_every_parameter_on_sampled_steps_shows_in_the_window():
+    """Control: nonfinite_parameter's check every 25 steps names each weight it
+    checks in Python; over the window the deep stack's average then grows past
+    the bound."""
+    every = {"nonfinite_parameter": {"check_every": 25}}
+    shallow, deep = window_bytecodes(4, config=every), window_bytecodes(64, config=every)
+    assert fmean(deep) - fmean(shallow) > WINDOW_GROWTH

@@ -515,6 +515,105 @@ def test_a_re_run_leaves_the_models_own_attributes_as_training_left_them(quiet_w
         assert torch.equal(a, b)
 
 
+class MarksEvalCalls(nn.Module):
+    """Keeps its last training input, and on a call in eval mode drops it and marks
+    itself with a new attribute: a re-run that left either behind would show."""
+
+    eval_calls = 0  # on the class: no re-run puts it back
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.cache = x.detach()
+        else:
+            type(self).eval_calls += 1
+            self.evaluated = True
+            del self.cache
+        return self.fc(x)
+
+
+def test_a_re_run_takes_away_what_it_added_and_brings_back_what_it_removed(quiet_watch):
+    """Attributes an eval-mode forward adds go, and those it deletes come back."""
+    torch.manual_seed(0)
+    plain = MarksEvalCalls()
+    watched = copy.deepcopy(plain)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, watched)]
+    quiet_watch(watched, opts[1], stalled_training={"every": 2, "warmup": 1})
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 8, generator=gen) for _ in range(7)]
+    for model, opt in zip((plain, watched), opts):
+        for x in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            opt.step()
+    assert MarksEvalCalls.eval_calls >= 3  # the re-runs ran, in eval mode
+    assert "evaluated" not in watched.__dict__
+    assert torch.equal(watched.cache, plain.cache)
+    assert list(watched.__dict__) == list(plain.__dict__)
+
+
+def _ratios_by_hand(model: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each layer's ||dW|| / ||W|| over its trainable weights, in the model's order."""
+    moved: dict[str, float] = {}
+    size: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            layer, now = name.rsplit(".", 1)[0], param.detach()
+            moved[layer] = moved.get(layer, 0.0) + float((now - before[name]).norm()) ** 2
+            size[layer] = size.get(layer, 0.0) + float(now.norm()) ** 2
+    return {layer: math.sqrt(moved[layer] / size[layer]) for layer in moved}
+
+
+def test_update_ratios_and_trainable_counts_follow_a_layer_frozen_between_re_runs():
+    """The per-layer sums and the trainable counts kept from one re-run to the next are
+    worked out again once a layer is frozen or thawed, and a weight the model does not
+    hold is named the general way."""
+    from trainwatch.collect.passes import ModelPasses
+    from trainwatch.collect.stall import FirstBatchProbe
+    from trainwatch.layers import EXTERNAL, LayerMap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4), nn.Linear(4, 1))
+    layers = LayerMap(model)
+    probe = FirstBatchProbe(ModelPasses(lambda *_: None), every=10, rows=4, loss_window=2)
+
+    def sampled_step(extra: list[torch.Tensor]) -> tuple[StallReport, dict[str, float]]:
+        params = [*model.parameters(), *extra]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        kept = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for param in params:
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 1e-3)
+        return probe.report(10, params, kept, layers), _ratios_by_hand(model, before)
+
+    # Layers 2 and 3 hold two weights each: frozen in turn, the same count of them moves.
+    for frozen, extra in [
+        (None, []),
+        (2, []),
+        (2, []),
+        (3, []),
+        (None, []),
+        (None, [nn.Parameter(torch.ones(3))]),
+    ]:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        if frozen is not None:
+            model[frozen].requires_grad_(False)
+        report, expected = sampled_step(extra)
+        ratios = {k: v for k, v in report.update_ratios.items() if k != EXTERNAL}
+        assert list(ratios) == list(expected)
+        assert ratios == pytest.approx(expected, rel=1e-6)
+        assert (EXTERNAL in report.update_ratios) == bool(extra)
+        held_out = sum(p.numel() for p in model[frozen].parameters()) if frozen else 0
+        assert report.total == sum(p.numel() for p in model.parameters())
+        assert report.trainable == report.total - held_out
+        assert report.trainable_in == [layer for layer in ("0", "2", "3") if layer != str(frozen)]
+
+
 def _nan_at_step_8(watch, check: str, stall: dict | bool) -> list[tuple]:
     torch.manual_seed(0)
     model = _mlp()

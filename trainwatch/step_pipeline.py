@@ -45,6 +45,7 @@ from trainwatch.collect.idle_optimizer import (
     gradients_seen,
 )
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
+from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
 from trainwatch.collect.norm_overflow import norm_overflow
 from trainwatch.collect.passes import ModelPasses
@@ -870,6 +871,18 @@ class StepPipeline:
         """Every parameter of the optimizer's groups, in order, gathered in C."""
         return list(chain.from_iterable(map(_PARAMS, self._optimizers[index].param_groups)))
 
+    def _end_loss_modes(self) -> None:
+        """The loss is behind us: the function modes that followed it come off before
+        the step's own reads. Under a mode every tensor attribute read (each
+        gradient, twice) and every op of the per-layer norms is dispatched through
+        it, and costs and keeps memory there."""
+        look = self.class_targets
+        if look is not None and look.listening:
+            self._guarded("class target look", look.end_span)
+        audit = self.behaviour.broadcast if self.behaviour is not None else None
+        if audit is not None:
+            self._guarded("broadcast audit", audit.stop)
+
     def gather(self, index: int | None, now: int, attach: bool = False) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
 
@@ -877,12 +890,8 @@ class StepPipeline:
         already counted). ``now``: the monitor's step count. ``attach``: an
         optimizer being attached, not a step.
         """
-        look = self.class_targets
-        if look is not None and look.listening:
-            # The loss is behind us: the look's function mode comes off before
-            # the step's own reads (tensor attributes read under a function
-            # mode are dispatched through it, and cost and keep memory there).
-            self._guarded("class target look", look.end_span)
+        if LOSS_MODES:  # a sampled step: a list read, no call on the others
+            self._end_loss_modes()
         if self.structure.changed():
             self.rebuild_layers()
         params = self.layers.parameters() if index is None else self.optimizer_params(index)

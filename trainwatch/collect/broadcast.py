@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.callers import called_from
 from trainwatch.collect import quiet
+from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.op_trace import _user_line
 from trainwatch.collect.tensors import tensor_leaves
@@ -553,7 +554,7 @@ class BroadcastAudit:
             self._labels[id(tensor)] = tensor
         self.inside = True
         self.audited_pass = True
-        self._mode.__enter__()
+        enter_loss_mode(self._mode)
         self._depth = torch._C._len_torch_function_stack()
 
     def pass_ends(self, output: Any, grad: bool) -> None:
@@ -601,7 +602,7 @@ class BroadcastAudit:
         """Put the mode on the stack, unless it is there already or another's mode
         would be left under it (ours is popped from the top only)."""
         if self._depth is None and _stack_is_ours_to_use():
-            self._mode.__enter__()
+            enter_loss_mode(self._mode)
             self._depth = torch._C._len_torch_function_stack()
 
     def stop(self) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect.broadcast import _AuditMode, _call
+from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.tensors import tensor_leaves
 
@@ -200,7 +201,7 @@ class ClassTargetLook:
             self._span_seen = True
             return
         if _stack_is_ours_to_use():
-            self._mode.__enter__()
+            enter_loss_mode(self._mode)
             self._depth = torch._C._len_torch_function_stack()
             self._span_seen = True
 

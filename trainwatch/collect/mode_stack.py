@@ -21,6 +21,11 @@ import torch
 # those of them taken along since (their owners learn it at their next ask).
 _WANTS_OUT: list[Any] = []
 _TAKEN: weakref.WeakSet[Any] = weakref.WeakSet()  # a closed owner never asks again
+# Those of ours that follow a loss to the step boundary (the broadcast audit's, the
+# class-target look's), while they are on the stack: a step boundary finds them
+# here without a call, and takes them off before its own reads, which a mode
+# would otherwise see (every gradient read is a tensor attribute's).
+LOSS_MODES: list[Any] = []
 
 
 def _top() -> Any:
@@ -35,6 +40,12 @@ def _take(modes: list[Any], mode: Any) -> bool:
             del modes[i]
             return True
     return False
+
+
+def enter_loss_mode(mode: Any) -> None:
+    """Push ``mode``, one that follows a loss until the step boundary takes it off."""
+    mode.__enter__()
+    LOSS_MODES.append(mode)
 
 
 def leave(mode: Any) -> bool:
@@ -52,11 +63,13 @@ def leave(mode: Any) -> bool:
         return False
     mode.__exit__(None, None, None)
     _take(_WANTS_OUT, mode)
+    _take(LOSS_MODES, mode)
     # Those of ours that wanted out and are on top now leave too.
     while _WANTS_OUT:
         top = _top()
         if top is None or not _take(_WANTS_OUT, top):
             break
         top.__exit__(None, None, None)
+        _take(LOSS_MODES, top)
         _TAKEN.add(top)
     return True

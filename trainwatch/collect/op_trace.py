@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from trainwatch.rng import forked_rngs
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRAINWATCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _TRAINWATCH_DIR)
+_BUFFERS = attrgetter("_buffers")  # a module's buffer table (empty: falsy)
 # trainwatch's function modes (the loss audits) hand each op on from these: a
 # frame of theirs between the op and the user's line is no re-run of trainwatch's.
 _PASS_THROUGH = frozenset({"__torch_function__", "_call"})
@@ -245,18 +247,23 @@ def trace_negative_inf_turned_nonfinite(
 
 
 @contextmanager
-def swapped_buffers(module: nn.Module) -> Iterator[None]:
+def swapped_buffers(
+    module: nn.Module, modules: Iterable[nn.Module] | None = None
+) -> Iterator[None]:
     """Give a re-run copies of the buffers (BatchNorm running stats).
 
     The originals are put back by reference: an in-place restore would bump
-    version counters that autograd checks in the real backward.
+    version counters that autograd checks in the real backward. Modules
+    without buffers (most of a deep model) are passed over in a C loop.
+    ``modules``: ``module.modules()``, where the caller has them already.
     """
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for sub in module.modules():
-        for name, buf in list(sub._buffers.items()):
+    subs = module.modules() if modules is None else modules
+    for buffers in filter(None, map(_BUFFERS, subs)):
+        for name, buf in list(buffers.items()):
             if buf is not None:
-                swapped.append((sub._buffers, name, buf))
-                sub._buffers[name] = buf.detach().clone()
+                swapped.append((buffers, name, buf))
+                buffers[name] = buf.detach().clone()
     try:
         yield
     finally:

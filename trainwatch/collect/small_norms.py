@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import starmap
-from operator import itemgetter
+from itertools import accumulate, groupby, starmap
+from operator import attrgetter, itemgetter
 
 import torch
 
@@ -35,6 +35,9 @@ from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.tensors import set_grad_enabled
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
+
+_LAYER_INDEX = attrgetter("layer_index")
+_RUN = itemgetter(1)  # one of groupby's runs
 
 # A gradient up to this many elements is stacked with those of its shape.
 SMALL = 1 << 14
@@ -144,20 +147,16 @@ class LayerSums:
     __slots__ = ("layers", "_order", "_slices", "_names")
 
     def __init__(self, present: Sequence[ParamInfo], layers: Sequence[str]) -> None:
+        # Built in C loops too (once per layout, at any depth): the positions
+        # sorted by layer, then one slice per run of a layer's positions.
         self.layers = layers
-        order = sorted(range(len(present)), key=lambda i: present[i].layer_index)
-        slices, names = [], []
-        start = 0
-        for end in range(1, len(order) + 1):
-            if end == len(order) or (
-                present[order[end]].layer_index != present[order[start]].layer_index
-            ):
-                slices.append(slice(start, end))
-                names.append(layers[present[order[start]].layer_index])
-                start = end
+        indices = list(map(_LAYER_INDEX, present))
+        order = sorted(range(len(indices)), key=indices.__getitem__)
+        ordered = list(map(indices.__getitem__, order))
+        ends = list(accumulate(map(len, map(list, map(_RUN, groupby(ordered))))))
         self._order = order
-        self._slices = slices
-        self._names = names
+        self._slices = list(map(slice, [0, *ends[:-1]], ends))
+        self._names = list(map(layers.__getitem__, dict.fromkeys(ordered)))
 
     def of(self, norms: Sequence[float]) -> tuple[dict[str, float], float] | None:
         if len(norms) != len(self._order) or not norms:

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
+from itertools import compress, groupby, repeat
+from operator import attrgetter, is_, itemgetter, methodcaller, truediv
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ from trainwatch.collect.grads import layer_norms
 from trainwatch.collect.nonfinite_replay import replay_target
 from trainwatch.collect.op_trace import swapped_buffers
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.small_norms import LayerSums
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
 from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
@@ -39,6 +43,18 @@ from trainwatch.record import StallReport, StepRecord
 from trainwatch.rng import forked_rngs
 
 _NORM_STATS = nn.modules.batchnorm._NormBase
+_TRAINING = attrgetter("training")
+_STATE = attrgetter("__dict__")  # a module's plain attributes, its mode among them
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_NUMEL = methodcaller("numel")
+_LAYER_INDEX = attrgetter("layer_index")
+_OWNER = attrgetter("owner")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_DETACH = methodcaller("detach")
+_CLONE = methodcaller("clone")
+_FLOAT = methodcaller("float")
+_POSITIVE = (0.0).__lt__  # a norm above zero (NaN is not)
+_consume = deque(maxlen=0).extend  # runs a C loop (a ``map``) for its effects
 
 
 class FirstBatchProbe:
@@ -72,6 +88,10 @@ class FirstBatchProbe:
         self._reference: torch.Tensor | None = None
         self._spread = 0.0
         self._stats: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        # Kept between reports while the parameters stay as they were: the
+        # per-layer sums of the update ratios, and the trainable counts.
+        self._sums: tuple[list[str], tuple[int, ...], tuple[LayerSums, list[str]]] | None = None
+        self._counts: tuple[list[str], Any, tuple[int, int, list[str]]] | None = None
 
     # -- the passes ------------------------------------------------------------
     def pass_starts(self, module: nn.Module) -> None:
@@ -148,24 +168,8 @@ class FirstBatchProbe:
     ) -> StallReport:
         """The output's move on the first batch and each layer's update ratio, after the update."""
         self.passed(step)
-        pairs = [(p, old) for p, old in zip(params, before or []) if p.requires_grad]
-        ratios: dict[str, float] = {}
-        if pairs:
-            with torch.no_grad():
-                now = [p.detach().float() for p, _ in pairs]
-                moved = torch._foreach_sub(now, [old.float() for _, old in pairs])
-                norms = torch.stack(
-                    [*torch._foreach_norm(moved), *torch._foreach_norm(now)]
-                ).tolist()
-            infos = [layers.info(p) for p, _ in pairs]
-            updates, _ = layer_norms(infos, norms[: len(pairs)], layers.layers)
-            weights, _ = layer_norms(infos, norms[len(pairs) :], layers.layers)
-            ratios = {
-                layer: updates[layer] / weights[layer]
-                for layer in updates
-                if weights.get(layer, 0.0) > 0.0
-            }
-        trainable, total, where = _trainable(layers)
+        ratios = self._ratios(params, before, layers)
+        trainable, total, where = self._trainable(layers)
         return StallReport(
             steps=step - self._phase_start + 1,
             change=self._change(),
@@ -174,6 +178,67 @@ class FirstBatchProbe:
             total=total,
             trainable_in=where,
         )
+
+    def _ratios(
+        self, params: Sequence[torch.Tensor], before: list[torch.Tensor] | None, layers: LayerMap
+    ) -> dict[str, float]:
+        """Each layer's ``||dW|| / ||W||``: the norms in one batched kernel each, their
+        per-layer sums in C loops (:class:`LayerSums`, kept while the parameters stay)."""
+        flags = list(map(_REQUIRES_GRAD, params))
+        now = list(compress(params, flags))
+        old = list(compress(before or [], flags))
+        if len(old) < len(now):  # fewer weights kept than the step holds: those kept
+            now = now[: len(old)]
+        if not now:
+            return {}
+        with torch.no_grad():
+            floats = list(map(_FLOAT, map(_DETACH, now)))
+            moved = torch._foreach_sub(floats, list(map(_FLOAT, old)))
+            both = [*torch._foreach_norm(moved), *torch._foreach_norm(floats)]
+            norms = torch.stack(both).tolist()
+        count = len(now)
+        kept = self._layer_sums(now, layers)
+        if kept is not None:
+            sums, names = kept
+            updates, weights = sums.of(norms[:count]), sums.of(norms[count:])
+            if updates is not None and weights is not None:
+                return _divided(updates[0], weights[0], names)
+        # A weight outside the model, or a non-finite norm: the general way.
+        infos = [layers.info(p) for p in now]
+        weights = layer_norms(infos, norms[count:], layers.layers)[0]
+        updates = layer_norms(infos, norms[:count], layers.layers)[0]
+        return _divided(updates, weights, list(weights))
+
+    def _layer_sums(
+        self, params: list[torch.Tensor], layers: LayerMap
+    ) -> tuple[LayerSums, list[str]] | None:
+        """The per-layer sums of these parameters, in this order, and their layers in
+        the order the parameters name them; None when one is not the model's. The
+        map keeps the parameters it knows alive, so their ids key the sums safely
+        while it is the map."""
+        key = tuple(map(id, params))
+        kept = self._sums
+        if kept is not None and kept[0] is layers.layers and kept[1] == key:
+            return kept[2]
+        infos = list(map(layers.known().get, key))
+        if any(map(is_, infos, repeat(None))):
+            return None
+        names = list(dict.fromkeys(map(layers.layers.__getitem__, map(_LAYER_INDEX, infos))))
+        found = LayerSums(infos, layers.layers), names
+        self._sums = (layers.layers, key, found)
+        return found
+
+    def _trainable(self, layers: LayerMap) -> tuple[int, int, list[str]]:
+        """Trainable and total parameter counts, and the modules holding the most
+        trainable ones: worked out again only when a size or a flag changed."""
+        params = layers.parameters()
+        key = (tuple(map(_NUMEL, params)), tuple(map(_REQUIRES_GRAD, params)))
+        kept = self._counts
+        if kept is not None and kept[0] is layers.layers and kept[1] == key:
+            return kept[2]
+        found = _trainable(layers, params, *key)
+        self._counts = (layers.layers, key, found)
+        return found
 
     # -- internals ---------------------------------------------------------------
     def _keep(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -213,23 +278,25 @@ class FirstBatchProbe:
         module = self._module() if self._module is not None else None
         if module is None:
             return None
-        modes = [(sub, sub.training) for sub in module.modules()]
+        subs = list(module.modules())
+        modes = list(map(_TRAINING, subs))
         # A forward may keep state in plain attributes (a call counter, an
-        # RNN's hidden state carried between batches): put every attribute
-        # back as it was, so the re-run leaves no trace the training sees.
-        attributes = [(sub, dict(sub.__dict__)) for sub in module.modules()]
+        # RNN's hidden state carried between batches): every module's
+        # attributes are put back as they were, so the re-run leaves no trace
+        # the training sees. Saved and put back in C loops, whatever the depth.
+        states = list(map(_STATE, subs))
+        saved = list(map(dict.copy, states))
         devices = _cuda_devices(module)
         try:
             with ExitStack() as stack:
-                stack.enter_context(swapped_buffers(module))
+                stack.enter_context(swapped_buffers(module, subs))
                 stack.enter_context(forked_rngs(devices=devices))
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(quiet.replay())
                 stack.enter_context(eager())
                 for buffers, name, kept in self._stats:
                     buffers[name] = kept.clone()  # the phase's running statistics
-                for sub, _ in modes:
-                    sub.training = False
+                _consume(map(setattr, subs, repeat("training"), repeat(False)))
                 output = module(*detached_copies(self._args), **detached_copies(self._kwargs))
                 flat = [t.detach().float().reshape(-1) for t in floating_tensors(output)]
                 return torch.cat(flat) if flat else None
@@ -239,18 +306,35 @@ class FirstBatchProbe:
             # untouched either way.
             return None
         finally:
-            for sub, saved in attributes:
-                state = sub.__dict__
-                for name in [name for name in state if name not in saved]:
-                    del state[name]
-                state.update(saved)
-            for sub, training in modes:
-                sub.training = training
+            _restore(states, saved)
+            _consume(map(setattr, subs, repeat("training"), modes))
+
+
+def _restore(states: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Each module's attributes as saved: what the re-run added goes, what it changed
+    or removed comes back. What it added is held until every module is restored, so
+    nothing freed on the way (a ``__del__``, a weakref callback) meets a module
+    half restored."""
+    added = list(map(dict.copy, states))
+    _consume(map(dict.clear, states))
+    _consume(map(dict.update, states, saved))
+    del added
+
+
+def _divided(
+    updates: dict[str, float], weights: dict[str, float], names: list[str]
+) -> dict[str, float]:
+    """``updates[layer] / weights[layer]`` for each of ``names`` (in that order) whose
+    weights' norm is above zero, in C loops."""
+    values = list(map(weights.__getitem__, names))
+    positive = list(map(_POSITIVE, values))
+    moved = map(updates.__getitem__, compress(names, positive))
+    return dict(zip(compress(names, positive), map(truediv, moved, compress(values, positive))))
 
 
 def _copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [p.detach().clone() for p in params]
+        return list(map(_CLONE, map(_DETACH, params)))
 
 
 def _batch_size(args: Any, kwargs: Any) -> int | None:
@@ -282,16 +366,16 @@ def _cuda_devices(module: nn.Module) -> list[int]:
     return [first.device.index if first.device.index is not None else 0]
 
 
-def _trainable(layers: LayerMap) -> tuple[int, int, list[str]]:
-    """Trainable and total parameter counts, and the modules holding the most trainable ones."""
-    trainable = total = 0
-    by_owner: dict[str, int] = {}
-    for param in layers.parameters():
-        count = param.numel()
-        total += count
-        if param.requires_grad:
-            trainable += count
-            owner = layers.info(param).owner
-            by_owner[owner] = by_owner.get(owner, 0) + count
-    where = sorted(by_owner, key=lambda owner: -by_owner[owner])[:3]
-    return trainable, total, where
+def _trainable(
+    layers: LayerMap, params: list[torch.Tensor], counts: tuple[int, ...], flags: tuple[bool, ...]
+) -> tuple[int, int, list[str]]:
+    """Trainable and total parameter counts (``counts``, ``flags``: the map's
+    ``params``' sizes and whether each is trainable), and the three modules
+    holding the most trainable ones, the first named first among equals."""
+    known = layers.known()
+    owners = list(map(_OWNER, map(known.__getitem__, map(id, compress(params, flags)))))
+    trainable = list(compress(counts, flags))
+    pairs = sorted(zip(owners, trainable))
+    by_owner = {owner: sum(map(_SECOND, pair)) for owner, pair in groupby(pairs, _FIRST)}
+    where = sorted(dict.fromkeys(owners), key=by_owner.__getitem__, reverse=True)[:3]
+    return sum(trainable), sum(counts), where
