@@ -97,3 +97,30 @@ def test_lora_under_the_trainer_with_an_optimizer_over_every_parameter_warns(tmp
     trainer, watch = _trainer(tmp_path, model, (optimizer, None))
     trainer.train()
     assert {a.rule for a in watch.alerts if a.severity != "info"} == {"frozen_in_optimizer"}
+
+
+@pytest.mark.parametrize("b_lr", [0.0, 4e-3])
+def test_a_peft_lora_b_at_a_learning_rate_of_0_is_named_for_a_zero_gradient(b_lr):
+    """LoRA+ with B's learning rate truncated to 0: A's gradient stays exactly zero,
+    and the message names the zero B beside it (PEFT keeps each half in a module
+    of its own); with B learning, nothing is told."""
+    model = _lora()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if "lora_A" in n], "lr": 1e-3},
+        {"params": [p for n, p in named if "lora_B" in n], "lr": b_lr},
+    ]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    with tw.watch(model, optimizer, console=io.StringIO()) as monitor:
+        _train(model, optimizer, 5)
+    zero = [a for a in monitor.alerts if a.rule == "zero_gradient"]
+    if b_lr:
+        assert zero == []
+        return
+    assert zero and all(a.module.endswith("lora_A.default") for a in zero)
+    alert = zero[0]
+    partner = alert.module.replace("lora_A", "lora_B") + ".weight"
+    assert alert.data["zero_partner"] == partner
+    assert alert.data["partner_stays_zero"] == "lr_zero"
+    assert f"{partner} is all zeros" in alert.message
+    assert "its param group's learning rate is 0" in alert.message

@@ -183,6 +183,41 @@ def test_a_new_optimizer_restarts_the_comparison_from_its_own_first_batch(quiet_
     assert alert.step == 30 + 39 and alert.data["steps"] == 40
 
 
+def _frozen_pretraining_then_adapters(quiet_watch, adapter_lr: float) -> list[tw.Alert]:
+    """Pre-training at 3e-3, then the model frozen and adapters put on the side branch
+    with an optimizer of their own: the first optimizer holds nothing trainable now."""
+    torch.manual_seed(0)
+    model = Backbone()
+    pretrain = torch.optim.Adam(model.parameters(), lr=3e-3)
+    monitor = quiet_watch(model, pretrain, **SHORT)
+    _regression(model, pretrain, 30, monitor=monitor, inputs=16, target=_target)
+    trainable = _with_adapters(model, "side.inner")
+    fine_tune = torch.optim.Adam(trainable, lr=adapter_lr)
+    monitor.add_optimizer(fine_tune)
+    _regression(model, fine_tune, 45, monitor=monitor, seed=2, inputs=16, target=_target)
+    return _stalls(monitor.alerts)
+
+
+def test_a_stall_lists_no_learning_rate_of_an_optimizer_over_frozen_weights(quiet_watch):
+    (alert,) = _frozen_pretraining_then_adapters(quiet_watch, 1e-12)
+    assert alert.data["learning_rates"] == [1e-12]
+    assert "; lr 1.0e-12" in alert.message and "3.0e-03" not in alert.message
+    assert "the loss flat" in alert.message
+
+
+def test_control_adapters_that_train_after_a_frozen_pretraining_do_not_stall(quiet_watch):
+    """(On the trunk: the side branch's output is scaled by 1e-6 and stalls at any rate.)"""
+    torch.manual_seed(0)
+    model = Backbone()
+    pretrain = torch.optim.Adam(model.parameters(), lr=3e-3)
+    monitor = quiet_watch(model, pretrain, **SHORT)
+    _regression(model, pretrain, 30, monitor=monitor, inputs=16, target=_target)
+    fine_tune = torch.optim.Adam(_with_adapters(model, "trunk.2"), lr=1e-3)
+    monitor.add_optimizer(fine_tune)
+    _regression(model, fine_tune, 45, monitor=monitor, seed=2, inputs=16, target=_target)
+    assert _stalls(monitor.alerts) == []
+
+
 def test_a_phase_that_trains_stays_silent_after_a_phase_that_did_not(quiet_watch):
     torch.manual_seed(0)
     model = _mlp()
@@ -877,6 +912,32 @@ def test_trainwatch_run_finds_a_warm_up_in_the_wrong_unit(tmp_path, warmup, stal
     assert len(found) == int(stalled)
     if stalled:
         assert found[0]["step"] == 39 and found[0]["module"] == ""
+
+
+def test_under_trainwatch_run_a_stall_does_not_ask_for_monitor_step(tmp_path):
+    """A script under ``trainwatch run`` has no monitor to hand the loss to."""
+    from trainwatch.runner import run_script
+
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    config = {"stalled_training": {"every": 20, "warmup": 40}}
+    code = run_script(
+        tmp_path / "train.py", ["1e12"], log_dir=tmp_path / "out", console=False, config=config
+    )
+    assert code == 0
+    lines = Path(tmp_path / "out" / "alerts.jsonl").read_text().splitlines()
+    (found,) = [a for a in map(json.loads, lines) if a["rule"] == "stalled_training"]
+    assert "the loss not seen (trainwatch run cannot read it)" in found["message"]
+    assert "monitor.step" not in found["message"]
+
+
+def test_control_a_watched_loop_without_the_loss_is_still_told_how_to_pass_it(quiet_watch):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-12)
+    monitor = quiet_watch(model, opt, **SHORT)
+    _regression(model, opt, 45)  # no monitor.step(loss=...)
+    (alert,) = _stalls(monitor.alerts)
+    assert "the loss unknown (pass it with monitor.step(loss=loss))" in alert.message
 
 
 # -- the tuning benchmark ---------------------------------------------------------------

@@ -101,3 +101,24 @@ def test_a_branch_used_on_some_steps_is_a_warning_under_a_process_group(quiet_wa
 def test_a_configured_severity_holds_on_one_device(quiet_watch):
     (alert,) = _skipped_at_step_3(quiet_watch, config={"unused_parameter": {"severity": "error"}})
     assert alert.severity == "error"
+
+
+def test_a_branch_used_on_some_steps_asks_for_nothing_on_one_process(quiet_watch):
+    """A mixture of experts on one process is right as it is: the hint says so, and
+    keeps find_unused_parameters=True for DistributedDataParallel only."""
+    (alert,) = _skipped_at_step_3(quiet_watch)
+    assert "On one process nothing needs doing" in alert.hint
+    assert "Only under DistributedDataParallel" in alert.hint
+    assert "find_unused_parameters=True" in alert.hint
+    assert "Better:" not in alert.hint and "run the branch unconditionally" not in alert.hint
+    assert alert.data["distributed"] is False
+
+
+def test_control_under_a_process_group_the_hint_keeps_the_ddp_fixes(quiet_watch):
+    from tests.test_never_called_in_optimizer import one_process_group
+
+    with one_process_group():
+        (alert,) = _skipped_at_step_3(quiet_watch)
+    assert "nothing needs doing" not in alert.hint
+    assert "Better: make every branch reach the loss each step" in alert.hint
+    assert alert.data["distributed"] is True

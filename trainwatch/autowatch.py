@@ -681,6 +681,7 @@ class AutoWatch:
         monitor.model_name = name
         monitor.yields_to_explicit_watch = True
         monitor.steps_end_at_backward = True
+        monitor.loss_out_of_reach()
         if self.relay is not None:
             self.relay.connect()  # the process group is up by now (DDP needs it): hold its store
             monitor.relayed = True

@@ -349,6 +349,12 @@ class Monitor:
             return
         self._guarded("step collector", self._manual_step)
 
+    def loss_out_of_reach(self) -> None:
+        """The training code cannot hand the loss over (``trainwatch run`` watches a
+        script that knows nothing of trainwatch): messages stop asking for it."""
+        for rule in self._rules:
+            rule.loss_out_of_reach = True
+
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """Hand over the loss of the step in progress, before its backward.
 

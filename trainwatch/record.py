@@ -204,6 +204,10 @@ class StepRecord:
     # with gradients (torch.no_grad() around them, a reentrant checkpoint whose
     # inputs do not require grad).
     called_gradless: frozenset[str] = frozenset()
+    # Layers seen running without a gradient, each with the custom autograd
+    # Functions nearest it on its every path to the model's output (whose backward
+    # returns None for it); set on steps with parameters missing, None when none.
+    through_functions: dict[str, list[str]] | None = None
     # requires_grad=False parameters inside the optimizer's param groups, and
     # how many trainable parameters each owning module has in the optimizer.
     frozen: list[ParamInfo] = field(default_factory=list)

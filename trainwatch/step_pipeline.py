@@ -34,6 +34,7 @@ from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
+from trainwatch.collect.held import HeldParameters
 from trainwatch.collect.idle_optimizer import LOOK_AHEAD as IDLE_LOOK_AHEAD
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
 from trainwatch.collect.idle_optimizer import (
@@ -74,7 +75,7 @@ from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
-from trainwatch.weak import weak_callback
+from trainwatch.weak import weak_callback, weak_getter
 from trainwatch.whole_layers import WholeLayerNorms
 
 # An optimizer's step whose every parameter had a gradient.
@@ -201,6 +202,9 @@ class StepPipeline:
             config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
         )
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
+        held = HeldParameters(weak_getter(self, "layers", None), optimizers)
+        for rule in rules:
+            rule.held = held  # looked at only as an alert is built
         # How the model trains under DDP (collect.calls.runs_distributed), once known.
         self._distributed = ""
         # The last optimizer step had every learning rate at 0: the weights stayed.
@@ -515,6 +519,21 @@ class StepPipeline:
         if step_calls.following and not self.passes.listens(step_calls):
             self.passes.subscribe("step calls", step_calls)
 
+    def _custom_functions(self, record: StepRecord, params: list[torch.Tensor]) -> None:
+        """Layers that ran this step without a gradient, looked at once in the step's
+        graph: a custom autograd Function between them and the output whose
+        backward returns None for them (``StepCalls.explain``)."""
+        step_calls = self._step_calls
+        ran = record.called_now or frozenset()
+        missing = {info.name for info in record.missing if info.owner in ran}
+        targets: dict[str, list[torch.Tensor]] = {}
+        known = self.layers.known()
+        for param in params:
+            info = known.get(id(param))
+            if info is not None and info.name in missing:
+                targets.setdefault(info.owner, []).append(param)
+        step_calls.explain(targets)  # type: ignore[union-attr]
+
     def _judge_wipes(self, index: int, now: int, params: list[torch.Tensor]) -> None:
         """Whether this step of optimizer ``index`` applied only its last backward's
         gradients, zero_grad() having wiped each earlier one's; told (zero_gradient,
@@ -566,11 +585,14 @@ class StepPipeline:
         before, pending.weights_before = pending.weights_before, None
         pending.stall_due = False
         pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
+        # A param group holding no trainable parameter (a finished phase's optimizer
+        # over a model frozen since) updates nothing: its rate says nothing of a stall.
         groups = [
             group
             for opt in self._optimizers
             for group in opt.param_groups
             if isinstance(group.get("lr"), (int, float))
+            and any(p.requires_grad for p in group["params"])
         ]
         pending.record.stall.learning_rates = [float(group["lr"]) for group in groups]
         pending.record.stall.initial_learning_rates = [
@@ -945,6 +967,9 @@ class StepPipeline:
             record.calls_followed = step_calls.followed
             record.called_now, record.called_gradless = step_calls.take()
             record.calls_ran = frozenset(step_calls.ran)
+            if record.missing and step_calls.roots is not None:
+                self._guarded("custom functions", self._custom_functions, record, params)
+            step_calls.roots = None  # the step's graph is let go
         if record.missing:
             if self._wiped_away and index is not None and not record.rewritten_since_backward:
                 # Reached only by micro-batches zero_grad() wiped (told as
@@ -953,6 +978,8 @@ class StepPipeline:
                 record.missing = [info for info in record.missing if info.name not in away]
             # Parameters without a gradient: under DDP the next iteration fails.
             record.never_called = self._calls.never_called()
+            if step_calls is not None and step_calls.through_functions:
+                record.through_functions = step_calls.through_functions
             if self.probe is not None:
                 # Was some output of the model left out of the loss this step?
                 unreached = self._guarded("zero signal", self.probe.outputs_unreached)
@@ -1375,6 +1402,8 @@ class StepPipeline:
             self._calls.track(self._root, layers.layers)
             self._calls.listen(self.passes)
         self.layers = layers
+        if self._step_calls is not None:
+            self._step_calls.forget_explained()  # the layers may be other ones now
         self.tracker.attach(fresh)
         self._claim(fresh)
         if self.probe is not None:

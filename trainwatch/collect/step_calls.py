@@ -26,6 +26,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect import quiet
+from trainwatch.collect.custom_functions import functions_through
+from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.compiled import compiling, is_wrapper, unwrap
 from trainwatch.hooks import WeakHook
 
@@ -55,6 +57,15 @@ class StepCalls:
         self.cut_runs: dict[str, int] = {}
         # Followed layers seen running in some step: skipped by design on the others.
         self.ran: set[str] = set()
+        # The graph nodes the latest pass with gradients hangs its output from, and
+        # those of the step just taken: looked at (custom_functions) only where a
+        # layer ran without a gradient, then let go.
+        self._roots: list[Any] | None = None
+        self.roots: list[Any] | None = None
+        # Layers looked at that way, and the custom autograd Functions found
+        # between them and the output (the layers they explain).
+        self.examined: set[str] = set()
+        self.through_functions: dict[str, list[str]] = {}
 
     @property
     def followed(self) -> frozenset[str]:
@@ -104,12 +115,25 @@ class StepCalls:
         self.following = bool(self._followed)
         if not self._followed:
             self._unhook()
+            self._roots = self.roots = None
+
+    def explain(self, targets: dict[str, list[torch.Tensor]]) -> None:
+        """Finds the custom autograd Functions between each layer of ``targets`` (that
+        ran without a gradient; by name, with its parameters) and the output of the
+        step just taken (``through_functions``), each layer looked at once; then the
+        step's graph is let go."""
+        roots, self.roots = self.roots, None
+        fresh = {name: params for name, params in targets.items() if name not in self.examined}
+        if roots and fresh:
+            self.examined.update(fresh)
+            self.through_functions.update(functions_through(roots, fresh))
 
     def take(self) -> tuple[frozenset[str] | None, frozenset[str]]:
         """The followed layers called since the last step boundary (None: not knowable:
         no pass with gradients was seen, or one ran where module calls are not), and
         those of them called only with gradients off, inside a pass with gradients."""
         self._unhook()
+        self.roots, self._roots = self._roots, None
         with_grad, gradless = self._called, self._called_gradless
         called, blind = frozenset(with_grad | gradless), self._blind or not self._passes
         gradless = frozenset(gradless - with_grad)
@@ -142,6 +166,9 @@ class StepCalls:
             # Not one module call seen inside the pass: compiled in place
             # (``model.compile()``), where hooks do not run. Nothing is known.
             self._blind = True
+        if torch.is_grad_enabled():
+            roots = [t.grad_fn for _, t in tensor_leaves(output) if t.grad_fn is not None]
+            self._roots = roots or self._roots
         # The hook stays on until the step boundary: reentrant checkpointing
         # runs its blocks under no_grad in the pass and with gradients only in
         # backward, where they are seen running.
@@ -168,8 +195,13 @@ class StepCalls:
         """Knowing nothing, it claims nothing: every followed layer counts as called."""
         self.detach()
 
+    def forget_explained(self) -> None:
+        self.examined.clear()
+        self.through_functions.clear()
+
     def detach(self) -> None:
         self._unhook()
+        self._roots = self.roots = None
         self._followed.clear()
         self.following = False
         self._called.clear()

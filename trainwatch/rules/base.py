@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from trainwatch.alert import Alert
+from trainwatch.collect.held import HeldParameters
 from trainwatch.config import RuleConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
@@ -26,6 +27,13 @@ class Rule:
     # The loop clips its gradients (trainwatch saw clip_grad_norm_ run): a hint
     # then does not tell it to. Set by the monitor, not a learnt state.
     loop_clips: bool = False
+    # The training code cannot hand the loss over (``trainwatch run`` watches a
+    # script that knows nothing of trainwatch): messages do not ask it to. Set by
+    # the monitor, not a learnt state.
+    loss_out_of_reach: bool = False
+    # The model's weights and their optimizers, looked at only as an alert is
+    # built (a weight found all zero); set by the step pipeline.
+    held: HeldParameters | None = None
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config
@@ -35,7 +43,9 @@ class Rule:
         raise NotImplementedError
 
     # -- checkpoints ------------------------------------------------------------
-    _NOT_STATE: ClassVar[frozenset[str]] = frozenset({"config", "component", "loop_clips"})
+    _NOT_STATE: ClassVar[frozenset[str]] = frozenset(
+        {"config", "component", "loop_clips", "loss_out_of_reach", "held"}
+    )
 
     def state_dict(self) -> dict[str, Any]:
         """Whatever the rule learnt so far (streaks, averages), as plain data."""

@@ -156,6 +156,8 @@ class StalledTrainingRule(Rule):
 
     def _loss_text(self, first: list[float]) -> str:
         if len(first) < 2 or len(self._latest_losses) < 2:
+            if self.loss_out_of_reach:
+                return "the loss not seen (trainwatch run cannot read it)"
             return "the loss unknown (pass it with monitor.step(loss=loss))"
         before = statistics.fmean(first)
         after = statistics.fmean(self._latest_losses)

@@ -26,6 +26,15 @@ _HINT = (
     "(which costs a graph walk per step). Better: make every branch reach the loss "
     "each step (add 0 * branch_output), or run the branch unconditionally."
 )
+# Not distributed: a mixture of experts or stochastic depth is right as it is.
+_HINT_ONE_PROCESS = (
+    "a branch that only runs on some steps (an if on the data, a mixture-of-experts "
+    "router, an auxiliary head used every k steps). On one process nothing needs "
+    "doing: the optimizer skips a parameter whose gradient is None. Only under "
+    "DistributedDataParallel does it matter: build the model there with "
+    "find_unused_parameters=True (a graph walk per step), or have every branch reach "
+    "the loss each step (add 0 * branch_output)."
+)
 
 
 class UnusedParameterRule(Rule):
@@ -77,7 +86,8 @@ class UnusedParameterRule(Rule):
             self._reported.add(info.name)
         # Harmless on one device; under DDP the reducer waits for every gradient,
         # unless it was built with find_unused_parameters=True (then it copes).
-        ddp = self._distributed == "ddp" or (not self._distributed and _process_group_up())
+        distributed = bool(self._distributed) or _process_group_up()
+        ddp = self._distributed == "ddp" or (not self._distributed and distributed)
         severity = None
         if ddp and severity_rank(self.config.severity) < severity_rank("warning"):
             severity = "warning"
@@ -97,11 +107,12 @@ class UnusedParameterRule(Rule):
                     owner,
                     f"{short_names(params)} {how}: used on some steps only. Fine on one "
                     "device; under DDP this hangs or fails unless find_unused_parameters=True",
-                    _HINT,
+                    _HINT if distributed else _HINT_ONE_PROCESS,
                     {
                         "parameters": [p.name for p in params],
                         "unused_step": unused_since,
                         "missing_now": now_missing,
+                        "distributed": distributed,
                     },
                     severity=severity,
                 )

@@ -6,6 +6,7 @@ from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.held import FROZEN, LR_ZERO, NO_OPTIMIZER
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import BetweenBackwardsRecord, StepRecord
@@ -15,8 +16,16 @@ from trainwatch.rules.trainable_parameters import common_module
 _HINTS = {
     "none": (
         "backward never reached these parameters: look for a .detach(), a "
-        ".item()/.numpy() round trip, torch.no_grad() around the layer, or a branch "
-        "whose output does not reach the loss."
+        ".item()/.numpy() round trip, torch.no_grad() around the layer, a custom "
+        "torch.autograd.Function whose backward returns None for an input, or a "
+        "branch whose output does not reach the loss."
+    ),
+    "custom_function": (
+        "a custom torch.autograd.Function's backward() returns None for an input that "
+        "needs a gradient: None means no gradient, so nothing before it learns (a "
+        "rounding or clamping op written without its straight-through estimator). "
+        "Return a gradient for that input (grad_output itself, or masked where the "
+        "forward clipped); None is right only for inputs that need no gradient."
     ),
     "gradients_off": (
         "the layer ran with gradients off inside the training pass: torch.no_grad() "
@@ -128,6 +137,36 @@ _WIPED_HINT = (
 _RESET_HOW = {"set_to_none": "set to None", "zeroed_in_place": "zeroed in place"}
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
+# Why the all-zero weight a zero gradient comes through stays zero (collect.held).
+_STAYS_ZERO = {
+    LR_ZERO: "; its param group's learning rate is 0, so it never leaves zero",
+    FROZEN: "; it is frozen (requires_grad=False), so it never leaves zero",
+    NO_OPTIMIZER: "; no watched optimizer holds it, so it never leaves zero",
+}
+_PARTNER_HINT = (
+    "a weight initialised to zero (a LoRA B matrix, a zero-initialised gate) "
+    "multiplies the path to these parameters: their gradient is exactly zero until "
+    "it moves, and it is still exactly zero. Check that it gets a gradient and an "
+    "update (its learning rate, requires_grad, its place in the optimizer), or "
+    "initialise it otherwise."
+)
+_PARTNER_HINTS = {
+    LR_ZERO: (
+        "a weight initialised to zero (LoRA's B) learns with a learning rate of 0, so "
+        "it stays zero and nothing learns through it: the LoRA B-init-zero plus lr=0 "
+        "bug. Check how that param group's lr is computed (a ratio truncated by int(), "
+        "a scheduler's factor of 0, a warm-up that never leaves 0)."
+    ),
+    FROZEN: (
+        "a weight initialised to zero (LoRA's B) was frozen, so it stays zero and "
+        "nothing learns through it. Unfreeze it (requires_grad_(True)) and give it to "
+        "the optimizer, or freeze the whole adapter."
+    ),
+    NO_OPTIMIZER: (
+        "a weight initialised to zero (LoRA's B) is left out of the optimizer, so it "
+        "stays zero and nothing learns through it. Add it to the optimizer's param groups."
+    ),
+}
 _NO_SIGNAL_HINT = (
     "nothing is learned while this lasts. Fine for a margin, hinge or triplet loss that "
     "every sample already satisfies (the model has converged on this data: harder "
@@ -400,6 +439,20 @@ class ZeroGradientRule(Rule):
                 data["cause"] = "gradients_off"
                 message += ", its layer having run with gradients off inside the training pass"
                 hint = _HINTS["gradients_off"]
+            elif (
+                kind == "none"
+                and record.through_functions
+                and (functions := record.through_functions.get(owner))
+            ):
+                data["cause"] = "custom_function"
+                data["functions"] = functions
+                which = "Functions" if len(functions) > 1 else "Function"
+                message += (
+                    ", though the layer runs and is in the graph: backward reaches it only "
+                    f"through the custom autograd {which} {_listed(functions)}, whose "
+                    "backward returns None for the input coming from it"
+                )
+                hint = _HINTS["custom_function"]
             elif kind == "zero" and record.silent_outputs:
                 # Some output of the model got an exactly zero gradient while
                 # another did not: its loss is weighted by zero (a task switched
@@ -413,6 +466,13 @@ class ZeroGradientRule(Rule):
                     "gradient from the loss and another did not"
                 )
                 hint, severity = _HINTS["output_without_signal"], "info"
+            elif kind == "zero" and (partner := self._all_zero_partner(owner, params)):
+                name, why = partner
+                data["cause"] = "all_zero_partner"
+                data["zero_partner"] = name
+                data["partner_stays_zero"] = why
+                message += f": {_through_zero(name, params)}{_STAYS_ZERO.get(why, '')}"
+                hint = _PARTNER_HINTS.get(why, _PARTNER_HINT)
             elif kind == "none" and at_once and since == self._first_step:
                 data["distributed"] = True
                 message += (
@@ -420,6 +480,22 @@ class ZeroGradientRule(Rule):
                 )
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
+
+    def _all_zero_partner(
+        self, owner: str, params: list[ParamInfo]
+    ) -> tuple[str, str | None] | None:
+        """Another weight of ``owner`` that is exactly zero everywhere (read now, as
+        the alert is built), through which the zero gradient of ``params`` comes:
+        a LoRA ``B`` initialised to zero makes ``A``'s gradient exactly zero until
+        ``B`` moves. Weights whose own gradient is silent too are no such cause."""
+        held = self.held
+        if held is None or not owner:
+            return None
+        found = held.all_zero_partners(owner, self._streaks.keys())
+        if not found:
+            return None
+        # The one that stays zero for good first: that is the bug to name.
+        return min(found, key=lambda item: item[1] is None)
 
     def _reset_before_step(self, record: StepRecord, cause: str) -> list[Alert]:
         """Told once per streak, after ``patience`` steps in a row, dated at its first:
@@ -502,6 +578,12 @@ class ZeroGradientRule(Rule):
                 severity="info",
             )
         ]
+
+
+def _through_zero(name: str, params: list[ParamInfo]) -> str:
+    gradients = "the gradients of" if len(params) > 1 else "the gradient of"
+    verb = "pass" if len(params) > 1 else "passes"
+    return f"{name} is all zeros, and {gradients} {short_names(params)} {verb} through it"
 
 
 def _listed(names: list[str], shown: int = 3) -> str:

@@ -1,0 +1,99 @@
+"""The model's parameters and the optimizers holding them, looked at as an alert is built.
+
+A rule judges records, which name parameters but hold no tensor. A few findings
+are only worth their words with a look at the weights themselves: a gradient
+exactly zero because another weight of the same layer is all zeros (a LoRA
+``B`` initialised to zero) says where to look only once that weight is found
+zero and its learning rate read. That look is taken here, when the alert is
+made, never on a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from trainwatch.collect.tensors import local_part
+from trainwatch.layers import LayerMap
+
+# Why an all-zero weight stays zero: its param group's learning rate is 0, it is
+# frozen, or no watched optimizer holds it. None: none of these (it may move yet).
+LR_ZERO = "lr_zero"
+FROZEN = "frozen"
+NO_OPTIMIZER = "no_optimizer"
+# The halves of a low-rank adapter, by module name (PEFT's layout).
+_PAIRS = {
+    "lora_A": "lora_B",
+    "lora_B": "lora_A",
+    "lora_embedding_A": "lora_embedding_B",
+    "lora_embedding_B": "lora_embedding_A",
+}
+
+
+class HeldParameters:
+    """Reads the weights of one module and their optimizers' settings, on request."""
+
+    def __init__(self, layers: Callable[[], LayerMap | None], optimizers: list[Optimizer]) -> None:
+        self._layers = layers  # the pipeline's map, rebuilt when the model changes
+        self._optimizers = optimizers  # the Monitor's own list: it adds to it
+
+    def all_zero_partners(self, owner: str, skip: Collection[str]) -> list[tuple[str, str | None]]:
+        """The other weights of ``owner`` (and of the other half of a low-rank adapter
+        it is one half of) that are exactly zero everywhere, each with why it stays
+        so; biases are left out (a zero shift multiplies nothing), and so are the
+        names in ``skip`` (those whose own gradient is the finding)."""
+        layers = self._layers()
+        if layers is None:
+            return []
+        owners = {owner, *_pair_owners(owner)}
+        found = []
+        for param in layers.parameters():
+            info = layers.info(param)
+            if info.owner not in owners or info.name in skip or not info.in_model:
+                continue
+            if info.name.rsplit(".", 1)[-1] == "bias" or not _all_zero(param):
+                continue
+            found.append((info.name, self._why_still(param)))
+        return found
+
+    def _why_still(self, param: torch.Tensor) -> str | None:
+        if not param.requires_grad:
+            return FROZEN
+        rates = [
+            _rate(group.get("lr"))
+            for opt in self._optimizers
+            for group in opt.param_groups
+            if any(p is param for p in group["params"])
+        ]
+        if not rates:
+            return NO_OPTIMIZER
+        return LR_ZERO if all(rate == 0.0 for rate in rates) else None
+
+
+def _pair_owners(owner: str) -> list[str]:
+    """The other half of a low-rank adapter held in modules of its own: PEFT's
+    ``q.lora_A.default`` beside ``q.lora_B.default`` (loralib keeps both in ``q``)."""
+    parts = owner.split(".")
+    return [
+        ".".join([*parts[:i], _PAIRS[part], *parts[i + 1 :]])
+        for i, part in enumerate(parts)
+        if part in _PAIRS
+    ]
+
+
+def _all_zero(param: torch.Tensor) -> bool:
+    """This rank's part only: a reduction over a whole DTensor would be a collective."""
+    part = local_part(param.detach())
+    if part.numel() == 0 or part.is_meta:
+        return False
+    with torch.no_grad():
+        return not bool(part.any())
+
+
+def _rate(lr: Any) -> float | None:
+    if isinstance(lr, torch.Tensor):
+        return float(lr.detach().reshape(-1)[0]) if lr.numel() else None
+    return float(lr) if isinstance(lr, (int, float)) else None
