@@ -122,3 +122,70 @@ def test_control_under_a_process_group_the_hint_keeps_the_ddp_fixes(quiet_watch)
     assert "nothing needs doing" not in alert.hint
     assert "Better: make every branch reach the loss each step" in alert.hint
     assert alert.data["distributed"] is True
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _TwoExperts(nn.Module):
+    """A hard router in miniature: expert 1 runs only on the steps it is picked,
+    and its gate (a layer of its own beside it) runs always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.experts = nn.ModuleList([_Expert(), _Expert()])
+        self.gate = nn.Linear(16, 1)
+        self.head = nn.Linear(16, 1)
+        self.pick_second = True
+        self.skip_fc2_only = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        out = self.experts[0](h)
+        if self.skip_fc2_only:  # the control: only the expert's first layer runs
+            out = out + self.experts[1].fc1(h)[:, :16]
+        elif self.pick_second:
+            out = out + self.experts[1](h)
+        return self.head(out) * torch.sigmoid(self.gate(h))
+
+
+def test_an_expert_the_router_skipped_is_one_finding_named_after_the_expert(quiet_watch):
+    torch.manual_seed(0)
+    model = _TwoExperts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for step, (x, y) in enumerate(batches(8)):
+        model.pick_second = step != 3
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    (alert,) = [a for a in monitor.alerts if a.rule == "unused_parameter"]
+    assert (alert.step, alert.module) == (3, "experts.1")
+    assert alert.data["parameters"] == [
+        "experts.1.fc1.weight",
+        "experts.1.fc1.bias",
+        "experts.1.fc2.weight",
+        "experts.1.fc2.bias",
+    ]
+
+
+def test_control_a_layer_skipped_beside_a_sibling_that_ran_keeps_its_own_name(quiet_watch):
+    torch.manual_seed(0)
+    model = _TwoExperts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    for step, (x, y) in enumerate(batches(8)):
+        model.skip_fc2_only = step == 3  # fc1 of expert 1 still reaches the loss
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    (alert,) = [a for a in monitor.alerts if a.rule == "unused_parameter"]
+    assert (alert.step, alert.module) == (3, "experts.1.fc2")

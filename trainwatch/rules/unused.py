@@ -92,8 +92,10 @@ class UnusedParameterRule(Rule):
         if ddp and severity_rank(self.config.severity) < severity_rank("warning"):
             severity = "warning"
         alerts = []
-        for owner, params in by_owner(info for info, _, _ in found).items():
-            rows = [row for row in found if row[0].owner == owner]
+        groups = _whole_parents(by_owner(info for info, _, _ in found), record)
+        for owner, params in groups.items():
+            members = {info.name for info in params}
+            rows = [row for row in found if row[0].name in members]
             unused_since = min(row[1] for row in rows)
             now_missing = any(row[2] == "missing now" for row in rows)
             how = (
@@ -118,6 +120,45 @@ class UnusedParameterRule(Rule):
                 )
             )
         return alerts
+
+
+def _whole_parents(
+    groups: dict[str, list[ParamInfo]], record: StepRecord
+) -> dict[str, list[ParamInfo]]:
+    """Layers told together under the module holding them, where every parameter of
+    that module the step knows is among them: an expert whose two linears the
+    router skipped is one finding (``moe.experts.2``), not one per linear. A
+    module with some parameter outside the finding keeps its layers apart; a
+    lone layer keeps its own name; the model itself never takes them."""
+    known = [*record.present, *record.missing]
+    while _fold_one_parent(groups, known):
+        pass
+    return groups
+
+
+def _fold_one_parent(groups: dict[str, list[ParamInfo]], known: list[ParamInfo]) -> bool:
+    """Fold the first module all of whose known parameters the groups hold; whether one was."""
+    by_parent: dict[str, list[str]] = {}
+    for owner in groups:
+        if owner:
+            by_parent.setdefault(owner.rpartition(".")[0], []).append(owner)
+    for parent, owners in by_parent.items():
+        if not parent or len(owners) + (parent in groups) < 2:
+            continue
+        told = {info.name for owner in (*owners, parent) for info in groups.get(owner, ())}
+        prefix = parent + "."
+        if any(
+            info.name not in told
+            for info in known
+            if info.owner == parent or info.owner.startswith(prefix)
+        ):
+            continue
+        params = groups.pop(parent, [])
+        for owner in owners:
+            params.extend(groups.pop(owner))
+        groups[parent] = params
+        return True
+    return False
 
 
 def _process_group_up() -> bool:
