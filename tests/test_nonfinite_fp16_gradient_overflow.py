@@ -146,3 +146,38 @@ def test_nan_targets_in_fp32_without_the_loss_value_are_told_as_before(check):
     assert (alert.rule, alert.step, alert.data["cause"]) == ("nonfinite_loss", 1, "loss")
     assert alert.message == "the loss is non-finite while the model's output was finite"
     assert "NaN or Inf in the targets" in alert.hint
+
+
+_SCRIPT = """
+import torch
+from torch import nn
+
+g = torch.Generator().manual_seed(1)
+x = torch.rand(2048, 16, generator=g) * 1000
+y = x[:, :4].sum(1, keepdim=True) / 100
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).half()
+opt = torch.optim.SGD(model.parameters(), lr=1e-8)
+for _ in range(3):
+    opt.zero_grad()
+    loss = ((model(x.half()).float() - y) ** 2).sum()
+    (loss * 1024).backward()
+    opt.step()
+"""
+
+
+def test_under_trainwatch_run_the_overflow_message_asks_for_no_monitor_call(tmp_path):
+    """The script has no monitor to hand the loss to: the message says the loss was
+    not seen instead of pointing at ``monitor.step(loss=loss)``."""
+    import json
+
+    from trainwatch.runner import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    run_script(script, [], log_dir=tmp_path / "log", console=False)
+    lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
+    (alert,) = [a for a in map(json.loads, lines) if a["rule"].startswith("nonfinite")]
+    assert alert["data"]["cause"] == "gradient_overflow"
+    assert "the loss was not seen" in alert["message"]
+    assert "monitor.step" not in alert["message"]

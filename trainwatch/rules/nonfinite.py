@@ -286,7 +286,7 @@ class NonfiniteBackwardRule(_ReportRule):
                 _UNLOCATED_HINT,
             )
         if report.cause == GRADIENT_OVERFLOW:
-            return _gradient_overflow(record, report)
+            return _gradient_overflow(record, report, self.loss_out_of_reach)
         where = (
             "in the loss's backward, before the gradient reached the model"
             if report.cause == "loss"
@@ -322,18 +322,23 @@ def _applied(record: StepRecord) -> str:
     return "the optimizer step applied it"
 
 
-def _gradient_overflow(record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
-    """fp16's range, not the loss: the loss is finite, or not known to be otherwise."""
+def _gradient_overflow(
+    record: StepRecord, report: NonfiniteReport, loss_out_of_reach: bool = False
+) -> tuple[str, str]:
+    """fp16's range, not the loss: the loss is finite, or not known to be otherwise.
+
+    ``loss_out_of_reach``: under ``trainwatch run``, which cannot read the loss
+    and has no ``monitor.step`` to hand it to."""
     if record.loss is not None:
         cause = (
             f"while the loss ({record.loss:.4g}) is finite: a loss this large, or one "
             "scaled up without a GradScaler, sends back a gradient past fp16's range"
         )
     else:
+        handed = "not seen" if loss_out_of_reach else "not handed over (monitor.step(loss=loss))"
         cause = (
             "from a large loss or a loss scale too high (no GradScaler); the loss was "
-            "not handed over (monitor.step(loss=loss)), so a loss itself non-finite "
-            "is not ruled out"
+            f"{handed}, so a loss itself non-finite is not ruled out"
         )
     return (
         "the gradient entering the model's output overflowed float16's range (65504): "
