@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import sys
 import threading
 import weakref
@@ -41,12 +42,13 @@ from trainwatch.compiled import CompiledHookWarning, compiling, transform_level,
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
+from trainwatch.held import held_only_by
 from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit
-from trainwatch.sinks import AlertTally, ConsoleSink, Sink, StepNumbers, Summary
+from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
 
 # The model label of alerts raised by the script's own tw.watch or callback.
@@ -80,21 +82,29 @@ class _ModelView(Sink):
         self.owner = weakref.ref(owner)
         self.model_name = model_name
         self.summary: Summary | None = None
+        self.monitor: weakref.ref[Monitor] | None = None
+        # The models set up like this one (decided at its first alert or table),
+        # and the name its alerts are counted under (see _Family).
+        self.family: _Family | None = None
+        self.tally_name: str | None = None
+        # The reference counts of its model and optimizers when last found held
+        # by the script (see _dropped).
+        self.held_at: tuple[int, ...] = ()
 
     def emit(self, alert: Alert) -> None:
         owner = self.owner()
         if owner is not None:
-            owner._emit(self._tag(alert), self.model_name)
+            owner._view_emitted(self, [self._tag(alert)])
 
     def emit_many(self, alerts: Sequence[Alert]) -> None:
         owner = self.owner()
         if owner is not None:
-            owner._emit_many([self._tag(alert) for alert in alerts], self.model_name)
+            owner._view_emitted(self, [self._tag(alert) for alert in alerts])
 
     def repeat(self, alert: Alert, count: int) -> None:
         owner = self.owner()
         if owner is not None:
-            owner._repeat(self._tag(alert), count, self.model_name)
+            owner._view_repeated(self, self._tag(alert), count)
 
     def on_step(self, numbers: StepNumbers) -> None:
         owner = self.owner()
@@ -104,14 +114,89 @@ class _ModelView(Sink):
     def setup(self, audit: SetupAudit) -> None:
         owner = self.owner()
         if owner is not None:
-            tagged = dataclasses.replace(audit, model=self.model_name)
-            owner._each_sink("setup", lambda s: s.setup(tagged))
+            owner._view_setup(self, dataclasses.replace(audit, model=self.model_name))
 
     def close(self, summary: Summary) -> None:
         self.summary = summary
 
     def _tag(self, alert: Alert) -> Alert:
         return dataclasses.replace(alert, data={**alert.data, "model": self.model_name})
+
+
+class _Family:
+    """The models of a run set up alike (see _setup_key): a meta-learning loop's
+    per-task copies, once one of them was dropped (``dropped``). Then a later
+    member's alert already told for the family is counted under the first
+    member's name (``name``), not told again, and its setup table, the same as
+    one shown, is not printed: the tables shown, by their content, with how many
+    models were set up like each since (``alike``)."""
+
+    __slots__ = ("name", "dropped", "shown", "alike", "noted")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dropped = False
+        self.shown: dict[str, SetupAudit] = {}
+        self.alike: dict[str, int] = {}
+        self.noted = False
+
+
+def _setup_key(monitor: Monitor) -> tuple[Any, ...]:
+    """What two models set up alike share: the class, each parameter's name, shape,
+    dtype and ``requires_grad``, and each optimizer's class, hyperparameters and
+    parameters (by their place in the model). A meta-model and its per-task copies
+    differ in their optimizers (Adam against SGD, or their learning rates)."""
+    root = unwrap(monitor.model)
+    params = list(root.named_parameters())
+    place = {id(p): i for i, (_, p) in enumerate(params)}
+    shapes = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in params)
+    optimizers = tuple(
+        (
+            type(optimizer).__name__,
+            tuple(
+                (
+                    tuple(place.get(id(p), -1) for p in group["params"]),
+                    tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params")),
+                )
+                for group in optimizer.param_groups
+            ),
+        )
+        for optimizer in monitor.optimizers
+    )
+    return type(root).__name__, shapes, optimizers
+
+
+def _audit_content(audit: SetupAudit) -> str:
+    """The table as shown, but for the model it is of and the step it was made at."""
+    values = audit.to_dict()
+    values.pop("model", None)
+    values.pop("step", None)
+    return json.dumps(values, sort_keys=True, default=str)
+
+
+def _dropped(monitor: Monitor, view: _ModelView) -> bool:
+    """Whether the script holds neither the monitor's model nor any of its optimizers:
+    every reference left to them is the monitor's own (see trainwatch.held). One
+    found held is looked at again only once their reference counts have changed
+    (the meta-model, held throughout, is walked once)."""
+    targets = _distinct(monitor.model, unwrap(monitor.model), *monitor.optimizers)
+    counts = tuple(map(sys.getrefcount, targets))
+    if counts == view.held_at:
+        return False
+    if held_only_by(monitor, targets, stop=(Monitor, AutoWatch)):
+        return True
+    view.held_at = counts
+    return False
+
+
+def _distinct(*objects: Any) -> list[Any]:
+    return list({id(obj): obj for obj in objects}.values())
+
+
+def _to_file(sink: Sink, audit: SetupAudit) -> None:
+    """A table already shown, with its count of models set up alike, to setup.json."""
+    if isinstance(sink, JsonlSink):
+        sink.setup(audit)
 
 
 class _ScriptsOwn:
@@ -343,6 +428,9 @@ class AutoWatch:
         # Keyed by (model, the alert's own key): a later finding of one (rule,
         # module) told apart (data.finding) keeps the earlier one's tally.
         self._tallies: dict[tuple[str, tuple[Any, ...]], AlertTally] = {}
+        # Models set up alike, by _setup_key (see _Family).
+        self._families: dict[tuple[Any, ...], _Family] = {}
+        self._released_steps = 0  # the most steps a monitor closed for its dropped model took
         self._scripts_own = _ScriptsOwn(self)
         # The DataLoader last started with gradients on (the training one), and
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
@@ -499,6 +587,7 @@ class AutoWatch:
             except Exception as exc:
                 self._internal.internal_error("relay", exc, self.steps)
         try:
+            self._tell_alike()
             shown, raw = self.summary(), self.summary(labelled=False)
             self._each_sink(
                 "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
@@ -509,7 +598,7 @@ class AutoWatch:
     @property
     def steps(self) -> int:
         """Training steps so far: those of the model that has trained the most."""
-        return max((m.step_count for m in self.monitors), default=0)
+        return max([self._released_steps, *(m.step_count for m in self.monitors)])
 
     @property
     def worst(self) -> str | None:
@@ -529,6 +618,8 @@ class AutoWatch:
         for (model, _), tally in self._tallies.items():
             first = tally.first
             if several:
+                # Named as told (a copy's finding counted with its family's names that copy).
+                model = str(first.data.get("model", model))
                 first = dataclasses.replace(first, module=self._label(model, first.module))
             tallies.append(AlertTally(first, tally.count, tally.last_step))
         # The files count the steps of the script's own monitors too (their alerts
@@ -537,6 +628,91 @@ class AutoWatch:
         return Summary(steps, tallies, norms)
 
     # -- the shared sinks ---------------------------------------------------
+    def _view_emitted(self, view: _ModelView, alerts: list[Alert]) -> None:
+        """A model's new alerts; one its family has told already is counted again."""
+        name = self._tally_name(view)
+        if name == view.model_name:
+            self._emit_many(alerts, name)
+            return
+        new = []
+        for alert in alerts:
+            tally = self._tallies.get((name, alert.key))
+            if tally is None:
+                new.append(alert)
+            else:
+                self._repeat(alert, tally.count + 1, name)
+        if new:
+            self._emit_many(new, name)
+
+    def _view_repeated(self, view: _ModelView, alert: Alert, count: int) -> None:
+        name = self._tally_name(view)
+        if name != view.model_name:
+            # Counted with the family's: one more, whatever this model's own count.
+            tally = self._tallies.get((name, alert.key))
+            count = tally.count + 1 if tally is not None else count
+        self._repeat(alert, count, name)
+
+    def _view_setup(self, view: _ModelView, audit: SetupAudit) -> None:
+        """A model's setup table; one the same as a table its family showed, the
+        family's copies being dropped after use, is counted, not shown again."""
+        family = self._family(view)
+        content = _audit_content(audit)
+        shown = family.shown.get(content)
+        if shown is None or not family.dropped:
+            family.shown.setdefault(content, audit)
+            self._each_sink("setup", lambda s: s.setup(audit))
+            return
+        if audit.revision == 0:
+            family.alike[content] = family.alike.get(content, 0) + 1
+        if not family.noted:
+            family.noted = True
+            self._note(
+                f"trainwatch setup of {audit.model}, step {audit.step}: like {shown.model}'s "
+                "above; models set up alike, each dropped after use (a copy per task), "
+                "get no table of their own"
+            )
+
+    def _tell_alike(self) -> None:
+        """How many models were set up like each table shown: one console line, and
+        the table's ``alike`` count in setup.json."""
+        for family in self._families.values():
+            for content, count in family.alike.items():
+                audit = dataclasses.replace(family.shown[content], alike=count)
+                self._each_sink("setup", lambda s, a=audit: _to_file(s, a))
+                more = f"{count} more model{'s' if count != 1 else ''}"
+                self._note(
+                    f"trainwatch: {more} set up like {audit.model} watched; "
+                    "setup tables not printed"
+                )
+
+    def _note(self, text: str) -> None:
+        self._each_sink("note", lambda s: s.note(text) if isinstance(s, ConsoleSink) else None)
+
+    def _tally_name(self, view: _ModelView) -> str:
+        """The name a model's alerts are counted under, decided at its first: its
+        family's, when the family's copies are dropped after use; else its own."""
+        if view.tally_name is None:
+            family = self._family(view)
+            view.tally_name = family.name if family.dropped else view.model_name
+        return view.tally_name
+
+    def _family(self, view: _ModelView) -> _Family:
+        if view.family is None:
+            monitor = view.monitor() if view.monitor is not None else None
+            key = None
+            if monitor is not None:
+                try:
+                    key = _setup_key(monitor)
+                except Exception as exc:  # (a lazy module's parameters have no shape yet)
+                    self._internal.internal_error("trainwatch run: model setup", exc, self.steps)
+            family = self._families.get(key) if key is not None else None
+            if family is None:
+                family = _Family(view.model_name)
+                if key is not None:
+                    self._families[key] = family
+            view.family = family
+        return view.family
+
     def _emit(self, alert: Alert, model: str) -> None:
         self._emit_many([alert], model)
 
@@ -589,6 +765,8 @@ class AutoWatch:
     def _for_console(self, alert: Alert, model: str) -> Alert:
         if len(self.views) < 2:
             return alert
+        # The model the alert is of (a copy counted under its family's name names itself).
+        model = str(alert.data.get("model", model))
         return dataclasses.replace(alert, module=self._label(model, alert.module))
 
     @staticmethod
@@ -675,9 +853,11 @@ class AutoWatch:
                 return
             for part in parts:
                 self._give_way(part)
+        self._release_dropped()
         name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
+        view.monitor = weakref.ref(monitor)
         monitor.model_name = name
         monitor.yields_to_explicit_watch = True
         monitor.steps_end_at_backward = True
@@ -705,6 +885,36 @@ class AutoWatch:
             monitor.pass_started(part, args)  # this very call of the part is a pass
         elif called:
             monitor.pass_started(module, args)  # this very call is the model's first pass
+
+    def _release_dropped(self) -> None:
+        """Close the monitors whose model and optimizers the script has dropped (a
+        meta-learning loop's copy per task, replaced by the next one's), so that the
+        copies are freed: their hooks come off, their last findings reach the files.
+        Asked as a new model is found, the moment such a loop has moved on."""
+        for monitor, view in list(zip(self.monitors, self.views)):
+            try:
+                if monitor.closed or not _dropped(monitor, view):
+                    continue
+            except Exception as exc:
+                self._internal.internal_error("trainwatch run: dropped models", exc, self.steps)
+                return
+            self._release(monitor)
+
+    def _release(self, monitor: Monitor) -> None:
+        index = self.monitors.index(monitor)
+        view = self.views[index]
+        self._family(view).dropped = True
+        del self.monitors[index]
+        del self.views[index]
+        for handle in self._backward_ends.pop(id(monitor), []):
+            handle.remove()
+        for optimizer in monitor.optimizers:
+            self._pending_steps.pop(id(optimizer), None)
+        self._released_steps = max(self._released_steps, monitor.step_count)
+        try:
+            monitor.close()
+        except Exception as exc:  # its model is gone: nothing of the script's is at stake
+            self._internal.internal_error("monitor close", exc, monitor.step_count)
 
     def _give_way(self, monitor: Monitor, keep_optimizers: bool = True) -> None:
         """A part's monitor, which has watched no step, closes for the model holding it;

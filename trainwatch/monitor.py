@@ -160,7 +160,9 @@ class Monitor:
         self._unwatched_catch: Any = None
         self._unwatched_passes: int | None = None
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
-        weakref.finalize(self, _collected, self._handles, *self._pipeline.parts)
+        # Run by close() too, so the finalizer's table no longer holds the parts
+        # (and through them the model) of a closed monitor still referenced.
+        self._detach = weakref.finalize(self, _collected, self._handles, *self._pipeline.parts)
         try:
             if data is not None:
                 self.watch_data(data)
@@ -174,7 +176,7 @@ class Monitor:
             # optimizers or the process (a monitor built in its place attaches anew).
             _OPEN.discard(self)
             clip_hook.release(self)
-            _remove_handles(self._handles, *self._pipeline.parts)
+            self._detach()
             registry.release(self)
             raise
         self._attaching = False
@@ -417,7 +419,7 @@ class Monitor:
                 termination.release(self)
 
     def _shut(self) -> None:
-        _remove_handles(self._handles, *self._pipeline.parts)
+        self._detach()
         registry.release(self)
         self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
 

@@ -83,6 +83,9 @@ class SetupAudit:
     more_locations: int = 0
     more_adapters: int = 0
     model: str | None = None  # which model, when one run watches several
+    # Under `trainwatch run`: models set up the same way after this one, each
+    # dropped after use (a copy per task), whose tables were not shown again.
+    alike: int = 0
 
     @property
     def share(self) -> float:

@@ -150,6 +150,10 @@ class ConsoleSink(Sink):
             line.append(f" | hint: {alert.hint}", style="dim")
         return line
 
+    def note(self, text: str) -> None:
+        """One line of trainwatch's own about what it watches (not an alert)."""
+        self.console.print(Text(text, style="dim"))
+
     def setup(self, audit: SetupAudit) -> None:
         from trainwatch.sinks.setup_table import rich_view
 

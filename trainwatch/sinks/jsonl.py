@@ -40,7 +40,12 @@ class JsonlSink(Sink):
         self._file.flush()  # readable up to the last line even after a kill
 
     def setup(self, audit: SetupAudit) -> None:
-        self._audits.append(audit.to_dict())
+        written = audit.to_dict()
+        earlier = _written_before(self._audits, audit)
+        if earlier is not None:
+            self._audits[earlier] = written
+        else:
+            self._audits.append(written)
         path = self.path.with_name(SETUP_FILE)
         partial = path.with_name(SETUP_FILE + ".partial")
         partial.write_text(json.dumps({"audits": self._audits}, indent=1))
@@ -66,6 +71,15 @@ class JsonlSink(Sink):
         partial = path.with_name(COUNTS_FILE + ".partial")
         partial.write_text(json.dumps({"steps": summary.steps, "counts": counts}, indent=1))
         partial.replace(path)
+
+
+def _written_before(audits: list[dict[str, Any]], audit: SetupAudit) -> int | None:
+    """Where a table `trainwatch run` sends again at its end sits: it comes back with
+    the count of models set up like it since (``alike``) and takes its own place."""
+    if not audit.alike:
+        return None
+    same = (audit.model, audit.revision)
+    return next((i for i, a in enumerate(audits) if (a["model"], a["revision"]) == same), None)
 
 
 def _ends_mid_line(path: Path) -> bool:
