@@ -161,3 +161,21 @@ def test_fail_on_passes_a_freeze_undone_on_every_rank(tmp_path, mode, status):
         ("frozen_in_optimizer", "module.0"),
     ]
     assert ("failing (exit 3)" in zero.stderr) == bool(status)
+
+
+@pytest.mark.slow
+def test_a_layer_frozen_when_ddp_wrapped_it_and_unfrozen_later_is_told_not_synced(tmp_path):
+    """DDP's reducer, built while the layer was frozen, never all-reduces it: each rank
+    trains its own copy. Told at the unfreeze by every rank, written once, and it
+    fails the gate (a freeze undone in the same script, wrapped while trainable,
+    stays silent: test_fail_on_passes_a_freeze_undone_on_every_rank)."""
+    done = _torchrun(tmp_path, "unfrozen_unsynced", "--fail-on", "warning")
+    assert done.returncode != 0
+    lines = (tmp_path / "tw" / "alerts.jsonl").read_text().splitlines()
+    told = [a for a in map(json.loads, lines) if a["rule"] == "trainable_parameters"]
+    assert [(a["module"], a["step"], a["data"]["finding"]) for a in told] == [
+        ("module.0", 4, "not synced by DDP")
+    ]
+    assert told[0]["data"]["parameters"] == ["module.0.weight", "module.0.bias"]
+    zero, one = (json.loads((tmp_path / f"weight{r}.txt").read_text()) for r in (0, 1))
+    assert max(abs(a - b) for a, b in zip(zero, one)) > 1e-4  # the ranks' copies drifted

@@ -135,6 +135,13 @@ class SetupCheck:
     # have used, when a backward ran and none of them got a gradient.
     unreached: list[ParamInfo] = field(default_factory=list)
     never_called: frozenset[str] = frozenset()
+    # Under DDP: trainable parameters its reducer, built while they were frozen,
+    # does not all-reduce (names), with the counts that showed it.
+    unsynced: list[str] = field(default_factory=list)
+    synced: int = 0  # parameter tensors DDP's reducer holds
+    sync_trainable: int = 0  # parameter tensors DDP would hold if built now
+    find_unused: bool = False
+    unsynced_all: bool = False  # ``unsynced`` names every trainable one: none seen unfrozen
 
 
 @dataclass

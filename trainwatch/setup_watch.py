@@ -5,7 +5,8 @@ made at attach and again whenever a step's parameter counts differ from the
 last audited ones: a ``requires_grad`` flip, a param group or a parameter
 added. Those counts are what the step boundary has already made, so a
 healthy step pays no call here. The first step after an audit then checks
-that backward gave some trainable parameter a gradient.
+that backward gave some trainable parameter a gradient. Under DDP, each
+audit also compares the parameters DDP all-reduces with those trainable now.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from trainwatch.ddp_sync import SyncGap, parameter_names, process_group_up, sync_gap
 from trainwatch.layers import ParamInfo
 from trainwatch.record import SetupCheck, StepRecord
 from trainwatch.setup_audit import SetupAudit, build_audit
@@ -32,6 +34,10 @@ class SetupWatch:
         self.frozen_names: dict[int | None, dict[str, ParamInfo]] = {}
         # The optimizers whose next step checks what backward reached.
         self.reach_due: set[int | None] = set()
+        # Under a process group: the parameters frozen at the last audit, and
+        # those already told as not synced by DDP.
+        self._frozen_before: set[str] | None = None
+        self._told_unsynced: set[str] = set()
 
     def audit(
         self, step: int, root: nn.Module, optimizers: Sequence[Optimizer]
@@ -41,6 +47,7 @@ class SetupWatch:
         revision = self.latest.revision + 1 if self.latest is not None else 0
         with _untoggled(root):
             audit = build_audit(root, optimizers, revision=revision, step=max(step, 0))
+            unsynced = self._unsynced(root)
         self.latest = audit
         # Where the trainable ones sit (adapters at the module holding the pair).
         inner = [row.module for row in audit.locations if row.section == "trainable"]
@@ -49,8 +56,38 @@ class SetupWatch:
         record.setup = SetupCheck(
             revision, len(optimizers), audit.trainable, audit.unheld, list(owners)
         )
+        if unsynced is not None:
+            names, gap, every = unsynced
+            record.setup.unsynced = names
+            record.setup.synced, record.setup.sync_trainable = gap.synced, gap.trainable
+            record.setup.find_unused = gap.find_unused
+            record.setup.unsynced_all = every
         self.reach_due = set(range(len(optimizers))) if optimizers else {None}
         return audit, record
+
+    def _unsynced(self, root: nn.Module) -> tuple[list[str], SyncGap, bool] | None:
+        """Trainable parameters DDP does not all-reduce, not told before.
+
+        Named: those frozen at the previous audit and trainable now (the layer
+        just unfrozen), or every trainable one when no audit saw them frozen.
+        DDP tells how many parameters it holds, not which: once it falls short,
+        a layer unfrozen later is named whether DDP holds it or not.
+        """
+        if not process_group_up():
+            return None
+        trainable, frozen = parameter_names(root)
+        before, self._frozen_before = self._frozen_before, frozen
+        gap = sync_gap(root)
+        if gap is None:
+            return None
+        newly = [name for name in trainable if before and name in before]
+        if not newly and not self._told_unsynced:
+            newly = trainable
+        names = [name for name in newly if name not in self._told_unsynced]
+        if not names:
+            return None
+        self._told_unsynced.update(names)
+        return names, gap, names == trainable
 
     def check_reach(self, record: StepRecord, backward_ran: bool, optimizers: int) -> None:
         """First step after an audit: a backward ran, yet no trainable parameter got a

@@ -4,8 +4,10 @@ under ``torchrun --nproc_per_node 2 -m trainwatch run``, with no trainwatch in i
 ``python ddp_torchrun_train.py OUT MODE``: MODE ``clean`` (healthy), ``nan``
 (rank 1's batch at step 5 holds a NaN), ``no_zero_grad`` (rank 1 never
 calls ``zero_grad``), ``unfrozen`` (the first layer frozen in the optimizer,
-unfrozen at step 4: a staged fine-tune) or ``unfrozen_on_zero`` (rank 1
-never unfreezes it). Before each optimizer step, each rank writes its
+unfrozen at step 4: a staged fine-tune), ``unfrozen_on_zero`` (rank 1
+never unfreezes it) or ``unfrozen_unsynced`` (frozen already when DDP wraps
+the model, so DDP never all-reduces it once unfrozen; each rank writes its
+copy of the layer to ``OUT/weight<rank>.txt``). Before each optimizer step, each rank writes its
 number (1 for the first) to ``OUT/steps<rank>.txt``, so a caller sees at
 which step each rank stopped.
 """
@@ -32,6 +34,8 @@ def main() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     frozen = mode.startswith("unfrozen")
+    if mode == "unfrozen_unsynced":
+        net[0].requires_grad_(False)
     # A layer frozen for now is one DDP must still reduce once it trains:
     # registered while trainable, and found unused while frozen.
     model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=frozen)
@@ -50,6 +54,8 @@ def main() -> None:
         nn.functional.mse_loss(model(x), x[:, :1]).backward()
         progress.write_text(str(step + 1))
         optimizer.step()
+    if mode == "unfrozen_unsynced":  # the ranks' copies of the layer, for the test
+        (out / f"weight{rank}.txt").write_text(repr(net[0].weight.detach().flatten().tolist()))
     # Both ranks meet before the group is torn down: gloo torn down on one rank
     # right after the last all-reduce aborts the other now and then (SIGABRT,
     # 'terminate called without an active exception'), with or without trainwatch.

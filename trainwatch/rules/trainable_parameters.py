@@ -35,9 +35,12 @@ class TrainableParametersRule(Rule):
         assert check is not None
         if check.unreached:
             return [self._unreached(record.step, check)]
+        alerts = []
         if record.source == "setup" and check.optimizers and check.trainable == check.unheld:
-            return [self._unheld(record.step, check)]
-        return []
+            alerts.append(self._unheld(record.step, check))
+        if check.unsynced:
+            alerts.append(self._unsynced(record.step, check))
+        return alerts
 
     def _unheld(self, step: int, check: SetupCheck) -> Alert:
         where = _listed(check.trainable_owners)
@@ -99,3 +102,42 @@ class TrainableParametersRule(Rule):
                 "never_called": never[:50],
             },
         )
+
+    def _unsynced(self, step: int, check: SetupCheck) -> Alert:
+        owners = list(dict.fromkeys(_owner(name) for name in check.unsynced))
+        counts = f"{check.synced} of the {check.sync_trainable} parameter tensors trainable now"
+        if check.unsynced_all:
+            what = (
+                f"DDP all-reduces only {counts} ({_listed(check.unsynced)} train): its "
+                "reducer was built while some were frozen"
+            )
+        else:
+            what = (
+                f"{_listed(check.unsynced)}, frozen when DDP was built, "
+                f"{'is' if len(check.unsynced) == 1 else 'are'} trainable now and not "
+                f"synced by DDP: its reducer all-reduces {counts}"
+            )
+        return self.alert(
+            step,
+            common_module(owners),
+            what + "; each rank trains its own copy of those left out, and the ranks' weights "
+            "drift apart with no error",
+            "DistributedDataParallel takes the parameters that require grad when it is "
+            "built, once. Wrap the model in DDP again after unfreezing (the optimizer "
+            "keeps its parameters), or build DDP while every parameter requires grad "
+            "and freeze after it with find_unused_parameters=True, or keep them "
+            "trainable and out of the optimizer (or at lr 0) until their stage. "
+            "find_unused_parameters and static_graph alone do not add them.",
+            {
+                "finding": "not synced by DDP",
+                "parameters": check.unsynced[:50],
+                "modules": owners[:50],
+                "synced": check.synced,
+                "trainable": check.sync_trainable,
+                "find_unused_parameters": check.find_unused,
+            },
+        )
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
