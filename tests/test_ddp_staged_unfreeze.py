@@ -140,3 +140,44 @@ def test_each_stage_of_a_gradual_unfreeze_is_its_own_finding():
         ("module.2", 2, ["module.2.weight", "module.2.bias"], 2),
         ("module.0", 4, ["module.0.weight", "module.0.bias"], 2),
     ]
+
+
+def test_the_freeze_undone_note_under_ddp_points_at_the_sync_finding():
+    """frozen_in_optimizer's note that a freeze ended does not say "nothing to do"
+    alone under a process group: the wrapper may not sync what it unfroze."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    gen = torch.Generator().manual_seed(0)
+    with one_process_group():
+        net[0].requires_grad_(False)
+        ddp = nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        with tw.watch(ddp, opt, console=False) as monitor:
+            for step in range(8):
+                if step == 5:
+                    net[0].requires_grad_(True)
+                x = torch.randn(16, 8, generator=gen)
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), x[:, :1]).backward()
+                opt.step()
+    (note,) = [a for a in monitor.alerts if a.data.get("kind") == "unfrozen"]
+    assert "trainable_parameters" in note.hint and "DistributedDataParallel" in note.hint
+    assert any(a.data.get("finding") == "not synced by DDP" for a in monitor.alerts)
+
+
+def test_control_the_freeze_undone_note_on_one_process_says_nothing_to_do(quiet_watch):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    monitor = quiet_watch(net, opt)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        if step == 5:
+            net[0].requires_grad_(True)
+        x = torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), x[:, :1]).backward()
+        opt.step()
+    (note,) = [a for a in monitor.alerts if a.data.get("kind") == "unfrozen"]
+    assert note.hint == "nothing to do: a freeze for warm-up or fine-tuning, ended as planned"

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
 from trainwatch.layers import EXTERNAL, ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+
+_UNFROZEN_HINT = "nothing to do: a freeze for warm-up or fine-tuning, ended as planned"
+# Under DDP the freeze itself is undone, but a wrapper built while it held does
+# not all-reduce these gradients: trainable_parameters tells that on its own.
+_UNFROZEN_HINT_DISTRIBUTED = (
+    "nothing to do for the freeze; under DDP, a DistributedDataParallel built while "
+    "these were frozen does not sync their gradients (see trainable_parameters)"
+)
 
 
 class _ReportOnce(Rule):
@@ -133,7 +143,7 @@ class FrozenInOptimizerRule(_ReportOnce):
                     f"{self._names(params)} in optimizer {record.optimizer}'s param groups "
                     f"train again from step {record.step} (requires_grad=True): the freeze "
                     "told of earlier was undone",
-                    "nothing to do: a freeze for warm-up or fine-tuning, ended as planned",
+                    _UNFROZEN_HINT_DISTRIBUTED if _process_group_up() else _UNFROZEN_HINT,
                     {
                         "kind": "unfrozen",
                         "finding": "unfrozen",
@@ -325,3 +335,8 @@ class NotOptimizedRule(_ReportOnce):
                 "kind": "never_updated",
             },
         )
+
+
+def _process_group_up() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
