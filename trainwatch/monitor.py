@@ -32,11 +32,13 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.guard import Guard
 from trainwatch.halt_sync import HaltSync, running_distributed
+from trainwatch.held import held_only_by
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
 from trainwatch.raised import note_raise
+from trainwatch.released import ReleasedOptimizer, live
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
@@ -226,7 +228,8 @@ class Monitor:
 
     @property
     def optimizers(self) -> list[Optimizer]:
-        return list(self._optimizers)
+        """The optimizers watched, but those the script let go (see add_optimizer)."""
+        return live(self._optimizers)
 
     @property
     def setup_audit(self) -> SetupAudit | None:
@@ -279,6 +282,8 @@ class Monitor:
             self._pipeline.restarted.update(
                 info(p).owner for group in optimizer.param_groups for p in group["params"]
             )
+        if self._optimizers and not self._attaching:
+            self._guarded("dropped optimizers", self._release_dropped_optimizers)
         index = len(self._optimizers)
         # The hooks first: an optimizer that takes none is not left half attached.
         before = optimizer.register_step_pre_hook(WeakHook(self, "_before_optimizer_step", index))
@@ -289,6 +294,21 @@ class Monitor:
         self._optimizers.append(optimizer)
         self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
+
+    def _release_dropped_optimizers(self) -> None:
+        """A new optimizer comes: those the script no longer holds (built anew every
+        epoch or round) are let go, so their state is freed with them; each keeps
+        its place as a :class:`ReleasedOptimizer`. Asked only as one is added."""
+        optimizers = self._optimizers
+        for index in range(len(optimizers)):
+            if type(optimizers[index]) is ReleasedOptimizer:
+                continue
+            # (No name of our own for it: every reference but the monitor's is the script's.)
+            if held_only_by(self, [optimizers[index]], stop=(Monitor,)):
+                optimizers[index] = ReleasedOptimizer(type(optimizers[index]).__name__)
+                self._pending.pop(index, None)
+                self._held_early.discard(index)
+                self._reset_after_clip.discard(index)
 
     def watch_data(self, loader: Any) -> None:
         """The DataLoader that feeds training now (the data checks judge its sampler).

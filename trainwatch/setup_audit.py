@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainwatch.compiled import user_name
+from trainwatch.released import ReleasedOptimizer
 
 # Rows of trainable locations and of adapters shown before the rest is summed up.
 MAX_ROWS = 30
@@ -132,6 +133,8 @@ def build_audit(
     held: dict[int, list[int]] = {}
     optimizer_rows = []
     for index, optimizer in enumerate(optimizers):
+        if type(optimizer) is ReleasedOptimizer:
+            continue  # let go by the script: no row (the others keep their numbers)
         trainable = frozen = 0
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -151,7 +154,7 @@ def build_audit(
     for key, param in params.items():
         if param.requires_grad:
             total_trainable += param.numel()
-            if optimizers and key not in held:
+            if optimizer_rows and key not in held:
                 unheld += param.numel()
         else:
             total_frozen += param.numel()

@@ -12,6 +12,7 @@ lagged readback, a halt); this module decides what each one does.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from trainwatch.record import (
 )
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
+from trainwatch.setup_audit import SetupAudit
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
 from trainwatch.weak import weak_callback, weak_getter
@@ -234,6 +236,7 @@ class StepPipeline:
         # step after it checks that some trainable parameter got a gradient.
         self._audits_setup = "trainable_parameters" in self._rule_ids
         self.setup = SetupWatch()
+        self._table_shown: str | None = None  # the last setup table shown, as _table_as_shown
         # The model's passes, seen from its outermost call only (a compile
         # wrapper watched in its place stands for it).
         self.passes = ModelPasses(on_error)
@@ -1315,7 +1318,12 @@ class StepPipeline:
         """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
         audit, record = self.setup.audit(step, self._root, self._optimizers)
         if self.config.trainable_parameters.table:
-            self._dispatcher.setup(audit)
+            shown = _table_as_shown(audit)
+            if shown != self._table_shown:
+                # (An optimizer built anew each epoch, over the same parameters, in
+                # place of the last: the same table again, not shown again.)
+                self._table_shown = shown
+                self._dispatcher.setup(audit)
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _frozen_outside(self, record: StepRecord, index: int, params: list[torch.Tensor]) -> None:
@@ -1473,3 +1481,17 @@ def _still_updated(alert: Alert) -> bool:
     """A not_optimized finding of weights that do move (an optimizer the monitor was
     not given, a hand-written update): it leaves a stall of theirs to be told."""
     return str(alert.data.get("kind", "")).startswith("unwatched")
+
+
+def _table_as_shown(audit: SetupAudit) -> str:
+    """A setup table's content but for its step, its revision and its optimizers'
+    numbers (each counted by its place among the rows): two tables alike this
+    way say the same."""
+    values = audit.to_dict()
+    for key in ("step", "revision"):
+        values.pop(key, None)
+    place = {row.pop("index", None): n for n, row in enumerate(values["optimizers"])}
+    for row in values["locations"]:
+        if "optimizers" in row:
+            row["optimizers"] = [place.get(index, index) for index in row["optimizers"]]
+    return json.dumps(values, sort_keys=True, default=str)
