@@ -85,13 +85,118 @@ def test_monte_carlo_dropout_with_the_opt_out_is_silent_but_batch_norm_is_not(qu
     assert alert.module == "bn" and alert.data["modules"] == ["bn"]
 
 
-def test_monte_carlo_dropout_without_the_opt_out_is_reported(quiet_watch):
+def _dropouts_on(model: nn.Module) -> None:
+    """Monte-Carlo dropout's usual recipe: the model in eval, its dropouts back on."""
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.train()
+
+
+def test_monte_carlo_dropout_switched_on_alone_after_model_eval_is_silent(quiet_watch):
+    """Batch norm stays in eval; only the dropout modules were put back in training."""
+    model, opt, monitor = _setup(quiet_watch)
+    for _ in range(3):
+        _train(model, opt, 4)
+        _dropouts_on(model)
+        _evaluate(model, 8)  # predictions sampled with dropout on
+        model.train()
+    monitor.close()
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_monte_carlo_dropout_by_model_train_without_the_opt_out_is_reported(quiet_watch):
+    """The whole model left in train() for the sampled passes: dropout on, and so would
+    be anything else mode-dependent; the opt-out says it is meant."""
     model, opt, monitor = _setup(quiet_watch, norm=False)
     _train(model, opt, 2)
-    model.eval()
-    model.drop.train()
-    _evaluate(model)
+    _evaluate(model)  # model.train() still on
     assert [(a.rule, a.module) for a in monitor.alerts] == [("eval_in_train_mode", "drop")]
+
+
+def test_batch_norm_left_in_training_beside_monte_carlo_dropout_is_reported(quiet_watch):
+    model, opt, monitor = _setup(quiet_watch)
+    _train(model, opt, 2)
+    _dropouts_on(model)
+    model.bn.train()  # by mistake: it overwrites its running statistics
+    _evaluate(model)
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert alert.module == "bn" and alert.data["modules"] == ["bn"]
+
+
+class _Encoder(nn.Module):
+    """Dropout inside blocks, as a transformer encoder's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.2)) for _ in range(3))
+        )
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def _encoder(quiet_watch):
+    torch.manual_seed(0)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt, quiet_watch(model, opt)
+
+
+def test_monte_carlo_dropout_deep_in_blocks_is_silent(quiet_watch):
+    model, opt, monitor = _encoder(quiet_watch)
+    _train(model, opt, 3)
+    _dropouts_on(model)
+    _evaluate(model, 8)
+    model.train()
+    _train(model, opt, 2)
+    monitor.close()
+    assert rules_of(monitor, ("info", "warning", "error")) == []
+
+
+def test_a_block_put_back_in_training_after_model_eval_is_reported(quiet_watch):
+    """``model.blocks.train()`` switches whole blocks, not the dropouts alone."""
+    model, opt, monitor = _encoder(quiet_watch)
+    _train(model, opt, 3)
+    model.eval()
+    model.blocks.train()
+    _evaluate(model)
+    (alert,) = [a for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert alert.module == "blocks.0.2"
+    assert alert.data["modules"] == ["blocks.0.2", "blocks.1.2", "blocks.2.2"]
+
+
+class _Holder(nn.Module):
+    """A model whose part is called on its own (``self.net(x)`` in a LightningModule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1)
+        )
+
+
+@pytest.mark.parametrize("mc_recipe", [True, False], ids=["mc_dropout", "forgot_eval"])
+def test_monte_carlo_dropout_through_a_part_called_on_its_own(quiet_watch, mc_recipe):
+    torch.manual_seed(0)
+    holder = _Holder()
+    opt = torch.optim.SGD(holder.parameters(), lr=0.01)
+    monitor = quiet_watch(holder, opt)
+    for x, y in batches(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(holder.net(x), y).backward()
+        opt.step()
+    if mc_recipe:
+        _dropouts_on(holder)
+    with torch.no_grad():
+        for x, _ in batches(5, seed=9):
+            holder.net(x)
+    monitor.close()
+    told = [(a.rule, a.module) for a in monitor.alerts if a.rule == "eval_in_train_mode"]
+    assert told == ([] if mc_recipe else [("eval_in_train_mode", "net.1")])
 
 
 def test_training_after_eval_without_train_fires_at_that_step(quiet_watch):

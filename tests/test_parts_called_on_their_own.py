@@ -202,3 +202,44 @@ def test_two_towers_left_in_eval_mode_are_both_named(quiet_watch, forget_train):
     (alert,) = found
     assert alert.rule == "train_in_eval_mode" and alert.step == 10
     assert set(alert.data["modules"]) == {"image.1", "text.1"}
+
+
+class _MonteCarloValidation(L.LightningModule):
+    """Validation sampling ``self.net`` several times with dropout on (MC dropout)."""
+
+    def __init__(self, whole_net_in_training: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4)
+        )
+        self.whole_net_in_training = whole_net_in_training
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_validation_start(self):
+        if self.whole_net_in_training:
+            self.net.train()  # the bug: batch norm normalises with the eval batches
+            return
+        for module in self.net.modules():  # Lightning put the module in eval
+            if isinstance(module, nn.Dropout):
+                module.train()
+
+    def validation_step(self, batch, index):
+        x, y = batch
+        probs = torch.stack([self.net(x).softmax(-1) for _ in range(5)]).mean(0)
+        self.log("val_nll", F.nll_loss(probs.log(), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("bug", [True, False], ids=["whole_net_in_training", "mc_dropout"])
+def test_lightning_monte_carlo_validation_is_told_only_with_batch_norm_in_training(tmp_path, bug):
+    callback = TrainWatchCallback(console=False)
+    trainer = _trainer(tmp_path, callback, max_steps=16, val_check_interval=8, limit_val_batches=2)
+    trainer.fit(_MonteCarloValidation(bug), _loader(), _loader())
+    found = {(a.rule, a.module) for a in callback.alerts if a.severity != "info"}
+    assert found == ({("eval_in_train_mode", "net.1")} if bug else set())

@@ -326,6 +326,110 @@ def test_lightning_shuffled_training_with_an_unshuffled_val_dataloader_is_silent
     assert found(_fit_lightning(tmp_path, shuffle=True).alerts) == []
 
 
+# -- Lightning's overfit_batches: the sequential sampler is Lightning's --------------------
+
+
+class Regressor(pl.LightningModule):
+    """No class targets: the training loader's order alone is judged (a warning)."""
+
+    def __init__(self, shuffle: bool) -> None:
+        super().__init__()
+        self.shuffle = shuffle
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))
+        self.data = TensorDataset(x, x[:, :1].sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=16, shuffle=self.shuffle)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit_regressor(tmp_path: Path, shuffle: bool, overfit_batches: int) -> TrainWatchCallback:
+    torch.manual_seed(0)
+    callback = TrainWatchCallback(console=io.StringIO())
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        accelerator="cpu",
+        max_steps=30,
+        overfit_batches=overfit_batches,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Regressor(shuffle))
+    return callback
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in_order"])
+def test_lightning_overfit_batches_reading_in_order_is_silent(tmp_path, shuffle):
+    """Trainer(overfit_batches=2) swaps a SequentialSampler in for the same two batches
+    every epoch, whatever the loader asked: a debugging run, not an order to fix."""
+    assert found(_fit_regressor(tmp_path, shuffle, overfit_batches=2).alerts) == []
+
+
+def test_lightning_unshuffled_loader_without_overfit_batches_still_warns(tmp_path):
+    (alert,) = found(_fit_regressor(tmp_path, shuffle=False, overfit_batches=0).alerts)
+    assert alert.severity == "warning" and alert.step == 20
+    assert "no class targets" in alert.message
+
+
+LIGHTNING_SCRIPT = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightning.pytorch as pl
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+overfit = sys.argv[1] == "overfit"
+x = torch.randn(512, 8)
+train = DataLoader(TensorDataset(x, x[:, :1].sin()), batch_size=16, shuffle=overfit)
+trainer = pl.Trainer(
+    accelerator="cpu", max_steps=30, overfit_batches=2 if overfit else 0, logger=False,
+    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+)
+trainer.fit(Regressor(), train)
+"""
+
+
+@pytest.mark.parametrize("mode", ["overfit", "in-order"])
+def test_trainwatch_run_on_lightning_judges_the_order_only_without_overfit_batches(tmp_path, mode):
+    script = tmp_path / "fit_lightning.py"
+    script.write_text(textwrap.dedent(LIGHTNING_SCRIPT))
+    log = tmp_path / "log"
+    assert run_script(script, [mode], log_dir=log, console=False) == 0
+    told = [a["severity"] for a in run_alerts(log) if a["rule"] == RULE]
+    assert told == ([] if mode == "overfit" else ["warning"])
+
+
 # -- trainwatch run on an unmodified script ----------------------------------------------
 
 SCRIPT = """

@@ -275,6 +275,14 @@ def _lightning_module_holding(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _lightning_overfits(model: nn.Module) -> bool:
+    """A LightningModule fitted by ``Trainer(overfit_batches=...)``: Lightning swaps a
+    ``SequentialSampler`` into the training loader itself (the same few batches every
+    epoch, a debugging run), so its order is no choice of the script's."""
+    trainer = getattr(model, "_trainer", None)
+    return trainer is not None and bool(getattr(trainer, "overfit_batches", 0))
+
+
 def _steps_before(model: nn.Module) -> int:
     """Steps the model's trainer took before this process: a fit resumed from a
     checkpoint starts at the checkpoint's global step, as the callbacks' steps do.
@@ -505,6 +513,8 @@ class AutoWatch:
         if any(not model.training for model in models):
             self._evaluation_started(loader)
             return
+        if any(map(_lightning_overfits, models)):
+            return  # Lightning put the sequential sampler in: no order of the script's
         self._train_loader = weakref.ref(loader)
         for monitor in self.monitors:
             if not monitor.closed:
@@ -870,7 +880,7 @@ class AutoWatch:
         self.monitors.append(monitor)
         self.views.append(view)
         loader = self._train_loader() if self._train_loader is not None else None
-        if loader is not None:
+        if loader is not None and not _lightning_overfits(unwrap(module)):
             monitor.watch_data(loader)
         # One listener on the monitor's own end-of-backward, not a hook per parameter.
         self._backward_ends[id(monitor)] = [monitor.on_backward_end(_BackwardEnd(self, monitor))]

@@ -242,7 +242,7 @@ class TrainWatchCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("train")
         monitor = self._monitor
-        if monitor is not None and not monitor.closed:
+        if monitor is not None and not monitor.closed and not _overfitting(trainer):
             # Loaded by now (reloaded each epoch with reload_dataloaders_every_n_epochs).
             for loader in _loaders(trainer.train_dataloader):
                 _quietly(monitor.watch_data, loader)
@@ -320,6 +320,13 @@ def _unwrap(optimizer: Any) -> Any:
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
     return inner if isinstance(inner, Optimizer) else optimizer
+
+
+def _overfitting(trainer: pl.Trainer) -> bool:
+    """``Trainer(overfit_batches=...)``: Lightning swaps a ``SequentialSampler`` into
+    the training loader itself (the same few batches every epoch, a debugging run),
+    so reading in order is its choice, not the user's loader's."""
+    return bool(getattr(trainer, "overfit_batches", 0))
 
 
 def _loaders(value: Any) -> list[Any]:

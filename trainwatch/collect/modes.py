@@ -97,6 +97,10 @@ class ModeWatch:
         # Per part of the model called on its own, its share of ``listed`` (made
         # at its first pass; dropped whenever ``listed`` changes).
         self._parts: dict[str, list[Listed]] = {}
+        # Per listed module, the modules above it (qualified name, reference),
+        # from the root down: made when a no-grad pass first finds dropout in
+        # training mode under a module in eval mode (see _switched_alone).
+        self._above: dict[str, tuple[tuple[str, weakref.ref[nn.Module]], ...]] = {}
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
@@ -122,6 +126,7 @@ class ModeWatch:
         model = self._root()
         self.listed = []
         self._parts = {}
+        self._above = {}
         self.ordered = False
         if model is None:
             return
@@ -349,6 +354,15 @@ class ModeWatch:
                 return None
         except AttributeError:
             pass  # a module gone (its reference dead): the loop below skips it
+        root = self._root()
+        ran = root if part is None else part[1]
+        if isinstance(ran, DistributedDataParallel):
+            # model.eval() on the module inside leaves the wrapper's own flag as it was.
+            ran = ran.module
+        # The pass's root in eval mode: a dropout in training mode may have been
+        # switched on by itself (Monte-Carlo dropout).
+        maybe_alone = training and ran is not None and not ran.training
+        within = "" if part is None else part[0]
         names: list[str] = []
         kinds: list[str] = []
         found_kinds: list[str] = []
@@ -363,16 +377,13 @@ class ModeWatch:
                 return None
             if skip_dropout and kind == "dropout":
                 continue
+            if maybe_alone and kind == "dropout" and self._switched_alone(name, within):
+                continue
             names.append(name)
             kinds.append(label)
             found_kinds.append(kind)
         if not names:
             return None
-        root = self._root()
-        ran = root if part is None else part[1]
-        if isinstance(ran, DistributedDataParallel):
-            # model.eval() on the module inside leaves the wrapper's own flag as it was.
-            ran = ran.module
         whole = ran is not None and ran.training == training
         report = ModeReport(names, kinds, whole, len(listed))
         if (
@@ -385,6 +396,54 @@ class ModeWatch:
             idle = self.idle
             report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name, idle)]
         return report
+
+    def _switched_alone(self, name: str, within: str) -> bool:
+        """Whether this dropout in training mode was switched on by itself: every
+        module above it, from the pass's root (``within``) down, is in eval mode.
+
+        Monte-Carlo dropout's recipe, ``model.eval()`` and then ``.train()`` on each
+        dropout module, leaves exactly that; a forgotten ``model.eval()`` leaves the
+        modules above in training mode too, and so does ``model.encoder.train()``
+        after ``model.eval()``. Read only on no-grad passes whose root is in eval
+        mode with some dropout in training mode.
+        """
+        above = self._above.get(name)
+        if above is None:
+            self._learn_above()
+            above = self._above.get(name, ())
+        seen = False
+        for prefix, ref in above:
+            if not _inside(prefix, within):
+                continue  # above the part called on its own
+            module = ref()
+            if module is None:
+                return False
+            if isinstance(module, DistributedDataParallel):
+                continue  # its flag stays as it was when the module inside is switched
+            if module.training:
+                return False
+            seen = True
+        return seen
+
+    def _learn_above(self) -> None:
+        """The modules above each listed module, by one walk of the model."""
+        root = self._root()
+        if root is None:
+            return
+        by_name: dict[str, nn.Module] = {}
+        for qualified, module in root.named_modules():
+            by_name.setdefault(user_name(qualified), module)
+        for item in self.listed:
+            if item.name in self._above:
+                continue
+            path = item.name.split(".") if item.name else []
+            prefixes = [".".join(path[:depth]) for depth in range(len(path))]
+            if all(prefix in by_name for prefix in prefixes):
+                self._above[item.name] = tuple(
+                    (prefix, weakref.ref(by_name[prefix])) for prefix in prefixes
+                )
+            else:
+                self._above[item.name] = ()  # not found: never taken as switched alone
 
 
 # A frozen subtree holding at least this share of the model's parameters is a

@@ -68,7 +68,9 @@ class EvalInTrainModeRule(Rule):
                 "call model.eval() before evaluating (and model.train() after): in "
                 "training mode dropout drops units and batch norm normalises with the "
                 "eval batch's statistics and overwrites its running averages with them. "
-                "Deliberate Monte-Carlo dropout: set eval_in_train_mode.mc_dropout: true. "
+                "Deliberate Monte-Carlo dropout: switch only the dropout modules back to "
+                "train() after model.eval() (recognised, silent), or set "
+                "eval_in_train_mode.mc_dropout: true. "
                 "(No-grad passes that recur between the training passes of every step, "
                 "such as GAN samples, are recognised as training and not reported.)",
                 _data(report),
