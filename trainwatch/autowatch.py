@@ -21,6 +21,7 @@ import json
 import sys
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from trainwatch.held import held_only_by
 from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.record import ReplacedModel
 from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Sink, StepNumbers, Summary
@@ -59,6 +61,12 @@ _SETTLED_AFTER = 2
 # Steps of an optimizer whose parameters no model of ours holds after which its
 # model is looked for by its parameters (one called only inside torch.func).
 _PENDING_STEPS = 2
+# Steps of a model's optimizer, stepping while the model is no longer called,
+# through which the model replacing it is looked for (the forward hooks kept on).
+_REPLACEMENT_WAIT = 50
+# Steps of a hand-trained model at which an optimizer stepping the model it
+# replaced is looked for (see AutoWatch._look_for_replaced).
+_REPLACED_LOOKS = 20
 # Optimizers over no model of ours, met while the forward hooks are off, whose
 # model is looked for in the heap at their first step. Each later one waits for
 # its model's next call (a loop building a model copy and an optimizer per
@@ -250,6 +258,48 @@ class _BackwardEnd:
         owner._manual_step(monitor)
 
 
+class _NotCalled:
+    """Called when a model's optimizer steps while the model is no longer called."""
+
+    __slots__ = ("owner", "monitor")
+
+    def __init__(self, owner: AutoWatch, monitor: Monitor) -> None:
+        self.owner = weakref.ref(owner)
+        self.monitor = weakref.ref(monitor)
+
+    def __call__(self, since: int) -> None:
+        owner, monitor = self.owner(), self.monitor()
+        if owner is not None and monitor is not None and not monitor.closed:
+            owner._model_not_called(monitor, since)
+
+
+def _parameters_of(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _shapes(params: Sequence[torch.Tensor]) -> Counter[tuple[int, ...]]:
+    return Counter(tuple(p.shape) for p in params)
+
+
+def _fits(params: Sequence[torch.Tensor], shapes: Counter[tuple[int, ...]]) -> bool:
+    """Every one of ``params`` has a counterpart of its shape among ``shapes``: the
+    parameters of a copy of the model (a deep copy, a QAT-prepared copy, a new
+    instance of its class), or of part of it."""
+    return bool(params) and not (_shapes(params) - shapes)
+
+
+def _module_holding(params: list[torch.Tensor]) -> nn.Module | None:
+    """The outermost live module holding any of ``params`` (one scan of live objects)."""
+    wanted = {id(p) for p in params}
+    holders = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), nn.Module) and any(id(p) in wanted for p in obj.parameters())
+    ]
+    inner = {id(sub) for holder in holders for sub in holder.modules() if sub is not holder}
+    return next((holder for holder in holders if id(holder) not in inner), None)
+
+
 _LIGHTNING_LOOPS = ("/lightning/pytorch/", "/pytorch_lightning/")
 _HF_TRAINER = ("/transformers/trainer",)
 
@@ -430,6 +480,19 @@ class AutoWatch:
         self._transformed_calls = False  # a module was called inside a torch.func transform
         self._compiled_calls = False  # a module was called inside a graph being traced
         self._names: set[str] = set()
+        # Monitors whose optimizer steps while their model is no longer called, by
+        # id: (the monitor, its passes then, the first such step). The model the
+        # loop trains instead is looked for (see _model_not_called).
+        self._not_called: dict[int, tuple[weakref.ref[Monitor], int, int]] = {}
+        # Hand-trained models looked at for the model they replaced (see
+        # _look_for_replaced): the looks each took, and those told.
+        self._replaced_looks: weakref.WeakKeyDictionary[Monitor, int] = weakref.WeakKeyDictionary()
+        # Optimizers told as stepping the parameters of a model replaced since, with
+        # what was told: a later copy trained in the same way (the loop replacing
+        # its model again) is told as the same finding.
+        self._stale_optimizers: weakref.WeakKeyDictionary[Optimizer, ReplacedModel] = (
+            weakref.WeakKeyDictionary()
+        )
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
         self._stop_next = False
         self._closed = False
@@ -884,12 +947,15 @@ class AutoWatch:
             monitor.watch_data(loader)
         # One listener on the monitor's own end-of-backward, not a hook per parameter.
         self._backward_ends[id(monitor)] = [monitor.on_backward_end(_BackwardEnd(self, monitor))]
+        monitor.on_model_not_called(_NotCalled(self, monitor))
         for optimizer in list(self._pending):
             self._attach(optimizer)
         if not monitor.optimizers:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
             self._find_optimizers(monitor)
+        if not monitor.optimizers and (self._not_called or self._stale_optimizers):
+            self._continue_steps(monitor)
         if part is not None:
             monitor.watch_parts()
             monitor.pass_started(part, args)  # this very call of the part is a pass
@@ -1216,6 +1282,7 @@ class AutoWatch:
                 and not self._pending
                 and self.monitors
                 and all(m.optimizers or m.closed or not m.step_count for m in self.monitors)
+                and not (self._not_called and self._awaiting_replacement())
             ):
                 # Every model found steps with an optimizer, or takes no steps at all
                 # (a momentum target, an EMA copy, a frozen teacher: run, never
@@ -1239,7 +1306,145 @@ class AutoWatch:
             raise
         except Exception as exc:
             self._internal.internal_error("trainwatch run: manual step", exc, self.steps)
+        if self._not_called or self._pending or self._stale_optimizers:
+            # Some optimizer steps parameters no model trained now holds.
+            try:
+                self._look_for_replaced(monitor)
+            except Exception as exc:
+                self._internal.internal_error("trainwatch run: replaced model", exc, self.steps)
         if self.max_steps is not None and self.steps >= self.max_steps:
             # Stop at the next forward, after the script has applied this update.
             self.stopped = True
             self._stop_next = True
+
+    # -- a model replaced after its optimizer was built ------------------------------
+    def _model_not_called(self, monitor: Monitor, since: int) -> None:
+        """The monitor's optimizer steps while its model is no longer called (told by
+        the monitor, see ``Monitor.on_model_not_called``): the loop may train a copy
+        made after the optimizer was built (``model = copy.deepcopy(best)``). The
+        forward hooks go on (they are often off by then) to find that copy at its
+        next call, and stay on while the wait lasts (see _awaiting_replacement)."""
+        if monitor not in self.monitors or monitor.step_count - since > _REPLACEMENT_WAIT:
+            return  # (waited for long enough: its monitor tells it, see zero_gradient)
+        if id(monitor) not in self._not_called:
+            self._not_called[id(monitor)] = (weakref.ref(monitor), monitor.passes_seen, since)
+        self._hook_forwards()
+
+    def _awaiting_replacement(self) -> bool:
+        """Whether a model no longer called still waits for the one replacing it; one
+        called again, closed, or waited for :data:`_REPLACEMENT_WAIT` steps is not."""
+        for key, (ref, passes, since) in list(self._not_called.items()):
+            monitor = ref()
+            if (
+                monitor is None
+                or monitor.closed
+                or monitor.passes_seen != passes
+                or monitor.step_count - since > _REPLACEMENT_WAIT
+            ):
+                del self._not_called[key]
+        return bool(self._not_called)
+
+    def _stale_monitors(self) -> list[tuple[Monitor, int]]:
+        """The models still not called whose optimizers step, with their first such step."""
+        found = []
+        if self._awaiting_replacement():
+            for ref, _, since in self._not_called.values():
+                monitor = ref()
+                if monitor is not None:
+                    found.append((monitor, since))
+        return found
+
+    def _continue_steps(self, monitor: Monitor) -> None:
+        """A new model without an optimizer, found while one of ours set up alike is no
+        longer called: the loop trains it in its place (a copy made after the
+        optimizer was built), so its steps go on from that model's."""
+        shapes = _shapes([p for p in unwrap(monitor.model).parameters() if p.requires_grad])
+        for stale, _ in self._stale_monitors():
+            if stale is not monitor and any(
+                _fits(_parameters_of(opt), shapes) for opt in stale.optimizers
+            ):
+                monitor.load_state_dict({"step": stale.step_count})
+                return
+        if any(_fits(_parameters_of(opt), shapes) for opt in list(self._stale_optimizers)):
+            monitor.load_state_dict({"step": self.steps})  # replaced again
+
+    def _look_for_replaced(self, monitor: Monitor) -> None:
+        """At a step of a hand-trained model (no optimizer holds it) whose parameters got
+        gradients: an optimizer stepping parameters of the same shapes, none of which
+        got a gradient, held by a model no longer called (or by a module never called)
+        is the optimizer built before the model was replaced by a copy: a deep copy,
+        ``prepare_qat`` (``inplace=False``), a new instance loaded. The model is told
+        (``not_optimized``), once; the old model's monitor, its model replaced, closes.
+
+        Asked only while some optimizer steps parameters that no model trained now
+        holds, at the model's first :data:`_REPLACED_LOOKS` such steps.
+        """
+        looks = self._replaced_looks.get(monitor, 0)
+        if looks >= _REPLACED_LOOKS or monitor.closed or monitor.optimizers:
+            return
+        self._replaced_looks[monitor] = looks + 1
+        params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
+        if not any(p.grad is not None for p in params):
+            return
+        shapes = _shapes(params)
+        for stale, since in self._stale_monitors():
+            if stale is monitor:
+                continue
+            for optimizer in stale.optimizers:
+                held = _parameters_of(optimizer)
+                if _fits(held, shapes) and all(p.grad is None for p in held):
+                    root = unwrap(stale.model)
+                    replaced = ReplacedModel(
+                        type(optimizer).__name__, type(root).__name__, stale.model_name, since
+                    )
+                    self._stale_optimizers[optimizer] = replaced
+                    self._tell_replaced(monitor, replaced)
+                    self._retire(stale)
+                    return
+        for optimizer, told in list(self._stale_optimizers.items()):
+            held = _parameters_of(optimizer)
+            if _fits(held, shapes) and all(p.grad is None for p in held):
+                self._tell_replaced(monitor, told)  # the model replaced once more
+                return
+        replaced = self._stale_pending(shapes)
+        if replaced is not None:
+            self._tell_replaced(monitor, replaced)
+
+    def _stale_pending(self, shapes: Counter[tuple[int, ...]]) -> ReplacedModel | None:
+        """An optimizer that has stepped twice over parameters of these shapes that no
+        model of ours holds, none with a gradient: held by a module never called
+        (the float model ``prepare_qat`` copied), or by none any more (the model
+        the optimizer was built over, its name bound to a new instance loaded).
+        A module called only where the forward hooks do not look (a ``torch.func``
+        transform, a compiled graph) may train them: then none is."""
+        if self._transformed_calls or self._compiled_calls:
+            return None
+        for optimizer in list(self._pending):
+            if self._pending_steps.get(id(optimizer), 0) < 1:
+                continue
+            held = _parameters_of(optimizer)
+            if (
+                not _fits(held, shapes)
+                or any(p.grad is not None for p in held)
+                or any(registry.owner_of(p) is not None for p in held)
+            ):
+                continue
+            holder = _module_holding(held)
+            stale = type(holder).__name__ if holder is not None else None
+            replaced = ReplacedModel(type(optimizer).__name__, stale)
+            self._stale_optimizers[optimizer] = replaced
+            return replaced
+        return None
+
+    def _tell_replaced(self, monitor: Monitor, replaced: ReplacedModel) -> None:
+        self._replaced_looks[monitor] = _REPLACED_LOOKS  # told: no more looks
+        monitor.tell_replaced(replaced)
+
+    def _retire(self, monitor: Monitor) -> None:
+        """The monitor of a model replaced by the one the loop trains: it closes (its
+        findings kept), its step count kept for the run's."""
+        self._not_called.pop(id(monitor), None)
+        if monitor not in self.monitors:
+            return
+        self._released_steps = max(self._released_steps, monitor.step_count)
+        self._give_way(monitor, keep_optimizers=False)

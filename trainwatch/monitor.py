@@ -38,6 +38,7 @@ from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
 from trainwatch.raised import note_raise
+from trainwatch.record import ReplacedModel
 from trainwatch.released import ReleasedOptimizer, live
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
@@ -468,6 +469,23 @@ class Monitor:
         every gradient of it in place: where a loop without an optimizer steps.
         Returns a handle whose ``remove()`` stops it."""
         return self._pipeline.tracker.on_backward_end(callback)
+
+    def on_model_not_called(self, callback: Any) -> None:
+        """Call ``callback(since)`` at each optimizer step found stepping while the model
+        is no longer called (none of its parameters got a gradient, and no forward
+        pass came between two of its steps; ``since``: the first such step):
+        ``trainwatch run`` looks for the model that replaced it."""
+        self._pipeline.on_not_called = callback
+
+    def tell_replaced(self, replaced: ReplacedModel) -> None:
+        """This model (hand-trained, no optimizer holding it) replaced another one after
+        the optimizer was built: that optimizer steps the old model's parameters
+        (``replaced``). Told as ``not_optimized``; the model's own later findings of
+        the same cause (its weights never updated, its training stalled) are not."""
+        self._ensure_open()
+        alerts = self._guarded("step collector", self._pipeline.replaced_alerts, replaced)
+        if alerts:
+            self._dispatcher.publish(alerts, may_halt=False)
 
     def watch_parts(self) -> None:
         """The model is only ever called through its parts (a LightningModule with no

@@ -181,6 +181,23 @@ class StallReport:
 
 
 @dataclass
+class ReplacedModel:
+    """What trains a model that no optimizer holds, replaced after its optimizer was
+    built: the optimizer stepping the parameters of the module it replaced, a
+    module no longer called (``trainwatch run`` finds both)."""
+
+    optimizer_class: str
+    # The module whose parameters that optimizer steps: its class (None: no module
+    # holds them any more, the old model freed), and the name ``trainwatch run``
+    # watched it under (None: never called while watched).
+    stale_class: str | None
+    stale_model: str | None = None
+    # The stale model's step at which its optimizer first stepped without it
+    # being called (None: it was never called at all).
+    since: int | None = None
+
+
+@dataclass
 class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
@@ -196,6 +213,10 @@ class StepRecord:
     param_norms: list[float] = field(default_factory=list)
     # Trainable parameters the step should have used but whose .grad is None.
     missing: list[ParamInfo] = field(default_factory=list)
+    # With every one of the optimizer's parameters missing: the step since which
+    # the optimizer steps while the model is not called at all (no forward pass
+    # between two of its steps); None on every other step.
+    not_called_since: int | None = None
     # Layers never called in a forward pass since watching began (filled only
     # when parameters are missing): defined-but-unused, not cut off.
     never_called: frozenset[str] = frozenset()
@@ -255,6 +276,9 @@ class StepRecord:
     unreached_outputs: list[int] = field(default_factory=list)
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
+    # With not_optimized: the model replaced another one after the optimizer was
+    # built, and that optimizer steps the old one's parameters (set on that rare path).
+    replaced: ReplacedModel | None = None
     # With not_optimized: its optimizer never stepped while the process took this many
     # steps of other models (0: the parameters are in no optimizer at all).
     idle_steps: int = 0

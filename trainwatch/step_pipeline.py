@@ -70,6 +70,7 @@ from trainwatch.record import (
     BetweenBackwardsRecord,
     ClassTargets,
     NonfiniteReport,
+    ReplacedModel,
     StepRecord,
 )
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
@@ -244,6 +245,11 @@ class StepPipeline:
         self.passes.on_raise = on_raise
         self._wrapper_search = _WRAPPER_SEARCHES
         self._passes_at_step = 0
+        # Per optimizer: the passes counted, and the step, when it stepped with no
+        # gradient at all (see _not_called); and who is told when that holds at two
+        # of its steps in a row with no pass between them (``trainwatch run``).
+        self._not_called_at: dict[int, tuple[int, int]] = {}
+        self.on_not_called: Callable[[int], None] | None = None
         self._small_norms = SmallGradientNorms()
         # Always there (what backward reached: manual steps, a late loss); it
         # checks for stale gradients only for accumulated_gradient.
@@ -522,6 +528,24 @@ class StepPipeline:
         if step_calls.following and not self.passes.listens(step_calls):
             self.passes.subscribe("step calls", step_calls)
 
+    def _not_called(self, index: int | None, now: int, passes: int, record: StepRecord) -> None:
+        """The optimizer steps with no gradient on any of its parameters: noted, with the
+        passes of the model counted so far. At its next step, the same again with no
+        pass of the model between the two, the model is no longer called (replaced
+        by a copy the loop trains, while this optimizer still steps the old one),
+        since the step noted. A step without gradients of a model that ran (a head
+        unused on this batch, gradients wiped before the step) is followed by a pass.
+        """
+        if index is None:
+            return
+        seen = self._not_called_at.get(index)
+        if seen is None or seen[0] != passes:
+            self._not_called_at[index] = (passes, now)  # noted: judged at its next step
+            return
+        record.not_called_since = seen[1]
+        if self.on_not_called is not None:
+            self.on_not_called(seen[1])
+
     def _custom_functions(self, record: StepRecord, params: list[torch.Tensor]) -> None:
         """Layers that ran this step without a gradient, looked at once in the step's
         graph: a custom autograd Function between them and the output whose
@@ -724,6 +748,20 @@ class StepPipeline:
         record.idle_since = self._step_count() - 1 if taken else None
         return self.rules.evaluate(record)
 
+    def replaced_alerts(self, replaced: ReplacedModel) -> list[Alert]:
+        """The model's trainable parameters with a gradient, which no optimizer holds,
+        told as the replacement of the model ``replaced`` names: once."""
+        record = StepRecord(step=max(self._step_count() - 1, 0), source="replaced")
+        record.not_optimized = [
+            self.layers.info(p) for p in self._trainable() if p.grad is not None
+        ]
+        if not record.not_optimized:
+            return []
+        record.replaced = replaced
+        # The same cause, told: not again as weights never updated.
+        self._hand_updates.never_moved = None
+        return self.rules.evaluate(record)
+
     def _amp_skipped(self, probe: NonfiniteProbe) -> None:
         """Enough backward passes went without a step: were they steps GradScaler skipped?"""
         rule = self.config.amp_skipped_steps
@@ -924,10 +962,11 @@ class StepPipeline:
         if index is not None and not attach:
             record.same_weights = self._moved_none
             self._moved_none = _moves_none(self._optimizers[index])
+        passes = self.passes.passes
         if (
             grads
             and not attach  # gradients left from before watching came from no pass of ours
-            and self.passes.passes == self._passes_at_step
+            and passes == self._passes_at_step
             and self._wrapper_search
         ):
             # Gradients without a pass seen: compiled after watching, perhaps.
@@ -937,7 +976,7 @@ class StepPipeline:
                 self.passes.hook(wrapper)
             if not wrappers:
                 self.passes.widen()  # parts of the model called on their own
-        self._passes_at_step = self.passes.passes
+        self._passes_at_step = passes
         if record.missing and self.layers.outdated():
             # module.to() in overwrite mode swapped in new Parameter objects:
             # name them (and see whether any optimizer still holds the old ones).
@@ -974,6 +1013,9 @@ class StepPipeline:
                 self._guarded("custom functions", self._custom_functions, record, params)
             step_calls.roots = None  # the step's graph is let go
         if record.missing:
+            if not grads and passes and not attach:
+                # No gradient at all: was the model called since this optimizer's last step?
+                self._guarded("model not called", self._not_called, index, now, passes, record)
             if self._wiped_away and index is not None and not record.rewritten_since_backward:
                 # Reached only by micro-batches zero_grad() wiped (told as
                 # reset_between_backwards): no layer's story.

@@ -167,6 +167,8 @@ class NotOptimizedRule(_ReportOnce):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.idle_steps:
             return self._idle(record)
+        if record.replaced is not None:
+            return self._replaced(record)
         return [
             self.alert(
                 record.step,
@@ -182,6 +184,50 @@ class NotOptimizedRule(_ReportOnce):
                 {"parameters": [p.name for p in params]},
             )
             for owner, params in self.new_owners(None, record.not_optimized).items()
+        ]
+
+    def _replaced(self, record: StepRecord) -> list[Alert]:
+        """The model trained replaced another one after the optimizer was built: that
+        optimizer steps the old model's parameters, and nothing updates these. One
+        alert for the whole model."""
+        replaced = record.replaced
+        assert replaced is not None
+        params = record.not_optimized
+        owners = sorted({p.owner for p in params})
+        for owner in owners:  # the per-module finding is this one
+            self._reported.add((None, owner))
+        old = replaced.stale_class
+        if old is None:
+            old, when = "a model no module holds any more", "freed since"
+        elif replaced.since is None:
+            when = "a module never called while watched"
+        else:
+            when = f"a model no longer called since step {replaced.since}"
+        if replaced.stale_model is not None and replaced.stale_model != old:
+            old += f" (watched as {replaced.stale_model})"
+        return [
+            self.alert(
+                record.step,
+                owners[0] if len(owners) == 1 else "",
+                f"{len(params)} parameters of this model ({short_names(params)}) receive "
+                "gradients but no optimizer holds them, so they are never updated: the "
+                f"{replaced.optimizer_class} optimizer steps the parameters of {old}, {when}, "
+                "whose parameters match this model's: the model was replaced after the "
+                "optimizer was built",
+                "the model was replaced (copy.deepcopy, prepare_qat(inplace=False) or "
+                "another transform returning a copy, a load of a new instance) after the "
+                "optimizer was built: build the optimizer over the new model (after the "
+                "last such change), or load the weights into the model the optimizer holds "
+                "instead (model.load_state_dict(best.state_dict())).",
+                {
+                    "parameters": [p.name for p in params],
+                    "kind": "replaced_model",
+                    "optimizer_class": replaced.optimizer_class,
+                    "stale_class": replaced.stale_class,
+                    "stale_model": replaced.stale_model,
+                    "stale_since": replaced.since,
+                },
+            )
         ]
 
     def _idle(self, record: StepRecord) -> list[Alert]:

@@ -212,6 +212,8 @@ class ZeroGradientRule(Rule):
         # gradients (ids of the layouts seen: a C lookup per step).
         self._had_gradient: set[str] = set()
         self._layouts_seen: set[int] = set()
+        # The model was told as no longer called while its optimizer steps.
+        self._not_called_told = False
 
     _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen"}  # ids: this process's only
 
@@ -278,6 +280,9 @@ class ZeroGradientRule(Rule):
             ]
         if not silent and not self._streaks:
             return []  # the healthy step: every gradient there and non-zero
+        if record.not_called_since is not None:
+            # No pass of the model between its optimizer's steps: says nothing of any layer.
+            return self._not_called(record)
         silent_names = {info.name for info, _ in silent}
         for info in record.present:
             if info.name not in silent_names:
@@ -524,6 +529,49 @@ class ZeroGradientRule(Rule):
                     "count": len(names),
                     "since_step": since,
                     "steps": count,
+                    "optimizer": record.optimizer,
+                },
+            )
+        ]
+
+    def _not_called(self, record: StepRecord) -> list[Alert]:
+        """The optimizer keeps stepping while the model is not called at all: none of
+        its parameters gets a gradient, and no forward pass comes between its steps.
+        No layer is cut off; the model holding them is no longer the one trained
+        (replaced by a copy after the optimizer was built). Told once, for the
+        whole model, after ``patience`` such steps."""
+        for info in record.missing:
+            self._streaks.pop(info.name, None)
+        since = record.not_called_since
+        assert since is not None
+        steps = record.step - since + 1
+        if steps < self.config.patience or self._not_called_told:
+            return []
+        self._not_called_told = True
+        params = [info for info in record.missing if info.in_model] or record.missing
+        owner = common_module([info.owner for info in params])
+        count = len(params)
+        return [
+            self.alert(
+                since,
+                owner,
+                f"optimizer {record.optimizer} keeps stepping while the model is not called "
+                f"at all: none of its {count} parameter{'s' if count != 1 else ''} "
+                f"({short_names(params)}) got a gradient in {steps} consecutive steps since "
+                f"step {since}, and no forward pass of the model came between them: the "
+                "model holding these parameters is no longer the one trained",
+                "was the model replaced after the optimizer was built (model = "
+                "copy.deepcopy(best), torch.ao.quantization.prepare_qat(model) or another "
+                "inplace=False transform, a new instance loaded), so that the loop trains "
+                "the new model while the optimizer still steps the old one's parameters? "
+                "Build the optimizer over the new model, or load the weights into the model "
+                "it holds instead (model.load_state_dict(best.state_dict())). If this model "
+                "is paused on purpose, stop stepping its optimizer.",
+                {
+                    "kind": "model_not_called",
+                    "parameters": [p.name for p in params],
+                    "since_step": since,
+                    "steps": steps,
                     "optimizer": record.optimizer,
                 },
             )
