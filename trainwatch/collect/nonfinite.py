@@ -63,6 +63,7 @@ from trainwatch.collect.nonfinite_replay import (
     FirstNonfiniteBackward,
     Replay,
     backward_leaving_grads,
+    node_source,
     replay_target,
     unreplayed_origin,
 )
@@ -743,7 +744,10 @@ class NonfiniteProbe:
             return False
         with self._replaying_context(grad=True, rng=rng):
             args, kwargs = detached_copies((args, kwargs))
-            output = module(*args, **kwargs)
+            # Anomaly mode keeps, with every node, the stack that made it: the
+            # line of the op whose derivative turns out to make the NaN/Inf.
+            with torch.autograd.set_detect_anomaly(True, check_nan=False):
+                output = module(*args, **kwargs)
             outs = [o for o in floating_tensors(output) if non_leaf(o)]
             pairs = [(o, g) for o, g in zip(outs, self._this_pass.grad_entering) if g is not None]
             params = [p for p in module.parameters() if p.requires_grad]
@@ -751,11 +755,12 @@ class NonfiniteProbe:
                 watch = self._backward_watch = FirstNonfiniteBackward()
                 try:
                     with watch:
+                        watch.watch_graph([o for o, _ in pairs])
                         backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
                 finally:
                     self._backward_watch = None  # the graph it saw goes with the replay
                 if watch.node is not None:
-                    self._place_backward_birth(watch.node)
+                    self._place_backward_birth(watch.node, watch.made)
                 self._this_step.backward_replayed = True
         return True
 
@@ -1036,12 +1041,15 @@ class NonfiniteProbe:
         )
         watch = self._backward_watch
         grad_fn, stop = self._this_pass.grad_fns.get(id(call), (None, set()))
-        op = backward_op(grad_fn, stop, seen_bad=watch.node if watch is not None else None)
+        seen = watch.node if watch is not None else None
+        op = backward_op(grad_fn, stop, seen_bad=seen)
         if op is not None:
             finding.op, finding.op_basis = op
+            if finding.op_basis == "re-run":
+                finding.source = node_source(seen)
         self._this_step.backward_origin = finding
 
-    def _place_backward_birth(self, node: Any) -> None:
+    def _place_backward_birth(self, node: Any, made: torch.Tensor | None = None) -> None:
         """The replay saw the autograd node that made the first NaN/Inf from finite
         values: the innermost module call whose part of the graph holds it made it.
 
@@ -1066,6 +1074,11 @@ class NonfiniteProbe:
             device=found.device,
         )
         finding.op, finding.op_basis = op_of_node(node), "re-run"
+        finding.source = node_source(node)
+        if made is not None:  # told as the node made it
+            finding.kind = "nan" if bool(torch.isnan(made).any()) else "inf"
+            finding.count = int((~torch.isfinite(made)).sum())
+            finding.shape = tuple(made.shape)
         self._this_step.backward_origin = finding
 
     def _grad_index(self, grad: torch.Tensor) -> int | None:

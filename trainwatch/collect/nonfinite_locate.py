@@ -226,27 +226,51 @@ def _kind(indices: list[int], codes: list[float] | None) -> str | None:
     return "inf" if INF in values or NEG_INF in values else None
 
 
+def owners(names: list[str]) -> list[int | None]:
+    """Per module (as ``named_modules`` lists them), the module that holds it
+    (None: the model itself): the one whose ``forward`` calls it, as a rule."""
+    index: dict[str, int] = {}
+    for position, name in enumerate(names):
+        index.setdefault(name, position)
+    return [index.get(name.rpartition(".")[0]) if name else None for name in names]
+
+
 def locate_backward(
     events: list[tuple[ForwardCall, str, int]],
     finite: list[bool],
     codes: list[float] | None = None,
+    parents: list[int | None] | None = None,
 ) -> NonfiniteFinding | None:
     """The first module whose input gradient went bad while its output gradient was fine.
 
-    With none such, the gradient was already bad where it entered the model:
-    the loss's backward made it.
+    With none such, the first bad gradient reached a module's output: if the
+    module holding it (``parents``, per module) got a finite gradient at its
+    own output, its own code made the NaN/Inf (``torch.where(h > 0,
+    torch.sqrt(h), 0)`` on a child's output, its own input the data, which
+    has no gradient to look at). Else the gradient was already bad where it
+    entered the model: the loss's backward made it.
     """
+    parents = parents or []
     out_bad: set[int] = set()
     out_seen: set[int] = set()
+    out_fine: set[int] = set()  # modules that got a finite gradient at an output
     first_bad: ForwardCall | None = None
     first_index = 0
+    around: int | None = None  # the module whose own code made the first bad gradient
     for call, side, index in events:
         if side == "out":
             out_seen.add(id(call))
         if index >= len(finite) or finite[index]:
+            if side == "out":
+                out_fine.add(call.module)
             continue
         if first_bad is None:
             first_bad, first_index = call, index
+        parent = parents[call.module] if call.module < len(parents) else None
+        if around is None and side == "out" and index == first_index and parent in out_fine:
+            # Nested calls return the same tensor (``feat`` returns ``proj``'s
+            # output): each of them sees it; the one whose holder was fine counts.
+            around = parent
         if side == "out":
             out_bad.add(id(call))
         elif id(call) not in out_bad and id(call) in out_seen:
@@ -257,6 +281,14 @@ def locate_backward(
                 kind=_kind([index], codes),
                 device=call.device,
             )
+    if first_bad is not None and around is not None:
+        return NonfiniteFinding(
+            around,
+            "backward",
+            "module",
+            kind=_kind([first_index], codes),
+            device=first_bad.device,
+        )
     if first_bad is not None:
         # Its output's dtype: the gradient entering it has that dtype.
         return NonfiniteFinding(

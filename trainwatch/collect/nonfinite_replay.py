@@ -10,7 +10,11 @@ SyncBatchNorm or FSDP-sharded modules are not replayed on one rank at all.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterator
 from contextlib import ExitStack
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +24,13 @@ from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding
-from trainwatch.collect.op_trace import _null, swapped_buffers
+from trainwatch.collect.op_trace import (
+    _PASS_THROUGH,
+    _TORCH_DIR,
+    _TRAINWATCH_DIR,
+    _null,
+    swapped_buffers,
+)
 from trainwatch.collect.tensors import floating_tensors, input_range, local_part
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
@@ -135,27 +145,118 @@ class Replay:
 class FirstNonfiniteBackward(TorchDispatchMode):
     """Watches a replay's backward: the autograd node whose op first made a NaN/Inf
     out of finite values (``SqrtBackward0`` at a zero: its op is a division, the
-    node says what it differentiates). Only in a replay: a check per op."""
+    node says what it differentiates). Only in a replay: a check per op.
+
+    An op fed a value the forward saved may find it non-finite already: in
+    ``torch.where(h > 0, torch.sqrt(h), 0)`` the forward's sqrt of a negative
+    ``h`` is NaN, masked out, and its derivative reads it back, so no op of
+    that backward has finite inputs. ``watch_graph`` hooks the graph's nodes
+    for that: the first node whose gradient went non-finite while the gradient
+    it was handed was finite made it. Whichever of the two sees it first wins.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.node: Any = None
+        self.made: torch.Tensor | None = None  # the non-finite tensor it made
+        self._handles: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.node is None:
             node = torch._C._current_autograd_node()
             if node is not None and not _finite(out) and _finite((args, kwargs)):
-                self.node = node
+                self._seen(node, out)
         return out
+
+    def _seen(self, node: Any, made: Any) -> None:
+        self.node = node
+        self.made = next(
+            (t.detach() for t in _floating(made) if not bool(torch.isfinite(t).all())), None
+        )
+
+    def watch_graph(self, outputs: list[torch.Tensor]) -> None:
+        """Hook every node of the replay's graph (the hooks go with ``__exit__``)."""
+        for node in graph_nodes([o.grad_fn for o in outputs]):
+            if type(node).__name__ == "AccumulateGrad":
+                continue  # a weight's own: it hands nothing on
+            try:
+                self._handles.append(node.register_hook(partial(self._node_done, node)))
+            except (AttributeError, RuntimeError):
+                continue
+
+    def _node_done(self, node: Any, grad_inputs: Any, grad_outputs: Any) -> None:
+        if self.node is None and not _finite(grad_inputs) and _finite(grad_outputs):
+            self._seen(node, grad_inputs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return super().__exit__(*exc)
+
+
+# Nodes a replay's graph is walked for, at most (the walk runs once something is off).
+_GRAPH_LIMIT = 1_000_000
+
+
+def graph_nodes(roots: list[Any], limit: int = _GRAPH_LIMIT) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots``, each once."""
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
+
+
+# A frame of the stack anomaly mode keeps with a node: '  File "x.py", line 3, in f'.
+_FRAME = re.compile(r'File "(.+)", line (\d+), in (\S+)')
+# PyTorch's frame that calls a module: an op below it ran in that module's forward.
+_MODULE_CALL = os.path.join("nn", "modules", "module.py")
+
+
+def node_source(node: Any) -> str | None:
+    """The user's line in a module's own ``forward`` that made ``node``, from the
+    stack autograd kept for it (the replay's forward runs in anomaly mode).
+
+    None when no stack was kept, or the op ran in one of PyTorch's own modules
+    (``nn.Linear``): the user's line further out would be the module's call.
+    """
+    metadata = getattr(node, "metadata", None)
+    stack = metadata.get("traceback_") if isinstance(metadata, dict) else None
+    if not stack:
+        return None
+    for entry in reversed(stack):
+        found = _FRAME.search(entry)
+        if found is None:
+            continue
+        name, line, function = found.groups()
+        if name.startswith(_TORCH_DIR) or "<frozen" in name:
+            if name.endswith(_MODULE_CALL):
+                return None  # inside a module PyTorch wrote
+            continue
+        if name.startswith(_TRAINWATCH_DIR):
+            if function in _PASS_THROUGH:
+                continue
+            return None
+        return f"{name}:{line}"
+    return None
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [
+        t
+        for t in tree_leaves(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+    ]
 
 
 def _finite(value: Any) -> bool:
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in tree_leaves(value)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-    )
+    return all(bool(torch.isfinite(t).all()) for t in _floating(value))
 
 
 def backward_leaving_grads(

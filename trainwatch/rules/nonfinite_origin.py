@@ -22,6 +22,7 @@ from trainwatch.collect.nonfinite_locate import (
     StepWindow,
     locate_backward,
     locate_forward,
+    owners,
 )
 from trainwatch.collect.nonfinite_replay import NOT_REPLAYED
 from trainwatch.collect.tensors import local_part
@@ -73,6 +74,7 @@ def _mark_after_exploding(record: StepRecord, reported: Collection[str]) -> None
 class NonfiniteJudge:
     def __init__(self, names: list[str]) -> None:
         self.names = names
+        self.owners = owners(names)
         # Backward passes per optimizer step when healthy (gradient accumulation):
         # scales how many passes without a step count as GradScaler skipping.
         self.passes_per_step = 1
@@ -179,7 +181,7 @@ class NonfiniteJudge:
             # A step that never came (skipped) has no norms: its origin stands alone.
             and (bad_grads or window.backward_origin is not None)
         ):
-            self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad)
+            self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad, reported)
         if overflow is not None and forward_clean:
             self._overflow(record, overflow)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -311,15 +313,20 @@ class NonfiniteJudge:
         grad_sums: list[float] | None,
         bad_grads: list[ParamInfo],
         loss_bad: bool,
+        reported: Collection[str],
     ) -> None:
         finding = window.backward_origin
         if finding is None:
             finding = window.entering_origin
         if finding is None and grad_sums is not None:
             finding = locate_backward(
-                window.grad_events, [v == FINITE for v in grad_sums], grad_sums
+                window.grad_events, [v == FINITE for v in grad_sums], grad_sums, self.owners
             )
         if finding is None:
+            if knock_on(reported):
+                # Not located (replays stopped after a few bad steps in a row),
+                # after an origin was reported: the weights its update poisoned.
+                return
             first = bad_grads[0]
             if window.backward_replayed and running_distributed():
                 # Replayed here, this rank's backward is finite: the gradient
