@@ -105,3 +105,39 @@ def test_control_add_optimizer_keeps_a_gans_first_optimizer():
     with tw.watch(model, opt_g, console=False) as monitor:
         monitor.add_optimizer(opt_d)
         assert monitor.optimizers == [opt_g, opt_d]
+
+
+def test_a_let_go_optimizers_norms_leave_the_latest_ones():
+    """Pre-training over the whole model, then a head trained alone on a frozen body:
+    the body's last norms, from the dropped optimizer, are no longer reported as
+    the latest step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    x, y = torch.randn(128, 16), torch.randn(128, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with tw.watch(model, opt, console=False) as monitor:
+        for phase in range(2):
+            if phase:
+                model[0].requires_grad_(False)
+                opt = torch.optim.Adam(model[2].parameters(), lr=1e-3)
+                monitor.add_optimizer(opt)
+            for _ in range(4):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        assert set(monitor.grad_norms()) == {"2"}
+
+
+def test_control_a_kept_optimizers_norms_stay_among_the_latest():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"g": nn.Linear(8, 8), "d": nn.Linear(8, 1)})
+    opt_g = torch.optim.SGD(model["g"].parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(model["d"].parameters(), lr=1e-3)
+    x = torch.randn(16, 8)
+    with tw.watch(model, [opt_g, opt_d], console=False) as monitor:
+        for _ in range(3):
+            for opt in (opt_g, opt_d):
+                opt.zero_grad()
+                model["d"](model["g"](x)).mean().backward()
+                opt.step()
+        assert set(monitor.grad_norms()) == {"g", "d"}

@@ -307,6 +307,8 @@ class Monitor:
             # (No name of our own for it: every reference but the monitor's is the script's.)
             if held_only_by(self, [optimizers[index]], stop=(Monitor,)):
                 optimizers[index] = ReleasedOptimizer(type(optimizers[index]).__name__)
+                # Its last norms are no layer's latest any more (a finished phase's).
+                self._pipeline.latest_by_source.pop(index, None)
                 self._pending.pop(index, None)
                 self._held_early.discard(index)
                 self._reset_after_clip.discard(index)
