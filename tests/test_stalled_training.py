@@ -530,10 +530,9 @@ class CarriesState(nn.Module):
         return self.head(self.hidden)
 
 
-def test_a_re_run_leaves_the_models_own_attributes_as_training_left_them(quiet_watch):
-    """The re-run of the first batch is never seen by a forward that keeps state."""
-    torch.manual_seed(0)
-    plain = CarriesState()
+def _trained_beside(plain: nn.Module, quiet_watch) -> nn.Module:
+    """A copy of ``plain`` trained watched, with a re-run every 2 steps, beside
+    ``plain`` trained the same way unwatched: the copy, to compare."""
     watched = copy.deepcopy(plain)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, watched)]
     quiet_watch(watched, opts[1], stalled_training={"every": 2, "warmup": 1})
@@ -544,6 +543,14 @@ def test_a_re_run_leaves_the_models_own_attributes_as_training_left_them(quiet_w
             opt.zero_grad()
             nn.functional.mse_loss(model(x), x[:, :1]).backward()
             opt.step()
+    return watched
+
+
+def test_a_re_run_leaves_the_models_own_attributes_as_training_left_them(quiet_watch):
+    """The re-run of the first batch is never seen by a forward that keeps state."""
+    torch.manual_seed(0)
+    plain = CarriesState()
+    watched = _trained_beside(plain, quiet_watch)
     assert watched.calls == plain.calls == 7
     assert torch.equal(watched.hidden, plain.hidden)
     for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
@@ -574,16 +581,7 @@ def test_a_re_run_takes_away_what_it_added_and_brings_back_what_it_removed(quiet
     """Attributes an eval-mode forward adds go, and those it deletes come back."""
     torch.manual_seed(0)
     plain = MarksEvalCalls()
-    watched = copy.deepcopy(plain)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, watched)]
-    quiet_watch(watched, opts[1], stalled_training={"every": 2, "warmup": 1})
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randn(16, 8, generator=gen) for _ in range(7)]
-    for model, opt in zip((plain, watched), opts):
-        for x in batches:
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :1]).backward()
-            opt.step()
+    watched = _trained_beside(plain, quiet_watch)
     assert MarksEvalCalls.eval_calls >= 3  # the re-runs ran, in eval mode
     assert "evaluated" not in watched.__dict__
     assert torch.equal(watched.cache, plain.cache)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import sys
 import threading
 import weakref
@@ -49,7 +48,7 @@ from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.record import ReplacedModel
 from trainwatch.relay import RelaySink
-from trainwatch.setup_audit import SetupAudit
+from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
 
@@ -172,14 +171,6 @@ def _setup_key(monitor: Monitor) -> tuple[Any, ...]:
         for optimizer in monitor.optimizers
     )
     return type(root).__name__, shapes, optimizers
-
-
-def _audit_content(audit: SetupAudit) -> str:
-    """The table as shown, but for the model it is of and the step it was made at."""
-    values = audit.to_dict()
-    values.pop("model", None)
-    values.pop("step", None)
-    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _dropped(monitor: Monitor, view: _ModelView) -> bool:
@@ -729,7 +720,7 @@ class AutoWatch:
         """A model's setup table; one the same as a table its family showed, the
         family's copies being dropped after use, is counted, not shown again."""
         family = self._family(view)
-        content = _audit_content(audit)
+        content = table_content(audit)
         shown = family.shown.get(content)
         if shown is None or not family.dropped:
             family.shown.setdefault(content, audit)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,11 +28,6 @@ class SyncGap:
     synced: int  # parameter tensors DDP's reducer all-reduces
     trainable: int  # parameter tensors DDP would take if wrapped now
     find_unused: bool
-
-
-def process_group_up() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
 
 
 def sync_gap(root: nn.Module) -> SyncGap | None:

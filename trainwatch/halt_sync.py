@@ -33,6 +33,12 @@ from trainwatch.followed_collectives import Followed
 from trainwatch.whole_layers import WholeLayerNorms
 
 
+def process_group_up() -> bool:
+    """A process group is initialised (of any size: one rank of a launch counts)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
 def running_distributed() -> bool:
     """A process group of more than one rank is up."""
     dist = torch.distributed

@@ -9,6 +9,7 @@ change), never on a training step.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -313,3 +314,17 @@ def _owner_of(module: str, param_name: str) -> str:
     if not prefix:
         return module
     return f"{module}.{prefix}" if module else prefix
+
+
+def table_content(audit: SetupAudit) -> str:
+    """What a setup table says, but for the model it is of, the step and revision it
+    was made at and its optimizers' numbers (each counted by its place among the
+    rows): two tables alike this way show the same."""
+    values = audit.to_dict()
+    for key in ("model", "step", "revision"):
+        values.pop(key, None)
+    place = {row.pop("index", None): n for n, row in enumerate(values["optimizers"])}
+    for row in values["locations"]:
+        if "optimizers" in row:
+            row["optimizers"] = [place.get(index, index) for index in row["optimizers"]]
+    return json.dumps(values, sort_keys=True, default=str)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch.ddp_sync import SyncGap, parameter_names, process_group_up, sync_gap
+from trainwatch.ddp_sync import SyncGap, parameter_names, sync_gap
+from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import ParamInfo
 from trainwatch.record import SetupCheck, StepRecord
 from trainwatch.setup_audit import SetupAudit, build_audit

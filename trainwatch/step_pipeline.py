@@ -12,7 +12,6 @@ lagged readback, a halt); this module decides what each one does.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
-from trainwatch.collect.held import HeldParameters
 from trainwatch.collect.idle_optimizer import LOOK_AHEAD as IDLE_LOOK_AHEAD
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
 from trainwatch.collect.idle_optimizer import (
@@ -57,6 +55,7 @@ from trainwatch.collect.step_calls import StepCalls
 from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.unwatched_updates import UnwatchedUpdates
+from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -75,7 +74,7 @@ from trainwatch.record import (
 )
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
-from trainwatch.setup_audit import SetupAudit
+from trainwatch.setup_audit import table_content
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
 from trainwatch.weak import weak_callback, weak_getter
@@ -237,7 +236,7 @@ class StepPipeline:
         # step after it checks that some trainable parameter got a gradient.
         self._audits_setup = "trainable_parameters" in self._rule_ids
         self.setup = SetupWatch()
-        self._table_shown: str | None = None  # the last setup table shown, as _table_as_shown
+        self._table_shown: str | None = None  # the last setup table shown, as table_content
         # The model's passes, seen from its outermost call only (a compile
         # wrapper watched in its place stands for it).
         self.passes = ModelPasses(on_error)
@@ -1360,7 +1359,7 @@ class StepPipeline:
         """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
         audit, record = self.setup.audit(step, self._root, self._optimizers)
         if self.config.trainable_parameters.table:
-            shown = _table_as_shown(audit)
+            shown = table_content(audit)
             if shown != self._table_shown:
                 # (An optimizer built anew each epoch, over the same parameters, in
                 # place of the last: the same table again, not shown again.)
@@ -1523,17 +1522,3 @@ def _still_updated(alert: Alert) -> bool:
     """A not_optimized finding of weights that do move (an optimizer the monitor was
     not given, a hand-written update): it leaves a stall of theirs to be told."""
     return str(alert.data.get("kind", "")).startswith("unwatched")
-
-
-def _table_as_shown(audit: SetupAudit) -> str:
-    """A setup table's content but for its step, its revision and its optimizers'
-    numbers (each counted by its place among the rows): two tables alike this
-    way say the same."""
-    values = audit.to_dict()
-    for key in ("step", "revision"):
-        values.pop(key, None)
-    place = {row.pop("index", None): n for n, row in enumerate(values["optimizers"])}
-    for row in values["locations"]:
-        if "optimizers" in row:
-            row["optimizers"] = [place.get(index, index) for index in row["optimizers"]]
-    return json.dumps(values, sort_keys=True, default=str)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from trainwatch.alert import Alert
-from trainwatch.collect.held import HeldParameters
+from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.config import RuleConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord

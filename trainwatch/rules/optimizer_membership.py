@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
+from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import EXTERNAL, ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
@@ -143,7 +142,7 @@ class FrozenInOptimizerRule(_ReportOnce):
                     f"{self._names(params)} in optimizer {record.optimizer}'s param groups "
                     f"train again from step {record.step} (requires_grad=True): the freeze "
                     "told of earlier was undone",
-                    _UNFROZEN_HINT_DISTRIBUTED if _process_group_up() else _UNFROZEN_HINT,
+                    _UNFROZEN_HINT_DISTRIBUTED if process_group_up() else _UNFROZEN_HINT,
                     {
                         "kind": "unfrozen",
                         "finding": "unfrozen",
@@ -381,8 +380,3 @@ class NotOptimizedRule(_ReportOnce):
                 "kind": "never_updated",
             },
         )
-
-
-def _process_group_up() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()

@@ -11,10 +11,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
-
 from trainwatch.alert import Alert, severity_rank
 from trainwatch.config import UnusedParameterConfig
+from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
@@ -86,7 +85,7 @@ class UnusedParameterRule(Rule):
             self._reported.add(info.name)
         # Harmless on one device; under DDP the reducer waits for every gradient,
         # unless it was built with find_unused_parameters=True (then it copes).
-        distributed = bool(self._distributed) or _process_group_up()
+        distributed = bool(self._distributed) or process_group_up()
         ddp = self._distributed == "ddp" or (not self._distributed and distributed)
         severity = None
         if ddp and severity_rank(self.config.severity) < severity_rank("warning"):
@@ -159,8 +158,3 @@ def _fold_one_parent(groups: dict[str, list[ParamInfo]], known: list[ParamInfo])
         groups[parent] = params
         return True
     return False
-
-
-def _process_group_up() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()

@@ -6,7 +6,7 @@ from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
-from trainwatch.collect.held import FROZEN, LR_ZERO, NO_OPTIMIZER
+from trainwatch.collect.weights_at_alert import FROZEN, LR_ZERO, NO_OPTIMIZER
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import BetweenBackwardsRecord, StepRecord
@@ -137,7 +137,7 @@ _WIPED_HINT = (
 _RESET_HOW = {"set_to_none": "set to None", "zeroed_in_place": "zeroed in place"}
 # Steps in a row without any gradient from the loss before it is noted (once).
 _NO_SIGNAL_STEPS = 50
-# Why the all-zero weight a zero gradient comes through stays zero (collect.held).
+# Why the all-zero weight a zero gradient comes through stays zero (collect.weights_at_alert).
 _STAYS_ZERO = {
     LR_ZERO: "; its param group's learning rate is 0, so it never leaves zero",
     FROZEN: "; it is frozen (requires_grad=False), so it never leaves zero",
