@@ -231,12 +231,46 @@ print("finished", STEPS)
 """
 
 
+BY_TORCH_FUNC = """
+import torch
+from torch.func import functional_call, grad
+from netdef import Net, batch
+
+torch.manual_seed(0)
+model = Net()
+
+
+def loss_of(params, x, y):
+    return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
+
+
+for step in range(6):
+    x, y = batch(step)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    grads = grad(loss_of)(params, x, y)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p -= 0.05 * grads[name]
+print("finished")
+"""
+
+
+def test_a_run_that_watched_no_step_says_so_at_the_end(tmp_path, capsys):
+    """Gradients taken with torch.func and applied by hand: no optimizer steps, no
+    backward writes .grad, so run watches nothing; the end says why, not silence."""
+    script = write(tmp_path, "by_func.py", BY_TORCH_FUNC)
+    assert run_script(script, log_dir=tmp_path / "log") == 0
+    err = capsys.readouterr().err
+    assert "no training step watched" in err and "tw.watch(model)" in err
+
+
 def test_manual_sgd_without_an_optimizer_is_clean(tmp_path, capsys):
     script = write(tmp_path, "manual.py", MANUAL)
     assert run_script(script, log_dir=tmp_path / "log") == 0
     assert alerts(tmp_path / "log") == []  # no not_optimized, no zero_gradient
     err = capsys.readouterr().err
     assert "10 steps watched" in err and "no alerts" in err
+    assert "no training step watched" not in err
 
 
 def test_a_manual_sgd_run_leaves_no_torch_function_mode_behind(tmp_path):

@@ -174,3 +174,29 @@ def test_default_sinks_without_a_log_dir_or_tensorboard(tmp_path):
     assert [type(s) for s in sinks] == [JsonlSink]
     assert not list(tmp_path.glob("events.out.tfevents*"))
     sinks[0].close(Summary(steps=0, tallies=[], latest_norms={}))
+
+
+def test_a_model_run_without_any_step_says_why_nothing_was_judged(model):
+    """Weights updated by hand (gradients from torch.autograd.grad) with no
+    monitor.step(): one line says the model ran but no step came, not silence."""
+    out = io.StringIO()
+    with tw.watch(model, console=out):
+        for _ in range(3):
+            x = torch.randn(16, 8)
+            loss = model(x).pow(2).mean()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads):
+                    p.sub_(0.01 * g)
+    text = out.getvalue()
+    assert "no training step watched: the model ran 3 forward passes" in text
+    assert "monitor.step()" in text
+
+
+def test_a_watched_step_prints_the_summary_and_no_idle_line(model):
+    out = io.StringIO()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=out):
+        train(model, opt, 2)
+    text = out.getvalue()
+    assert "2 steps watched" in text and "no training step watched" not in text

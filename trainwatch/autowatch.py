@@ -57,6 +57,13 @@ _SCRIPTS_OWN = "(script's own monitor)"
 # Steps after which, every model found training with an optimizer (or never
 # trained at all), the global forward hooks come off.
 _SETTLED_AFTER = 2
+# Said at the end of a run in which no step was watched, rather than nothing at all.
+_NOTHING_WATCHED = (
+    "trainwatch: no training step watched: no optimizer stepped and no backward pass "
+    "reached a model during the run (gradients taken outside .grad, with torch.func or "
+    "autograd.grad, and applied by hand are watched with tw.watch(model) and "
+    "monitor.step() after each update)"
+)
 # Steps of an optimizer whose parameters no model of ours holds after which its
 # model is looked for by its parameters (one called only inside torch.func).
 _PENDING_STEPS = 2
@@ -653,6 +660,8 @@ class AutoWatch:
         try:
             self._tell_alike()
             shown, raw = self.summary(), self.summary(labelled=False)
+            if not shown.steps and not self._scripts_own.steps:
+                shown.idle = _NOTHING_WATCHED
             self._each_sink(
                 "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
             )

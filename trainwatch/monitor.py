@@ -444,7 +444,10 @@ class Monitor:
     def _shut(self) -> None:
         self._detach()
         registry.release(self)
-        self._dispatcher.close(self._dispatcher.summary(self._step, self._latest_norms))
+        summary = self._dispatcher.summary(self._step, self._latest_norms)
+        if not self._step and self.passes_seen:
+            summary.idle = _idle_note(self.passes_seen, bool(self._optimizers))
+        self._dispatcher.close(summary)
 
     def __enter__(self) -> Monitor:
         return self
@@ -888,6 +891,19 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+def _idle_note(passes: int, has_optimizer: bool) -> str:
+    """What the console says at close when the model ran but no step came to judge."""
+    why = (
+        "its optimizer never stepped"
+        if has_optimizer
+        else "no optimizer stepped and monitor.step() was never called (a loop that "
+        "updates the weights without a torch.optim optimizer calls monitor.step() "
+        "after each update)"
+    )
+    runs = "pass" if passes == 1 else "passes"
+    return f"trainwatch: no training step watched: the model ran {passes} forward {runs}, but {why}"
 
 
 def _closure_of(args: Any, kwargs: Any) -> Any:

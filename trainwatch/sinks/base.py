@@ -39,6 +39,9 @@ class Summary:
     steps: int
     tallies: list[AlertTally]
     latest_norms: dict[str, float]
+    # Why no step was watched, when none was: a run that printed nothing at all
+    # would leave the user guessing whether trainwatch ran.
+    idle: str | None = None
 
 
 class Sink:

@@ -160,7 +160,11 @@ class ConsoleSink(Sink):
         self.console.print(rich_view(audit))
 
     def close(self, summary: Summary) -> None:
-        if not self._summary or summary.steps == 0:
+        if not self._summary:
+            return
+        if summary.steps == 0:
+            if summary.idle:
+                self.note(summary.idle)
             return
         self.console.print(self.render_summary(summary, self._top))
 
