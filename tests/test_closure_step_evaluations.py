@@ -166,3 +166,43 @@ def test_trainwatch_run_follows_the_lbfgs_step_its_model_was_found_in(tmp_path, 
     lines = (tmp_path / "log" / "alerts.jsonl").read_text().splitlines()
     alerts = [json.loads(line) for line in lines]
     assert [(a["rule"], a["step"]) for a in alerts if a["severity"] != "info"] == told
+
+
+def _freeze_after(quiet_watch, optimizer: str, freeze_at: int):
+    """Four steps; the first layer frozen after step ``freeze_at``'s update."""
+    model = _model()
+    params = model.parameters()
+    opt = (
+        torch.optim.LBFGS(params, max_iter=3)
+        if optimizer == "lbfgs"
+        else torch.optim.SGD(params, 0.1)
+    )
+    monitor = quiet_watch(model, opt)
+    x, y = _data()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+        loss.backward()
+        return loss
+
+    audits = []
+    for step in range(4):
+        if optimizer == "lbfgs":
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        audit = monitor.setup_audit
+        if not audits or audits[-1] is not audit:
+            audits.append(audit)
+        if step == freeze_at:
+            model[0].requires_grad_(False)
+    return [audit.step for audit in audits]
+
+
+@pytest.mark.parametrize("optimizer", ["lbfgs", "sgd"])
+def test_a_closure_steps_setup_tables_carry_the_steps_own_number(quiet_watch, optimizer):
+    """A closure's step is gathered after step() returned; its setup table is dated
+    by that step, as a plain step's is (SGD stepped after the same closure: the control)."""
+    assert _freeze_after(quiet_watch, optimizer, freeze_at=1) == [0, 2]

@@ -695,7 +695,10 @@ class Monitor:
             gather = self._pipeline.gather
             if _closure_of(args, kwargs) is not None:
                 gather = self._pipeline.gather_closure_step
-            pending = self._guarded("step collector", gather, index, self._step)
+            # Counted as a step gathered before it was (the step's own number, as
+            # the pre-step hook sees it): a closure's step, an optimizer adopted
+            # at its first step.
+            pending = self._guarded("step collector", gather, index, step)
         if pending is None:
             self._pipeline.applied(
                 step, None, self._pipeline.optimizer_params(index), len(self._optimizers) == 1
