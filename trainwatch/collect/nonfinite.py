@@ -31,6 +31,15 @@ user's batch and the values their backward needs are never touched twice.
 State lives in two small records replaced wholesale: one per pass
 (identity matches, what a backward replay needs) and one per step (sums,
 calls, origins, the flags of backward passes no step used).
+
+Here: the probe, its records, and what every healthy pass and step runs.
+Beside it, one job each: ``nonfinite_forward`` (each module call checked on
+its own), ``nonfinite_sums`` (a tensor's sum, taken once, and its verdict),
+``nonfinite_gradients`` (each checked call's gradients),
+``nonfinite_negative_inf`` (a -inf let pass as a mask that turned into a
+NaN), ``nonfinite_entering`` (the gradient the loss sent into the model),
+``nonfinite_replay`` (re-running a pass), ``nonfinite_hooks`` (the global
+module hooks) and ``nonfinite_locate`` (origins from sums read back later).
 """
 
 from __future__ import annotations
@@ -43,6 +52,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainwatch.collect import (
+    nonfinite_entering,
+    nonfinite_forward,
+    nonfinite_gradients,
+    nonfinite_replay,
+)
+from trainwatch.collect.nonfinite_entering import entering_flag
+from trainwatch.collect.nonfinite_forward import (
+    CANNOT_ORIGINATE,
+    CallStart,
+    cpu_rng_state,
+    graph_task_id,
+)
 from trainwatch.collect.nonfinite_hooks import register_global_hooks
 from trainwatch.collect.nonfinite_locate import (
     FINITE,
@@ -52,41 +74,21 @@ from trainwatch.collect.nonfinite_locate import (
     ForwardCall,
     NonfiniteFinding,
     StepWindow,
-    backward_op,
-    innermost_holding,
     locate_backward,
     locate_forward,
-    op_of_node,
     sums_as_codes,
 )
+from trainwatch.collect.nonfinite_negative_inf import NegativeInfMaker
 from trainwatch.collect.nonfinite_replay import (
+    REPLAY_STREAK,
     FirstNonfiniteBackward,
-    Replay,
-    backward_leaving_grads,
-    node_source,
+    replay_forward,
     replay_target,
-    unreplayed_origin,
 )
-from trainwatch.collect.op_trace import (
-    OpFinding,
-    trace_first_nonfinite_op,
-    trace_negative_inf_maker,
-    trace_negative_inf_turned_nonfinite,
-)
-from trainwatch.collect.tensors import (
-    detached_copies,
-    finite_exact,
-    finite_or_mask,
-    floating_list,
-    floating_tensors,
-    input_range,
-    non_leaf,
-    version_of,
-)
-from trainwatch.compiled import transform_level, unwrap
+from trainwatch.collect.tensors import finite_exact, floating_list
+from trainwatch.compiled import unwrap
 from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
-from trainwatch.layers import own_parameters
 
 __all__ = [
     "FINITE",
@@ -101,47 +103,11 @@ __all__ = [
     "locate_forward",
 ]
 
-_MAX_SUMS = 20000  # per step; past it, checks pause until the next step
-# Calls of a replay that made -inf from finite inputs, kept to be traced if a
-# NaN/+inf follows; past it, later ones are not kept.
-_MAX_MAKERS = 16
-_REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
 _MAX_WAITING = 16
 # Backward passes without a step kept per step (their flags); past it the oldest go.
 NOTED_PASSES = 64
-
-# Modules that cannot turn finite inputs into NaN/Inf, forward or backward:
-# left unhooked, they cost nothing, and the next checked module still sees
-# whatever they pass on.
-CANNOT_ORIGINATE: tuple[type[nn.Module], ...] = (
-    nn.Identity,
-    nn.Flatten,
-    nn.Unflatten,
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Hardtanh,
-    nn.Hardsigmoid,
-    nn.Hardswish,
-    nn.GELU,
-    nn.SiLU,
-    nn.Softsign,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.MaxPool1d,
-    nn.MaxPool2d,
-    nn.MaxPool3d,
-    nn.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d,
-)
 
 
 @dataclass
@@ -154,28 +120,6 @@ class _WaitingPass:
     codes: torch.Tensor  # fp64 sum of each floating output (device)
     masks: list[bool]  # per output: outside autograd, so a -inf sum is a mask
     rng: torch.Tensor | None  # the CPU generator's state as the pass began
-
-
-@dataclass
-class _NegativeInfMaker:
-    """A replayed call whose output held -inf (outside autograd) from finite inputs:
-    a mask, or arithmetic that overflowed to -inf; traced only if a NaN follows."""
-
-    call: ForwardCall
-    module: nn.Module
-    args: Any
-    kwargs: Any
-
-
-@dataclass
-class _CallStart:
-    """A module call as it began: its positional inputs and their sums."""
-
-    position: int
-    inputs: list[torch.Tensor]
-    sums: list[int]
-    given: Any = None  # copies of its positional arguments (replays only)
-    rng: torch.Tensor | None = None  # the CPU generator's state then (replays only)
 
 
 @dataclass(slots=True)
@@ -192,7 +136,7 @@ class _PassState:
     grad_fns: dict[int, Any] = field(default_factory=dict)
     # Calls in progress, innermost last: a module that changes its input in
     # place is judged on the input it was given.
-    calls_in_progress: list[_CallStart] = field(default_factory=list)
+    calls_in_progress: list[CallStart] = field(default_factory=list)
     # References to the batch (not copies) until the next pass: what a
     # backward replay needs if this step's gradients turn out bad.
     last_call: tuple[nn.Module, Any, Any, torch.Tensor | None] | None = None
@@ -222,7 +166,7 @@ class _StepState:
     finite: list[bool | None] = field(default_factory=list)
     maskable: list[bool] = field(default_factory=list)
     forward_origin: NonfiniteFinding | None = None
-    negative_inf_makers: list[_NegativeInfMaker] = field(default_factory=list)
+    negative_inf_makers: list[NegativeInfMaker] = field(default_factory=list)
     grad_sums: list[torch.Tensor] = field(default_factory=list)
     grad_events: list[tuple[ForwardCall, str, int]] = field(default_factory=list)
     grad_ok: list[bool | None] = field(default_factory=list)
@@ -262,6 +206,25 @@ _new_window = fresh_maker(StepWindow)
 
 
 class NonfiniteProbe:
+    """Where the first NaN/Inf of a step was born, for one model.
+
+    The probe holds the state (per pass, per step, and what outlasts both)
+    and what runs on every healthy pass and step: the model's output summed
+    as a pass ends, the gradient entering the model kept, the step's window
+    handed over. What runs only where each module is checked, or once
+    something is off, lives beside it as functions of the probe.
+    """
+
+    # Called on the probe by name (its hooks, the step pipeline): bound here as
+    # methods, so no call stands between the caller and the check.
+    module_starts = nonfinite_forward.module_starts
+    module_ends = nonfinite_forward.module_ends
+    on_grad = nonfinite_gradients.on_grad
+    replay_backward = nonfinite_replay.replay_backward
+    entering_all_zero = nonfinite_entering.entering_all_zero
+    outputs_without_signal = nonfinite_entering.outputs_without_signal
+    outputs_unreached = nonfinite_entering.outputs_unreached
+
     def __init__(
         self, names: list[str], on_error: Any, trace_ops: bool = True, mode: str = "auto"
     ) -> None:
@@ -358,7 +321,7 @@ class NonfiniteProbe:
     def pass_starts(self, module: nn.Module) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:
             return  # the module hooks see the pass
-        self._rng_at_start = _cpu_rng_state()
+        self._rng_at_start = cpu_rng_state()
         if not torch.is_grad_enabled():
             # No backward comes of a pass under no_grad (an evaluation, a DQN
             # target made between a prediction and its backward): the pass
@@ -368,7 +331,7 @@ class NonfiniteProbe:
             return
         # Gradient checkpointing of the whole model re-runs it inside backward:
         # that is no new pass.
-        task = _graph_task_id  # _inside_backward(), written out: once per pass
+        task = graph_task_id  # inside_backward(), written out: once per pass
         self._recomputing = task is not None and task() != -1
         if not self._recomputing:
             self._new_pass()
@@ -430,72 +393,6 @@ class NonfiniteProbe:
         self._this_pass = _new_pass_state()
 
     # -- passes ----------------------------------------------------------
-    # -- every module call (global hooks: deferred mode and replays) ----------
-    def _position(self, module: nn.Module) -> int | None:
-        position = self._ids.get(id(module))
-        if position is None:
-            # torch.compile(model)'s wrapper runs eagerly around the compiled
-            # model: it stands for the model (or submodule) it wraps.
-            inner = unwrap(module)
-            if inner is not module:
-                position = self._ids.get(id(inner))
-        return position
-
-    def module_starts(self, module: nn.Module, args: Any) -> None:
-        position = self._position(module)
-        if position is not None and self._follows_call():
-            self.before_call(position, args)
-
-    def module_ends(self, module: nn.Module, args: Any, *rest: Any) -> None:
-        position = self._position(module)
-        if position is not None and self._follows_call():
-            kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
-            self.after_call(position, module, args, kwargs, output)
-
-    def _follows_call(self) -> bool:
-        """Whether a call of one of the model's modules is checked on its own.
-
-        Not inside a torch.func transform (an ensemble's template run under
-        vmap + functional_call): its tensors are wrapped, with no value to
-        read; the outermost call, made outside the transform, still is.
-        """
-        return self.enabled and not self.suspended and transform_level() is None
-
-    def before_call(self, position: int, args: Any) -> None:
-        if self._depth == 0 and not self._replaying:
-            # Gradient checkpointing re-runs blocks inside backward: that is
-            # no new pass.
-            self._recomputing = _inside_backward()
-            if not self._recomputing:
-                self._new_pass()
-        self._depth += 1
-        if self._checks_each_module() and position in self._checkable:
-            if len(self._this_step.sums) <= _MAX_SUMS:
-                ins = list(floating_tensors(args))
-                ids = [self._sum_index(t) for t in ins]
-                # In a replay (cost is no object there) the op trace may need
-                # to re-run the module on what it was given, before it changed it.
-                given = rng = None
-                if self._replaying and self.trace_ops:
-                    given, rng = detached_copies(args), _cpu_rng_state()
-                self._this_pass.calls_in_progress.append(_CallStart(position, ins, ids, given, rng))
-
-    def after_call(
-        self, position: int, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._checks_each_module() and position in self._checkable:
-            self.after_forward(position, module, args, kwargs, output)
-        if self._depth == 0 and self.on_the_spot and not self._replaying and not self._recomputing:
-            self._end_spot_pass(module, args, kwargs, output)
-
-    def _checks_each_module(self) -> bool:
-        """Replays and device passes check every module; so does a recomputation,
-        even on the spot: a reentrant checkpoint's recomputed tensors are the ones
-        its backward flows through, and a replay cannot re-enter it (it refuses
-        torch.autograd.grad)."""
-        return self._replaying or not self.on_the_spot or self._recomputing
-
     def _new_pass(self) -> None:
         """An outermost call of the model begins (a forward pass)."""
         self._this_step.saw_pass = True
@@ -505,7 +402,7 @@ class NonfiniteProbe:
         elif done.backward:
             # A backward no step used since (GradScaler skipped it, or gradient
             # accumulation): only then is what entered the model summed.
-            self._note_pass(self._entering_flag())
+            self._note_pass(entering_flag(self))
         else:
             self._this_pass = _new_pass_state()
             return  # no backward since the last pass: nothing noted
@@ -592,8 +489,8 @@ class NonfiniteProbe:
         self, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
     ) -> None:
         self._step_bad = self._this_step.output_bad = True
-        if self._bad_streak < _REPLAY_STREAK:
-            self._replay_forward(module, args, kwargs, rng)
+        if self._bad_streak < REPLAY_STREAK:
+            replay_forward(self, module, args, kwargs, rng)
 
     def settle(self, norms: torch.Tensor | None) -> bool:
         """Step verdicts: one scalar read back says whether a pass or a gradient was off.
@@ -639,476 +536,6 @@ class NonfiniteProbe:
         if seq > this.replay_seq:
             this.replay_seq = seq
             this.last_call, this.grad_entering = call, entering
-
-    def entering_all_zero(self) -> bool:
-        """Whether the gradient that entered the model in the step's last backward was
-        exactly zero everywhere (a loss that sent nothing back). Asked only on a step
-        whose every gradient is zero: one small reduction per output, read at once."""
-        grads = [
-            g for g in self._this_pass.grad_entering if g is not None and g.is_floating_point()
-        ]
-        return bool(grads) and not any(bool(g.detach().any()) for g in grads)
-
-    def outputs_without_signal(self) -> list[int]:
-        """The output positions whose entering gradient in the step's last backward
-        was exactly zero, where another output's was not: a loss that weighs one
-        task by zero. Asked only on a step with some gradient exactly zero."""
-        entering = self._this_pass.grad_entering
-        zero, sent = [], False
-        for position, g in enumerate(entering):
-            if g is None or not g.is_floating_point():
-                continue
-            if bool(g.detach().any()):
-                sent = True
-            else:
-                zero.append(position)
-        return zero if sent else []
-
-    def outputs_unreached(self) -> list[int]:
-        """The output positions (of those needing a gradient) that the step's last
-        backward never reached, where it reached another: an output the loss left
-        out on this step. Host-side only (no read of any tensor)."""
-        entering = self._this_pass.grad_entering
-        unreached = [position for position, g in enumerate(entering) if g is None]
-        return unreached if len(unreached) < len(entering) else []
-
-    def _entering_flag(self) -> torch.Tensor | float:
-        """Whether the gradient that entered the model in the last backward was non-finite:
-        a device flag when verdicts wait for the step, else a host float."""
-        grads = [
-            g for g in self._this_pass.grad_entering if g is not None and g.is_floating_point()
-        ]
-        if self.at_step and grads:
-            sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
-            return sums.isfinite().all().logical_not().float()
-        return float(self._entering_bad())
-
-    def _entering_bad(self) -> bool:
-        """Whether the gradient that entered the model in the last backward was non-finite."""
-        if not self._this_pass.bad:
-            bad = next(
-                (
-                    g
-                    for g in self._this_pass.grad_entering
-                    if g is not None and g.is_floating_point() and not finite_exact(g)
-                ),
-                None,
-            )
-            if bad is not None:
-                self._this_pass.bad = True
-                if self._this_step.entering_origin is None:
-                    self._this_step.entering_origin = _entering_origin(bad)
-        return self._this_pass.bad
-
-    def _replaying_context(self, grad: bool, rng: torch.Tensor | None = None) -> Any:
-        return Replay(self, grad, rng)
-
-    def _replay_forward(
-        self, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None = None
-    ) -> None:
-        """Run the pass again module by module to find where its NaN/Inf was born."""
-        # Grad mode as in the pass itself, so masks and real values are told
-        # apart the same way (requires_grad) in the replay.
-        target = replay_target(module)
-        if target is None:
-            # Collective-free: the inputs and this rank's weights, read as they are.
-            self._this_step.forward_origin = unreplayed_origin(module, args, kwargs)
-            return
-        module = target
-        with self._replaying_context(grad=torch.is_grad_enabled(), rng=rng):
-            args, kwargs = detached_copies((args, kwargs))
-            module(*args, **kwargs)
-
-    def replay_backward(self) -> bool:
-        """This step's gradients are bad: run the last pass again, forward and backward.
-
-        The gradient that entered the model is fed back in, and every module's
-        gradients are checked on the way; the real ``.grad`` is left alone
-        (``torch.autograd.grad``). Returns whether a replay ran.
-        """
-        if self._this_pass.last_call is None or self._this_step.backward_origin is not None:
-            return False
-        self._entering_bad()
-        self._step_bad = True
-        if self._bad_streak >= _REPLAY_STREAK:
-            return False  # still broken: what follows is the cascade, already reported
-        if (
-            self._this_step.forward_origin is not None
-            or self._this_step.entering_origin is not None
-        ):
-            return False
-        module, args, kwargs, rng = self._this_pass.last_call
-        module = replay_target(module)
-        if module is None:
-            self._this_step.backward_unreplayable = True
-            return False
-        with self._replaying_context(grad=True, rng=rng):
-            args, kwargs = detached_copies((args, kwargs))
-            # Anomaly mode keeps, with every node, the stack that made it: the
-            # line of the op whose derivative turns out to make the NaN/Inf.
-            with torch.autograd.set_detect_anomaly(True, check_nan=False):
-                output = module(*args, **kwargs)
-            outs = [o for o in floating_tensors(output) if non_leaf(o)]
-            pairs = [(o, g) for o, g in zip(outs, self._this_pass.grad_entering) if g is not None]
-            params = [p for p in module.parameters() if p.requires_grad]
-            if pairs and params:
-                watch = self._backward_watch = FirstNonfiniteBackward()
-                try:
-                    with watch:
-                        watch.watch_graph([o for o, _ in pairs])
-                        backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
-                finally:
-                    self._backward_watch = None  # the graph it saw goes with the replay
-                if watch.node is not None:
-                    self._place_backward_birth(watch.node, watch.made)
-                self._this_step.backward_replayed = True
-        return True
-
-    # -- forward ---------------------------------------------------------
-    def _reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One reduction that any NaN/Inf turns NaN/Inf.
-
-        On the spot an fp32 sum will do: a sum that overflows is caught by the
-        exact check that follows. Judged later there is no exact check, so the
-        sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
-        """
-        exact = self._reads_now(tensor)
-        return tensor.detach().sum(dtype=torch.float32 if exact else torch.float64)
-
-    def _reads_now(self, tensor: torch.Tensor) -> bool:
-        """Whether a value may be read on the host now: in a replay (it runs only once
-        something is off), and on CPU when verdicts are taken as passes end."""
-        if not self.on_the_spot:
-            return False
-        return self._replaying or (not self.at_step and tensor.device.type == "cpu")
-
-    def _sum_index(self, tensor: torch.Tensor) -> int:
-        known = self._this_pass.known.get(id(tensor))
-        version = version_of(tensor)
-        if known is not None and known[0]() is tensor and known[2] == version:
-            return known[1]
-        index = len(self._this_step.sums)
-        self._this_step.sums.append(self._reduce(tensor))
-        self._this_step.finite.append(None)
-        # Outside autograd, a sum of -inf (-inf entries, no NaN, no +inf) is a
-        # mask built on purpose: judged finite (see _finite_or_mask).
-        self._this_step.maskable.append(not tensor.requires_grad)
-        self._this_pass.known[id(tensor)] = (weakref.ref(tensor), index, version)
-        return index
-
-    def _unchanged(self, index: int, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` still holds the values its sum ``index`` was taken of."""
-        known = self._this_pass.known.get(id(tensor))
-        return known is not None and known[1] == index and known[2] == version_of(tensor)
-
-    def _is_finite(self, index: int, tensor: torch.Tensor | None = None) -> bool:
-        """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow."""
-        verdict = self._this_step.finite[index]
-        if verdict is None:
-            value = float(self._this_step.sums[index])
-            verdict = math.isfinite(value) or (
-                value == -math.inf and self._this_step.maskable[index]
-            )
-            if not verdict and tensor is not None:
-                verdict = finite_or_mask(tensor)
-            self._this_step.finite[index] = verdict
-        return verdict
-
-    def after_forward(
-        self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
-        start = self._started(index)
-        ins = list(start.inputs) if start is not None else []
-        in_ids = list(start.sums) if start is not None else []
-        outs = list(floating_tensors(output))
-        if not outs or len(self._this_step.sums) > _MAX_SUMS:
-            return
-        # Positional inputs were summed as the call began; keyword ones now.
-        kw_ins = list(floating_tensors(kwargs))
-        ins += kw_ins
-        in_ids += [self._sum_index(t) for t in kw_ins]
-        first = outs[0]
-        immediate = self._reads_now(first)
-        out_ids = [self._sum_index(t) for t in outs]
-        call = ForwardCall(
-            index, in_ids, out_ids, tuple(first.shape), str(first.dtype), str(first.device)
-        )
-        self._this_step.calls.append(call)
-        if immediate:
-            given = start.given if start is not None and start.given is not None else args
-            rng = start.rng if start is not None else None
-            self._check_now(call, module, given, kwargs, ins, outs, rng)
-            if self._replaying and self.trace_ops:
-                self._note_negative_inf(call, module, given, kwargs, ins)
-        if torch.is_grad_enabled():
-            self._hook_gradients(call, ins, outs)
-
-    def _started(self, position: int) -> _CallStart | None:
-        """What ``before_call`` recorded for the call that just ended."""
-        stack = self._this_pass.calls_in_progress
-        if stack and stack[-1].position == position:
-            return stack.pop()
-        return None
-
-    def _check_now(
-        self,
-        call: ForwardCall,
-        module: nn.Module,
-        args: Any,
-        kwargs: Any,
-        ins: list[torch.Tensor],
-        outs: list[torch.Tensor],
-        rng: torch.Tensor | None = None,
-    ) -> None:
-        """``rng``: the CPU generator's state as the call began (an op trace re-runs it)."""
-        bad_out = [t for i, t in zip(call.outputs, outs) if not self._is_finite(i, t)]
-        if not bad_out:
-            return
-        # The sums taken as the call began: a module that changed its input in
-        # place is judged on what it was given (the exact check only while
-        # the tensor still holds those values).
-        call.inputs_finite = all(
-            self._is_finite(i, t if self._unchanged(i, t) else None)
-            for i, t in zip(call.inputs, ins)
-        )
-        if not call.inputs_finite or self._this_step.forward_origin is not None:
-            return  # propagated: an earlier module (or the data) made it
-        # One look at the module's own weights: its nn.Parameters, and the stand-ins
-        # functional_call puts in their place (a MAML inner loop's fast weights,
-        # made outside the model: non-finite, they carried the value in).
-        bad_weights, given_bad = _nonfinite_weights(module)
-        if self._replaying and self.trace_ops and not self._exactly_finite(call.inputs, ins):
-            # A -inf taken for a mask came in: if an earlier module's own
-            # arithmetic made it, that module is the origin.
-            maker = self._negative_inf_origin(call) or self._negative_inf_around(call)
-            if maker is not None:
-                self._this_step.forward_origin = maker
-                return
-        bad = bad_out[0].detach()
-        nan = torch.isnan(bad)
-        finding = NonfiniteFinding(
-            module=call.module,
-            direction="forward",
-            cause="given_weights" if given_bad else "module",
-            kind="nan" if bool(nan.any()) else "inf",
-            count=int((~torch.isfinite(bad)).sum()),
-            shape=tuple(bad.shape),
-            dtype=str(bad.dtype),
-            device=str(bad.device),
-        )
-        finding.weights_nonfinite = bool(bad_weights)
-        if bad_weights:
-            finding.nonfinite_weights = bad_weights
-            finding.weights_written = self.written_since_update(bad_weights)
-        given = list(floating_tensors([args, kwargs]))
-        found = input_range(given)
-        if found is not None:
-            finding.input_min, finding.input_max = found
-        if self.trace_ops and not given_bad:
-            self.suspended = True
-            try:
-                found: OpFinding | None = trace_first_nonfinite_op(module, args, kwargs, rng)
-            finally:
-                self.suspended = False
-            if found is not None:
-                finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
-                if found.shape is not None:
-                    # Told as the op made it: the tensor the alert says it made.
-                    finding.kind, finding.count = found.kind, found.count
-                    finding.shape, finding.dtype = found.shape, found.dtype or finding.dtype
-        self._this_step.forward_origin = finding
-
-    def _exactly_finite(self, indices: list[int], tensors: list[torch.Tensor]) -> bool:
-        """No -inf either, masks included (read in a replay only)."""
-        for index, tensor in zip(indices, tensors):
-            if not math.isfinite(float(self._this_step.sums[index])) and not bool(
-                torch.isfinite(tensor.detach()).all()
-            ):
-                return False
-        return True
-
-    def _note_negative_inf(
-        self, call: ForwardCall, module: nn.Module, args: Any, kwargs: Any, ins: list[torch.Tensor]
-    ) -> None:
-        """Keep a replayed call that made -inf (let pass as a mask) from finite inputs."""
-        sums, maskable = self._this_step.sums, self._this_step.maskable
-        makers = self._this_step.negative_inf_makers
-        if len(makers) >= _MAX_MAKERS or not any(
-            maskable[i] and float(sums[i]) == -math.inf for i in call.outputs
-        ):
-            return
-        if self._exactly_finite(call.inputs, ins):
-            args, kwargs = detached_copies((args, kwargs))
-            makers.append(_NegativeInfMaker(call, module, args, kwargs))
-
-    def _negative_inf_origin(self, victim: ForwardCall) -> NonfiniteFinding | None:
-        """The earlier call whose own arithmetic made the -inf that ``victim`` turned
-        into a NaN/+inf, named with its op; None when only masks were made.
-
-        Calls whose output ``victim`` took in directly are tried first.
-        """
-        makers = self._this_step.negative_inf_makers
-        fed = set(victim.inputs)
-        ordered = [m for m in makers if fed & set(m.call.outputs)]
-        ordered += [m for m in makers if m not in ordered]
-        for maker in ordered:
-            found = self._traced(trace_negative_inf_maker, maker.module, maker.args, maker.kwargs)
-            if found is not None:
-                call = maker.call
-                return _made_negative_inf(call.module, call, found, [maker.args, maker.kwargs])
-        return None
-
-    def _negative_inf_around(self, victim: ForwardCall) -> NonfiniteFinding | None:
-        """The -inf came from no module's output: functional code in the forward of a
-        module around ``victim`` (``torch.log(counts)`` in the model's own forward).
-
-        The innermost call in progress whose inputs were finite made it; it is
-        re-run to find the op, and named only if that op's -inf is where the
-        NaN/+inf came from.
-        """
-        for start in reversed(self._this_pass.calls_in_progress):
-            if start.given is None or not self._exactly_finite(start.sums, start.inputs):
-                continue
-            module = (
-                self._modules[start.position]() if start.position < len(self._modules) else None
-            )
-            if module is None:
-                return None
-            found = self._traced(trace_negative_inf_turned_nonfinite, module, start.given, {})
-            if found is None:
-                return None
-            return _made_negative_inf(start.position, victim, found, [start.given])
-        return None
-
-    def _traced(self, trace: Any, module: nn.Module, args: Any, kwargs: Any) -> OpFinding | None:
-        """An op trace of a re-run, unseen by the probe's own checks."""
-        self.suspended = True
-        try:
-            return trace(module, args, kwargs)
-        finally:
-            self.suspended = False
-
-    def _hook_gradients(
-        self, call: ForwardCall, ins: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> None:
-        # Leaves (a parameter handed to a module, or returned by one) are left
-        # alone: a hook on one would stay on it after the step, one more each
-        # step, and its gradient sums every use, so it names no single call;
-        # the step's gradient norms check parameters anyway.
-        for tensor in outs:
-            if non_leaf(tensor):
-                tensor.register_hook(WeakHook(self, "on_grad", call, "out"))
-                stop = {id(t.grad_fn) for t in ins if t.grad_fn is not None}
-                self._this_pass.grad_fns[id(call)] = (tensor.grad_fn, stop)
-                break
-        for tensor in ins:
-            if non_leaf(tensor):
-                tensor.register_hook(WeakHook(self, "on_grad", call, "in"))
-
-    # -- backward ----------------------------------------------------------
-    def on_grad(self, call: ForwardCall, side: str, grad: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        if not grad.is_floating_point() or grad.layout != torch.strided:
-            return
-        index = self._grad_index(grad)
-        if index is None:
-            return
-        self._this_step.grad_events.append((call, side, index))
-        if side == "out":
-            self._this_step.out_seen.add(id(call))
-        on_the_spot = self._reads_now(grad)
-        if not on_the_spot or self._this_step.backward_origin is not None:
-            self._this_step.immediate_grads = self._this_step.immediate_grads and on_the_spot
-            return
-        if self._grad_finite(index, grad):
-            return
-        self._this_step.any_bad_grad = True
-        if side == "out":
-            self._this_step.out_bad.add(id(call))
-            return
-        if id(call) in self._this_step.out_bad or id(call) not in self._this_step.out_seen:
-            return  # its output gradient was already bad (propagated), or never came
-        finding = NonfiniteFinding(
-            module=call.module,
-            direction="backward",
-            cause="module",
-            kind="nan" if bool(torch.isnan(grad).any()) else "inf",
-            count=int((~torch.isfinite(grad)).sum()),
-            shape=tuple(grad.shape),
-            dtype=str(grad.dtype),
-            device=str(grad.device),
-        )
-        watch = self._backward_watch
-        grad_fn, stop = self._this_pass.grad_fns.get(id(call), (None, set()))
-        seen = watch.node if watch is not None else None
-        op = backward_op(grad_fn, stop, seen_bad=seen)
-        if op is not None:
-            finding.op, finding.op_basis = op
-            if finding.op_basis == "re-run":
-                finding.source = node_source(seen)
-        self._this_step.backward_origin = finding
-
-    def _place_backward_birth(self, node: Any, made: torch.Tensor | None = None) -> None:
-        """The replay saw the autograd node that made the first NaN/Inf from finite
-        values: the innermost module call whose part of the graph holds it made it.
-
-        The gradient hooks alone can name the wrong module when the NaN is born
-        in a module's own code (``torch.sqrt`` in its ``forward``): a child
-        reading the same tensor sees that tensor's whole gradient, every
-        reader's share summed, and looks like the origin; with no child
-        around the op, the NaN would look as if it came from the loss.
-        """
-        found = innermost_holding(self._this_step.calls, self._this_pass.grad_fns, node)
-        if found is None:
-            return  # outside every module: the gradient entering the model says so
-        origin = self._this_step.backward_origin
-        if origin is not None and origin.module == found.module:
-            return
-        finding = NonfiniteFinding(
-            module=found.module,
-            direction="backward",
-            cause="module",
-            kind=origin.kind if origin is not None else None,
-            dtype=found.dtype,  # its output's: the gradient through it has that dtype
-            device=found.device,
-        )
-        finding.op, finding.op_basis = op_of_node(node), "re-run"
-        finding.source = node_source(node)
-        if made is not None:  # told as the node made it
-            finding.kind = "nan" if bool(torch.isnan(made).any()) else "inf"
-            finding.count = int((~torch.isfinite(made)).sum())
-            finding.shape = tuple(made.shape)
-        self._this_step.backward_origin = finding
-
-    def _grad_index(self, grad: torch.Tensor) -> int | None:
-        """The sum of this gradient: one module's output is the next one's input,
-        so the same gradient reaches two hooks and is summed once."""
-        known = self._this_pass.grad_known.get(id(grad))
-        version = version_of(grad)
-        # Autograd may accumulate into a gradient buffer it already handed to a
-        # hook: the same tensor, new values, a new version.
-        if known is not None and known[0]() is grad and known[2] == version:
-            return known[1]
-        if len(self._this_step.grad_sums) > _MAX_SUMS:
-            return None
-        total = self._reduce(grad)
-        index = len(self._this_step.grad_sums)
-        self._this_step.grad_sums.append(total)
-        self._this_step.grad_ok.append(None)
-        if not self._replaying:
-            self._this_pass.grads.append(total)
-        self._this_pass.grad_known[id(grad)] = (weakref.ref(grad), index, version)
-        return index
-
-    def _grad_finite(self, index: int, grad: torch.Tensor) -> bool:
-        verdict = self._this_step.grad_ok[index]
-        if verdict is None:
-            verdict = math.isfinite(float(self._this_step.grad_sums[index])) or bool(
-                torch.isfinite(grad).all()
-            )
-            self._this_step.grad_ok[index] = verdict
-        return verdict
 
     # -- step boundary -----------------------------------------------------
     @property
@@ -1173,68 +600,3 @@ class NonfiniteProbe:
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
         return window
-
-
-def _entering_origin(grad: torch.Tensor) -> NonfiniteFinding:
-    """The gradient non-finite where it enters the model, as it is: an Inf in fp16
-    is the loss's gradient past fp16's range, a NaN more likely the loss itself."""
-    grad = grad.detach()
-    return NonfiniteFinding(
-        module=0,
-        direction="backward",
-        cause="loss",
-        kind="nan" if bool(torch.isnan(grad).any()) else "inf",
-        count=int((~torch.isfinite(grad)).sum()),
-        shape=tuple(grad.shape),
-        dtype=str(grad.dtype),
-        device=str(grad.device),
-    )
-
-
-def _made_negative_inf(
-    module: int, call: ForwardCall, found: OpFinding, given: Any
-) -> NonfiniteFinding:
-    """The origin: ``module``'s own ``found`` op made -inf from finite inputs."""
-    finding = NonfiniteFinding(
-        module=module,
-        direction="forward",
-        cause="module",
-        kind="-inf",
-        shape=call.shape if call.module == module else None,
-        dtype=call.dtype,
-        device=call.device,
-        op=found.op,
-        source=found.source,
-        op_basis="re-run: made -inf from finite inputs",
-    )
-    finding.weights_nonfinite = False
-    found = input_range(floating_tensors(given))
-    if found is not None:
-        finding.input_min, finding.input_max = found
-    return finding
-
-
-# The id of the backward pass running on this thread (-1: none), if torch says.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-# The CPU generator's state, copied (bound once: taken as every pass begins).
-_cpu_rng_state = torch.default_generator.get_state
-
-
-def _inside_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread right now."""
-    return _graph_task_id is not None and _graph_task_id() != -1
-
-
-def _nonfinite_weights(module: nn.Module) -> tuple[list[torch.Tensor], bool]:
-    """The module's own non-finite ``nn.Parameter``s (a ParameterList's it holds
-    included), and whether a stand-in for one (a plain tensor ``functional_call``
-    put in its place) is non-finite. Asked only after an output went non-finite."""
-    own: list[torch.Tensor] = []
-    given = False
-    for weight in own_parameters(module):
-        if not bool(torch.isfinite(weight.detach()).all()):
-            if isinstance(weight, nn.Parameter):
-                own.append(weight)
-            else:
-                given = True
-    return own, given

@@ -6,6 +6,10 @@ code runs eagerly so its modules are seen, and the module hooks that check
 every module exist only for the replay's duration. It never issues a
 collective: a DDP wrapper's ``.module`` is replayed, and models holding
 SyncBatchNorm or FSDP-sharded modules are not replayed on one rank at all.
+
+``replay_forward`` runs a pass whose output was off; ``replay_backward`` runs
+the step's last pass forward and backward when its gradients were off, and
+places the backward origin at the module whose part of the graph made it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
-from trainwatch.collect.nonfinite_locate import NonfiniteFinding
+from trainwatch.collect.nonfinite_entering import entering_bad
+from trainwatch.collect.nonfinite_locate import NonfiniteFinding, innermost_holding, op_of_node
 from trainwatch.collect.op_trace import (
     _PASS_THROUGH,
     _TORCH_DIR,
@@ -31,7 +36,13 @@ from trainwatch.collect.op_trace import (
     _null,
     swapped_buffers,
 )
-from trainwatch.collect.tensors import floating_tensors, input_range, local_part
+from trainwatch.collect.tensors import (
+    detached_copies,
+    floating_tensors,
+    input_range,
+    local_part,
+    non_leaf,
+)
 from trainwatch.compiled import eager
 from trainwatch.hooks import HookGroup
 from trainwatch.rng import forked_rngs
@@ -283,3 +294,103 @@ def backward_leaving_grads(
     finally:
         for p, grad in zip(params, saved):
             p.grad = grad
+
+
+# -- what is replayed, and when ------------------------------------------------
+
+REPLAY_STREAK = 3  # bad steps in a row after which replays stop
+
+
+def replay_forward(
+    probe: NonfiniteProbe, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
+) -> None:
+    """Run the pass again module by module to find where its NaN/Inf was born."""
+    # Grad mode as in the pass itself, so masks and real values are told
+    # apart the same way (requires_grad) in the replay.
+    target = replay_target(module)
+    if target is None:
+        # Collective-free: the inputs and this rank's weights, read as they are.
+        probe._this_step.forward_origin = unreplayed_origin(module, args, kwargs)
+        return
+    module = target
+    with Replay(probe, grad=torch.is_grad_enabled(), rng=rng):
+        args, kwargs = detached_copies((args, kwargs))
+        module(*args, **kwargs)
+
+
+def replay_backward(probe: NonfiniteProbe) -> bool:
+    """This step's gradients are bad: run the last pass again, forward and backward.
+
+    The gradient that entered the model is fed back in, and every module's
+    gradients are checked on the way; the real ``.grad`` is left alone
+    (``torch.autograd.grad``). Returns whether a replay ran.
+    """
+    if probe._this_pass.last_call is None or probe._this_step.backward_origin is not None:
+        return False
+    entering_bad(probe)
+    probe._step_bad = True
+    if probe._bad_streak >= REPLAY_STREAK:
+        return False  # still broken: what follows is the cascade, already reported
+    if probe._this_step.forward_origin is not None or probe._this_step.entering_origin is not None:
+        return False
+    module, args, kwargs, rng = probe._this_pass.last_call
+    module = replay_target(module)
+    if module is None:
+        probe._this_step.backward_unreplayable = True
+        return False
+    with Replay(probe, grad=True, rng=rng):
+        args, kwargs = detached_copies((args, kwargs))
+        # Anomaly mode keeps, with every node, the stack that made it: the
+        # line of the op whose derivative turns out to make the NaN/Inf.
+        with torch.autograd.set_detect_anomaly(True, check_nan=False):
+            output = module(*args, **kwargs)
+        outs = [o for o in floating_tensors(output) if non_leaf(o)]
+        pairs = [(o, g) for o, g in zip(outs, probe._this_pass.grad_entering) if g is not None]
+        params = [p for p in module.parameters() if p.requires_grad]
+        if pairs and params:
+            watch = probe._backward_watch = FirstNonfiniteBackward()
+            try:
+                with watch:
+                    watch.watch_graph([o for o, _ in pairs])
+                    backward_leaving_grads([o for o, _ in pairs], params, [g for _, g in pairs])
+            finally:
+                probe._backward_watch = None  # the graph it saw goes with the replay
+            if watch.node is not None:
+                _place_backward_birth(probe, watch.node, watch.made)
+            probe._this_step.backward_replayed = True
+    return True
+
+
+def _place_backward_birth(
+    probe: NonfiniteProbe, node: Any, made: torch.Tensor | None = None
+) -> None:
+    """The replay saw the autograd node that made the first NaN/Inf from finite
+    values: the innermost module call whose part of the graph holds it made it.
+
+    The gradient hooks alone can name the wrong module when the NaN is born
+    in a module's own code (``torch.sqrt`` in its ``forward``): a child
+    reading the same tensor sees that tensor's whole gradient, every
+    reader's share summed, and looks like the origin; with no child
+    around the op, the NaN would look as if it came from the loss.
+    """
+    found = innermost_holding(probe._this_step.calls, probe._this_pass.grad_fns, node)
+    if found is None:
+        return  # outside every module: the gradient entering the model says so
+    origin = probe._this_step.backward_origin
+    if origin is not None and origin.module == found.module:
+        return
+    finding = NonfiniteFinding(
+        module=found.module,
+        direction="backward",
+        cause="module",
+        kind=origin.kind if origin is not None else None,
+        dtype=found.dtype,  # its output's: the gradient through it has that dtype
+        device=found.device,
+    )
+    finding.op, finding.op_basis = op_of_node(node), "re-run"
+    finding.source = node_source(node)
+    if made is not None:  # told as the node made it
+        finding.kind = "nan" if bool(torch.isnan(made).any()) else "inf"
+        finding.count = int((~torch.isfinite(made)).sum())
+        finding.shape = tuple(made.shape)
+    probe._this_step.backward_origin = finding
