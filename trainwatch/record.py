@@ -274,6 +274,10 @@ class StepRecord:
     # Output positions the step's last backward never reached while it reached
     # another (an output the loss left out), when some gradient was missing.
     unreached_outputs: list[int] = field(default_factory=list)
+    # Layers seen running without a gradient whose parameters lie in no graph of
+    # the model's outputs (cut off inside it), when some gradient was missing: an
+    # output left out of the loss does not explain them.
+    cut_off: frozenset[str] = frozenset()
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
     # With not_optimized: the model replaced another one after the optimizer was

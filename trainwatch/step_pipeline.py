@@ -1024,6 +1024,8 @@ class StepPipeline:
             record.never_called = self._calls.never_called()
             if step_calls is not None and step_calls.through_functions:
                 record.through_functions = step_calls.through_functions
+            if step_calls is not None and step_calls.cut_off:
+                record.cut_off = frozenset(step_calls.cut_off)
             if self.probe is not None:
                 # Was some output of the model left out of the loss this step?
                 unreached = self._guarded("zero signal", self.probe.outputs_unreached)

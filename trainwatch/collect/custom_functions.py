@@ -24,13 +24,19 @@ _MOST_NODES = 200_000
 
 def functions_through(
     roots: Sequence[Any], targets: dict[str, list[torch.Tensor]]
-) -> dict[str, list[str]]:
+) -> tuple[dict[str, list[str]], frozenset[str]]:
     """Per layer of ``targets`` (its parameters), the custom Functions nearest it on
     every path from ``roots`` to its parameters, by class name; a layer with a
-    path free of custom Functions, or none at all (detached), is left out."""
+    path free of custom Functions, or none at all (detached), is left out.
+
+    Second, the layers none of whose parameters the graph holds at all: cut off
+    inside the model, which no output of it explains, left out of the loss or
+    not. Both come of the one walk; a graph too large to walk claims neither,
+    and one holding any autograd Function claims no layer cut off.
+    """
     order = _postorder(roots)
     if order is None:
-        return {}
+        return {}, frozenset()
     custom = {id(node): _custom(node) for node in order}
     owners = {id(p): owner for owner, params in targets.items() for p in params}
     target_owner: dict[int, str] = {}
@@ -43,7 +49,11 @@ def functions_through(
         names = _nearest(order, roots, custom, target_owner, owner)
         if names:
             found[owner] = names
-    return found
+    if any(isinstance(node, BackwardCFunction) for node in order):
+        # A Function may run parameters its graph does not show (a reentrant
+        # checkpoint re-runs its block in backward): no layer is claimed cut off.
+        return found, frozenset()
+    return found, frozenset(targets.keys() - target_owner.values())
 
 
 def _nearest(

@@ -62,10 +62,19 @@ class StepCalls:
         # layer ran without a gradient, then let go.
         self._roots: list[Any] | None = None
         self.roots: list[Any] | None = None
+        # The followed layers called in that pass: only they can be seen cut off
+        # in its graph (a layer of an earlier pass is in another graph).
+        self._pass_called: set[str] = set()
+        self._roots_ran: frozenset[str] = frozenset()
+        self.roots_ran: frozenset[str] = frozenset()
         # Layers looked at that way, and the custom autograd Functions found
         # between them and the output (the layers they explain).
         self.examined: set[str] = set()
         self.through_functions: dict[str, list[str]] = {}
+        # Layers looked at that way whose parameters the graph does not hold at
+        # all: cut off inside the model (a .detach() after them), which no output
+        # left out of the loss explains. Looked at again once they had a gradient.
+        self.cut_off: set[str] = set()
 
     @property
     def followed(self) -> frozenset[str]:
@@ -98,11 +107,13 @@ class StepCalls:
         on every module call while it does. ``outputs_unreached``: some output of
         the model was left out of the loss this step, which explains a layer
         that ran without a gradient (an early exit not trained this step): no
-        count towards a cut then.
+        count towards a cut then, unless the graph showed the layer cut off.
         """
         self.ran |= ran
-        if called is not None and not outputs_unreached:
-            for name in names & called & self.followed:
+        self._forget(ran)  # a new streak: the graph may hold them now
+        if called is not None:
+            counted = names & called & self.followed
+            for name in counted & self.cut_off if outputs_unreached else counted:
                 runs = self.cut_runs[name] = self.cut_runs.get(name, 0) + 1
                 if runs >= _CALLED_CUT:
                     self.unfollow(name)
@@ -126,7 +137,18 @@ class StepCalls:
         fresh = {name: params for name, params in targets.items() if name not in self.examined}
         if roots and fresh:
             self.examined.update(fresh)
-            self.through_functions.update(functions_through(roots, fresh))
+            found, outside = functions_through(roots, fresh)
+            self.through_functions.update(found)
+            self.cut_off |= outside & self.roots_ran
+
+    def _forget(self, names: frozenset[str]) -> None:
+        """Layers that had a gradient at the last step: what their graph showed
+        before says nothing of the streak they begin now."""
+        if names & self.examined:
+            self.examined -= names
+            self.cut_off -= names
+            for name in names:
+                self.through_functions.pop(name, None)
 
     def take(self) -> tuple[frozenset[str] | None, frozenset[str]]:
         """The followed layers called since the last step boundary (None: not knowable:
@@ -134,6 +156,7 @@ class StepCalls:
         those of them called only with gradients off, inside a pass with gradients."""
         self._unhook()
         self.roots, self._roots = self._roots, None
+        self.roots_ran, self._roots_ran = self._roots_ran, frozenset()
         with_grad, gradless = self._called, self._called_gradless
         called, blind = frozenset(with_grad | gradless), self._blind or not self._passes
         gradless = frozenset(gradless - with_grad)
@@ -151,10 +174,11 @@ class StepCalls:
         if is_wrapper(module):
             self._blind = True  # inside a compiled graph no module call is seen
             return
+        self._pass_called = set()
+        self._in_pass = True
         self._mark(unwrap(module), self._called)  # its own hooks are already running
         self._inner_calls = 0
         self._passes += 1
-        self._in_pass = True
         if self._handle is None:
             self._handle = register_module_forward_pre_hook(WeakHook(self, "called"))
 
@@ -168,7 +192,8 @@ class StepCalls:
             self._blind = True
         if torch.is_grad_enabled():
             roots = [t.grad_fn for _, t in tensor_leaves(output) if t.grad_fn is not None]
-            self._roots = roots or self._roots
+            if roots:
+                self._roots, self._roots_ran = roots, frozenset(self._pass_called)
         # The hook stays on until the step boundary: reentrant checkpointing
         # runs its blocks under no_grad in the pass and with gradients only in
         # backward, where they are seen running.
@@ -190,6 +215,8 @@ class StepCalls:
         found = self._followed.get(id(module))
         if found is not None and found[0]() is module:
             into.add(found[1])
+            if self._in_pass:
+                self._pass_called.add(found[1])
 
     def fail(self, exc: BaseException) -> None:
         """Knowing nothing, it claims nothing: every followed layer counts as called."""
@@ -198,6 +225,7 @@ class StepCalls:
     def forget_explained(self) -> None:
         self.examined.clear()
         self.through_functions.clear()
+        self.cut_off.clear()
 
     def detach(self) -> None:
         self._unhook()

@@ -311,7 +311,14 @@ class ZeroGradientRule(Rule):
                     not_run = True
             if gradless and kind == "none" and _ran_gradless(info.owner, followed, gradless):
                 streak.gradless = True
-            if kind == "none" and (not_run or record.unreached_outputs):
+            # An output left out of the loss explains a layer only where the layer
+            # is in some output's graph (a head whose loss is off for now); a layer
+            # cut off inside the model (an LSTM's embedding detached while its
+            # recurrent state, returned too, is left out) is not.
+            left_out = (
+                kind == "none" and record.unreached_outputs and info.owner not in record.cut_off
+            )
+            if kind == "none" and (not_run or left_out):
                 streak.excused += 1
             needed = self.config.patience
             # A layer seen not running on its steps without a gradient, and never
@@ -328,7 +335,7 @@ class ZeroGradientRule(Rule):
                     if ran is None:
                         ran = _ran(record)
                     needed += _SIBLINGS_RAN if _siblings_ran(info.owner, ran) else _NOT_YET_RAN
-            if kind == "none" and record.unreached_outputs and not at_once:
+            if left_out and not at_once:
                 # An output of the model is left out of the loss now: a loss term
                 # added only on some batches, if these trained before; if not, the
                 # first batches may simply have had no targets for it yet.
@@ -363,6 +370,7 @@ class ZeroGradientRule(Rule):
                 and streak.called
                 and streak.excused
                 and streak.count - streak.excused < self.config.patience
+                and info.owner not in record.cut_off
             ):
                 # Steps where the layer did not run mixed with steps where it ran
                 # and its output was left out of the loss (an early-exit network
