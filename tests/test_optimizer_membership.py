@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import runpy
 import sys
 
@@ -289,6 +291,124 @@ def test_a_momentum_encoder_moved_by_hand_is_no_forgotten_freeze(quiet_watch, ho
         }
     else:
         assert found == set()
+
+
+class _TargetAfterStep(nn.Module):
+    """BYOL's and DINO's recipe: the target (teacher) is a frozen copy of the online
+    network inside the model, moved by hand after the optimizer's step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.target = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            goal = self.target(x + 0.1 * torch.randn_like(x))
+        return nn.functional.mse_loss(self.online(x), goal)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_target_moved_after_the_step_is_no_forgotten_freeze(quiet_watch, every):
+    torch.manual_seed(0)
+    model = _TargetAfterStep()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = quiet_watch(model, opt)
+    for step in range(10):
+        loss = model(torch.randn(16, 8))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % every == 0:
+            with torch.no_grad():
+                for k, q in zip(model.target.parameters(), model.online.parameters()):
+                    k.lerp_(q, 0.01)
+    assert rules_of(monitor) == []
+
+
+# open_clip's initial temperature, 1/0.07; its clamp's bound is log(100).
+CLIP_SCALE = math.log(1 / 0.07)
+
+
+class _Clip(nn.Module):
+    """A CLIP-style dual encoder with open_clip's learnable temperature."""
+
+    def __init__(self, scale: float, trainable: bool) -> None:
+        super().__init__()
+        self.visual = nn.Linear(12, 8)
+        self.text = nn.Embedding(40, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(scale), requires_grad=trainable)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        i = nn.functional.normalize(self.visual(images), dim=-1)
+        t = nn.functional.normalize(self.text(tokens).mean(1), dim=-1)
+        return self.logit_scale.exp() * i @ t.t()
+
+
+def _clip_alerts(quiet_watch, *, trainable=False, scale=CLIP_SCALE, write="clamp", console=False):
+    torch.manual_seed(0)
+    model = _Clip(scale, trainable)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = quiet_watch(model, opt, console=console)
+    for _ in range(10):
+        logits = model(torch.randn(16, 12), torch.randint(0, 40, (16, 5)))
+        labels = torch.arange(16)
+        loss = (
+            nn.functional.cross_entropy(logits, labels)
+            + nn.functional.cross_entropy(logits.t(), labels)
+        ) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            if write == "clamp":
+                model.logit_scale.clamp_(0, math.log(100))
+            elif write == "copy":
+                model.logit_scale.copy_(model.logit_scale.detach().clone())
+            elif write == "mul_one":
+                model.logit_scale.mul_(1)
+    return monitor, [(a.rule, a.module, a.step, a.data.get("parameters")) for a in monitor.alerts]
+
+
+@pytest.mark.parametrize("write", ["clamp", "copy", "mul_one"])
+def test_a_frozen_scale_written_in_place_unchanged_is_a_forgotten_freeze(quiet_watch, write):
+    # Each write bumps the version counter; the values stay: nothing moves it.
+    _, found = _clip_alerts(quiet_watch, write=write)
+    assert found == [("frozen_in_optimizer", "", 0, ["logit_scale"])]
+
+
+def test_a_frozen_scale_clamped_into_range_once_is_a_forgotten_freeze(quiet_watch):
+    # Built beyond the clamp's bound: the first clamp changes it, no later one does.
+    _, found = _clip_alerts(quiet_watch, scale=math.log(1 / 0.005))
+    assert found == [("frozen_in_optimizer", "", 0, ["logit_scale"])]
+
+
+@pytest.mark.parametrize(
+    "scale", [CLIP_SCALE, math.log(1 / 0.005)], ids=["within_range", "beyond_range"]
+)
+def test_control_a_trainable_scale_clamped_every_step_is_silent(quiet_watch, scale):
+    monitor, _ = _clip_alerts(quiet_watch, trainable=True, scale=scale)
+    assert rules_of(monitor) == []
+
+
+def test_the_setup_table_names_the_optimizer_holding_a_frozen_parameter(quiet_watch):
+    shown = io.StringIO()
+    monitor, _ = _clip_alerts(quiet_watch, console=shown)
+    rows = {row.module: row for row in monitor.setup_audit.locations}
+    assert (rows[""].optimizers, rows[""].frozen_held) == ([], [0])
+    assert (rows["visual"].optimizers, rows["visual"].frozen_held) == ([0], [])
+    assert "0 (frozen)" in shown.getvalue()
+
+
+def test_control_the_setup_table_shows_no_optimizer_for_a_freeze_left_out(quiet_watch):
+    torch.manual_seed(0)
+    model = _Clip(CLIP_SCALE, trainable=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    monitor = quiet_watch(model, opt)
+    rows = {row.module: row for row in monitor.setup_audit.locations}
+    assert (rows[""].optimizers, rows[""].frozen_held) == ([], [])
 
 
 WARM_UP_FREEZE = """

@@ -41,6 +41,9 @@ class LocationRow:
     # "top": a child of the model (or the model's own parameters, ""); "trainable":
     # a module holding trainable parameters, listed when part of the model is frozen.
     section: str = "top"
+    # The watched optimizers holding its frozen parameters: a forgotten freeze (or
+    # a momentum encoder moved by hand) shows where it sits.
+    frozen_held: list[int] = field(default_factory=list)
 
     @property
     def share(self) -> float:
@@ -219,6 +222,7 @@ def _locations(
             row = row_of.get(name)
             if row is not None:
                 row.frozen += param.numel()
+                _hold(row.frozen_held, held.get(key, []))
                 break
             if not name:
                 break
@@ -233,12 +237,19 @@ def _collapsed(rows: list[LocationRow]) -> list[LocationRow]:
         name = pattern(row.module)
         into = merged.get(name)
         if into is None:
-            merged[name] = LocationRow(name, row.trainable, row.frozen, list(row.optimizers))
+            merged[name] = LocationRow(
+                name,
+                row.trainable,
+                row.frozen,
+                list(row.optimizers),
+                frozen_held=list(row.frozen_held),
+            )
             continue
         into.trainable += row.trainable
         into.frozen += row.frozen
         into.modules += 1
-        into.optimizers += [i for i in row.optimizers if i not in into.optimizers]
+        _hold(into.optimizers, row.optimizers)
+        _hold(into.frozen_held, row.frozen_held)
     return list(merged.values())
 
 
@@ -248,11 +259,14 @@ def _add(rows: dict[str, LocationRow], name: str, param: torch.Tensor, held: lis
         row = rows[name] = LocationRow(name, 0, 0, [])
     if param.requires_grad:
         row.trainable += param.numel()
-        for index in held:
-            if index not in row.optimizers:
-                row.optimizers.append(index)
+        _hold(row.optimizers, held)
     else:
         row.frozen += param.numel()
+        _hold(row.frozen_held, held)
+
+
+def _hold(into: list[int], held: list[int]) -> None:
+    into += [index for index in held if index not in into]
 
 
 def _adapters(root: nn.Module) -> tuple[list[AdapterRow], dict[int, str]]:
@@ -325,6 +339,7 @@ def table_content(audit: SetupAudit) -> str:
         values.pop(key, None)
     place = {row.pop("index", None): n for n, row in enumerate(values["optimizers"])}
     for row in values["locations"]:
-        if "optimizers" in row:
-            row["optimizers"] = [place.get(index, index) for index in row["optimizers"]]
+        for key in ("optimizers", "frozen_held"):
+            if key in row:
+                row[key] = [place.get(index, index) for index in row[key]]
     return json.dumps(values, sort_keys=True, default=str)

@@ -4,12 +4,17 @@ MoCo's own recipe keeps its momentum (key) encoder inside the model, frozen
 (``requires_grad=False``), and builds the optimizer from
 ``model.parameters()``: the optimizer holds the key encoder, skips it (no
 gradient), and the loop moves it by hand every step, ``param_k.data =
-m * param_k.data + (1 - m) * param_q.data``. That is no forgotten freeze. A
-parameter written that way gets a new storage (``.data =``) or a new version
-(an in-place ``lerp_``/``copy_``) or, written in place through ``.data``, new
-values only: the storage, version counter and float64 sum of each frozen parameter
-are compared across the first step boundaries an optimizer holds it; a few
-boundaries decide, and from then on nothing is looked at.
+m * param_k.data + (1 - m) * param_q.data``. That is no forgotten freeze.
+
+What counts is the values: the float64 sum of each frozen parameter is compared
+across the first step boundaries an optimizer holds it. A write that leaves the
+values as they were is no move, whatever it does to the storage or the version
+counter: open_clip's ``logit_scale.clamp_(0, math.log(100))`` after every step
+bumps the counter of a scale frozen by mistake without ever changing it. A
+momentum or EMA copy moves on every step, and so at two boundaries or more; a
+parameter whose values changed once only (a clamp pulling a frozen value into
+range once, a checkpoint loaded after the attach) is watched a few boundaries
+more for a second change before its verdict. Once decided, nothing is looked at.
 """
 
 from __future__ import annotations
@@ -24,15 +29,28 @@ from trainwatch.layers import ParamInfo
 # Step boundaries (the attach counts as one) over which frozen parameters are
 # watched before their verdict.
 LOOKS = 3
+# While some parameter has changed once only, the boundaries watched at most: an
+# EMA updated after the optimizer's step first shows at the second boundary after
+# the attach, its second move at the next; an update every second or third step
+# shows twice by this one.
+LAST_LOOK = 6
 
 
 class _Watch:
-    __slots__ = ("looks", "prints", "moved")
+    __slots__ = ("looks", "sums", "changes")
 
     def __init__(self) -> None:
         self.looks = 0
-        self.prints: dict[str, tuple[int, int, float, bool]] = {}
-        self.moved: set[str] = set()
+        # Per name, the sum at the last boundary and whether the optimizer was to
+        # apply a gradient to it then (frozen since backward ran, it still held one:
+        # its change since is the update's).
+        self.sums: dict[str, tuple[float, bool]] = {}
+        self.changes: dict[str, int] = {}
+
+
+def _same(before: float, now: float) -> bool:
+    """Equal sums, a NaN equal to a NaN (a parameter left alone reads so)."""
+    return before == now or (before != before and now != now)
 
 
 class FrozenMoves:
@@ -52,39 +70,41 @@ class FrozenMoves:
         if decided is not None:
             return decided
         watch = self._watching.setdefault(optimizer, _Watch())
-        pairs = [
-            (info.name, p)
-            for info, p in zip(frozen, (p for p in params if not p.requires_grad))
-            if p.layout == torch.strided and p.numel()
-        ]
-        # Their sums too, in float64 (on these few boundaries only): a write
-        # through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``) moves
-        # neither the storage nor the parameter's own version counter, and a
-        # momentum step is small (a sum sees it where a norm's rounding may not).
-        # A shard (FSDP2) is summed on this rank.
-        with torch.no_grad():
-            sums = (
-                torch.stack(
-                    [local_part(p.detach()).sum(dtype=torch.float64) for _, p in pairs]
-                ).tolist()
-                if pairs
-                else []
-            )
-        # (storage, version, sum, whether the optimizer will apply a gradient to
-        # it: frozen since backward ran, it still holds one, and its move is the update's)
-        prints = {
-            name: (p.data_ptr(), p._version, total, p.grad is not None)
-            for (name, p), total in zip(pairs, sums)
-        }
-        before = watch.prints
-        for name, now in prints.items():
+        sums = _sums(params, frozen)
+        before = watch.sums
+        for name, now in sums.items():
             seen = before.get(name)
-            if seen is not None and not seen[3] and seen[:3] != now[:3]:
-                watch.moved.add(name)
-        watch.prints = prints
+            if seen is not None and not seen[1] and not _same(seen[0], now[0]):
+                watch.changes[name] = watch.changes.get(name, 0) + 1
+        watch.sums = sums
         watch.looks += 1
-        if watch.looks < LOOKS:
+        once = 1 in watch.changes.values()
+        if watch.looks < LOOKS or (once and watch.looks < LAST_LOOK):
             return None
         del self._watching[optimizer]
-        verdict = self._decided[optimizer] = frozenset(watch.moved)
-        return verdict
+        moved = frozenset(name for name, count in watch.changes.items() if count > 1)
+        self._decided[optimizer] = moved
+        return moved
+
+
+def _sums(
+    params: Sequence[torch.Tensor], frozen: Sequence[ParamInfo]
+) -> dict[str, tuple[float, bool]]:
+    """Each frozen parameter's float64 sum, and whether it holds a gradient.
+
+    A write through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``)
+    moves neither the storage nor the parameter's own version counter, and a
+    momentum step is small: a sum sees it where a norm's rounding may not. A
+    shard (FSDP2) is summed on this rank."""
+    pairs = [
+        (info.name, p)
+        for info, p in zip(frozen, (p for p in params if not p.requires_grad))
+        if p.layout == torch.strided and p.numel()
+    ]
+    if not pairs:
+        return {}
+    with torch.no_grad():
+        totals = torch.stack(
+            [local_part(p.detach()).sum(dtype=torch.float64) for _, p in pairs]
+        ).tolist()
+    return {name: (total, p.grad is not None) for (name, p), total in zip(pairs, totals)}

@@ -6,15 +6,19 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from trainwatch.setup_audit import SetupAudit
+from trainwatch.setup_audit import LocationRow, SetupAudit
 
 
 def _label(module: str) -> str:
     return module or "<model>"
 
 
-def _held(optimizers: list[int]) -> str:
-    return ", ".join(str(i) for i in optimizers) if optimizers else "-"
+def _held(row: LocationRow) -> str:
+    """The optimizers holding the row's parameters; one holding only frozen ones
+    is marked so (a freeze left inside the optimizer, a momentum encoder)."""
+    held = [str(i) for i in row.optimizers]
+    held += [f"{i} (frozen)" for i in row.frozen_held if i not in row.optimizers]
+    return ", ".join(held) if held else "-"
 
 
 def _title(audit: SetupAudit) -> str:
@@ -44,7 +48,7 @@ def rich_view(audit: SetupAudit) -> Group:
             f"{row.trainable:,}",
             f"{row.frozen:,}",
             f"{100 * row.share:.2f}",
-            _held(row.optimizers),
+            _held(row),
         )
     if audit.more_locations:
         table.add_row(f"... {audit.more_locations} more", "", "", "", "")
@@ -94,7 +98,7 @@ def markdown(audit: SetupAudit) -> str:
             rows.append("| *where the trainable ones sit:* | | | | |")
         rows.append(
             f"| {_cell(_location_name(row.module, row.modules))} | {row.trainable:,} | "
-            f"{row.frozen:,} | {100 * row.share:.2f} | {_held(row.optimizers)} |"
+            f"{row.frozen:,} | {100 * row.share:.2f} | {_held(row)} |"
         )
     if audit.more_locations:
         rows.append(f"| ... {audit.more_locations} more | | | | |")
