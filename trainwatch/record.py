@@ -135,6 +135,12 @@ class SetupCheck:
     # have used, when a backward ran and none of them got a gradient.
     unreached: list[ParamInfo] = field(default_factory=list)
     never_called: frozenset[str] = frozenset()
+    # First step after the audit, without an optimizer: how many trainable parameters
+    # the loop's own update moved with no gradient in .grad (torch.func,
+    # torch.autograd.grad), told once as a note instead of ``unreached``.
+    outside_grad: int = 0
+    # The step the check was due at, when it waited a boundary to see the weights move.
+    since: int | None = None
     # Under DDP: trainable parameters its reducer, built while they were frozen,
     # does not all-reduce (names), with the counts that showed it.
     unsynced: list[str] = field(default_factory=list)
@@ -271,6 +277,14 @@ class StepRecord:
     # The weights this step ran with are the previous step's: that step's optimizer
     # had every learning rate at exactly 0 (a warm-up's first step) and moved none.
     same_weights: bool = False
+    # Without an optimizer, at a boundary where no parameter holds a gradient and
+    # backward reached none: the trainable parameters whose weights moved since the
+    # previous boundary, updated by the loop from gradients computed outside .grad
+    # (torch.func, torch.autograd.grad); they are left out of ``missing``. None
+    # where not looked at; ``weights_unseen`` at the first such boundary, which has
+    # nothing to compare with.
+    moved_without_grad: frozenset[str] | None = None
+    weights_unseen: bool = False
     # Output positions the step's last backward never reached while it reached
     # another (an output the loss left out), when some gradient was missing.
     unreached_outputs: list[int] = field(default_factory=list)

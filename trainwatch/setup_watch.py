@@ -35,6 +35,10 @@ class SetupWatch:
         self.frozen_names: dict[int | None, dict[str, ParamInfo]] = {}
         # The optimizers whose next step checks what backward reached.
         self.reach_due: set[int | None] = set()
+        # The step the check was due at, while it waits a boundary (see check_reach).
+        self._reach_since: int | None = None
+        # The note on updates made outside .grad was given.
+        self._outside_told = False
         # Under a process group: the parameters frozen at the last audit, and
         # those already told as not synced by DDP.
         self._frozen_before: set[str] | None = None
@@ -64,6 +68,7 @@ class SetupWatch:
             record.setup.find_unused = gap.find_unused
             record.setup.unsynced_all = every
         self.reach_due = set(range(len(optimizers))) if optimizers else {None}
+        self._reach_since = None
         return audit, record
 
     def _unsynced(self, root: nn.Module) -> tuple[list[str], SyncGap, bool] | None:
@@ -90,12 +95,42 @@ class SetupWatch:
         self._told_unsynced.update(names)
         return names, gap, names == trainable
 
-    def check_reach(self, record: StepRecord, backward_ran: bool, optimizers: int) -> None:
+    def check_reach(
+        self,
+        record: StepRecord,
+        index: int | None,
+        step: int,
+        backward_ran: bool,
+        optimizers: int,
+    ) -> None:
         """First step after an audit: a backward ran, yet no trainable parameter got a
-        gradient (``record.setup`` then says so, for the rule)."""
+        gradient (``record.setup`` then says so, for the rule).
+
+        Without an optimizer and with no gradient anywhere, whether the loop's own
+        update moved the weights (gradients computed outside ``.grad``) is seen
+        only by comparing two boundaries: the first waits for the next, and the
+        check keeps its step.
+        """
+        if record.weights_unseen and self._reach_since is None:
+            self._reach_since = step
+            return
+        self.reach_due.discard(index)
+        since, self._reach_since = self._reach_since, None
+        assert self.latest is not None
+        if record.moved_without_grad:
+            if not self._outside_told:
+                self._outside_told = True
+                record.setup = SetupCheck(
+                    self.latest.revision,
+                    optimizers,
+                    self.latest.trainable,
+                    self.latest.unheld,
+                    outside_grad=len(record.moved_without_grad),
+                    since=since,
+                )
+            return
         if record.present or not record.missing or not backward_ran:
             return
-        assert self.latest is not None
         record.setup = SetupCheck(
             self.latest.revision,
             optimizers,
@@ -103,6 +138,7 @@ class SetupWatch:
             self.latest.unheld,
             unreached=list(record.missing),
             never_called=record.never_called,
+            since=since,
         )
 
 

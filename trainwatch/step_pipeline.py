@@ -32,6 +32,7 @@ from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.frozen_moves import FrozenMoves
+from trainwatch.collect.gradless_updates import GradlessUpdates
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.idle_optimizer import LOOK_AHEAD as IDLE_LOOK_AHEAD
@@ -269,6 +270,7 @@ class StepPipeline:
         self._applied_at: dict[int | None, int] = {}
         self._hand_updates = HandUpdates()
         self._frozen_moves = FrozenMoves()
+        self._gradless_updates = GradlessUpdates()
         # Names found for frozen parameters outside the model, by their placeholder.
         self._outside_names: dict[str, str] = {}
         self.structure = StructureWatch()
@@ -544,6 +546,25 @@ class StepPipeline:
         record.not_called_since = seen[1]
         if self.on_not_called is not None:
             self.on_not_called(seen[1])
+
+    def _updated_without_grad(
+        self, record: StepRecord, params: list[torch.Tensor], now: int
+    ) -> None:
+        """No parameter holds a gradient: those the loop's own update moved since the
+        last boundary (gradients computed outside .grad: torch.func,
+        torch.autograd.grad) are trained, and leave ``record.missing``. Once some
+        moved so, a boundary where none did had no update: it says nothing of any
+        layer."""
+        trainable = [p for p in params if p.requires_grad]  # in the order of record.missing
+        pairs = [(info.name, p) for info, p in zip(record.missing, trainable)]
+        updates = self._gradless_updates
+        moved = updates.look(now, pairs)
+        if moved is None:
+            record.weights_unseen = True
+            return
+        record.moved_without_grad = moved
+        if moved or updates.moving:
+            record.missing = [info for info in record.missing if info.name not in moved]
 
     def _custom_functions(self, record: StepRecord, params: list[torch.Tensor]) -> None:
         """Layers that ran this step without a gradient, looked at once in the step's
@@ -1012,6 +1033,12 @@ class StepPipeline:
                 self._guarded("custom functions", self._custom_functions, record, params)
             step_calls.roots = None  # the step's graph is let go
         if record.missing:
+            if manual and len(record.missing) + record.frozen_count == len(params) and not attach:
+                # No gradient anywhere and backward reached nothing: did the loop's
+                # own update move the weights all the same?
+                self._guarded(
+                    "updates outside .grad", self._updated_without_grad, record, params, now
+                )
             if not grads and passes and not attach:
                 # No gradient at all: was the model called since this optimizer's last step?
                 self._guarded("model not called", self._not_called, index, now, passes, record)
@@ -1035,7 +1062,9 @@ class StepPipeline:
             record.distributed = self._distributed
             # Gradients wiped between backward and the step say nothing of any layer.
             wiped = record.rewritten_since_backward and record.gradients_reset_after_backward()
-            if step_calls is not None and not attach and not wiped:
+            # (Not at a first boundary without gradients: those the loop's own update
+            # moves are known at the next, and only the others are followed.)
+            if step_calls is not None and not attach and not wiped and not record.weights_unseen:
                 self._guarded("step calls", self._follow_calls, index, record)
         elif step_calls is not None and self._missing_before.get(index) is not _NONE_MISSING:
             self._missing_before[index] = _NONE_MISSING
@@ -1097,12 +1126,18 @@ class StepPipeline:
                     step = now - 1 if manual else now
                     self._guarded("setup audit", self.audit_setup, step)
                 if index in setup.reach_due and not record.gradients_reset_after_backward():
-                    setup.reach_due.discard(index)
                     # A backward ran: it reached the model's output, or a loss was
                     # handed over (Lightning, whose module's own forward may never run).
                     ran = self.tracker.backward_seen or self.loss is not None
+                    step = now - 1 if manual else now
                     self._guarded(
-                        "setup audit", setup.check_reach, record, ran, len(self._optimizers)
+                        "setup audit",
+                        setup.check_reach,
+                        record,
+                        index,
+                        step,
+                        ran,
+                        len(self._optimizers),
                     )
         pending = _new_pending_step(record)
         pending.params = params

@@ -36,6 +36,22 @@ LOOKS = 3
 LAST_LOOK = 6
 
 
+def weight_sums(params: Sequence[torch.Tensor]) -> list[float]:
+    """Each weight's float64 sum, read back at once.
+
+    A write through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``, a
+    hand-written ``p.data.sub_(lr * g)``) moves neither the storage nor the
+    parameter's own version counter, and a momentum step is small: a sum sees
+    it where a norm's rounding may not. A shard (FSDP2) is summed on this rank.
+    """
+    if not params:
+        return []
+    with torch.no_grad():
+        return torch.stack(
+            [local_part(p.detach()).sum(dtype=torch.float64) for p in params]
+        ).tolist()
+
+
 class _Watch:
     __slots__ = ("looks", "sums", "changes")
 
@@ -90,21 +106,12 @@ class FrozenMoves:
 def _sums(
     params: Sequence[torch.Tensor], frozen: Sequence[ParamInfo]
 ) -> dict[str, tuple[float, bool]]:
-    """Each frozen parameter's float64 sum, and whether it holds a gradient.
-
-    A write through ``.data`` in place (DINO's ``p.data.mul_(m).add_(...)``)
-    moves neither the storage nor the parameter's own version counter, and a
-    momentum step is small: a sum sees it where a norm's rounding may not. A
-    shard (FSDP2) is summed on this rank."""
+    """Each frozen parameter's float64 sum (see :func:`weight_sums`), and whether it
+    holds a gradient."""
     pairs = [
         (info.name, p)
         for info, p in zip(frozen, (p for p in params if not p.requires_grad))
         if p.layout == torch.strided and p.numel()
     ]
-    if not pairs:
-        return {}
-    with torch.no_grad():
-        totals = torch.stack(
-            [local_part(p.detach()).sum(dtype=torch.float64) for _, p in pairs]
-        ).tolist()
+    totals = weight_sums([p for _, p in pairs])
     return {name: (total, p.grad is not None) for (name, p), total in zip(pairs, totals)}

@@ -33,8 +33,11 @@ class TrainableParametersRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         check = record.setup
         assert check is not None
+        step = check.since if check.since is not None else record.step
         if check.unreached:
-            return [self._unreached(record.step, check)]
+            return [self._unreached(step, check)]
+        if check.outside_grad:
+            return [self._outside_grad(step, check)]
         alerts = []
         if record.source == "setup" and check.optimizers and check.trainable == check.unheld:
             alerts.append(self._unheld(record.step, check))
@@ -101,6 +104,24 @@ class TrainableParametersRule(Rule):
                 "modules": owners[:50],
                 "never_called": never[:50],
             },
+        )
+
+    def _outside_grad(self, step: int, check: SetupCheck) -> Alert:
+        """A note, not a finding: the model trains, but not through ``.grad``."""
+        count = check.outside_grad
+        return self.alert(
+            step,
+            "",
+            f"no parameter holds a gradient in .grad, yet the loop's own update moved "
+            f"{count} trainable parameter{'s' if count != 1 else ''}: the model trains "
+            "from gradients computed outside .grad (torch.func, torch.autograd.grad) or "
+            "from updates of its own, so gradient norms and the checks on gradients are "
+            "unavailable for it",
+            "fine for per-sample gradients (DP-SGD) or torch.autograd.grad with a "
+            "hand-written update; to have the gradients checked, write the gradient "
+            "each update applies into p.grad before applying it.",
+            {"finding": "outside .grad", "parameters": count},
+            severity="info",
         )
 
     def _unsynced(self, step: int, check: SetupCheck) -> Alert:

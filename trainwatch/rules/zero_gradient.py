@@ -58,6 +58,12 @@ _HINTS = {
         "(a schedule that switches it on later), or its term multiplied by zero by "
         "mistake. Its head learns nothing while this lasts."
     ),
+    "not_updated": (
+        "the loop's hand-written update leaves these parameters out: check the loop "
+        "that applies the gradients (a list or dict of names missing this layer, a "
+        "filter on names, parameters gathered before the layer was added). If they are "
+        "meant to stay fixed, freeze them (requires_grad_(False))."
+    ),
     "zero": (
         "backward reached these parameters but every gradient entry is exactly "
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
@@ -283,6 +289,8 @@ class ZeroGradientRule(Rule):
         if record.not_called_since is not None:
             # No pass of the model between its optimizer's steps: says nothing of any layer.
             return self._not_called(record)
+        if record.moved_without_grad:
+            silent = self._left_out_of_update(record, silent)
         silent_names = {info.name for info, _ in silent}
         for info in record.present:
             if info.name not in silent_names:
@@ -296,6 +304,8 @@ class ZeroGradientRule(Rule):
             streak = self._streaks.get(info.name)
             if streak is None:
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
+            elif kind == "not_updated":
+                streak.kind = kind  # its first step could not tell (see _left_out_of_update)
             if kind == "zero" and record.same_weights:
                 # The weights are the last step's (every learning rate was 0, a
                 # warm-up's first step): a gradient zero because a zero-initialised
@@ -391,7 +401,8 @@ class ZeroGradientRule(Rule):
         alerts = []
         for owner, params in by_owner(due).items():
             streaks = [self._streaks[p.name] for p in params]
-            kind = "none" if any(s.kind == "none" for s in streaks) else "zero"
+            kinds = {s.kind for s in streaks}
+            kind = "none" if "none" in kinds else "zero" if "zero" in kinds else "not_updated"
             since = min(s.start for s in streaks)
             steps = record.step - since + 1
             what = "no gradient (None)" if kind == "none" else "an exactly zero gradient"
@@ -399,6 +410,13 @@ class ZeroGradientRule(Rule):
                 f"{short_names(params)} got {what} in {steps} consecutive "
                 f"step{'s' if steps != 1 else ''} since step {since}"
             )
+            if kind == "not_updated":
+                message = (
+                    f"{short_names(params)} did not move in {steps} consecutive steps since "
+                    f"step {since}, while the loop's own update moved the model's other "
+                    "weights with no gradient in .grad (computed outside it: torch.func, "
+                    "torch.autograd.grad)"
+                )
             severity = None
             hint = _HINTS[kind]
             if kind == "zero" and all(p.table for p in params):
@@ -493,6 +511,19 @@ class ZeroGradientRule(Rule):
                 )
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
         return alerts
+
+    def _left_out_of_update(
+        self, record: StepRecord, silent: list[tuple[ParamInfo, str]]
+    ) -> list[tuple[ParamInfo, str]]:
+        """No parameter holds a gradient, yet the loop's own update moved some weights
+        (gradients computed outside .grad: torch.func, torch.autograd.grad): those
+        train, and their streaks end (begun where the first such step could not
+        tell). The others, unmoved, are left out of that update: no .detach() to
+        look for."""
+        assert record.moved_without_grad is not None
+        for name in record.moved_without_grad:
+            self._streaks.pop(name, None)
+        return [(info, "not_updated") for info, _ in silent]
 
     def _all_zero_partner(
         self, owner: str, params: list[ParamInfo]
