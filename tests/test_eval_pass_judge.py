@@ -8,7 +8,13 @@ optimizers); an EMA copy kept for evaluation is run every few hundred steps.
 
 from __future__ import annotations
 
-from trainwatch.collect.eval_passes import IDLE_PASSES, SPARSE_GAP, EvalPassJudge, PartStreak
+from trainwatch.collect.eval_passes import (
+    FROZEN_AFTER,
+    IDLE_PASSES,
+    SPARSE_GAP,
+    EvalPassJudge,
+    PartStreak,
+)
 from trainwatch.record import ModeReport, StepRecord
 
 
@@ -264,3 +270,76 @@ def test_a_model_checked_once_under_no_grad_then_trained_is_silent_at_close():
         judge.training_pass()
         assert judge.step_boundary() == []
     assert judge.flush() == []
+
+
+def _trained_then_used(
+    passes: int, others_per_own: int = 0, moves: bool = False, pretrain: int = 40
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """A model trained ``pretrain`` steps (with ``others_per_own`` steps of another
+    optimizer beside each), then run under no_grad once per step of another model,
+    as the behaviour checks feed it: (the pass, the step told) for what was told
+    during the run, and the steps told at close."""
+    judge = EvalPassJudge()
+    judge.training_pass((0, 0))
+    optimizer_steps = 0
+    for _ in range(pretrain):
+        judge.step_boundary()
+        optimizer_steps += 1 + others_per_own
+    told = []
+    for index in range(passes):
+        record = StepRecord(step=pretrain, source="forward")
+        record.eval_in_train = ModeReport(["2"], ["Dropout"], False, 1)
+        # The student's step in progress once it stepped; before, the model's own.
+        now = index if index else pretrain
+        steps = (optimizer_steps + index, now)
+        weights = index if moves else 0
+        due = judge.nograd_pass(record, weights, pretrain + index, index > 0, steps)
+        told += [(index, r.step) for r in due]
+    return told, [r.step for r in judge.flush(optimized=True)]
+
+
+def test_a_model_trained_alone_then_used_frozen_is_told_after_a_few_other_steps():
+    # A teacher trained first, then distilled from: at the pass after FROZEN_AFTER
+    # student steps, every pass so far, each dated at the student's step it ran in.
+    told, at_close = _trained_then_used(12)
+    assert told[: FROZEN_AFTER + 1] == [(FROZEN_AFTER, step) for step in range(FROZEN_AFTER + 1)]
+    assert told[FROZEN_AFTER + 1 :] == [(i, i) for i in range(FROZEN_AFTER + 1, 12)]
+    assert at_close == []
+
+
+def test_a_model_trained_beside_another_optimizer_waits_for_idle_passes():
+    # Control: trained with another optimizer stepping between its steps (a
+    # generator with its critic): its idle optimizer is told only at IDLE_PASSES.
+    told, _ = _trained_then_used(IDLE_PASSES + 2, others_per_own=5)
+    assert told[0] == (IDLE_PASSES - 1, 0) and len(told) == IDLE_PASSES + 2
+
+
+def test_a_model_trained_alone_then_moved_by_ema_is_silent():
+    # Control: started from the model trained first, it follows a student by EMA
+    # (a mean teacher): its weights move between its passes, to the last one.
+    assert _trained_then_used(30, moves=True) == ([], [])
+
+
+def test_a_generator_trained_alone_then_sampled_for_five_critic_steps_is_silent():
+    # Control: pretrained alone, then five critic steps a generator step; its own
+    # step comes before the critic's sixth.
+    judge = EvalPassJudge()
+    judge.training_pass((0, 0))
+    own = optimizer_steps = clock = 30
+    for _ in range(own):
+        judge.step_boundary()
+    told = []
+    for _ in range(8):
+        for critic in range(5):
+            record = StepRecord(step=own, source="forward")
+            record.eval_in_train = ModeReport(["1"], ["BatchNorm1d"], False, 1)
+            steps = (optimizer_steps, clock)
+            told += judge.nograd_pass(record, own, clock, critic > 0 or own > 30, steps)
+            optimizer_steps += 1
+            clock += 1
+        judge.training_pass((optimizer_steps, own))
+        told += judge.step_boundary()
+        own += 1
+        optimizer_steps += 1
+        clock += 1
+    assert told + judge.flush(optimized=True) == []

@@ -167,6 +167,10 @@ from torch import nn
 steps, teacher_in = int(sys.argv[1]), sys.argv[2]  # teacher_in: train (the bug) or eval
 watch = len(sys.argv) > 3 and sys.argv[3] == "watch"
 pretrain = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # teacher steps before distilling
+# Another optimizer (not watched) steps beside each of the teacher's: not trained alone.
+alongside = len(sys.argv) > 5 and sys.argv[5] == "alongside"
+side = torch.zeros(4, requires_grad=True)
+opt_side = torch.optim.SGD([side], 0.1)
 torch.manual_seed(0)
 teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 4))
 student = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -185,6 +189,9 @@ for step in range(pretrain):
     opt_t.zero_grad()
     loss.backward()
     opt_t.step()
+    if alongside:
+        side.sum().backward()
+        opt_side.step()
 if teacher_in == "eval":
     teacher.eval()
 for step in range(steps):
@@ -201,12 +208,15 @@ for monitor in monitors:
 """
 
 
-def _distil(steps: int, teacher_in: str, pretrain: int = 0) -> tuple[list, list]:
+def _distil(
+    steps: int, teacher_in: str, pretrain: int = 0, alongside: bool = False
+) -> tuple[list, list]:
     """The distillation loop with teacher and student watched (the teacher trained
-    ``pretrain`` steps first): what the teacher's monitor told of eval_in_train_mode
-    before its close, and by the end."""
+    ``pretrain`` steps first, ``alongside`` another optimizer's): what the teacher's
+    monitor told of eval_in_train_mode before its close, and by the end."""
     argv = sys.argv
     sys.argv = ["distil.py", str(steps), teacher_in, "watch", str(pretrain)]
+    sys.argv += ["alongside"] if alongside else []
     try:
         namespace: dict = {"__name__": "__main__"}
         exec(compile(DISTILLATION, "distil.py", "exec"), namespace)
@@ -239,16 +249,19 @@ def test_a_teacher_whose_optimizer_stays_idle_is_told_during_a_long_run(teacher_
     assert before_close == told == ([(0, "2")] if teacher_in == "train" else [])
 
 
+@pytest.mark.parametrize("alongside", [False, True], ids=["trained_alone", "beside_another"])
 @pytest.mark.parametrize("teacher_in", ["train", "eval"])
-def test_a_teacher_trained_then_left_idle_is_told_during_a_long_run(teacher_in):
+def test_a_teacher_trained_then_left_idle_is_told_during_a_long_run(teacher_in, alongside):
     """Trained 40 steps, then sampled under no_grad once per student step with its
     optimizer idle: its own step boundaries stopped, so the passes it holds would
-    wait for close, one record each. IDLE_PASSES of them are told before that, and
-    the judge keeps no more than that many."""
+    wait for close, one record each. Trained alone, it is told within a few
+    student steps; with another optimizer stepping beside its training (as a
+    generator's critic does), once IDLE_PASSES of them have come. Either way
+    before close, dated at the student's first step, not at its own 40."""
     from trainwatch.collect.eval_passes import IDLE_PASSES
 
-    before_close, told = _distil(IDLE_PASSES + 5, teacher_in, pretrain=40)
-    assert before_close == told == ([(40, "2")] if teacher_in == "train" else [])
+    before_close, told = _distil(IDLE_PASSES + 5, teacher_in, pretrain=40, alongside=alongside)
+    assert before_close == told == ([(0, "2")] if teacher_in == "train" else [])
 
 
 @pytest.mark.parametrize(("teacher_in", "expected"), [("train", [(0, "2")]), ("eval", [])])

@@ -84,6 +84,12 @@ class ModeReport:
     # That part's parameters still require grad, but no watched optimizer holds
     # them and no step saw them with a gradient (a teacher never frozen).
     held_by_no_optimizer: bool = False
+    # Passes of a model whose weights stayed unchanged, with no step of its own,
+    # while other models' optimizers stepped between them: used frozen, a teacher
+    # or target, not evaluated.
+    frozen_use: bool = False
+    # That model trained here first (then stopped): not one loaded and used.
+    trained_first: bool = False
 
 
 @dataclass

@@ -302,7 +302,7 @@ class BehaviourWatch:
             if grad:
                 passes = self.eval_passes
                 if passes.in_a_row or not passes.trained:  # else it has nothing to do
-                    passes.training_pass()
+                    passes.training_pass((ANY_OPTIMIZER_STEPS.count, self._step_of()))
                 if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
                     self._frozen_in_training(modes)
                 if self.check_train_step and self.train_in_eval is None and modes.listed:
@@ -378,7 +378,11 @@ class BehaviourWatch:
         before, self._steps_at_nograd = self._steps_at_nograd, marks
         between = before is not None and before != marks
         told = self.eval_passes.nograd_pass(
-            record, weights, clock, stepped_between=between and self.optimized()
+            record,
+            weights,
+            clock,
+            stepped_between=between and self.optimized(),
+            steps=(marks[0], PROCESS_STEPS.now),
         )
         for due in told:
             self._publish(due)

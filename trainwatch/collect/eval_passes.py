@@ -54,9 +54,29 @@ let go. A model never trained here and never seen moving so, whose one or
 two no-grad passes are all it ran (an SWA or EMA copy evaluated once at the
 end, a model loaded and tested), ran an evaluation in training mode: told at
 close.
+
+A model that trained alone (every optimizer step of the process, from its
+first training pass on, its own: :data:`TRAINED_ALONE` or more) and then,
+with no step of its own and its weights unchanged, runs no-grad passes while
+other optimizers take :data:`FROZEN_AFTER` steps was trained first and is now
+used frozen: a teacher distilled from, a reward or target model. A GAN's
+generator is never trained alone (its critic steps between its own steps);
+one sampled during its critic's warm-up before its first step is no model
+trained alone either, and one pretrained alone takes its own step before its
+critic's sixth. Told then, not after :data:`IDLE_PASSES` (as one trained
+beside another optimizer still is), each pass dated at the step the other
+model's training was in at it: the model's own step count stopped. Its
+weights moving between such passes close together, with no step of its own,
+make it a target instead (a mean teacher started from it, following its
+student by EMA): silent. Those, the passes of a model whose optimizer stays
+idle, and passes in a row of a model with no optimizer each after another
+optimizer's step (a teacher loaded and distilled from) are told as a frozen
+model used in training mode, not an evaluation.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from trainwatch.record import ModeReport, StepRecord
 
@@ -82,6 +102,40 @@ IDLE_PASSES = 200
 # which an optimizer that never stepped is idle (not_optimized's patience). Fewer
 # may be a generator's samples in a run stopped before its first step.
 IDLE_AT_CLOSE = 20
+# Own optimizer steps, with no other optimizer of the process stepping between,
+# from which a model was trained alone (a teacher's training): a generator's first
+# step after its critic's warm-up is one.
+TRAINED_ALONE = 20
+# Other optimizers' steps, the model's weights unchanged and its own optimizer
+# idle, from which a model trained alone is used frozen (a teacher): more than
+# WGAN-GP's five critic steps a generator step (with a generator trained alone
+# first, a pretrained super-resolution network).
+FROZEN_AFTER = 5
+
+
+@dataclass
+class _FrozenUse:
+    """No-grad passes of a trained model since its last step of its own (a teacher
+    distilled from, if it trained alone and stays unchanged)."""
+
+    own_step: int  # the model's step count at them (a new step: a new use)
+    optimizer_steps: int  # every optimizer step of the process at the first
+    alone: bool  # trained alone up to the first
+    unchanged: bool = True  # its weights the same at every pass since
+    moving: bool = False  # they moved between two passes close together: a target
+    # Each pass, with the monitors' steps of the process at it: its date once told.
+    passes: list[tuple[StepRecord, int]] = field(default_factory=list)
+    told: bool = False  # told: each later pass is told at once
+
+
+def _mark_frozen_use(records: list[StepRecord], trained: bool) -> None:
+    """Passes of a model used frozen while another trains, a teacher or target:
+    no evaluation, so told with its own advice (``teacher.eval()`` for good)."""
+    for record in records:
+        report = record.eval_in_train
+        if report is not None:
+            report.frozen_use = True
+            report.trained_first = trained
 
 
 class EvalPassJudge:
@@ -101,6 +155,15 @@ class EvalPassJudge:
         # Its optimizer never stepped while others took IDLE_PASSES steps, one
         # between each two of its passes: every such pass is an evaluation.
         self._idle = False
+        # Every optimizer step of the process, and its own step count, at its first
+        # training pass: whether it trained alone (see _frozen_use).
+        self._trained_from: tuple[int, int] | None = None
+        self._use: _FrozenUse | None = None  # its passes since its last step
+        # Passes of the run under way that came after another optimizer's step (all
+        # but the first: used while another trains), and every optimizer step of
+        # the process at the last pass.
+        self._run_stepped = 0
+        self._optimizer_steps: int | None = None
 
     def nograd_pass(
         self,
@@ -108,6 +171,7 @@ class EvalPassJudge:
         weights: object = None,
         clock: int | None = None,
         stepped_between: bool = False,
+        steps: tuple[int, int] | None = None,
     ) -> list[StepRecord]:
         """A no-grad pass with mode-dependent modules in training mode.
 
@@ -118,7 +182,9 @@ class EvalPassJudge:
         and the model has an optimizer of its own (a frozen teacher has none: its
         passes stay judged as they are). Before the model's first training pass
         such passes are held apart (:meth:`_before_training`): its optimizer may
-        never step.
+        never step. ``steps``: every optimizer step of the process, watched or
+        not, and the step the process's training is in (what a model trained
+        alone and then used frozen is told by, :meth:`_frozen_use`).
         """
         if stepped_between and self.in_a_row and not self.trained:
             return self._before_training(record, weights, clock)
@@ -130,13 +196,22 @@ class EvalPassJudge:
             # step a generator step is.
             self._run_ends()
             self.in_a_row = 0
+        optimizer_steps = steps[0] if steps is not None else None
         if self.in_a_row == 0:
             self._follows_training = self.trained
+            self._run_stepped = 0
+        elif optimizer_steps is not None and optimizer_steps != self._optimizer_steps:
+            self._run_stepped += 1
+        self._optimizer_steps = optimizer_steps
         self.in_a_row += 1
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights = weights
         gap = clock - self._clock if clock is not None and self._clock is not None else 0
         self._clock = clock
+        if self.trained and steps is not None and clock is not None:
+            due = self._frozen_use(record, moved, gap, clock, steps)
+            if due is not None:
+                return due
         if moved and self.in_a_row >= 2 and not self.trained and gap >= SPARSE_GAP:
             # Moved by training elsewhere, yet run only now and then: an EMA
             # copy's evaluation, not a target's pass.
@@ -155,19 +230,35 @@ class EvalPassJudge:
         # a third pass is an evaluation loop. Those held are reported at the
         # step boundary or close.
         if self.in_a_row > SHORT_RUN:
-            due, self._held = [*self._held, record], []
-            return due
+            return self._in_a_row(record)
         if self.in_a_row <= self._recurring:
             return []
         self._held.append(record)
         if self.trained and len(self._held) >= IDLE_PASSES:
             # Held since the model's last step boundary of its own, IDLE_PASSES of
             # them: it stopped training (a teacher trained first, then distilled
-            # from) and no boundary will judge them. They are an evaluation; told
+            # from, not alone) and no boundary will judge them. Used frozen; told
             # now, so nothing held grows with the run.
             due, self._held = self._held, []
+            use = self._use
+            if use is not None and use.unchanged and steps is not None and clock is not None:
+                return self._used_frozen(use, due, clock, steps[1])
             return due
         return []
+
+    def _in_a_row(self, record: StepRecord) -> list[StepRecord]:
+        """A third no-grad pass in a row, with those held: an evaluation loop, told.
+
+        A model with no optimizer of its own (a teacher loaded and distilled from)
+        has its passes in a row across other models' steps: one after each such
+        step, its weights unchanged, it is used frozen while another trains.
+        """
+        if self._use is not None:
+            self._use.passes = []  # told here
+        due, self._held = [*self._held, record], []
+        if self._run_stepped >= self.in_a_row - 1:
+            _mark_frozen_use(due, self.trained)
+        return due
 
     def _before_training(
         self, record: StepRecord, weights: object, clock: int | None
@@ -175,7 +266,8 @@ class EvalPassJudge:
         """A pass after another model's step, by a model with an optimizer of its
         own that has not trained yet: a generator sampled per critic step before its
         first step, or a teacher whose optimizer stays idle. Held until its first
-        training pass lets it go, or told once :data:`IDLE_PASSES` have come."""
+        training pass lets it go, or told once :data:`IDLE_PASSES` have come: used
+        frozen, its optimizer idle."""
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights, self._clock = weights, clock
         self.in_a_row = 1
@@ -184,22 +276,100 @@ class EvalPassJudge:
             # the passes before were part of training, and its optimizer not idle.
             self._held, self._idle, self._target = [], False, True
         if self._idle:
+            _mark_frozen_use([record], False)
             return [record]
         self._held.append(record)
         if len(self._held) < IDLE_PASSES:
             return []
         self._idle = True
         due, self._held = self._held, []
+        _mark_frozen_use(due, False)
         return due
+
+    def _frozen_use(
+        self, record: StepRecord, moved: bool, gap: int, clock: int, steps: tuple[int, int]
+    ) -> list[StepRecord] | None:
+        """A pass of a model that trained, since its last step of its own: once it
+        is seen trained alone and then used frozen, told (None: judged as before).
+
+        Its weights moving between two such passes close together, with no step
+        of its own, make it a target (a mean teacher following its student by
+        EMA, started from the model trained first): those passes are training.
+        """
+        optimizer_steps, now = steps
+        use = self._use
+        if use is None or use.own_step != record.step:
+            alone = self._alone(record.step, optimizer_steps)
+            use = self._use = _FrozenUse(record.step, optimizer_steps, alone)
+        elif moved:
+            use.unchanged, use.told = False, False
+            use.moving = gap < SPARSE_GAP  # else an EMA copy evaluated now and then
+            if use.moving:
+                self._let_go(use)
+        elif use.moving and len(use.passes) >= SHORT_RUN:
+            # Unchanged since: no longer followed as a target, its passes held as before.
+            use.moving, use.passes = False, []
+        if use.moving:
+            use.passes.append((record, clock))  # let go at its next move, or at close
+            self._held.append(record)
+            return []
+        if not use.unchanged:
+            return None
+        if use.told:
+            record.step = now
+            _mark_frozen_use([record], True)
+            return [record]
+        if len(use.passes) < IDLE_PASSES:  # passes with no other step between: bounded
+            use.passes.append((record, clock))
+        if not use.alone or optimizer_steps - use.optimizer_steps < FROZEN_AFTER:
+            return None
+        due = [r for r, _ in use.passes]
+        told = {id(r) for r in due}
+        self._held = [r for r in self._held if id(r) not in told]
+        return self._used_frozen(use, due, clock, now)
+
+    def _let_go(self, use: _FrozenUse) -> None:
+        """The passes of ``use`` held so far were a target's: training, not told."""
+        passes = {id(r) for r, _ in use.passes}
+        self._held = [r for r in self._held if id(r) not in passes]
+        use.passes = []
+
+    def _used_frozen(
+        self, use: _FrozenUse, due: list[StepRecord], clock: int, now: int
+    ) -> list[StepRecord]:
+        """Passes of a model trained first, then used frozen: told, each dated at the
+        step the other model's training was in then (the monitors' steps since it,
+        counted back from now; its own step count stopped), and later ones at once."""
+        taken = {id(r): t for r, t in use.passes}
+        for record in due:
+            at = taken.get(id(record))
+            if at is not None:
+                record.step = max(0, now - (clock - at))
+        use.told, use.passes = True, []
+        _mark_frozen_use(due, True)
+        return due
+
+    def _alone(self, own_step: int, optimizer_steps: int) -> bool:
+        """No other optimizer of the process stepped since its first training pass,
+        and it took :data:`TRAINED_ALONE` steps or more. (Fewer steps of the process
+        than its own: a mixed-precision step skipped, never another's.)"""
+        start = self._trained_from
+        if start is None:
+            return False
+        taken = own_step - start[1]
+        return taken >= TRAINED_ALONE and optimizer_steps - start[0] <= taken
 
     def _run_ends(self) -> None:
         """A run of no-grad passes ended: a short one may be part of every step."""
         if self.in_a_row <= SHORT_RUN:
             self._run_now = max(self._run_now, self.in_a_row)
 
-    def training_pass(self) -> None:
+    def training_pass(self, steps: tuple[int, int] | None = None) -> None:
+        """``steps``: every optimizer step of the process and the model's own step
+        count now (kept from the first: whether it trains alone)."""
         self._run_ends()
         if not self.trained:
+            self._trained_from = steps
             # Passes before the model's first training pass, too few to be an
             # evaluation loop (three are told at once): a shape check or a dry
             # run of the model just built; or a generator's samples, one per
@@ -255,9 +425,14 @@ class EvalPassJudge:
         two passes are all there is (an SWA or EMA copy evaluated once at the
         end, a model loaded and tested), ran an evaluation in training mode: told.
         """
+        use = self._use
+        if use is not None and use.moving:
+            self._let_go(use)  # a target's last passes, no next one to show it moving
         due, self._held = self._held, []
         if not self.trained and optimized and len(due) < IDLE_AT_CLOSE:
             return []  # it may still train: a smoke run stopped in its critic's steps
+        if not self.trained and optimized:
+            _mark_frozen_use(due, False)  # its optimizer idle while others stepped
         if not self.trained and self._target and len(due) <= SHORT_RUN:
             return []
         return due

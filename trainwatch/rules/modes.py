@@ -26,6 +26,19 @@ def _data(report: ModeReport) -> dict[str, object]:
     }
 
 
+def _effect(report: ModeReport) -> str:
+    """What a frozen model's modules in training mode do to what it computes."""
+    said = []
+    if any("norm" not in kind.lower() for kind in report.kinds):
+        said.append("its dropout is on, so what it computes for the rest of the model is noisy")
+    if any("norm" in kind.lower() for kind in report.kinds):
+        said.append(
+            "its batch norm normalises with each batch's statistics and keeps "
+            "overwriting its running averages"
+        )
+    return "; ".join(said)
+
+
 class EvalInTrainModeRule(Rule):
     id = "eval_in_train_mode"
     needs = frozenset({"modes"})
@@ -47,6 +60,8 @@ class EvalInTrainModeRule(Rule):
             return []
         if report.during_training:
             return [self._frozen_part(record.step, report)]
+        if report.frozen_use:
+            return [self._frozen_use(record.step, report)]
         if (
             record.step == self._told_step
             and report.total < self._told_total
@@ -77,6 +92,34 @@ class EvalInTrainModeRule(Rule):
             )
         ]
 
+    def _frozen_use(self, step: int, report: ModeReport) -> Alert:
+        """A model trained first and then run unchanged under no_grad while another
+        trains (a teacher distilled from, a reward model) is no evaluation: the
+        advice is to put it in eval mode once, for good."""
+        how = (
+            "trained here first, then its weights unchanged and no step of its own"
+            if report.trained_first
+            else "its weights unchanged and no step of its own"
+        )
+        done = "once its training is over" if report.trained_first else "once, before using it"
+        return self.alert(
+            step,
+            report.modules[0],
+            f"a frozen model runs without gradients in training mode while another model "
+            f"trains, as a teacher or target ({how}): {len(report.modules)} of "
+            f"{report.total} mode-dependent modules in training mode: {_listing(report)}; "
+            f"{_effect(report)}",
+            f"call teacher.eval() {done}, and no teacher.train() after (not after an "
+            "evaluation either): a teacher's or target's outputs should be its "
+            "deterministic predictions, with batch norm's running statistics. Nothing "
+            "to do if the noise is intended.",
+            {
+                **_data(report),
+                "finding": "frozen model used in training mode",
+                "trained_first": report.trained_first,
+            },
+        )
+
     def _frozen_part(self, step: int, report: ModeReport) -> Alert:
         """Info: training mode may be the intent (a frozen backbone's batch norm
         adapting its statistics to new data, a mean teacher's dropout), but a frozen
@@ -85,13 +128,7 @@ class EvalInTrainModeRule(Rule):
         holds and no gradient reaches (a teacher run under ``no_grad``, never
         frozen) trains no more than a frozen one: the same finding, the same
         severity, its message saying so."""
-        dropout = any("norm" not in kind.lower() for kind in report.kinds)
-        effect = (
-            "its dropout is on, so what it computes for the rest of the model is noisy"
-            if dropout
-            else "its batch norm normalises with each batch's statistics and keeps "
-            "overwriting its running averages"
-        )
+        effect = _effect(report)
         part = (
             "a part of the model that no optimizer trains (no optimizer holds its "
             "parameters, which get no gradient; an EMA or momentum target moved by hand "
