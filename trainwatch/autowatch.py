@@ -78,6 +78,9 @@ _REPLACED_LOOKS = 20
 # its model's next call (a loop building a model copy and an optimizer per
 # task, as Reptile does, would otherwise scan the heap per task).
 _SEARCHES_AT_FIRST_STEP = 4
+# Scans for the model holding a module called on its own, whose optimizer holds
+# more than that module, that may find none (see AutoWatch._holder_called_through).
+_PART_SEARCHES = 4
 
 
 class StopRun(BaseException):
@@ -374,6 +377,52 @@ def _modules_holding(params: list[torch.Tensor]) -> bool:
     )
 
 
+def _optimizers_over(params: list[torch.Tensor]) -> list[Optimizer]:
+    """The live optimizers holding any of ``params`` (one scan of live objects).
+
+    One whose steps no hook sees (it never ran ``Optimizer.__init__`` and wraps
+    no optimizer that did) is left out: the model's steps are then its backward
+    ends, as for hand-written updates.
+    """
+    wanted = {id(p) for p in params}
+    return [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), Optimizer)
+        and _holds_any(obj, wanted)
+        and takes_step_hooks(inner_optimizer(obj))
+    ]
+
+
+def _holds_any(optimizer: Optimizer, wanted: set[int]) -> bool:
+    return any(id(p) in wanted for g in optimizer.param_groups for p in g["params"])
+
+
+def _holds_more(optimizer: Optimizer, params: list[torch.Tensor]) -> bool:
+    """The optimizer holds every trainable one of ``params`` and others besides."""
+    held = {id(p) for p in _parameters_of(optimizer)}
+    trainable = [id(p) for p in params if p.requires_grad]
+    return bool(trainable) and held.issuperset(trainable) and bool(held - {id(p) for p in params})
+
+
+def _smallest_holder(module: nn.Module, optimizers: list[Optimizer]) -> nn.Module | None:
+    """The live module with the fewest parameters that contains ``module`` and
+    holds every parameter of ``optimizers`` (one scan of live objects); None when
+    they are spread over separate models."""
+    wanted = {id(p) for optimizer in optimizers for p in _parameters_of(optimizer)}
+    best, size = None, 0
+    for obj in gc.get_objects():
+        # By type: isinstance asks a dead weak proxy among the live objects and raises.
+        if obj is module or not issubclass(type(obj), nn.Module):
+            continue
+        if not any(sub is module for sub in obj.modules()):
+            continue
+        held = {id(p) for p in obj.parameters()}
+        if held.issuperset(wanted) and (best is None or len(held) < size):
+            best, size = obj, len(held)
+    return best
+
+
 def _part_of(monitor: Monitor, module: nn.Module) -> bool:
     """The monitor is ours, has watched no step, and watches a submodule of ``module``."""
     if monitor.closed or monitor.step_count:
@@ -492,6 +541,10 @@ class AutoWatch:
             weakref.WeakKeyDictionary()
         )
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        # Monitors of a model called through its parts (see _holder_called_through),
+        # and the scans for such a model that found none.
+        self._through_parts: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        self._part_searches = 0
         self._stop_next = False
         self._closed = False
         # Keyed by (model, the alert's own key): a later finding of one (rule,
@@ -897,19 +950,26 @@ class AutoWatch:
         if not params:
             return  # a loss module
         part = None
+        scanned: list[Optimizer] | None = None  # the optimizers over it, if looked for
         if called:
             holder = _lightning_module_holding(module)
+            if holder is None and not any(map(registry.owner_of, params)):
+                holder, scanned = self._holder_called_through(module, params)
             if holder is not None:
                 # A LightningModule's training_step calls its parts (self.encoder(x),
-                # self.head(z)) and never the module itself: it is the model, and
-                # each outermost call of a part is one of its passes.
+                # self.head(z)) and never the module itself, as a PPO agent's
+                # get_value(x) calls self.critic(x): it is the model, and each
+                # outermost call of a part is one of its passes.
                 if holder in self._seen:
                     return
                 self._seen.add(holder)
                 part, module = module, holder
                 params = list(module.parameters())
+                scanned = None  # looked for over the part's parameters only
         owners = {id(o): o for o in map(registry.owner_of, params) if o is not None}
         if owners:
+            if called and self._inside_model_of(owners.values(), module):
+                return  # another part of a model watched through its parts
             # Already watched: by us as part of a bigger model, or by the
             # script's own tw.watch / Lightning callback; or by us as a part of
             # this module called on its own before any step (a shape check on
@@ -953,10 +1013,11 @@ class AutoWatch:
         if not monitor.optimizers:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
-            self._find_optimizers(monitor)
+            self._find_optimizers(monitor, scanned)
         if not monitor.optimizers and (self._not_called or self._stale_optimizers):
             self._continue_steps(monitor)
         if part is not None:
+            self._through_parts.add(monitor)
             monitor.watch_parts()
             monitor.pass_started(part, args)  # this very call of the part is a pass
         elif called:
@@ -1248,26 +1309,65 @@ class AutoWatch:
         except Exception as exc:
             self._internal.internal_error("trainwatch run: model search", exc, self.steps)
 
-    def _find_optimizers(self, monitor: Monitor) -> bool:
-        """Attach live optimizers holding the monitor's parameters (one heap scan).
-
-        One whose steps no hook sees (it never ran ``Optimizer.__init__`` and
-        wraps no optimizer that did) is left out: the model's steps are then
-        its backward ends, as for hand-written updates.
-        """
+    def _find_optimizers(self, monitor: Monitor, found: list[Optimizer] | None = None) -> bool:
+        """Attach live optimizers holding the monitor's parameters (one heap scan,
+        none when ``found`` gives those of the scan just made over them)."""
         try:
-            params = {id(p) for p in monitor.model.parameters()}
-            for obj in gc.get_objects():
-                if (
-                    issubclass(type(obj), Optimizer)
-                    and any(id(p) in params for g in obj.param_groups for p in g["params"])
-                    and takes_step_hooks(inner_optimizer(obj))
-                ):
-                    self._handled.add(obj)
-                    self._attach(obj)
+            if found is None:
+                found = _optimizers_over(list(monitor.model.parameters()))
+            for optimizer in found:
+                self._handled.add(optimizer)
+                self._attach(optimizer)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer search", exc, self.steps)
         return bool(monitor.optimizers)
+
+    def _holder_called_through(
+        self, module: nn.Module, params: list[torch.Tensor]
+    ) -> tuple[nn.Module | None, list[Optimizer] | None]:
+        """The model ``module`` is a part of, when the loop calls its parts and never
+        the model (a PPO agent's ``get_value(x)`` calling ``self.critic(x)``, a Siamese
+        net's ``forward_once``); with the optimizers the heap scan found over
+        ``module`` (None: none made, a pending one holds it).
+
+        Told by an optimizer known now that holds all of the module's trainable
+        parameters and more: the module containing it whose parameters cover that
+        optimizer's is looked for (one scan of live modules), the smallest one.
+        An optimizer over exactly the module (a per-task copy's inner SGD) asks
+        for no scan; after :data:`_PART_SEARCHES` scans that found no such
+        module (an optimizer over two separate models), none is made.
+        """
+        scanned = None
+        try:
+            wanted = {id(p) for p in params}
+            known = [o for o in self._pending if _holds_any(o, wanted)]
+            if not known:
+                known = scanned = _optimizers_over(params)
+            wider = [o for o in known if _holds_more(o, params)]
+            if not wider or self._part_searches >= _PART_SEARCHES:
+                return None, scanned
+            holder = _smallest_holder(module, wider)
+            if holder is None or not self._may_hold(holder):
+                self._part_searches += 1
+                return None, scanned
+        except Exception as exc:  # the module is watched on its own, as before
+            self._internal.internal_error("trainwatch run: model search", exc, self.steps)
+            return None, scanned
+        return holder, scanned
+
+    def _may_hold(self, holder: nn.Module) -> bool:
+        """Whether ``holder`` may be watched: none of its parameters watched yet, or
+        only by parts of it that have taken no step (they give way to it)."""
+        owners = {id(o): o for o in map(registry.owner_of, holder.parameters()) if o is not None}
+        return all(o in self.monitors and _part_of(o, holder) for o in owners.values())
+
+    def _inside_model_of(self, owners: Any, module: nn.Module) -> bool:
+        """Whether ``module`` is inside the model of one of ``owners`` watched through
+        its parts: then its calls are that model's passes."""
+        return any(
+            owner in self._through_parts and any(sub is module for sub in owner.model.modules())
+            for owner in owners
+        )
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._receiver is not None:

@@ -103,6 +103,9 @@ class BroadcastReport:
     # "training": in a training step's loss; "evaluation": in what an evaluation
     # computed from the model's outputs (a validation loss, a metric).
     phase: str = "training"
+    # The part of the model whose output it is, called on its own (a PPO agent's
+    # ``critic``); None for the model's own output.
+    module: str | None = None
 
 
 @dataclass

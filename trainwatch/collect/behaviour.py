@@ -316,7 +316,7 @@ class BehaviourWatch:
             elif self.check_eval_pass:
                 self._nograd_modes(model, modes, part)
         if self.broadcast is not None:
-            self.broadcast.pass_ends(output, grad)
+            self.broadcast.pass_ends(output, grad, None if part is None else part[0])
         if not grad or not module.training:
             self._evaluation_ends(module, output, grad)
 

@@ -507,6 +507,8 @@ class BroadcastAudit:
         self._tracked: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
+        # By id, of the tracked tensors made from a part's pass: the part's name.
+        self._parts: dict[int, str] = {}
         # Tensors given a size-1 axis in the loss (z.unsqueeze(1), keys[:, None]),
         # by id, with the positions of the axes given: one placed to pair each
         # sample with every other (a distance to each key of a momentum encoder,
@@ -557,8 +559,9 @@ class BroadcastAudit:
         enter_loss_mode(self._mode)
         self._depth = torch._C._len_torch_function_stack()
 
-    def pass_ends(self, output: Any, grad: bool) -> None:
+    def pass_ends(self, output: Any, grad: bool, part: str | None = None) -> None:
         """The pass ended (also when it raised); with gradients on, follow its output.
+        ``part``: the name of the part of the model the pass called on its own.
 
         A pass without gradients is not followed, but it does not end the span
         of the step's earlier passes: a DQN's target ``net(s2).max(1)`` or an
@@ -568,7 +571,7 @@ class BroadcastAudit:
         _IN_PASS.discard(self)
         self._leave_inside()
         if grad:
-            self.start(output)
+            self.start(output, part)
         elif self._follows_earlier_passes():
             self._enter()
         else:
@@ -579,17 +582,19 @@ class BroadcastAudit:
             self.inside = False
             self._labels.clear()
 
-    def start(self, output: Any) -> None:
+    def start(self, output: Any, part: str | None = None) -> None:
         """The model produced ``output`` with gradients on: follow it into the loss.
 
         Tensors of the step's earlier passes stay followed: a loss may stack
-        the outputs of one pass per environment step.
+        the outputs of one pass per environment step. ``part``: the part of the
+        model that made them, called on its own (a PPO agent's ``critic``), which
+        a finding on them names.
         """
         if not self.live or self.steps_left <= 0:
             return
         self.audited_pass = True
         for tensor in _tensors(output):
-            self._track(tensor)
+            self._track(tensor, part)
             if self._batch is None and tensor.dim() > 0:
                 self._batch = tensor.shape[0]
         self._enter()
@@ -623,6 +628,7 @@ class BroadcastAudit:
     def step_boundary(self) -> list[BroadcastReport]:
         self.stop()
         self._tracked.clear()
+        self._parts.clear()
         self._given.clear()
         _IN_PASS.discard(self)
         if self.audited_pass:
@@ -659,6 +665,7 @@ class BroadcastAudit:
         self._leave_inside()
         self.stop()
         self._tracked.clear()
+        self._parts.clear()
         self._given.clear()
         _IN_PASS.discard(self)
 
@@ -670,9 +677,24 @@ class BroadcastAudit:
         self._on_error("broadcast audit", exc)
 
     # -- inside the mode -------------------------------------------------------
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, part: str | None = None) -> None:
         if len(self._tracked) < _MAX_TRACKED:
             self._tracked[id(tensor)] = tensor
+            if part is not None:
+                self._parts[id(tensor)] = part
+            elif self._parts:
+                self._parts.pop(id(tensor), None)  # an id freed and given again
+
+    def _part_of(self, tensors: Any) -> str | None:
+        """The part whose pass made the first of ``tensors`` derived from one."""
+        if not self._parts:
+            return None
+        for tensor in tensors:
+            if self._derived(tensor):
+                part = self._parts.get(id(tensor))
+                if part is not None:
+                    return part
+        return None
 
     def _follows(self, tensor: torch.Tensor, name: str) -> bool:
         """Followed: what carries the model's gradient, and its detached copy (an
@@ -719,9 +741,10 @@ class BroadcastAudit:
             return
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        part = self._part_of(_inputs(args, kwargs))
         for tensor in _tensors(out):
             if self._follows(tensor, name):
-                self._track(tensor)
+                self._track(tensor, part)
         if (
             name in _REGRESSION
             and self.target_spread is None
@@ -773,4 +796,7 @@ class BroadcastAudit:
         op = name.strip("_")
         if op.startswith("r") and name.startswith("__r"):
             op = op[1:]  # __rsub__: the same subtraction, operands swapped
-        self.findings.append(BroadcastReport(op, [first, second], result, _user_line(), self.phase))
+        part = self._part_of((a, b) if self._derived(a) else (b, a))
+        self.findings.append(
+            BroadcastReport(op, [first, second], result, _user_line(), self.phase, part)
+        )

@@ -83,7 +83,7 @@ class BroadcastRule(Rule):
             alerts.append(
                 self.alert(
                     record.step,
-                    None,
+                    found.module,
                     f"{found.op} of {_shape(first)} and {_shape(second)} broadcast to "
                     f"{_shape(found.result)}{where}"
                     f"{' in an evaluation pass' if evaluation else ''}: every sample is "
