@@ -210,7 +210,8 @@ def test_the_fits_alerts_and_counts_outlive_an_evaluation_run_after_it(tmp_path,
     from torch.utils.data import DataLoader, TensorDataset
 
     callback = TrainWatchCallback(console=False, log_dir=tmp_path / "log")
-    trainer = _trainer(tmp_path, callback)
+    # No val loader in the fit: limit_val_batches=0 would skip validate() too.
+    trainer = _trainer(tmp_path, callback, limit_val_batches=None)
     model = BoringNet(freeze_fc1=True)
     trainer.fit(model)
     fitted = [(a.rule, a.module, a.step) for a in callback.alerts]
@@ -229,7 +230,7 @@ def test_an_evaluation_run_after_a_clean_fit_stays_clean(tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
 
     callback = TrainWatchCallback(console=False, log_dir=tmp_path / "log")
-    trainer = _trainer(tmp_path, callback)
+    trainer = _trainer(tmp_path, callback, limit_val_batches=None)
     model = BoringNet()
     trainer.fit(model)
     x = torch.randn(16, 8)

@@ -85,7 +85,7 @@ class TrainWatchCallback(TrainerCallback):
     # -- public surface ------------------------------------------------------
     @property
     def alerts(self) -> list[Alert]:
-        """Every alert so far, oldest first."""
+        """The latest ``train()``'s alerts, oldest first: each ``train()`` is a run of its own."""
         return self._monitor.alerts if self._monitor is not None else []
 
     @property

@@ -48,6 +48,13 @@ class TrainWatchCallback(Callback):
     ``log_dir`` defaults to the trainer's log dir (the TensorBoardLogger's
     version directory). Alerts from every rank are reported by global rank
     zero only.
+
+    Each ``trainer.fit()`` is a run of its own: a callback handed to several
+    Trainers in turn (k-fold cross-validation) starts every fit with a fresh
+    Monitor and fresh tallies, so a finding is told in each fit that has it and
+    no fit's summary or ``alert_counts.json`` holds another's. ``validate()``,
+    ``test()`` or ``predict()`` after a run goes on from it instead: its alerts
+    stay, and no second summary is printed unless the evaluation found something.
     """
 
     def __init__(
@@ -65,6 +72,8 @@ class TrainWatchCallback(Callback):
         self._monitor: Monitor | None = None
         self._reporter: Reporter | None = None
         self._restored: dict[str, Any] | None = None
+        # The tallies an evaluation run took over from the run before it.
+        self._carried: dict[Any, int] | None = None
         self._phase: Phase | None = None
         self._batches = 0
         self._failed = False
@@ -72,7 +81,9 @@ class TrainWatchCallback(Callback):
     # -- public surface ------------------------------------------------------
     @property
     def alerts(self) -> list[Alert]:
-        """Every alert so far, oldest first; on rank zero, those of every rank."""
+        """The latest ``fit()``'s alerts (and those of the evaluation runs after it),
+        oldest first; on rank zero, those of every rank. An earlier fit's are on
+        disk (``alerts.jsonl``), not here: each fit is a run of its own."""
         if self._monitor is not None and not self._monitor.closed:
             self._monitor.alerts  # noqa: B018 - lands a lagged readback
         if self._reporter is None:
@@ -90,7 +101,7 @@ class TrainWatchCallback(Callback):
 
     # -- starting and stopping -----------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer, pl_module, list(trainer.optimizers))
+        self._start(trainer, pl_module, list(trainer.optimizers), carry=False)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start_for_evaluation(trainer, pl_module)
@@ -130,10 +141,15 @@ class TrainWatchCallback(Callback):
 
     def _start_for_evaluation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._monitor is None or self._monitor.closed:
-            self._start(trainer, pl_module, [])
+            self._start(trainer, pl_module, [], carry=True)
 
     def _start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list[Any]
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizers: list[Any],
+        *,
+        carry: bool,
     ) -> None:
         if self._monitor is not None and not self._monitor.closed:
             return
@@ -145,8 +161,9 @@ class TrainWatchCallback(Callback):
         try:
             sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
             reporter = Reporter(rank, sinks)
-            if self._reporter is not None:
-                _quietly(_carry, self._reporter, reporter)
+            earlier = self._reporter if carry else None
+            if earlier is not None:
+                _quietly(_carry, earlier, reporter)
             # "16-mixed" precision keeps its GradScaler on the precision plugin.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             monitor = Monitor(
@@ -174,6 +191,8 @@ class TrainWatchCallback(Callback):
             _quietly(monitor.load_state_dict, {"step": step})
         for optimizer in optimizers:
             _quietly(monitor.add_optimizer, _unwrap(optimizer))
+        # What the run before left (a checkpoint's findings too) was told already.
+        self._carried = _counts(reporter) if earlier is not None else None
 
     def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
         """The default sinks; TensorBoard writes through the logger's writer when there is one."""
@@ -192,6 +211,9 @@ class TrainWatchCallback(Callback):
         if reporter is not None and not reporter.closed:
             if reporter.outbox is not None and reporter.outbox.pending:
                 self._report_undelivered(reporter)
+            if self._carried is not None and _counts(reporter) == self._carried:
+                # The run before already printed these: no summary saying them again.
+                _quietly(_without_summary, reporter)
             _quietly(reporter.close)
 
     def _report_undelivered(self, reporter: Reporter) -> None:
@@ -295,12 +317,24 @@ class TrainWatchCallback(Callback):
 
 
 def _carry(earlier: Reporter, later: Reporter) -> None:
-    """A later run of the same callback (``trainer.validate()`` or ``test()`` after
-    ``fit()``) goes on from the earlier run's alerts: ``alerts`` still holds them,
-    a repeat of one is counted as a repeat, and the counts written when the later
-    run ends (``alert_counts.json``) include them."""
+    """An evaluation run of the same callback (``trainer.validate()`` or ``test()``
+    after ``fit()``) goes on from the earlier run's alerts: ``alerts`` still holds
+    them, a repeat of one is counted as a repeat, and the counts written when the
+    later run ends (``alert_counts.json``) include them. A later ``fit()`` does not:
+    it trains a model of its own, whose findings are all news."""
     later.dispatcher.load_state_dict(earlier.dispatcher.state_dict())
     later.memory.alerts.extend(earlier.memory.alerts)
+
+
+def _counts(reporter: Reporter) -> dict[Any, int]:
+    """Each finding's count: unchanged over an evaluation run, it told nothing new."""
+    return {key: tally.count for key, tally in reporter.dispatcher.tallies.items()}
+
+
+def _without_summary(reporter: Reporter) -> None:
+    for sink in reporter.dispatcher.sinks:
+        if isinstance(sink, ConsoleSink):
+            sink.print_summary = False
 
 
 def _global_step(trainer: pl.Trainer) -> int:

@@ -108,7 +108,8 @@ class ConsoleSink(Sink):
             highlight=False,
             soft_wrap=True,
         )
-        self._summary = summary
+        # Whether close() prints the summary table.
+        self.print_summary = summary
         self._top = top_layers
 
     def emit(self, alert: Alert) -> None:
@@ -160,7 +161,7 @@ class ConsoleSink(Sink):
         self.console.print(rich_view(audit))
 
     def close(self, summary: Summary) -> None:
-        if not self._summary:
+        if not self.print_summary:
             return
         if summary.steps == 0:
             if summary.idle:
