@@ -323,6 +323,9 @@ class StepRecord:
     # Hand-written updates under trainwatch run: the boundary whose backward first
     # added onto used gradients, confirmed at this one (None: this one).
     accumulated_since: int | None = None
+    # A model no optimizer holds, with accumulated or never-reset gradients: the
+    # model an optimizer trains that it is a copy of (its target network), by name.
+    copy_of: str | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
     # The layout of ``present`` kept across steps (a GradientLayout), when its
     # norms were planned: its per-layer sums, and a layout rules saw before.

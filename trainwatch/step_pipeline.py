@@ -31,6 +31,7 @@ from trainwatch.collect.between_backwards import IDLE_STEPS as WIPES_IDLE_STEPS
 from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
+from trainwatch.collect.copies import copied_model
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.gradless_updates import GradlessUpdates
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
@@ -269,6 +270,10 @@ class StepPipeline:
         # step before this one is often another optimizer's.
         self._applied_at: dict[int | None, int] = {}
         self._hand_updates = HandUpdates()
+        # The model an optimizer trains that this one copies (see _copied_model).
+        self._copy_looked = False
+        self._copy_of: str | None = None
+        self._copy_told = False
         self._frozen_moves = FrozenMoves()
         self._gradless_updates = GradlessUpdates()
         # Names found for frozen parameters outside the model, by their placeholder.
@@ -809,7 +814,27 @@ class StepPipeline:
             return False  # no model here trains with an optimizer (yet): hand-written loops
         record.not_optimized = list(stale)
         record.idle_steps = elsewhere
+        record.copy_of = self._copied_model()
+        # A target network told here is not told again once the loop moves it.
+        self._copy_told = record.copy_of is not None
         return True
+
+    def _name_the_copy(self, record: StepRecord) -> None:
+        """Gradients pile up in this model, which no optimizer holds, while the loop
+        moves its weights: a copy of a model an optimizer trains is its target network,
+        fed gradients by a target computed with them, not a hand-written update that
+        forgot its reset."""
+        record.copy_of = self._copied_model()
+        if record.copy_of is not None and self._copy_told:
+            record.accumulated = []  # told when it had not moved yet
+
+    def _copied_model(self) -> str | None:
+        """The model an optimizer trains that this one is a copy of, looked for once
+        (a finding is due: never on the healthy step)."""
+        if not self._copy_looked:
+            self._copy_looked = True
+            self._copy_of = self._guarded("target copies", copied_model, self._root)
+        return self._copy_of
 
     def _optimizer_idle(self, steps: int, params: list[nn.Parameter]) -> None:
         """The model's optimizer never stepped while other models took ``steps`` steps."""
@@ -1292,6 +1317,8 @@ class StepPipeline:
             )
             if record.accumulated and steps_end_at_backward:
                 record.accumulated_since = hand.suspected_since
+            if record.accumulated:
+                self._name_the_copy(record)
             if (
                 hand.never_moved is not None
                 and hand.never_moved >= NEVER_MOVED

@@ -22,6 +22,13 @@ _HAND_HINT = (
     "it every update re-applies all earlier gradients."
 )
 
+_TARGET_HINT = (
+    "compute the target under torch.no_grad() (or .detach() it) so that backward "
+    "stops there; a target network updated only by the loop is best frozen too "
+    "(target.requires_grad_(False)). If the loop does train this copy from its own "
+    "gradients (fast weights updated by hand), reset them once the update has used them."
+)
+
 
 class AccumulatedGradientRule(Rule):
     id = "accumulated_gradient"
@@ -31,6 +38,8 @@ class AccumulatedGradientRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.accumulated:
             return []
+        if record.copy_of is not None:
+            return [self._target(record)]
         owners = by_owner(record.accumulated)
         by_hand = record.source == "manual"
         # Under trainwatch run a second boundary confirms what the first found:
@@ -67,3 +76,29 @@ class AccumulatedGradientRule(Rule):
                 },
             )
         ]
+
+    def _target(self, record: StepRecord) -> Alert:
+        """A copy of a trained model, which no optimizer holds and the loop moves by
+        hand (a Polyak or synced target network), receives gradients: no missing
+        reset, but a target computed with gradients, which reach what fed it too."""
+        step = record.step if record.accumulated_since is None else record.accumulated_since
+        return self.alert(
+            step,
+            None,
+            f"backward writes gradients into this model, the copy of {record.copy_of} "
+            "that no optimizer holds and the loop updates by hand (a target network), in "
+            f"{len(record.accumulated)} parameters ({short_names(record.accumulated, 3)}), "
+            "where they pile up unreset: its output is used with gradients, most likely "
+            "a target computed without torch.no_grad() or .detach(), which also sends "
+            "gradients into what trains and feeds the target (SAC's actor and "
+            "temperature), for their optimizers to apply",
+            _TARGET_HINT,
+            {
+                "parameters": len(record.accumulated),
+                "modules": list(by_owner(record.accumulated)),
+                "method": record.accumulation_method,
+                "optimizer": record.optimizer,
+                "kind": "target_receives_gradients",
+                "copy_of": record.copy_of,
+            },
+        )

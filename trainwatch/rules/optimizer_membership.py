@@ -361,10 +361,37 @@ class NotOptimizedRule(_ReportOnce):
             },
         )
 
+    def _frozen_target(
+        self, record: StepRecord, params: list[ParamInfo], owners: list[str]
+    ) -> Alert:
+        """A copy of a trained model that nothing updates gets gradients: a frozen
+        target or reference whose output is used with gradients."""
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            f"{short_names(params)} of this model, the copy of {record.copy_of} that no "
+            "optimizer holds and nothing updates, hold gradients that are never reset, "
+            f"while other models' optimizers took {record.idle_steps} steps: backward "
+            "reaches it, most likely through a target or reference computed without "
+            "torch.no_grad() or .detach(), which also sends gradients into whatever it "
+            "was computed from",
+            "compute the target under torch.no_grad() (or .detach() it) and freeze the "
+            "copy (requires_grad_(False)); if it should train instead, hand its "
+            "parameters to an optimizer.",
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "kind": "target_receives_gradients",
+                "copy_of": record.copy_of,
+            },
+        )
+
     def _never_updated(
         self, record: StepRecord, params: list[ParamInfo], owners: list[str]
     ) -> Alert:
         """No optimizer holds the model, and its weights never moved: left out of them."""
+        if record.copy_of is not None:
+            return self._frozen_target(record, params, owners)
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",

@@ -1,0 +1,50 @@
+"""Which model an optimizer trains that this model, which none holds, is a copy of.
+
+A model no optimizer holds whose gradients pile up unreset while the loop
+moves its weights by hand looks like a hand-written update missing its
+``zero_grad()``. When it has the very parameters, shape for shape and in
+order, of a model an optimizer trains (a ``copy.deepcopy``, a second
+instance loaded from its state dict), it is that model's target network (a
+Polyak/EMA target, a DQN target synced every few hundred steps, a frozen
+reference): its weights come from the other model, not from its gradients,
+and those gradients say its output was used with gradients (a TD target
+built outside ``torch.no_grad()``), which also sends gradients into
+whatever fed it.
+
+Asked only once a finding is due, never on the healthy step, of the open
+monitors: their names are those the alerts use (``Critic#2`` under
+``trainwatch run``). A model no monitor watches is not looked for: a scan of
+live objects would meet models and optimizers the script has dropped but the
+collector not yet freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from trainwatch import registry
+from trainwatch.compiled import unwrap
+
+
+def _signature(params: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(p.shape) for p in params)
+
+
+def copied_model(root: nn.Module) -> str | None:
+    """The name of an open monitor's model, stepped by an optimizer, whose parameters
+    match ``root``'s shape for shape and in order (None: no such model)."""
+    own = list(root.parameters())
+    if not own:
+        return None
+    signature = _signature(own)
+    mine = {id(p) for p in own}
+    for owner in registry.owners():
+        if not owner.optimizers:
+            continue
+        params = list(owner.model.parameters())
+        if params and id(params[0]) not in mine and _signature(params) == signature:
+            return owner.model_name or type(unwrap(owner.model)).__name__
+    return None
