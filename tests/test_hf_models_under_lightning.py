@@ -80,6 +80,7 @@ def test_regression_head_against_n_labels_is_a_broadcast_and_matching_shapes_are
     torch.manual_seed(0)
     good = _fit(tmp_path / "good", HFModule("bert", model=bert(1), regression="(N, 1)"), steps=3)
     # training_step calls the wrapped model; the LightningModule has no forward of
-    # its own, so its parts are the passes from the first step on.
-    assert bad == [("broadcast", 0, None)]
+    # its own, so its parts are the passes from the first step on; the finding
+    # names the part whose output was broadcast (``self.model``).
+    assert bad == [("broadcast", 0, "model")]
     assert good == []
