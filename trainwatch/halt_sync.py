@@ -18,19 +18,31 @@ when both fall on a step, and this object exists without ``halt_on`` too
 
 When a check returns or raises, the backend holds none of its tensors
 (``trainwatch.followed_collectives`` says why that matters at exit).
+
+A monitor has its own built by :func:`halt_sync_for_run` at its first step
+boundary, where it also learns which rank it writes for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from trainwatch.alert import Alert
 from trainwatch.errors import TrainingHealthError
 from trainwatch.followed_collectives import Followed
-from trainwatch.whole_layers import WholeLayerNorms
+from trainwatch.sinks.base import StepNumbers
+from trainwatch.whole_layers import Deliver, WholeLayerNorms, fully_sharded
+
+if TYPE_CHECKING:
+    from trainwatch.config import Config
+    from trainwatch.dispatch import Dispatcher
+    from trainwatch.step_pipeline import StepPipeline
 
 
 def process_group_up() -> bool:
@@ -108,3 +120,74 @@ class HaltSync:
                     )
         self.held = None
         raise TrainingHealthError(alert)
+
+
+def halt_sync_for_run(
+    config: Config,
+    root: nn.Module,
+    pipeline: StepPipeline,
+    dispatcher: Dispatcher,
+    *,
+    relayed: bool,
+    after_step: list[Callable[[int], None]],
+    before_halt: list[Callable[[], None]],
+    on_error: Callable[[str, BaseException], None],
+) -> HaltSync | None:
+    """A monitor's step-end collective across ranks (the halt check; under FSDP2 the
+    whole-layer norms too), or None where none is needed.
+
+    Built at the first step boundary, not at watch time: the process group is
+    often set up after the model is watched. Then too each rank's alerts are
+    stamped with its rank (unless a relay, ``relayed``, stamps them), and under
+    FSDP2 the pipeline is given its whole-layer norms. ``after_step`` and
+    ``before_halt`` are the monitor's own lists (adapters add to them later).
+    """
+    if not running_distributed():
+        return None
+    if not relayed:
+        # Each rank writes its own sinks: say which rank each alert is from.
+        dispatcher.rank = torch.distributed.get_rank()
+    if fully_sharded(root):
+        pipeline.whole = WholeLayerNorms(
+            config.distributed.gather_every,
+            pipeline.layers.layers,
+            _report_whole_norms(pipeline, dispatcher),
+            on_error,
+        )
+    if not (config.halt_on or pipeline.whole is not None or after_step):
+        return None
+    sync = HaltSync(
+        config.distributed.halt_check_every,
+        halting=bool(config.halt_on),
+        layers=pipeline.whole,
+    )
+    sync.after_step = after_step
+    sync.before_halt = before_halt
+    sync.report_remote = None if relayed else _report_remote(dispatcher)
+    return sync
+
+
+def _report_whole_norms(pipeline: StepPipeline, dispatcher: Dispatcher) -> Deliver:
+    """Under FSDP2, a step's whole-layer norms summed across ranks become what is
+    reported (``grad_norms()``, the sinks' numbers). The pipeline, which holds the
+    norms' collector, is reached weakly: no cycle keeps a dropped monitor's alive."""
+    ref = weakref.ref(pipeline)
+
+    def deliver(step: int, optimizer: int | None, norms: dict[str, float], total: float) -> None:
+        target = ref()
+        if target is None:
+            return
+        target.latest_by_source[optimizer] = norms
+        target.total_norm = total
+        dispatcher.numbers(StepNumbers(step, norms, total))
+
+    return deliver
+
+
+def _report_remote(dispatcher: Dispatcher) -> Callable[[Alert], None]:
+    """Another rank's halting alert, written by this rank's sinks (rank zero)."""
+
+    def report(alert: Alert) -> None:
+        dispatcher.publish([alert], may_halt=False)
+
+    return report

@@ -7,6 +7,12 @@ read back in one transfer (now, or at the next step with a lagged readback),
 judged by the rules, and hands their alerts to the sinks, halting where
 ``halt_on`` says. Plain loops (through ``tw.watch``, in trainwatch/watching.py),
 the Lightning callback and ``trainwatch run`` drive this same object.
+
+Other jobs a monitor has are done by objects it owns: the gathering around
+``clip_grad_norm_`` (trainwatch/clip_gathering.py), the catch of an optimizer
+training the model unwatched (trainwatch/unwatched_catch.py), the step-end
+collective across ranks (``halt_sync_for_run`` in trainwatch/halt_sync.py) and
+the findings only closing settles (trainwatch/closing_findings.py).
 """
 
 from __future__ import annotations
@@ -20,33 +26,32 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainwatch import clip_hook, registry, termination
 from trainwatch.alert import Alert
+from trainwatch.clip_gathering import ClipGathering
+from trainwatch.closing_findings import findings_at_close
 from trainwatch.collect.data_order import own_batching, sequential_order
-from trainwatch.collect.unwatched_updates import RemoveAtNextPass, holds_any
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.guard import Guard
-from trainwatch.halt_sync import HaltSync, running_distributed
-from trainwatch.held import held_only_by
+from trainwatch.halt_sync import HaltSync, halt_sync_for_run, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
-from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
 from trainwatch.raised import note_raise
 from trainwatch.record import ReplacedModel
-from trainwatch.released import ReleasedOptimizer, live
+from trainwatch.released import live, release_dropped
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
-from trainwatch.sinks import MemorySink, Sink, StepNumbers
+from trainwatch.sinks import MemorySink, Sink
 from trainwatch.step_pipeline import PendingStep, StepPipeline
+from trainwatch.unwatched_catch import UnwatchedOptimizerCatch
 from trainwatch.weak import weak_callback, weak_getter
-from trainwatch.whole_layers import WholeLayerNorms, fully_sharded
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
@@ -128,11 +133,6 @@ class Monitor:
         # Per optimizer, the forward passes seen when it was last gathered early:
         # a clip after that gathering (Lightning clips after its hook) keeps it.
         self._gathered_at_pass: dict[int, int] = {}
-        self._clipped_holder: tuple[int, int, int] | None = None  # (id(param), len, index)
-        # Optimizers gathered before clipping on a step whose backward's gradients
-        # were noted (not found reset as it began): at the step, a reset since
-        # the clip is looked for.
-        self._reset_after_clip: set[int] = set()
         self._in_flight: PendingStep | None = None  # lagged readback: read at the next step
         self._guard = Guard(weak_callback(self._internal_error))
         self._disabled = self._guard.disabled
@@ -156,12 +156,28 @@ class Monitor:
             on_raise=weak_callback(self._name_the_module),
             claim=weak_callback(self._claim),
         )
-        # Weights updated while no watched optimizer steps: a global pre-step hook
-        # looks for the optimizer doing it (see _unwatched_updates), and the
-        # backward passes counted when that was found (None: not looking).
-        self._pipeline.on_unwatched = weak_callback(self._unwatched_updates)
-        self._unwatched_catch: Any = None
-        self._unwatched_passes: int | None = None
+        # The step gathered before clip_grad_norm_ rescales its gradients.
+        self._clipping = ClipGathering(
+            self._pipeline,
+            self._rules,
+            self._optimizers,
+            self._pending,
+            self._gathered_at_pass,
+            self.collect_before_step,
+        )
+        # Weights updated while no watched optimizer steps: the optimizer doing it
+        # is looked for, and watched once found.
+        self._unwatched = UnwatchedOptimizerCatch(
+            self._pipeline,
+            self._optimizers,
+            self._dispatcher,
+            self._guard,
+            self._handles,
+            closed=weak_getter(self, "closed", True),
+            watch=weak_callback(self.add_optimizer),
+            on_hook_error=weak_callback(self.fail),
+        )
+        self._pipeline.on_unwatched = weak_callback(self._unwatched.weights_moved)
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         # Run by close() too, so the finalizer's table no longer holds the parts
         # (and through them the model) of a closed monitor still referenced.
@@ -300,18 +316,12 @@ class Monitor:
         """A new optimizer comes: those the script no longer holds (built anew every
         epoch or round) are let go, so their state is freed with them; each keeps
         its place as a :class:`ReleasedOptimizer`. Asked only as one is added."""
-        optimizers = self._optimizers
-        for index in range(len(optimizers)):
-            if type(optimizers[index]) is ReleasedOptimizer:
-                continue
-            # (No name of our own for it: every reference but the monitor's is the script's.)
-            if held_only_by(self, [optimizers[index]], stop=(Monitor,)):
-                optimizers[index] = ReleasedOptimizer(type(optimizers[index]).__name__)
-                # Its last norms are no layer's latest any more (a finished phase's).
-                self._pipeline.latest_by_source.pop(index, None)
-                self._pending.pop(index, None)
-                self._held_early.discard(index)
-                self._reset_after_clip.discard(index)
+        for index in release_dropped(self, self._optimizers, stop=(Monitor,)):
+            # Its last norms are no layer's latest any more (a finished phase's).
+            self._pipeline.latest_by_source.pop(index, None)
+            self._pending.pop(index, None)
+            self._held_early.discard(index)
+            self._clipping.forget(index)
 
     def watch_data(self, loader: Any) -> None:
         """The DataLoader that feeds training now (the data checks judge its sampler).
@@ -407,26 +417,8 @@ class Monitor:
             return
         try:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
-            unfinished = self._guarded(
-                "step collector", self._pipeline.unfinished_alerts, self._step
-            )
-            if unfinished:
-                self._dispatcher.publish(unfinished, may_halt=False)
-            if self._pipeline.behaviour is not None:
-                behaviour = self._pipeline.behaviour
-                evaluated = behaviour.evaluation_flush()
-                held = behaviour.eval_passes.flush(behaviour.optimized())
-                for record in [*evaluated, *held, *behaviour.frozen_part_flush()]:
-                    self._dispatcher.publish(self._rules.evaluate(record), may_halt=False)
-            if self._pipeline.late_loss is not None:
-                step, value = self._pipeline.late_loss
-                self._pipeline.late_loss = None
-                number = float(value) if value is not None else None
-                alerts = self._guarded(
-                    "step collector", self._pipeline.late_loss_alerts, step, number
-                )
-                if alerts:
-                    self._dispatcher.publish(alerts, may_halt=False)
+            for alerts in findings_at_close(self._pipeline, self._rules, self._guard, self._step):
+                self._dispatcher.publish(alerts, may_halt=False)
             for hook in self.before_close:
                 self._guarded("relay", hook)
         finally:
@@ -551,24 +543,7 @@ class Monitor:
         GradScaler has not unscaled them yet (clipping scaled gradients).
         """
         if not self.closed and "step collector" not in self._disabled:
-            self._guarded("step collector", self._gather_before_clipping, param)
-
-    def _gather_before_clipping(self, param: torch.Tensor) -> None:
-        index = self._optimizer_holding(param)
-        if index is None:
-            return
-        if index in self._pending and self._gathered_at_pass.get(index) == (
-            self._pipeline.passes.passes
-        ):
-            return
-        optimizer = self._optimizers[index]
-        if not clip_hook.grads_unscaled(self._pipeline.scaler, optimizer):
-            return
-        self.collect_before_step(optimizer, hold=True)
-        if index in self._pending and self._pipeline.tracker.left is not None:
-            self._reset_after_clip.add(index)
-        else:
-            self._reset_after_clip.discard(index)  # left by a step the scaler skipped
+            self._guarded("step collector", self._clipping.gather_before_clipping, param)
 
     def after_clipping(self, param: torch.Tensor) -> None:
         """``clip_grad_norm_`` has rescaled the gradients ``param`` is among.
@@ -578,36 +553,8 @@ class Monitor:
         clip and the step is then told at the step, as one right after
         backward is. Nothing to do on the usual step (none noted).
         """
-        if self._reset_after_clip and not self.closed:
-            self._guarded("step collector", self._note_clipped, param)
-
-    def _note_clipped(self, param: torch.Tensor) -> None:
-        if self._optimizer_holding(param) in self._reset_after_clip:
-            self._pipeline.tracker.note_left()
-
-    def _regather_if_reset_after_clip(self, index: int) -> None:
-        """The step gathered before clipping is taken again where every gradient
-        it uses was set to None or written since the clip: the step then sees
-        what it really applies (a second clip in place leaves them non-zero,
-        and the rules tell the two apart as after backward)."""
-        params = self._pipeline.optimizer_params(index)
-        if self._pipeline.tracker.rewritten_since_backward(params):
-            self._pending[index] = self._pipeline.gather(index, self._step)
-
-    def _optimizer_holding(self, param: torch.Tensor) -> int | None:
-        """Which optimizer holds ``param`` (remembered: a loop clips the same ones)."""
-        known = self._clipped_holder
-        count = len(self._optimizers)
-        if known is not None and known[0] == id(param) and known[1] == count:
-            return known[2]
-        # Asked only as clip_grad_norm_ runs: the loop clips, hints say no more.
-        for rule in self._rules:
-            rule.loop_clips = True
-        for index, opt in enumerate(self._optimizers):
-            if any(p is param for group in opt.param_groups for p in group["params"]):
-                self._clipped_holder = (id(param), count, index)
-                return index
-        return None
+        if self._clipping.reset_after_clip and not self.closed:
+            self._guarded("step collector", self._clipping.note_clipped, param)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the step count, which (rule, module) already
@@ -658,9 +605,10 @@ class Monitor:
         if self._held_early:
             if index in self._held_early and index in self._pending:
                 self._held_early.discard(index)
-                if index in self._reset_after_clip:
-                    self._reset_after_clip.discard(index)
-                    self._guarded("step collector", self._regather_if_reset_after_clip, index)
+                if index in self._clipping.reset_after_clip:
+                    self._guarded(
+                        "step collector", self._clipping.regather_if_reset, index, self._step
+                    )
                 return  # gathered at backward's end, before clipping
             self._held_early.discard(index)
         try:  # the guard written out: this runs at every step
@@ -744,48 +692,19 @@ class Monitor:
         sync.at_step(step)
 
     def _halt_sync_for_run(self) -> HaltSync | None:
-        """The step-end collective across ranks (the halt check; under FSDP2 the
-        whole-layer norms too), decided at the first step boundary (the process
-        group is often set up after the model is watched)."""
-        sync = self.halt_sync
-        if sync is False:
-            sync = None
-            distributed = running_distributed()
-            if distributed and not self.relayed:
-                # Each rank writes its own sinks: say which rank each alert is from.
-                self._dispatcher.rank = torch.distributed.get_rank()
-            if distributed and fully_sharded(self._root):
-                self._pipeline.whole = WholeLayerNorms(
-                    self.config.distributed.gather_every,
-                    self._pipeline.layers.layers,
-                    weak_callback(self._whole_layer_norms),
-                    weak_callback(self._internal_error),
-                )
-            if distributed and (
-                self.config.halt_on or self._pipeline.whole is not None or self.at_boundary
-            ):
-                sync = HaltSync(
-                    self.config.distributed.halt_check_every,
-                    halting=bool(self.config.halt_on),
-                    layers=self._pipeline.whole,
-                )
-                sync.after_step = self.at_boundary
-                sync.before_halt = self.before_halt
-                sync.report_remote = None if self.relayed else self._report_remote
-            self.halt_sync = sync
-        return sync
-
-    def _whole_layer_norms(
-        self, step: int, optimizer: int | None, norms: dict[str, float], total: float
-    ) -> None:
-        """Under FSDP2, a step's whole-layer norms, summed across ranks: what is reported."""
-        self._pipeline.latest_by_source[optimizer] = norms
-        self._pipeline.total_norm = total
-        self._dispatcher.numbers(StepNumbers(step, norms, total))
-
-    def _report_remote(self, alert: Alert) -> None:
-        """Another rank's halting alert, written by this rank's sinks (rank zero)."""
-        self._dispatcher.publish([alert], may_halt=False)
+        """The step-end collective across ranks, decided once, at the first step
+        boundary (see ``halt_sync_for_run``)."""
+        self.halt_sync = halt_sync_for_run(
+            self.config,
+            self._root,
+            self._pipeline,
+            self._dispatcher,
+            relayed=self.relayed,
+            after_step=self.at_boundary,
+            before_halt=self.before_halt,
+            on_error=weak_callback(self._internal_error),
+        )
+        return self.halt_sync
 
     def _stage_and_land(self, step: int, pending: PendingStep) -> None:
         pending.record.step = step
@@ -822,64 +741,6 @@ class Monitor:
             return
         if alerts:
             self._dispatcher.publish(alerts, may_halt=may_halt)  # may raise TrainingHealthError
-
-    # -- an optimizer the monitor was not given -----------------------------------
-    def _unwatched_updates(self, passes: int) -> None:
-        """The weights kept moving for ``passes`` passes while no watched optimizer
-        stepped: the optimizer doing it is looked for at the next optimizer steps
-        of the process (one global pre-step hook, until found), and watched from
-        its step on, as ``trainwatch run`` does. Found by the next verdict
-        already, no optimizer step over the model's parameters came: something
-        else writes the weights (a hand-written update), told as such."""
-        if self._unwatched_passes is None:
-            self._unwatched_passes = passes
-            self._unwatched_catch = self._handles.add(
-                register_optimizer_step_pre_hook(WeakHook(self, "_unwatched_step"))
-            )
-            return
-        self._end_unwatched_look()
-        self._unwatched_catch.remove()
-        alerts = self._pipeline.unwatched_alerts(passes, None)
-        if alerts:
-            self._dispatcher.publish(alerts, may_halt=False)
-
-    def _unwatched_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """A step of some optimizer while the one training the model unwatched is
-        looked for: one holding the model's parameters, not watched, is it."""
-        if self.closed or self._unwatched_passes is None:
-            return
-        self._guarded("unwatched updates", self._adopt_unwatched, optimizer)
-
-    def _adopt_unwatched(self, optimizer: Optimizer) -> None:
-        inner = inner_optimizer(optimizer)
-        if any(opt is inner for opt in self._optimizers):
-            self._stop_catching()  # watched steps came back: nothing to look for now
-            return
-        if not takes_step_hooks(inner) or not holds_any(inner, self._pipeline.layers.__contains__):
-            return  # another model's, or one no hook can follow
-        passes = self._unwatched_passes
-        self._stop_catching()
-        alerts = self._pipeline.unwatched_alerts(passes or 0, inner)
-        if alerts:
-            self._dispatcher.publish(alerts, may_halt=False)
-        # Watched from this step on: its per-instance hooks run after the global
-        # ones, so this step is gathered and counted too.
-        self.add_optimizer(inner)
-
-    def _stop_catching(self) -> None:
-        """The catch ends from inside a global step hook, while PyTorch iterates over
-        them: the hook goes at the model's next pass. The weights are looked at
-        afresh (a later phase's optimizer is looked for too)."""
-        self._unwatched_passes = None
-        if self._pipeline.unwatched is not None:
-            self._pipeline.unwatched.restart()
-        passes = self._pipeline.passes
-        passes.subscribe("unwatched updates", RemoveAtNextPass(passes, self._unwatched_catch))
-
-    def _end_unwatched_look(self) -> None:
-        self._unwatched_passes = None
-        if self._pipeline.unwatched is not None:
-            self._pipeline.unwatched.detach()
 
     # -- failure containment -------------------------------------------------
     def _guarded(self, component: str, fn: Any, *args: Any) -> Any:

@@ -10,7 +10,10 @@ them by their place.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+from trainwatch.held import held_only_by
 
 
 class ReleasedOptimizer:
@@ -29,3 +32,19 @@ class ReleasedOptimizer:
 def live(optimizers: list[Any]) -> list[Any]:
     """The optimizers still watched, in order."""
     return [opt for opt in optimizers if type(opt) is not ReleasedOptimizer]
+
+
+def release_dropped(
+    holder: object, optimizers: list[Any], stop: tuple[type, ...] = ()
+) -> Iterator[int]:
+    """Puts a :class:`ReleasedOptimizer` in the place of each of ``optimizers`` that only
+    ``holder``'s own objects still hold (``stop``: as for ``held_only_by``), and yields
+    that place as it goes, for the holder to forget what it kept of that optimizer
+    before the next one is weighed."""
+    for index in range(len(optimizers)):
+        if type(optimizers[index]) is ReleasedOptimizer:
+            continue
+        # (No name of our own for it: every reference but the holder's is the script's.)
+        if held_only_by(holder, [optimizers[index]], stop=stop):
+            optimizers[index] = ReleasedOptimizer(type(optimizers[index]).__name__)
+            yield index

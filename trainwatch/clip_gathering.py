@@ -1,0 +1,114 @@
+"""A monitor's side of ``clip_grad_norm_``: the step gathered before the clip.
+
+``trainwatch.clip_hook`` wraps the function ``clip_grad_norm_`` rescales
+through and tells the monitor owning the clipped gradients, before and after
+the clip. Before: the optimizer holding them is gathered there and then (its
+step keeps that gathering), so the norms and the rules see what backward
+made, not the clip threshold. After: where the step's backward left
+gradients the tracker noted, they are noted again as clipped, and at the
+step a gradient reset or rewritten since the clip has the step gathered
+again, so a ``zero_grad()`` between the clip and the step is still seen.
+
+Asked only by a loop that clips (or by the monitor's pre-step hook once such
+a gathering is held): a loop that never clips never reaches this.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.optim import Optimizer
+
+from trainwatch import clip_hook
+
+if TYPE_CHECKING:
+    from trainwatch.rules.rule_set import RuleSet
+    from trainwatch.step_pipeline import PendingStep, StepPipeline
+
+
+class ClipGathering:
+    """Gathers the step before ``clip_grad_norm_`` rescales its gradients."""
+
+    def __init__(
+        self,
+        pipeline: StepPipeline,
+        rules: RuleSet,
+        optimizers: list[Optimizer],
+        pending: dict[int, PendingStep],
+        gathered_at_pass: dict[int, int],
+        collect_before_step: Callable[..., None],
+    ) -> None:
+        self._pipeline = pipeline
+        self._rules = rules
+        # The monitor's own containers, shared: the watched optimizers, the
+        # steps gathered ahead of their step, and the passes seen at each such gathering.
+        self._optimizers = optimizers
+        self._pending = pending
+        self._gathered_at_pass = gathered_at_pass
+        # The monitor's collect_before_step, held weakly (the monitor owns this object).
+        self._collect = weakref.WeakMethod(collect_before_step)
+        # Optimizers gathered before clipping on a step whose backward's gradients
+        # were noted (not found reset as it began): at the step, a reset since
+        # the clip is looked for.
+        self.reset_after_clip: set[int] = set()
+        self._holder: tuple[int, int, int] | None = None  # (id(param), len, index)
+
+    def gather_before_clipping(self, param: torch.Tensor) -> None:
+        """Gathers the step of the optimizer holding ``param``, held for its step:
+        not when gathered already for these passes (a framework's hook before its
+        own clipping), nor while a GradScaler has not unscaled the gradients."""
+        index = self._optimizer_holding(param)
+        if index is None:
+            return
+        if index in self._pending and self._gathered_at_pass.get(index) == (
+            self._pipeline.passes.passes
+        ):
+            return
+        optimizer = self._optimizers[index]
+        if not clip_hook.grads_unscaled(self._pipeline.scaler, optimizer):
+            return
+        collect = self._collect()
+        if collect is None:
+            return
+        collect(optimizer, hold=True)
+        if index in self._pending and self._pipeline.tracker.left is not None:
+            self.reset_after_clip.add(index)
+        else:
+            self.reset_after_clip.discard(index)  # left by a step the scaler skipped
+
+    def note_clipped(self, param: torch.Tensor) -> None:
+        """The clip rescaled the gradients backward left: noted as they are now."""
+        if self._optimizer_holding(param) in self.reset_after_clip:
+            self._pipeline.tracker.note_left()
+
+    def regather_if_reset(self, index: int, step: int) -> None:
+        """At the step: the step gathered before clipping is taken again where every
+        gradient it uses was set to None or written since the clip, so the step
+        sees what it really applies (a second clip in place leaves them non-zero,
+        and the rules tell the two apart as after backward)."""
+        self.reset_after_clip.discard(index)
+        params = self._pipeline.optimizer_params(index)
+        if self._pipeline.tracker.rewritten_since_backward(params):
+            self._pending[index] = self._pipeline.gather(index, step)
+
+    def forget(self, index: int) -> None:
+        """The optimizer at ``index`` was let go: nothing of it is looked for."""
+        self.reset_after_clip.discard(index)
+
+    def _optimizer_holding(self, param: torch.Tensor) -> int | None:
+        """Which optimizer holds ``param`` (remembered: a loop clips the same ones)."""
+        known = self._holder
+        count = len(self._optimizers)
+        if known is not None and known[0] == id(param) and known[1] == count:
+            return known[2]
+        # Asked only as clip_grad_norm_ runs: the loop clips, hints say no more.
+        for rule in self._rules:
+            rule.loop_clips = True
+        for index, opt in enumerate(self._optimizers):
+            if any(p is param for group in opt.param_groups for p in group["params"]):
+                self._holder = (id(param), count, index)
+                return index
+        return None
