@@ -90,6 +90,11 @@ class ModeReport:
     frozen_use: bool = False
     # That model trained here first (then stopped): not one loaded and used.
     trained_first: bool = False
+    # A no-grad pass's first input tensor (None: not a floating one) and first
+    # floating output, by shape: whether it drew samples from a latent vector
+    # (``collect/eval_passes.py``'s ``generator_sample``), read only when told.
+    input_shape: tuple[int, ...] | None = None
+    output_shape: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -43,7 +43,7 @@ from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, Ro
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.broadcast_eval import EvaluationAudit
 from trainwatch.collect.calls import CallTracker
-from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak
+from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, pass_shapes
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
 from trainwatch.collect.modes import ModeWatch
@@ -314,19 +314,26 @@ class BehaviourWatch:
                                 hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
                                 break
             elif self.check_eval_pass:
-                self._nograd_modes(model, modes, part)
+                self._nograd_modes(model, modes, part, args, output)
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad, None if part is None else part[0])
         if not grad or not module.training:
             self._evaluation_ends(module, output, grad)
 
     def _nograd_modes(
-        self, model: nn.Module | None, modes: ModeWatch, part: tuple[str, nn.Module] | None
+        self,
+        model: nn.Module | None,
+        modes: ModeWatch,
+        part: tuple[str, nn.Module] | None,
+        args: Any,
+        output: Any,
     ) -> None:
         """A pass without gradients: modules in training mode, told or held."""
         report = modes.in_mode(
             True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
         )
+        if report is not None:
+            report.input_shape, report.output_shape = pass_shapes(args, output)
         if report is not None and part is not None:
             # A part after a training pass (or a step's end) starts a streak.
             fresh = not self.eval_passes.in_a_row

@@ -76,8 +76,11 @@ model used in training mode, not an evaluation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from trainwatch.collect.tensors import floating_list, tensor_leaves
 from trainwatch.record import ModeReport, StepRecord
 
 # Process steps between two no-grad passes of a model trained elsewhere from
@@ -111,6 +114,39 @@ TRAINED_ALONE = 20
 # WGAN-GP's five critic steps a generator step (with a generator trained alone
 # first, a pretrained super-resolution network).
 FROZEN_AFTER = 5
+
+
+# How many times more values a sample has than the latent vector it was drawn
+# from, from which a no-grad pass made samples (a DCGAN's 100 noise values make
+# 3x64x64 pixels, 122 times more), not predictions (a class, a value, a
+# reconstruction of the same size).
+SAMPLE_GROWTH = 8
+
+
+def pass_shapes(args: Any, output: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The shapes of a no-grad pass's first input tensor (None unless floating: token
+    ids are data) and of its first floating output, for :func:`generator_sample`."""
+    first = next(tensor_leaves(args), None)
+    shown = None if first is None or not first[1].is_floating_point() else tuple(first[1].shape)
+    outputs = floating_list(output)
+    return shown, tuple(outputs[0].shape) if outputs else None
+
+
+def generator_sample(report: ModeReport) -> bool:
+    """Samples drawn from a generator, as a GAN's progress samples are: batch norm
+    alone in training mode (DCGAN samples with batch statistics; dropout left on
+    is a forgotten ``eval()`` anywhere), a floating latent vector per sample (no
+    spatial extent: an image or a sequence in is data, as a segmentation or
+    super-resolution network's input is) and :data:`SAMPLE_GROWTH` times more
+    values out per sample. Decided when the finding is told, never on a step."""
+    shape_in, shape_out = report.input_shape, report.output_shape
+    if shape_in is None or shape_out is None or len(shape_in) < 2 or len(shape_out) < 2:
+        return False
+    if shape_in[0] != shape_out[0] or sum(size > 1 for size in shape_in[1:]) > 1:
+        return False
+    if any("norm" not in kind.lower() for kind in report.kinds):
+        return False
+    return math.prod(shape_out[1:]) >= SAMPLE_GROWTH * max(1, math.prod(shape_in[1:]))
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from trainwatch.alert import Alert
+from trainwatch.collect.eval_passes import generator_sample
 from trainwatch.config import EvalInTrainModeConfig, TrainInEvalModeConfig
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules.base import Rule
@@ -73,6 +75,8 @@ class EvalInTrainModeRule(Rule):
             report.modules,
             report.total,
         )
+        if generator_sample(report):
+            return [self._generator_sample(record.step, report)]
         return [
             self.alert(
                 record.step,
@@ -91,6 +95,26 @@ class EvalInTrainModeRule(Rule):
                 _data(report),
             )
         ]
+
+    def _generator_sample(self, step: int, report: ModeReport) -> Alert:
+        """Info: a GAN's progress samples (every N iterations, once an epoch) drawn in
+        training mode are what DCGAN does, its generator trained only with batch
+        statistics (``eval()`` usually makes its samples worse); but a decoder or
+        generator validated that way may be a forgotten ``eval()``."""
+        alert = self.alert(
+            step,
+            report.modules[0],
+            f"samples drawn without gradients from a latent vector (a generator's, each "
+            f"{math.prod(report.output_shape[1:])} values from "
+            f"{math.prod(report.input_shape[1:])}) with batch norm in training mode: "
+            f"{_listing(report)}",
+            "a GAN generator sampled with batch statistics, as DCGAN does, needs nothing: "
+            "it was trained with them. If this is an evaluation of a model whose running "
+            "statistics should serve (a VAE's decoder, a generator trained to be used in "
+            "eval mode), call model.eval() before it and model.train() after.",
+            {**_data(report), "finding": "generator sampled in training mode"},
+        )
+        return dataclasses.replace(alert, severity="info")
 
     def _frozen_use(self, step: int, report: ModeReport) -> Alert:
         """A model trained first and then run unchanged under no_grad while another
