@@ -174,6 +174,12 @@ class BroadcastConfig(RuleConfig):
 
 
 @dataclass
+class LossInputConfig(RuleConfig):
+    # Looked at on the broadcast audit's steps (its audit_steps and rechecks).
+    pass
+
+
+@dataclass
 class UnshuffledDataConfig(RuleConfig):
     # The loss's class targets are counted on every ``every``-th step (one
     # bincount joining the step's readback); other steps pay nothing.
@@ -329,6 +335,7 @@ class Config:
     eval_in_train_mode: EvalInTrainModeConfig = field(default_factory=EvalInTrainModeConfig)
     train_in_eval_mode: TrainInEvalModeConfig = field(default_factory=TrainInEvalModeConfig)
     broadcast: BroadcastConfig = field(default_factory=BroadcastConfig)
+    loss_input: LossInputConfig = field(default_factory=LossInputConfig)
     unused_parameter: UnusedParameterConfig = field(default_factory=UnusedParameterConfig)
     exploding_gradient: ExplodingGradientConfig = field(default_factory=ExplodingGradientConfig)
     vanishing_gradient: VanishingGradientConfig = field(default_factory=VanishingGradientConfig)

@@ -7,6 +7,7 @@ record.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,21 @@ class BroadcastReport:
     phase: str = "training"
     # The part of the model whose output it is, called on its own (a PPO agent's
     # ``critic``); None for the model's own output.
+    module: str | None = None
+
+
+@dataclass
+class LossInputReport:
+    """A loss function that takes logits given the output of a softmax or sigmoid."""
+
+    # "softmax_into_cross_entropy", "softmax_into_nll", "sigmoid_into_bce_with_logits".
+    kind: str
+    loss: str  # the loss function, as torch names it ("cross_entropy")
+    source: str | None = None
+    # The model's forward applied the softmax (its output is probabilities), not the loop.
+    in_forward: bool = False
+    # The part of the model whose pass made them ("" for the model's own pass);
+    # None where the loop applied the softmax.
     module: str | None = None
 
 
@@ -365,6 +381,8 @@ class StepRecord:
     train_in_eval: ModeReport | None = None
     eval_in_train: ModeReport | None = None
     broadcasts: list[BroadcastReport] = field(default_factory=list)
+    # Loss functions given probabilities: set on the broadcast audit's steps only.
+    loss_inputs: Sequence[LossInputReport] = ()
     # Empty on steps that were not sampled.
     activations: list[ActivationStats] = field(default_factory=list)
     # The setup audit's figures: at an audit, and on the first step after one.

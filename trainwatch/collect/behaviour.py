@@ -130,7 +130,9 @@ class BehaviourWatch:
         audit_steps = config.broadcast.audit_steps
         # The training audit; ``broadcast`` holds it only while it runs (a healthy
         # step past it asks one attribute), and ``rearm_audit`` puts it back.
-        self._audit = BroadcastAudit(audit_steps, on_error) if audits else None
+        self._audit = (
+            BroadcastAudit(audit_steps, on_error, "loss_input" in rule_ids) if audits else None
+        )
         self.broadcast = self._audit
         # The first evaluation passes' audit: a whole first validation.
         self.evaluations = (
@@ -526,6 +528,7 @@ class BehaviourWatch:
         audit = self.broadcast
         if audit is not None:
             record.broadcasts = audit.step_boundary()
+            record.loss_inputs = audit.take_loss_inputs()
             if audit.finished:
                 # Over, its findings handed over and its mode off the stack (a mode
                 # entered after it may still hold it there: then it stays, and is

@@ -27,7 +27,9 @@ model replaced, parameters frozen or unfrozen), and for one step at sparse
 sampled steps, for a loss changed with no such sign. In between the check
 costs nothing. The first evaluation passes of the run, whenever they come
 (and of each new phase), are followed by an audit of their own with this
-judge (``collect/broadcast_eval.py``).
+judge (``collect/broadcast_eval.py``). On the same training steps a loss function
+that takes logits is looked at for a softmax's or sigmoid's output as its input
+(``collect/loss_input.py``, rule ``loss_input``).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.callers import called_from
 from trainwatch.collect import quiet
+from trainwatch.collect.loss_input import LOSS_INPUTS, probabilities_fed, squashing_node
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.op_trace import _user_line
 from trainwatch.collect.tensors import tensor_leaves
-from trainwatch.record import BroadcastReport
+from trainwatch.record import BroadcastReport, LossInputReport
 from trainwatch.user_warnings import reattributed
 
 _MAX_TRACKED = 4096
@@ -491,7 +494,7 @@ class BroadcastAudit:
     # The ops whose operands it judges.
     judged_ops = _ELEMENTWISE
 
-    def __init__(self, steps: int, on_error: Any) -> None:
+    def __init__(self, steps: int, on_error: Any, loss_inputs: bool = False) -> None:
         self.steps_left = steps
         self.live = steps > 0
         self._on_error = on_error
@@ -525,6 +528,12 @@ class BroadcastAudit:
         # Inside a pass given labels: the labels and what only reshapes them, by id.
         self.inside = False
         self._labels: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # Whether a loss function's input is looked at for probabilities (loss_input).
+        self.judges_loss_inputs = loss_inputs
+        self.loss_inputs: list[LossInputReport] = []
+        # The softmax and sigmoid nodes that made a pass's outputs, by id, with the
+        # part of the model that made them ("" the model): probabilities out of forward.
+        self._squashed: dict[int, tuple[Any, str]] = {}
 
     # -- the span: from the model's output to the step boundary -------------
     def pass_starts(
@@ -597,7 +606,15 @@ class BroadcastAudit:
             self._track(tensor, part)
             if self._batch is None and tensor.dim() > 0:
                 self._batch = tensor.shape[0]
+            if self.judges_loss_inputs:
+                self._note_squashed(tensor, part)
         self._enter()
+
+    def _note_squashed(self, tensor: torch.Tensor, part: str | None) -> None:
+        """A pass output made by a softmax or sigmoid: the model's forward made it."""
+        node = squashing_node(tensor) if tensor.grad_fn is not None else None
+        if node is not None and len(self._squashed) < _MAX_FINDINGS:
+            self._squashed[id(node)] = (node, part or "")
 
     def _follows_earlier_passes(self) -> bool:
         """Outputs of the step's passes with gradients are still held, the audit still on."""
@@ -630,6 +647,7 @@ class BroadcastAudit:
         self._tracked.clear()
         self._parts.clear()
         self._given.clear()
+        self._squashed.clear()
         _IN_PASS.discard(self)
         if self.audited_pass:
             self.steps_left -= 1
@@ -650,6 +668,10 @@ class BroadcastAudit:
         self.steps_left = max(self.steps_left, steps)
         self.live = True
 
+    def take_loss_inputs(self) -> list[LossInputReport]:
+        found, self.loss_inputs = self.loss_inputs, []
+        return found
+
     def take_target(self) -> torch.Tensor | None:
         found, self.target_spread = self.target_spread, None
         return found
@@ -667,6 +689,7 @@ class BroadcastAudit:
         self._tracked.clear()
         self._parts.clear()
         self._given.clear()
+        self._squashed.clear()
         _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -751,6 +774,8 @@ class BroadcastAudit:
             and not called_from(_DISTRIBUTIONS, depth=12)
         ):
             self._measure_target(operands)
+        if name in LOSS_INPUTS and self.judges_loss_inputs:
+            self._judge_loss_input(name, args, kwargs, in_pass=False)
         if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
         self._judge(name, operands[0], operands[1])
@@ -766,6 +791,8 @@ class BroadcastAudit:
                 if len(labels) < _MAX_TRACKED:
                     labels[id(tensor)] = tensor
             return
+        if name in LOSS_INPUTS and self.judges_loss_inputs:
+            self._judge_loss_input(name, args, kwargs, in_pass=True)
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
@@ -799,4 +826,23 @@ class BroadcastAudit:
         part = self._part_of((a, b) if self._derived(a) else (b, a))
         self.findings.append(
             BroadcastReport(op, [first, second], result, _user_line(), self.phase, part)
+        )
+
+    def _judge_loss_input(
+        self, name: str, args: Any, kwargs: dict[str, Any], in_pass: bool
+    ) -> None:
+        """A loss taking logits given a softmax's output: a softmax the pass applied
+        (its output, or ``in_pass``: a loss computed inside ``forward``) names the
+        model, or the part called on its own; one the loop applied names none."""
+        found = probabilities_fed(name, args, kwargs)
+        if found is None or len(self.loss_inputs) >= _MAX_FINDINGS:
+            return
+        kind, node = found
+        made = self._squashed.get(id(node))
+        if made is not None and made[0] is node:
+            module: str | None = made[1]
+        else:
+            module = "" if in_pass else None
+        self.loss_inputs.append(
+            LossInputReport(kind, name, _user_line(), module is not None, module)
         )

@@ -9,6 +9,7 @@ from trainwatch.rules.amp import SkippedStepsRule
 from trainwatch.rules.base import Rule
 from trainwatch.rules.broadcast import BroadcastRule
 from trainwatch.rules.gradient_scale import ExplodingGradientRule, VanishingGradientRule
+from trainwatch.rules.loss_input import LossInputRule
 from trainwatch.rules.modes import EvalInTrainModeRule, TrainInEvalModeRule
 from trainwatch.rules.nonfinite import (
     NonfiniteBackwardRule,
@@ -39,6 +40,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     EvalInTrainModeRule,
     TrainInEvalModeRule,
     BroadcastRule,
+    LossInputRule,
     ConstantOutputRule,
     DeadUnitsRule,
     TrainableParametersRule,

@@ -1,0 +1,82 @@
+"""A loss that takes logits given probabilities: ``softmax`` before ``CrossEntropyLoss``."""
+
+from __future__ import annotations
+
+from trainwatch.alert import Alert
+from trainwatch.config import LossInputConfig
+from trainwatch.record import LossInputReport, StepRecord
+from trainwatch.rules.base import Rule
+
+# By kind: what the loss is given, what it expects, what that does, and the fix.
+_TOLD = {
+    "softmax_into_cross_entropy": (
+        "the output of a softmax",
+        "logits: it applies log_softmax itself, so the softmax is applied twice, every "
+        "input lies in (0, 1), the gradient all but vanishes and a classifier trains "
+        "to a fraction of the accuracy it should reach",
+        "give cross_entropy the raw logits: remove the softmax {place} (apply it only at "
+        "inference, where probabilities are wanted), or take log_softmax and use nll_loss",
+    ),
+    "softmax_into_nll": (
+        "the output of a softmax",
+        "log-probabilities: it takes -p[target], not -log p[target], a loss that "
+        "barely rewards the right class",
+        "use log_softmax instead of softmax before nll_loss, or give the logits to cross_entropy",
+    ),
+    "sigmoid_into_bce_with_logits": (
+        "the output of a sigmoid",
+        "logits: it applies sigmoid itself, so the sigmoid is applied twice and every "
+        "prediction is squeezed into (0.5, 0.73): the loss cannot fall and the gradient "
+        "all but vanishes",
+        "give binary_cross_entropy_with_logits the raw logits: remove the sigmoid {place} "
+        "(apply it only at inference), or keep it and use binary_cross_entropy (nn.BCELoss)",
+    ),
+}
+_CLASSES = {
+    "cross_entropy": "nn.CrossEntropyLoss",
+    "nll_loss": "nn.NLLLoss",
+    "binary_cross_entropy_with_logits": "nn.BCEWithLogitsLoss",
+}
+
+
+class LossInputRule(Rule):
+    """Told once per kind and source line: the audit looks at the first steps of each
+    phase and at sparse sampled steps, and the same loss line is the same fix."""
+
+    id = "loss_input"
+    needs = frozenset({"broadcast_audit"})
+    reads = "loss_inputs"
+    config: LossInputConfig
+
+    def __init__(self, config: LossInputConfig) -> None:
+        super().__init__(config)
+        self.told: set[tuple[str, str | None]] = set()
+
+    def evaluate(self, record: StepRecord) -> list[Alert]:
+        alerts = []
+        for found in record.loss_inputs:
+            key = (found.kind, found.source)
+            if key in self.told:
+                continue
+            self.told.add(key)
+            alerts.append(self._alert(record.step, found))
+        return alerts
+
+    def _alert(self, step: int, found: LossInputReport) -> Alert:
+        given, expects, hint = _TOLD[found.kind]
+        where = " in the model's forward" if found.in_forward else ""
+        at = f" at {found.source}" if found.source else ""
+        loss = f"{found.loss} ({_CLASSES[found.loss]})"
+        data = {
+            "kind": found.kind,
+            "loss": found.loss,
+            "source": found.source,
+            "in_forward": found.in_forward,
+        }
+        return self.alert(
+            step,
+            found.module,
+            f"{loss}{at} is given {given}{where}, where it expects {expects}",
+            hint.format(place="from forward" if found.in_forward else "before the loss"),
+            data,
+        )
