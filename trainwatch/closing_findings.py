@@ -1,7 +1,8 @@
 """What a monitor still has to tell when it closes, judged from what no step judged.
 
 Some findings wait for evidence that only the run's end settles: a step
-gathered but never landed, evaluation passes held back to be judged with
+gathered but never landed, a rule's finding held back for one more step
+(a gradient jump that may be a target network's sync), evaluation passes held back to be judged with
 the next training step (none came), a frozen part's behaviour over the whole
 run, a loss handed over after the last step. Closing judges them here, in
 that order, and the monitor publishes each batch as it comes (never halting:
@@ -30,6 +31,10 @@ def findings_at_close(
     unfinished = guard.run("step collector", pipeline.unfinished_alerts, step)
     if unfinished:
         yield unfinished
+    for rule in rules:
+        held_back = guard.run(rule.component, rule.closing)  # a finding held for one more step
+        if held_back:
+            yield held_back
     behaviour = pipeline.behaviour
     if behaviour is not None:
         evaluated = behaviour.evaluation_flush()

@@ -206,7 +206,9 @@ class StepPipeline:
             config.nonfinite_parameter.check_every if "nonfinite_parameter" in self._rule_ids else 0
         )
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
-        held = HeldParameters(weak_getter(self, "layers", None), optimizers)
+        held = HeldParameters(
+            weak_getter(self, "layers", None), optimizers, weak_getter(self, "_root", None)
+        )
         for rule in rules:
             rule.held = held  # looked at only as an alert is built
         # How the model trains under DDP (collect.calls.runs_distributed), once known.

@@ -4,8 +4,10 @@ A rule judges records, which name parameters but hold no tensor. A few findings
 are only worth their words with a look at the weights themselves: a gradient
 exactly zero because another weight of the same layer is all zeros (a LoRA
 ``B`` initialised to zero) says where to look only once that weight is found
-zero and its learning rate read. That look is taken here, when the alert is
-made, never on a step.
+zero and its learning rate read; a gradient jump is no explosion where a copy
+of the model was just set to its weights (a DQN's target network, found by
+``copies``). That look is taken here, when the alert is made, never on a
+healthy step.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
+from trainwatch.collect.model_copies import ModelCopies
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
 
@@ -36,9 +40,16 @@ _PAIRS = {
 class HeldParameters:
     """Reads the weights of one module and their optimizers' settings, on request."""
 
-    def __init__(self, layers: Callable[[], LayerMap | None], optimizers: list[Optimizer]) -> None:
+    def __init__(
+        self,
+        layers: Callable[[], LayerMap | None],
+        optimizers: list[Optimizer],
+        model: Callable[[], nn.Module | None] = lambda: None,
+    ) -> None:
         self._layers = layers  # the pipeline's map, rebuilt when the model changes
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
+        # Copies of the model kept beside it (a DQN's target network).
+        self.copies = ModelCopies(model)
 
     def all_zero_partners(self, owner: str, skip: Collection[str]) -> list[tuple[str, str | None]]:
         """The other weights of ``owner`` (and of the other half of a low-rank adapter

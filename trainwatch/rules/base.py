@@ -42,6 +42,10 @@ class Rule:
     def evaluate(self, record: StepRecord) -> list[Alert]:
         raise NotImplementedError
 
+    def closing(self) -> list[Alert]:
+        """What the rule held back for a later step that will not come (at close)."""
+        return []
+
     # -- checkpoints ------------------------------------------------------------
     _NOT_STATE: ClassVar[frozenset[str]] = frozenset(
         {"config", "component", "loop_clips", "loss_out_of_reach", "held"}

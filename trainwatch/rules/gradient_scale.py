@@ -21,6 +21,7 @@ embedding) is still within a few orders of magnitude of the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from itertools import repeat
@@ -28,6 +29,7 @@ from operator import add, mul, sub
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.model_copies import CopiesLook, SyncedCopy
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
 from trainwatch.record import NonfiniteReport, StepRecord
@@ -148,10 +150,42 @@ class _Runaway:
         self.doubling = 0  # steps in a row at least _SUSTAINED_GROWTH times the last
 
 
+# A target network's sync: the jumps it starts settle within ~10 steps in a
+# CartPole DQN (seeds 0-3, syncs every 100-500 steps); a run of jumps still
+# going this many steps after the sync is told.
+_SYNC_SETTLES = 50
+
+
+class _Waiting:
+    """A jump held back for a step: whether a copy of the model was just synced to
+    it is known once the model has moved once more."""
+
+    __slots__ = ("step", "optimizer", "alerts", "look")
+
+    def __init__(
+        self, step: int, optimizer: int | None, alerts: list[Alert], look: CopiesLook
+    ) -> None:
+        self.step = step
+        self.optimizer = optimizer
+        self.alerts = alerts
+        self.look = look
+
+
+class _Sync:
+    """A copy found synced to the model at ``since``: the jumps of the steps after
+    it are the targets moving, while the copy stays as it was."""
+
+    __slots__ = ("since", "copy")
+
+    def __init__(self, since: int, copy: SyncedCopy) -> None:
+        self.since = since
+        self.copy = copy
+
+
 class ExplodingGradientRule(Rule):
     id = "exploding_gradient"
     config: ExplodingGradientConfig
-    _NOT_STATE = Rule._NOT_STATE | {"_warm", "_runaways"}
+    _NOT_STATE = Rule._NOT_STATE | {"_warm", "_runaways", "_waiting", "_sync", "_last_jump"}
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
@@ -164,6 +198,11 @@ class ExplodingGradientRule(Rule):
         # (None once told, or once every warm-up is over: a later optimizer,
         # a new phase, is judged by the per-layer averages alone).
         self._runaways: dict[int | None, _Runaway] | None = {}
+        # A jump held back until the next step, the latest target-network sync
+        # found, and the latest step with a jump (held back, excused or told).
+        self._waiting: _Waiting | None = None
+        self._sync: _Sync | None = None
+        self._last_jump: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         self._write_back()
@@ -204,11 +243,83 @@ class ExplodingGradientRule(Rule):
             return [self._overflow_alert(record, overflow)]
         self._write_back()  # the per-layer look reads every history, writes the step's
         alerts = self._evaluate_each_layer(record)
+        if alerts or self._waiting is not None:
+            alerts = self._unless_a_sync(record, alerts)
         touched = set(record.layer_norms).union(record.restarted_layers)
         self._warm = {key: warm for key, warm in self._warm.items() if touched.isdisjoint(key)}
-        if not alerts and not record.restarted_layers:
+        if not alerts and not record.restarted_layers and self._waiting is None:
             self._keep_warm(record)
         return alerts
+
+    def closing(self) -> list[Alert]:
+        """A jump held back at the last step: no next step will say it was a sync."""
+        waiting, self._waiting = self._waiting, None
+        return waiting.alerts if waiting is not None else []
+
+    def _unless_a_sync(self, record: StepRecord, alerts: list[Alert]) -> list[Alert]:
+        """The jumps of a DQN's target-network sync held back, the rest told.
+
+        The step after a target network is set to the model's weights the TD
+        targets jump, and the gradients 100-250x with them. Where the first
+        jump of a run of them finds a copy of the model (see
+        trainwatch.collect.model_copies), it waits a step: a copy that stayed
+        still and lies within a few of the model's moves was just synced, and
+        the jumps within ``_SYNC_SETTLES`` steps of it are its doing while it
+        stays so, if the jump went on at that step (the targets stay moved).
+        Each run of jumps costs at most one such look.
+        """
+        waiting = self._waiting
+        if (
+            waiting is not None
+            and record.optimizer == waiting.optimizer
+            and record.source in ("optimizer", "manual")
+        ):
+            self._waiting = None
+            copy = waiting.look.synced() if self._went_on(record, waiting.alerts) else None
+            if copy is None:
+                alerts = [*waiting.alerts, *alerts]
+                if len(alerts) > len(waiting.alerts):
+                    self._last_jump = record.step
+                return alerts
+            self._sync = _Sync(waiting.step, copy)
+        if not alerts:
+            return alerts
+        step = record.step
+        running = self._last_jump is not None and step - self._last_jump <= 1
+        self._last_jump = step
+        sync = self._sync
+        if sync is not None:
+            settling = step - sync.since <= _SYNC_SETTLES
+            still = sync.copy.unchanged()
+            if settling and still:
+                return []
+            self._sync = None
+            if running:  # a run begun at the sync: more than the targets moving
+                return [_after_a_sync(alert, sync, still) for alert in alerts]
+        held = self.held
+        if running or self._waiting is not None or held is None:
+            return alerts
+        if any(alert.data.get("ratio") is None for alert in alerts):
+            return alerts  # over the configured bound: told whatever the cause
+        look = held.copies.look(step)
+        if look is None:
+            return alerts
+        self._waiting = _Waiting(step, record.optimizer, alerts, look)
+        return []
+
+    def _went_on(self, record: StepRecord, alerts: list[Alert]) -> bool:
+        """Some layer that jumped is still sqrt(``factor``) above its typical norm a
+        step later: a sync's targets stay moved for steps, while a bad batch's
+        jump is gone at the next (one just after a copy of the model was taken:
+        a run resumed beside the model it was saved from)."""
+        above = math.log(self.config.factor) / 2.0
+        norms, histories = record.layer_norms, self._history
+        for layer in (name for alert in alerts for name in alert.data["layers"]):
+            norm, history = norms.get(layer), histories.get(layer)
+            if norm and history is not None and norm < math.inf:
+                if math.log(norm) - history.mean > above:
+                    return True
+        return False
 
     def _overflow_alert(self, record: StepRecord, report: NonfiniteReport) -> Alert:
         """Gradients too large for their norm's fp32 sum of squares: the largest
@@ -442,6 +553,23 @@ class ExplodingGradientRule(Rule):
                 },
             )
         ]
+
+
+def _after_a_sync(alert: Alert, sync: _Sync, still: bool) -> Alert:
+    """A jump told although its run began right after a sync: held back until now."""
+    past = (
+        f"past the {_SYNC_SETTLES} steps such jumps take to settle"
+        if still
+        else "past the copy's next sync"
+    )
+    message = (
+        f"{alert.message}; the jumps began at step {sync.since}, right after a copy of "
+        f"the model ({sync.copy.name}) was set to its weights (a target network's sync), "
+        f"and went on {past}: held back until now"
+    )
+    return dataclasses.replace(
+        alert, message=message, data={**alert.data, "since_sync": sync.since}
+    )
 
 
 class VanishingGradientRule(Rule):
