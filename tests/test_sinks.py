@@ -6,6 +6,7 @@ import io
 import json
 
 import torch
+from torch import nn
 
 import trainwatch as tw
 from tests.conftest import train
@@ -200,3 +201,45 @@ def test_a_watched_step_prints_the_summary_and_no_idle_line(model):
         train(model, opt, 2)
     text = out.getvalue()
     assert "2 steps watched" in text and "no training step watched" not in text
+
+
+class _Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc1(x).detach())  # fc1 cut off: a zero_gradient finding
+
+
+class _Critic(_Generator):
+    pass
+
+
+def _train_cut_off(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_two_models_watched_at_once_name_their_model_in_console_lines():
+    """A GAN's two models watched apart print to one stderr: each line says whose."""
+    g, d = _Generator(), _Critic()
+    g_opt, d_opt = torch.optim.SGD(g.parameters(), 0.1), torch.optim.SGD(d.parameters(), 0.1)
+    g_out, d_out = io.StringIO(), io.StringIO()
+    with tw.watch(g, g_opt, console=g_out), tw.watch(d, d_opt, console=d_out):
+        _train_cut_off(g, g_opt)
+        _train_cut_off(d, d_opt)
+    assert "zero_gradient [_Generator:fc1]" in g_out.getvalue()
+    assert "zero_gradient [_Critic:fc1]" in d_out.getvalue()
+
+
+def test_one_model_watched_alone_prints_bare_module_names():
+    model = _Generator()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    out = io.StringIO()
+    with tw.watch(model, opt, console=out):
+        _train_cut_off(model, opt)
+    assert "zero_gradient [fc1]" in out.getvalue()

@@ -48,7 +48,7 @@ from trainwatch.released import live, release_dropped
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
-from trainwatch.sinks import MemorySink, Sink
+from trainwatch.sinks import ConsoleSink, MemorySink, Sink
 from trainwatch.step_pipeline import PendingStep, StepPipeline
 from trainwatch.unwatched_catch import UnwatchedOptimizerCatch
 from trainwatch.weak import weak_callback, weak_getter
@@ -106,6 +106,9 @@ class Monitor:
         self._memory = MemorySink()
         self._dispatcher = Dispatcher([self._memory, *sinks], self.config.halt_on)
         self._dispatcher.model = type(root).__name__
+        for sink in sinks:
+            if isinstance(sink, ConsoleSink) and sink.model_label is None:
+                sink.model_label = _NameWhileSeveral(weakref.ref(self))
         if running_distributed():
             # Each rank's alerts say which rank they are from (a relay, if any,
             # stamps the same number); set again at the first step boundary for
@@ -755,6 +758,23 @@ class Monitor:
     def _ensure_open(self) -> None:
         if self.closed:
             raise WatchError("this trainwatch monitor is closed; call tw.watch again")
+
+
+class _NameWhileSeveral:
+    """The model's name for its console lines while several monitors are open in the
+    process (a GAN's generator and discriminator watched apart), else None. Holds
+    the monitor weakly: the sink must not keep it alive."""
+
+    __slots__ = ("_monitor",)
+
+    def __init__(self, monitor: weakref.ref[Monitor]) -> None:
+        self._monitor = monitor
+
+    def __call__(self) -> str | None:
+        monitor = self._monitor()
+        if monitor is None or len(_OPEN) < 2:
+            return None
+        return monitor.model_name
 
 
 def _idle_note(passes: int, has_optimizer: bool) -> str:

@@ -6,6 +6,7 @@ and unwrapped (rich drops styling when stderr is not a terminal).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import IO, TypeVar
@@ -111,15 +112,30 @@ class ConsoleSink(Sink):
         # Whether close() prints the summary table.
         self.print_summary = summary
         self._top = top_layers
+        # The watched model's name while it is worth printing (several models
+        # watched at once print to one stderr: ``[main.1]`` alone does not say
+        # whether it is the generator's or the discriminator's); None: not printed.
+        self.model_label: Callable[[], str | None] | None = None
 
     def emit(self, alert: Alert) -> None:
-        self.console.print(self.render(alert))
+        self.console.print(self.render(self._labelled([alert])[0]))
 
     def emit_many(self, alerts: Sequence[Alert]) -> None:
         """A same-step flood is one line and a list of the other modules, not a
         wall of near-identical lines; the files keep one record per alert."""
-        for group in _fold(alerts, _same_finding):
+        for group in _fold(self._labelled(alerts), _same_finding):
             self.console.print(self.render_group(group))
+
+    def _labelled(self, alerts: Sequence[Alert]) -> Sequence[Alert]:
+        """The alerts as printed: each module prefixed with the model's name while
+        ``model_label`` gives one (``Generator:main.1``, as ``trainwatch run`` prints)."""
+        model = self.model_label() if self.model_label is not None else None
+        if not model:
+            return alerts
+        return [
+            dataclasses.replace(a, module=f"{model}:{a.module}" if a.module else model)
+            for a in alerts
+        ]
 
     @classmethod
     def render_group(cls, alerts: Sequence[Alert]) -> Text:
