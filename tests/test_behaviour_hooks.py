@@ -15,6 +15,7 @@ BEHAVIOUR_OFF = {
     "eval_in_train_mode": False,
     "train_in_eval_mode": False,
     "broadcast": False,
+    "loss_input": False,
 }
 
 
