@@ -20,17 +20,11 @@ collector not yet freed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import nn
 
 from trainwatch import registry
+from trainwatch.collect.model_copies import is_copy
 from trainwatch.compiled import unwrap
-
-
-def _signature(params: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(p.shape) for p in params)
 
 
 def copied_model(root: nn.Module) -> str | None:
@@ -39,12 +33,7 @@ def copied_model(root: nn.Module) -> str | None:
     own = list(root.parameters())
     if not own:
         return None
-    signature = _signature(own)
-    mine = {id(p) for p in own}
     for owner in registry.owners():
-        if not owner.optimizers:
-            continue
-        params = list(owner.model.parameters())
-        if params and id(params[0]) not in mine and _signature(params) == signature:
+        if owner.optimizers and is_copy(own, list(owner.model.parameters())):
             return owner.model_name or type(unwrap(owner.model)).__name__
     return None

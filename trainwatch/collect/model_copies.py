@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -153,16 +153,20 @@ def _scan(model: nn.Module) -> list[nn.Module]:
     params = list(model.parameters())
     if not params:
         return []
-    shapes = [p.shape for p in params]
-    own = {id(p) for p in params}
     found = []
     for obj in gc.get_objects():
-        if type(obj) is not kind or obj is model:
-            continue
-        theirs = list(obj.parameters())
-        if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
+        if type(obj) is kind and obj is not model and is_copy(list(obj.parameters()), params):
             found.append(obj)
     return found
+
+
+def is_copy(params: Sequence[torch.Tensor], of: Sequence[torch.Tensor]) -> bool:
+    """Whether ``params`` are a copy of ``of``: the same shapes in the same order, none
+    of them shared (a compile wrapper's inner module, a part, shares them)."""
+    if len(params) != len(of) or any(a.shape != b.shape for a, b in zip(params, of)):
+        return False
+    own = {id(p) for p in of}
+    return not any(id(p) in own for p in params)
 
 
 def _sample(params: Iterable[torch.Tensor]) -> torch.Tensor:
