@@ -126,6 +126,35 @@ def test_bce_with_logits_on_a_sigmoid_output_is_told(quiet_watch):
     assert "nn.BCELoss" in alert.hint
 
 
+def test_cross_entropy_on_a_sigmoid_output_is_told(quiet_watch):
+    (alert,) = _watched(quiet_watch, Classifier("sigmoid"), nn.CrossEntropyLoss())
+    assert alert.data["kind"] == "sigmoid_into_cross_entropy" and alert.module == ""
+    assert "remove the sigmoid from forward" in alert.hint
+
+
+def test_bce_with_logits_on_a_softmax_is_told(quiet_watch):
+    def loss_fn(out, y):
+        targets = F.one_hot(y, CLASSES).float()
+        return F.binary_cross_entropy_with_logits(out.softmax(-1), targets)
+
+    (alert,) = _watched(quiet_watch, Classifier(), loss_fn)
+    assert alert.data["kind"] == "softmax_into_bce_with_logits" and alert.module is None
+
+
+def _distilled_from_probabilities(out, y):
+    """The student's softmax as kl_div's input: log-probabilities expected."""
+    with torch.no_grad():
+        teacher = F.softmax(out.detach() * 2.0, dim=1)
+    return nn.KLDivLoss(reduction="batchmean")(F.softmax(out / 2.0, dim=1), teacher)
+
+
+def test_kl_div_on_a_softmax_is_told(quiet_watch):
+    (alert,) = _watched(quiet_watch, Classifier(), _distilled_from_probabilities)
+    assert alert.data["kind"] == "softmax_into_kl_div" and alert.data["loss"] == "kl_div"
+    assert "nn.KLDivLoss" in alert.message and "log-probabilities" in alert.message
+    assert "log_softmax instead of softmax" in alert.hint
+
+
 def test_a_disabled_rule_judges_no_loss_input(quiet_watch):
     told = _watched(quiet_watch, Classifier("softmax"), nn.CrossEntropyLoss(), loss_input=False)
     assert told == []
@@ -165,6 +194,22 @@ CONTROLS = {
     "softmax_for_an_accuracy_metric": ("", _with_accuracy),
     "softmax_as_a_distillation_target": ("", _distilled),
     "label_smoothing_on_logits": ("", nn.CrossEntropyLoss(label_smoothing=0.1)),
+    "log_of_softmax_into_kl_div": (
+        "",
+        lambda out, y: F.kl_div(
+            out.softmax(1).log(), F.one_hot(y, CLASSES).float() * 0.9 + 0.025, reduction="sum"
+        ),
+    ),
+    "log_softmax_target_into_kl_div": (
+        "",
+        lambda out, y: F.kl_div(
+            F.log_softmax(out, 1), F.log_softmax(out.detach(), 1), log_target=True
+        ),
+    ),
+    "sigmoid_into_bce_of_many_labels": (
+        "sigmoid",
+        lambda out, y: F.binary_cross_entropy(out, F.one_hot(y, CLASSES).float()),
+    ),
 }
 
 

@@ -5,8 +5,9 @@ itself) squeezes every logit into (0, 1): the gradient all but vanishes and a
 classifier trains to a fraction of its accuracy without a NaN, a zero gradient
 or a broadcast to show for it. The values cannot tell it (a confident model's
 logits may lie in (0, 1) too); the autograd graph can: the loss's input was
-made by a ``softmax`` (or, for ``binary_cross_entropy_with_logits``, a
-``sigmoid``), perhaps through a cast, a view or a slice. Judged by the
+made by a ``softmax`` or a ``sigmoid`` (``binary_cross_entropy_with_logits``
+after a sigmoid, ``kl_div``'s log-probabilities taken as a softmax), perhaps
+through a cast, a view or a slice. Judged by the
 broadcast audit (``collect/broadcast.py``) on the steps it follows the loss.
 """
 
@@ -16,12 +17,21 @@ from typing import Any
 
 import torch
 
-# Each loss function that takes logits (or log-probabilities), the autograd node
-# whose output it must not take, and what the finding is told as.
-LOSS_INPUTS: dict[str, tuple[str, str]] = {
-    "cross_entropy": ("SoftmaxBackward0", "softmax_into_cross_entropy"),
-    "nll_loss": ("SoftmaxBackward0", "softmax_into_nll"),
-    "binary_cross_entropy_with_logits": ("SigmoidBackward0", "sigmoid_into_bce_with_logits"),
+# Each loss function that takes logits (or log-probabilities), the autograd nodes
+# whose output it must not take, and what each finding is told as.
+LOSS_INPUTS: dict[str, dict[str, str]] = {
+    "cross_entropy": {
+        "SoftmaxBackward0": "softmax_into_cross_entropy",
+        "SigmoidBackward0": "sigmoid_into_cross_entropy",
+    },
+    "nll_loss": {"SoftmaxBackward0": "softmax_into_nll"},
+    "binary_cross_entropy_with_logits": {
+        "SigmoidBackward0": "sigmoid_into_bce_with_logits",
+        "SoftmaxBackward0": "softmax_into_bce_with_logits",
+    },
+    # Its input is log-probabilities (the target is probabilities, or
+    # log-probabilities with log_target=True): a distillation's student side.
+    "kl_div": {"SoftmaxBackward0": "softmax_into_kl_div"},
 }
 # Nodes that only cast, reshape or select: probabilities through them stay probabilities
 # (``probs[:, :-1].reshape(-1, V)`` for next-token targets, ``probs.float()``).
@@ -46,7 +56,7 @@ _KEEPS_VALUES = frozenset(
     }
 )
 _MAX_HOPS = 6
-SQUASHING = frozenset(node for node, _ in LOSS_INPUTS.values())
+SQUASHING = frozenset(node for nodes in LOSS_INPUTS.values() for node in nodes)
 
 
 def _input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -73,11 +83,11 @@ def probabilities_fed(name: str, args: Any, kwargs: dict[str, Any]) -> tuple[str
     """For loss function ``name`` given a softmax's (sigmoid's) output as its input:
     the finding's kind and the node that squashed it. Without a graph (a loss under
     ``no_grad``) nothing is told: the values alone cannot tell probabilities."""
-    wanted, kind = LOSS_INPUTS[name]
     tensor = _input(args, kwargs)
     if tensor is None or tensor.grad_fn is None:
         return None
     node = squashing_node(tensor)
-    if node is None or type(node).__name__ != wanted:
+    if node is None:
         return None
-    return kind, node
+    kind = LOSS_INPUTS[name].get(type(node).__name__)
+    return (kind, node) if kind is not None else None

@@ -31,11 +31,36 @@ _TOLD = {
         "give binary_cross_entropy_with_logits the raw logits: remove the sigmoid {place} "
         "(apply it only at inference), or keep it and use binary_cross_entropy (nn.BCELoss)",
     ),
+    "sigmoid_into_cross_entropy": (
+        "the output of a sigmoid",
+        "logits: it applies log_softmax itself, so every input lies in (0, 1), the "
+        "classes' scores differ by less than 1, the gradient all but vanishes and a "
+        "classifier trains to a fraction of the accuracy it should reach",
+        "give cross_entropy the raw logits: remove the sigmoid {place}; for a yes/no "
+        "target with one output use binary_cross_entropy_with_logits",
+    ),
+    "softmax_into_bce_with_logits": (
+        "the output of a softmax",
+        "logits: it applies sigmoid itself, so every prediction is squeezed into "
+        "(0.5, 0.73): the loss cannot fall and the gradient all but vanishes",
+        "give binary_cross_entropy_with_logits the raw logits: remove the softmax "
+        "{place} (for one class per sample, use cross_entropy on the logits)",
+    ),
+    "softmax_into_kl_div": (
+        "the output of a softmax",
+        "log-probabilities as its input (the first argument): it computes "
+        "target * (log target - input), so probabilities taken for log-probabilities "
+        "make a loss that is no divergence (it goes negative) and pull the model the "
+        "wrong way",
+        "use log_softmax instead of softmax for kl_div's input {place}; the target "
+        "stays probabilities (or log-probabilities with log_target=True)",
+    ),
 }
 _CLASSES = {
     "cross_entropy": "nn.CrossEntropyLoss",
     "nll_loss": "nn.NLLLoss",
     "binary_cross_entropy_with_logits": "nn.BCEWithLogitsLoss",
+    "kl_div": "nn.KLDivLoss",
 }
 
 
