@@ -251,13 +251,13 @@ class EvalPassJudge:
         if moved and self.in_a_row >= 2 and not self.trained and gap >= SPARSE_GAP:
             # Moved by training elsewhere, yet run only now and then: an EMA
             # copy's evaluation, not a target's pass.
-            self.in_a_row = 1
+            self._new_run()
             due, self._held = [*self._held, record], []
             return due
         if moved and self.in_a_row >= 2:
             # Updated since the last one, by no training pass of its own: a target
             # network. Its passes are part of training, this one and those held.
-            self.in_a_row = 1
+            self._new_run()
             self._held = []
             self._target = True
             return []
@@ -281,6 +281,16 @@ class EvalPassJudge:
                 return self._used_frozen(use, due, clock, steps[1])
             return due
         return []
+
+    def _new_run(self) -> None:
+        """Weights moved since the last pass: this pass starts a new run. What the
+        run before counted (passes after other models' steps, the weights
+        unchanged between them) is no part of it: an EMA copy sampled in a loop at
+        every evaluation, updated at every step between evaluations, would
+        otherwise carry one more such pass into each evaluation's run until its
+        loop looked like a frozen teacher's passes, one after each other step."""
+        self.in_a_row = 1
+        self._run_stepped = 0
 
     def _in_a_row(self, record: StepRecord) -> list[StepRecord]:
         """A third no-grad pass in a row, with those held: an evaluation loop, told.
