@@ -12,6 +12,12 @@ the plain ``zero_gradient`` warning stands. One global pre-forward hook does
 the work, on the passes of sampled steps only (the first few, then every
 ``_EVERY``-th): a hook on every module call costs every call in the process.
 It is not installed at all once every tracked module has been seen.
+
+Modules put into the model after it ran (adapters wrapped around its layers,
+a head added for a second phase) are judged on calls seen since: the holder
+of a new module is looked for again, on the next passes whatever the step,
+and until it is seen called anew, the new module is claimed neither called
+nor uncalled. A holder seen before the new module existed says nothing of it.
 """
 
 from __future__ import annotations
@@ -80,6 +86,8 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 _FIRST_STEPS = 5
 _EVERY = 25
+# Passes looked at, whatever the step, after modules were put into a model that ran.
+_RECHECK_PASSES = 5
 
 
 class CallTracker:
@@ -95,6 +103,10 @@ class CallTracker:
         self._open = True
         # The passes it listens to while some tracked module is still waiting.
         self._passes: ModelPasses | None = None
+        # Holder name -> the modules put under it after it was seen called, until
+        # it is seen called again (see _recheck_holders).
+        self._stale: dict[str, set[str]] = {}
+        self._recheck = 0  # passes still to look at whatever the step
 
     def track(self, model: nn.Module, layers: Iterable[str]) -> None:
         """Wait for a first call of each named layer and of the modules holding it."""
@@ -102,6 +114,7 @@ class CallTracker:
             return
         new_layers = set(layers) - self._layers
         self._layers |= new_layers
+        added: list[str] = []  # waited for, put into a model already seen running
         wanted = set()
         for name in new_layers:
             while True:
@@ -123,6 +136,30 @@ class CallTracker:
                 continue
             self._waiting.setdefault(id(module), name)
             self._keep[id(module)] = module
+            if self._seen_names:
+                added.append(name)
+        if added:
+            self._recheck_holders(model, added)
+
+    def _recheck_holders(self, model: nn.Module, added: list[str]) -> None:
+        """Modules put into a model that already ran wait for their holder's next call.
+
+        The holder may be another module under the same name (a layer wrapped
+        by an adapter): the one there now is waited for.
+        """
+        holders = {_parent(name) for name in added if name}
+        holders &= self._seen_names
+        if not holders:
+            return
+        for raw, module in model.named_modules():
+            name = user_name(raw)
+            if name in holders and not is_wrapper(module):
+                self._waiting[id(module)] = name
+                self._keep[id(module)] = module
+        for name in added:
+            if name and _parent(name) in holders:
+                self._stale.setdefault(_parent(name), set()).add(name)
+        self._recheck = _RECHECK_PASSES
 
     def listen(self, passes: ModelPasses) -> None:
         """Hear the model's passes while a tracked module waits for its first call.
@@ -144,7 +181,7 @@ class CallTracker:
         if not self._waiting or self._handle is not None:
             return
         step = self._step_of()
-        if (step >= _FIRST_STEPS and step % _EVERY) or is_wrapper(module):
+        if (step >= _FIRST_STEPS and step % _EVERY and not self._recheck) or is_wrapper(module):
             return  # inside a compiled graph no call is seen (and a hook would recompile)
         self.seen(unwrap(module))  # its own hooks are already running
         if self._waiting:
@@ -153,6 +190,8 @@ class CallTracker:
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._handle is not None:
             self._unhook()
+            if self._recheck:
+                self._recheck -= 1
 
     def seen(self, module: nn.Module, args: Any = None) -> None:
         name = self._waiting.pop(id(module), None)
@@ -161,7 +200,10 @@ class CallTracker:
         del self._keep[id(module)]
         self._seen_names.add(name)
         self.seen_count += 1
+        if self._stale:
+            self._stale.pop(name, None)  # called since the modules under it were put in
         if not self._waiting:
+            self._recheck = 0
             self._unhook()
             self._stop_listening()
 
@@ -173,12 +215,16 @@ class CallTracker:
         """Layers not called although the module holding them was."""
         if not self._waiting:
             return frozenset()
-        seen = self._seen_names
         return frozenset(
             name
             for name in self._waiting.values()
-            if name in self._layers and name and name not in seen and _parent(name) in seen
+            if name in self._layers and name and name not in self._seen_names and self._held(name)
         )
+
+    def _held(self, name: str) -> bool:
+        """Whether the module holding ``name`` was seen called since ``name`` was put in."""
+        holder = _parent(name)
+        return holder in self._seen_names and name not in self._stale.get(holder, ())
 
     def ran(self, name: str) -> bool | None:
         """Whether the module ``name`` (or the nearest tracked module holding it) was called.
@@ -198,7 +244,7 @@ class CallTracker:
                 return True
             key = waiting.get(name)
             if key is not None:
-                if (name and _parent(name) in self._seen_names) or self._a_pass(key):
+                if (name and self._held(name)) or self._a_pass(key):
                     return False
                 return None
             if not name:
@@ -222,3 +268,4 @@ class CallTracker:
         self._unhook()
         self._waiting.clear()
         self._keep.clear()
+        self._stale.clear()
