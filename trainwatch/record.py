@@ -264,6 +264,9 @@ class StepRecord:
     calls_followed: frozenset[str] = frozenset()
     called_now: frozenset[str] | None = None
     calls_ran: frozenset[str] = frozenset()  # of those, the ones seen running in some step
+    # Layers whose holder reads their weights without calling them (nn.MultiheadAttention's
+    # out_proj), each with that holder: its calls tell whether they ran.
+    calls_held_by: dict[str, str] | None = None
     # Of those called now, the ones called only with gradients off inside a pass
     # with gradients (torch.no_grad() around them, a reentrant checkpoint whose
     # inputs do not require grad).

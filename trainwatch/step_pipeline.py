@@ -528,10 +528,16 @@ class StepPipeline:
             return
         found = {}
         read_only = weights_read_by_holder(self._root)  # never called: nothing to follow
+        names: dict[int, str] = {}
         for raw, module in self._root.named_modules():
-            name = user_name(raw)
-            if name in wanted and not is_wrapper(module) and id(module) not in read_only:
+            name = names[id(module)] = user_name(raw)
+            if name not in wanted or is_wrapper(module):
+                continue
+            holder = read_only.get(id(module))
+            if holder is None:
                 found[name] = module
+            elif id(holder) in names:
+                step_calls.held_by[name] = names[id(holder)]  # judged by its holder's calls
         step_calls.follow(found)
         if step_calls.following and not self.passes.listens(step_calls):
             self.passes.subscribe("step calls", step_calls)
@@ -1056,6 +1062,7 @@ class StepPipeline:
             record.calls_followed = step_calls.followed
             record.called_now, record.called_gradless = step_calls.take()
             record.calls_ran = frozenset(step_calls.ran)
+            record.calls_held_by = step_calls.held_by
             if record.missing and step_calls.roots is not None:
                 self._guarded("custom functions", self._custom_functions, record, params)
             step_calls.roots = None  # the step's graph is let go

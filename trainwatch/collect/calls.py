@@ -70,10 +70,11 @@ def _parent(name: str) -> str:
 _READS_CHILDREN_WEIGHTS = (nn.MultiheadAttention,)
 
 
-def weights_read_by_holder(model: nn.Module) -> set[int]:
-    """Ids of the modules whose holder reads their weights instead of calling them."""
+def weights_read_by_holder(model: nn.Module) -> dict[int, nn.Module]:
+    """The modules whose holder reads their weights instead of calling them, by id,
+    each with that holder: whether they ran is whether it did."""
     return {
-        id(child)
+        id(child): holder
         for holder in model.modules()
         if isinstance(holder, _READS_CHILDREN_WEIGHTS)
         for child in holder.modules()

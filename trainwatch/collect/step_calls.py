@@ -75,6 +75,10 @@ class StepCalls:
         # all: cut off inside the model (a .detach() after them), which no output
         # left out of the loss explains. Looked at again once they had a gradient.
         self.cut_off: set[str] = set()
+        # Layers never called because their holder reads their weights itself
+        # (nn.MultiheadAttention's ``out_proj``), each with that holder's name:
+        # whether they ran is whether it did. Not followed themselves.
+        self.held_by: dict[str, str] = {}
 
     @property
     def followed(self) -> frozenset[str]:
@@ -119,7 +123,7 @@ class StepCalls:
                     self.unfollow(name)
         for name in never_called & self.followed:
             self.unfollow(name)
-        return names - never_called - self.followed - self.cut_runs.keys()
+        return names - never_called - self.followed - self.cut_runs.keys() - self.held_by.keys()
 
     def unfollow(self, name: str) -> None:
         self._followed = {key: item for key, item in self._followed.items() if item[1] != name}
@@ -231,6 +235,7 @@ class StepCalls:
         self._unhook()
         self._roots = self.roots = None
         self._followed.clear()
+        self.held_by.clear()
         self.following = False
         self._called.clear()
         self._called_gradless.clear()

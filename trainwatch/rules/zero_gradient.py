@@ -299,6 +299,7 @@ class ZeroGradientRule(Rule):
         due: list[ParamInfo] = []
         followed, called = record.calls_followed, record.called_now
         gradless = record.called_gradless
+        held_by = record.calls_held_by
         ran: frozenset[str] | None = None  # modules that ran (asked for on this path only)
         for info, kind in silent:
             streak = self._streaks.get(info.name)
@@ -313,21 +314,22 @@ class ZeroGradientRule(Rule):
                 continue
             streak.count += 1
             not_run = False
-            if kind == "none" and called is not None and info.owner in followed:
-                if info.owner in called:
+            # The module whose calls tell whether this layer ran: its holder, for
+            # one whose holder reads its weights without calling it.
+            runs = held_by.get(info.owner, info.owner) if held_by else info.owner
+            if kind == "none" and called is not None and runs in followed:
+                if runs in called:
                     streak.called = True
                 else:
                     streak.skipped += 1
                     not_run = True
-            if gradless and kind == "none" and _ran_gradless(info.owner, followed, gradless):
+            if gradless and kind == "none" and runs in gradless:
                 streak.gradless = True
             # An output left out of the loss explains a layer only where the layer
             # is in some output's graph (a head whose loss is off for now); a layer
             # cut off inside the model (an LSTM's embedding detached while its
             # recurrent state, returned too, is left out) is not.
-            left_out = (
-                kind == "none" and record.unreached_outputs and info.owner not in record.cut_off
-            )
+            left_out = kind == "none" and record.unreached_outputs and runs not in record.cut_off
             if kind == "none" and (not_run or left_out):
                 streak.excused += 1
             needed = self.config.patience
@@ -339,7 +341,7 @@ class ZeroGradientRule(Rule):
             # tracker saw the module holding it run without it (a head defined but
             # never called), it is given _NOT_YET_RAN more steps to run.
             skipped = streak.skipped and not streak.called
-            if skipped and info.owner not in record.calls_ran:
+            if skipped and runs not in record.calls_ran:
                 skipped = False
                 if info.owner not in record.never_called:  # its holder skipped too
                     if ran is None:
@@ -380,7 +382,7 @@ class ZeroGradientRule(Rule):
                 and streak.called
                 and streak.excused
                 and streak.count - streak.excused < self.config.patience
-                and info.owner not in record.cut_off
+                and runs not in record.cut_off
             ):
                 # Steps where the layer did not run mixed with steps where it ran
                 # and its output was left out of the loss (an early-exit network
@@ -703,15 +705,6 @@ def _siblings_ran(owner: str, ran: frozenset[str]) -> list[str]:
         if found:
             return sorted(found)
         name = parent
-
-
-def _ran_gradless(owner: str, followed: frozenset[str], gradless: frozenset[str]) -> bool:
-    """Whether ``owner`` ran this step with gradients off only, inside the training
-    pass; for a module never followed (one whose holder reads its weights instead of
-    calling it: nn.MultiheadAttention's ``out_proj``), whether its holder did."""
-    if owner in gradless:
-        return True
-    return owner not in followed and owner.rpartition(".")[0] in gradless
 
 
 def _held_by_a_container(info: ParamInfo, record: StepRecord) -> bool:
