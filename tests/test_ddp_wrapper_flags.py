@@ -38,7 +38,9 @@ class _AuxNet(nn.Module):
         return out + self.aux(h) if use_aux else out
 
 
-def _train(watch: str, wrap: bool, steps: int = 12, evaluate_at: int | None = None):
+def _train(
+    watch: str, wrap: bool, steps: int = 12, evaluate_at: int | None = None, alerts: bool = False
+):
     torch.manual_seed(0)
     net = _AuxNet()
     model = DistributedDataParallel(net, find_unused_parameters=True) if wrap else net
@@ -55,6 +57,8 @@ def _train(watch: str, wrap: bool, steps: int = 12, evaluate_at: int | None = No
             with torch.no_grad():
                 model(torch.randn(16, 20))
     monitor.close()
+    if alerts:
+        return monitor.alerts
     return [(a.rule, a.severity, a.module) for a in monitor.alerts]
 
 
@@ -64,6 +68,26 @@ def test_a_layer_used_on_some_steps_under_find_unused_parameters_is_a_note(watch
         found = _train(watch, wrap=True)
     aux = "module.aux" if watch == "wrapper" else "aux"
     assert found == [("unused_parameter", "info", aux)]
+
+
+@pytest.mark.parametrize("watch", ["wrapper", "inner"])
+def test_the_note_under_find_unused_parameters_says_ddp_copes_without_asking_for_the_flag(watch):
+    with one_process_group():
+        (note,) = _train(watch, wrap=True, alerts=True)
+    assert "DDP copes, since it was built with find_unused_parameters=True" in note.message
+    assert "hangs or fails" not in note.message and "fails or hangs" not in note.hint
+    assert note.hint.startswith("a branch that only runs on some steps")
+    assert "Nothing needs doing" in note.hint
+    assert note.data["find_unused_parameters"] is True
+
+
+def test_control_without_the_flag_the_warning_asks_for_it():
+    with one_process_group():
+        found = _train("inner", wrap=False, alerts=True)
+    (warning,) = [a for a in found if a.rule == "unused_parameter"]
+    assert "under DDP this hangs or fails unless find_unused_parameters=True" in warning.message
+    assert "fails or hangs unless find_unused_parameters=True" in warning.hint
+    assert warning.data["find_unused_parameters"] is False
 
 
 def test_control_the_same_module_with_no_wrapper_in_sight_warns():

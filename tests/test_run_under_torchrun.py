@@ -179,3 +179,21 @@ def test_a_layer_frozen_when_ddp_wrapped_it_and_unfrozen_later_is_told_not_synce
     assert told[0]["data"]["parameters"] == ["module.0.weight", "module.0.bias"]
     zero, one = (json.loads((tmp_path / f"weight{r}.txt").read_text()) for r in (0, 1))
     assert max(abs(a - b) for a, b in zip(zero, one)) > 1e-4  # the ranks' copies drifted
+
+
+@pytest.mark.slow
+def test_a_layer_frozen_after_ddp_was_built_is_written_before_ddps_error(tmp_path):
+    """DDP's reducer waits for the frozen layer's gradients: the forward of step 1 fails
+    on every rank. The warning naming the layer is on disk, once; DDP's error, which
+    lists reducer indices, gets a note naming them."""
+    done = _torchrun(tmp_path, "frozen_after")
+    assert done.returncode != 0
+    assert _steps(tmp_path) == [1, 1]
+    lines = (tmp_path / "tw" / "alerts.jsonl").read_text().splitlines()
+    told = [a for a in map(json.loads, lines)]
+    assert [(a["rule"], a["module"], a["step"], a["data"]["finding"]) for a in told] == [
+        ("trainable_parameters", "module.0", 0, "frozen after DDP")
+    ]
+    assert told[0]["data"]["parameters"] == ["module.0.weight", "module.0.bias"]
+    assert "Expected to have finished reduction" in done.stderr
+    assert "DDP's parameter indices 0 1 (rank 0) are module.0.weight, module.0.bias" in done.stderr

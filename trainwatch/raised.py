@@ -16,20 +16,25 @@ forward's stack, so such errors get no note.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from trainwatch.compiled import user_name
+from trainwatch.ddp_sync import reducer_names
 from trainwatch.errors import TrainingHealthError
 
 NOTE_PREFIX = "trainwatch: raised in "
 _CALL_IMPL = nn.Module._call_impl.__code__
 _MAX_REPR = 200  # characters of the module's repr kept on the note's line
 _MAX_ITEMS = 8  # arguments (and items of a list argument) described
+# DDP's error for parameters its reducer waited for in vain lists their indices.
+_DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 
 
 def already_noted(exc: BaseException) -> bool:
@@ -64,7 +69,29 @@ def note_raise(exc: BaseException, roots: Iterable[nn.Module]) -> str | None:
         f"called with {describe_call(frame)}"
     )
     _add_note(exc, note)
+    if isinstance(module, DistributedDataParallel):
+        named = _ddp_indices_named(exc, module, names[id(module)])
+        if named is not None:
+            _add_note(exc, named)
     return note
+
+
+def _ddp_indices_named(exc: BaseException, ddp: DistributedDataParallel, where: str) -> str | None:
+    """DDP's parameter indices as names, where its reducer's order can be known."""
+    found = _DDP_INDICES.search(str(exc))
+    if found is None:
+        return None
+    ordered = reducer_names(ddp)
+    indices = [int(index) for index in found.group(2).split()]
+    if ordered is None or not indices or max(indices) >= len(ordered):
+        return None
+    prefix = f"{where}.module." if where else "module."
+    shown = ", ".join(prefix + ordered[index] for index in indices[:_MAX_ITEMS])
+    more = f" and {len(indices) - _MAX_ITEMS} more" if len(indices) > _MAX_ITEMS else ""
+    return (
+        f"trainwatch: DDP's parameter indices {found.group(2).strip()} (rank {found.group(1)}) "
+        f"are {shown}{more}"
+    )
 
 
 def _add_note(exc: BaseException, note: str) -> None:

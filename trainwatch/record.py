@@ -178,6 +178,10 @@ class SetupCheck:
     sync_trainable: int = 0  # parameter tensors DDP would hold if built now
     find_unused: bool = False
     unsynced_all: bool = False  # ``unsynced`` names every trainable one: none seen unfrozen
+    # Under DDP without find_unused_parameters: parameters frozen since its
+    # reducer was built, whose gradients it waits for (the next forward fails);
+    # ``synced`` and ``sync_trainable`` say how many it waits for.
+    frozen_after: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -6,7 +6,9 @@ last audited ones: a ``requires_grad`` flip, a param group or a parameter
 added. Those counts are what the step boundary has already made, so a
 healthy step pays no call here. The first step after an audit then checks
 that backward gave some trainable parameter a gradient. Under DDP, each
-audit also compares the parameters DDP all-reduces with those trainable now.
+audit also compares the parameters DDP all-reduces with those trainable now:
+more trainable (a layer unfrozen after wrapping, never synced) or fewer (one
+frozen after wrapping, whose gradient DDP's reducer waits for in vain).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch.ddp_sync import SyncGap, parameter_names, sync_gap
+from trainwatch.ddp_sync import SyncGap, parameter_names, sync_gaps
 from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import ParamInfo
 from trainwatch.record import SetupCheck, StepRecord
@@ -40,9 +42,10 @@ class SetupWatch:
         # The note on updates made outside .grad was given.
         self._outside_told = False
         # Under a process group: the parameters frozen at the last audit, and
-        # those already told as not synced by DDP.
+        # those already told as not synced by DDP, or as frozen after it.
         self._frozen_before: set[str] | None = None
         self._told_unsynced: set[str] = set()
+        self._told_frozen: set[str] = set()
 
     def audit(
         self, step: int, root: nn.Module, optimizers: Sequence[Optimizer]
@@ -52,7 +55,7 @@ class SetupWatch:
         revision = self.latest.revision + 1 if self.latest is not None else 0
         with _untoggled(root):
             audit = build_audit(root, optimizers, revision=revision, step=max(step, 0))
-            unsynced = self._unsynced(root)
+            unsynced, frozen_after = self._ddp_gaps(root)
         self.latest = audit
         # Where the trainable ones sit (adapters at the module holding the pair).
         inner = [row.module for row in audit.locations if row.section == "trainable"]
@@ -67,25 +70,38 @@ class SetupWatch:
             record.setup.synced, record.setup.sync_trainable = gap.synced, gap.trainable
             record.setup.find_unused = gap.find_unused
             record.setup.unsynced_all = every
+        if frozen_after is not None:
+            names, gap = frozen_after
+            record.setup.frozen_after = names
+            record.setup.synced, record.setup.sync_trainable = gap.synced, gap.trainable
         self.reach_due = set(range(len(optimizers))) if optimizers else {None}
         self._reach_since = None
         return audit, record
 
-    def _unsynced(self, root: nn.Module) -> tuple[list[str], SyncGap, bool] | None:
-        """Trainable parameters DDP does not all-reduce, not told before.
+    def _ddp_gaps(
+        self, root: nn.Module
+    ) -> tuple[tuple[list[str], SyncGap, bool] | None, tuple[list[str], SyncGap] | None]:
+        """Where DDP's reducer and the trainable parameters disagree, not told before."""
+        if not process_group_up():
+            return None, None
+        trainable, frozen = parameter_names(root)
+        before, self._frozen_before = self._frozen_before, set(frozen)
+        short, waits = sync_gaps(root)
+        return (
+            self._unsynced(trainable, before, short) if short is not None else None,
+            self._frozen_after(frozen, before, waits) if waits is not None else None,
+        )
+
+    def _unsynced(
+        self, trainable: list[str], before: set[str] | None, gap: SyncGap
+    ) -> tuple[list[str], SyncGap, bool] | None:
+        """Trainable parameters DDP does not all-reduce.
 
         Named: those frozen at the previous audit and trainable now (the layer
         just unfrozen), or every trainable one when no audit saw them frozen.
         DDP tells how many parameters it holds, not which: once it falls short,
         a layer unfrozen later is named whether DDP holds it or not.
         """
-        if not process_group_up():
-            return None
-        trainable, frozen = parameter_names(root)
-        before, self._frozen_before = self._frozen_before, frozen
-        gap = sync_gap(root)
-        if gap is None:
-            return None
         newly = [name for name in trainable if before and name in before]
         if not newly and not self._told_unsynced:
             newly = trainable
@@ -94,6 +110,24 @@ class SetupWatch:
             return None
         self._told_unsynced.update(names)
         return names, gap, names == trainable
+
+    def _frozen_after(
+        self, frozen: list[str], before: set[str] | None, gap: SyncGap
+    ) -> tuple[list[str], SyncGap] | None:
+        """Frozen parameters DDP's reducer still waits for.
+
+        Named: those trainable at the previous audit and frozen now, or every
+        frozen one when no audit saw them train (the monitor attached after
+        the freeze; the count of those DDP waits for goes with them).
+        """
+        newly = [name for name in frozen if before is not None and name not in before]
+        if not newly and not self._told_frozen:
+            newly = frozen
+        names = [name for name in newly if name not in self._told_frozen]
+        if not names:
+            return None
+        self._told_frozen.update(names)
+        return names, gap
 
     def check_reach(
         self,

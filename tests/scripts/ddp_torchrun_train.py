@@ -7,7 +7,9 @@ calls ``zero_grad``), ``unfrozen`` (the first layer frozen in the optimizer,
 unfrozen at step 4: a staged fine-tune), ``unfrozen_on_zero`` (rank 1
 never unfreezes it) or ``unfrozen_unsynced`` (frozen already when DDP wraps
 the model, so DDP never all-reduces it once unfrozen; each rank writes its
-copy of the layer to ``OUT/weight<rank>.txt``). Before each optimizer step, each rank writes its
+copy of the layer to ``OUT/weight<rank>.txt``) or ``frozen_after`` (the first layer
+frozen after DDP and the optimizer were built: DDP's reducer waits for its
+gradients, and the forward of step 1 fails). Before each optimizer step, each rank writes its
 number (1 for the first) to ``OUT/steps<rank>.txt``, so a caller sees at
 which step each rank stopped.
 """
@@ -41,6 +43,8 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=frozen)
     net[0].requires_grad_(not frozen)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if mode == "frozen_after":
+        net[0].requires_grad_(False)
     gen = torch.Generator().manual_seed(rank)
     progress = out / f"steps{rank}.txt"
     for step in range(STEPS):

@@ -43,6 +43,8 @@ class TrainableParametersRule(Rule):
             alerts.append(self._unheld(record.step, check))
         if check.unsynced:
             alerts.append(self._unsynced(record.step, check))
+        if check.frozen_after:
+            alerts.append(self._frozen_after(record.step, check))
         return alerts
 
     def _unheld(self, step: int, check: SetupCheck) -> Alert:
@@ -156,6 +158,45 @@ class TrainableParametersRule(Rule):
                 "synced": check.synced,
                 "trainable": check.sync_trainable,
                 "find_unused_parameters": check.find_unused,
+            },
+        )
+
+    def _frozen_after(self, step: int, check: SetupCheck) -> Alert:
+        """Told at the audit, before the forward DDP fails at: its error names no parameter."""
+        names = check.frozen_after
+        owners = list(dict.fromkeys(_owner(name) for name in names))
+        waited = check.synced - check.sync_trainable
+        counts = (
+            f"its reducer holds {check.synced} parameter tensors, "
+            f"{check.sync_trainable} trainable now"
+        )
+        if waited >= len(names):
+            what = (
+                f"{_listed(names)}, trainable when DDP was built, "
+                f"{'is' if len(names) == 1 else 'are'} frozen now (requires_grad=False)"
+            )
+        else:
+            what = (
+                f"{waited} of the parameter tensors frozen now ({_listed(names)}) "
+                "required grad when DDP was built"
+            )
+        return self.alert(
+            step,
+            common_module(owners),
+            what + f": DDP (find_unused_parameters=False) still waits for their gradients "
+            f'({counts}), so the next forward fails with "Expected to have finished '
+            'reduction in the prior iteration"',
+            "DistributedDataParallel takes the parameters that require grad when it is "
+            "built, once. Freeze the layer before wrapping the model in DDP (or wrap it "
+            "again after freezing; the optimizer keeps its parameters), or build DDP with "
+            "find_unused_parameters=True.",
+            {
+                "finding": "frozen after DDP",
+                "parameters": names[:50],
+                "modules": owners[:50],
+                "synced": check.synced,
+                "trainable": check.sync_trainable,
+                "find_unused_parameters": False,
             },
         )
 

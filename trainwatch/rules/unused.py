@@ -34,6 +34,15 @@ _HINT_ONE_PROCESS = (
     "find_unused_parameters=True (a graph walk per step), or have every branch reach "
     "the loss each step (add 0 * branch_output)."
 )
+# DDP built with find_unused_parameters=True: it copes as it is.
+_HINT_FIND_UNUSED = (
+    "a branch that only runs on some steps (an if on the data, a mixture-of-experts "
+    "router, an auxiliary head used every k steps). Nothing needs doing: DDP was built "
+    "with find_unused_parameters=True, which marks the parameters a step leaves out, "
+    "at the cost of a graph walk per step."
+)
+_ONE_DEVICE = "Fine on one device; under DDP this hangs or fails unless find_unused_parameters=True"
+_COPES = "DDP copes, since it was built with find_unused_parameters=True"
 
 
 class UnusedParameterRule(Rule):
@@ -87,6 +96,8 @@ class UnusedParameterRule(Rule):
         # unless it was built with find_unused_parameters=True (then it copes).
         distributed = bool(self._distributed) or process_group_up()
         ddp = self._distributed == "ddp" or (not self._distributed and distributed)
+        copes = self._distributed == "find_unused"
+        hint = _HINT_FIND_UNUSED if copes else _HINT if distributed else _HINT_ONE_PROCESS
         severity = None
         if ddp and severity_rank(self.config.severity) < severity_rank("warning"):
             severity = "warning"
@@ -106,14 +117,15 @@ class UnusedParameterRule(Rule):
                 self.alert(
                     record.step,
                     owner,
-                    f"{short_names(params)} {how}: used on some steps only. Fine on one "
-                    "device; under DDP this hangs or fails unless find_unused_parameters=True",
-                    _HINT if distributed else _HINT_ONE_PROCESS,
+                    f"{short_names(params)} {how}: used on some steps only. "
+                    + (_COPES if copes else _ONE_DEVICE),
+                    hint,
                     {
                         "parameters": [p.name for p in params],
                         "unused_step": unused_since,
                         "missing_now": now_missing,
                         "distributed": distributed,
+                        "find_unused_parameters": copes,
                     },
                     severity=severity,
                 )
