@@ -293,13 +293,16 @@ def test_a_learning_rate_that_collapses_after_real_steps_stalls_once_the_updates
     then leaves the weights bit for bit as they were: told at the second sampled step
     past the warm-up where the updates stopped (steps 199 and 299). Schedules that end
     at 0, or decay as designed, stay silent. The loss is not handed over, as in a plain
-    loop watched with tw.watch."""
+    loop watched with tw.watch. The learning rates' own look, which tells these much
+    earlier (tests/test_learning_rate_collapse.py), is put off past the run: the re-runs
+    alone tell it, as for updates whose rate no optimizer holds."""
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     steps, per_epoch = 400, 20
     scheduler, stepped = _scheduled(schedule, opt, steps)
-    monitor = quiet_watch(model, opt)  # the defaults: re-runs every 100 steps, from step 200
+    # The defaults otherwise: re-runs every 100 steps, from step 200.
+    monitor = quiet_watch(model, opt, stalled_training__lr_collapse_steps=10**6)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):

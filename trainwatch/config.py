@@ -257,6 +257,15 @@ class StalledTrainingConfig(RuleConfig):
     # (benchmarks/tune_stalled_training.py). A sampled step whose gradients
     # hold NaN/Inf (a GradScaler's skipped step) starts the count over.
     min_update_ratio: float = field(default=1e-8, metadata=_range(0.0))
+    # Stalled too, and told early: every param group of an optimizer has a
+    # learning rate below 1e-6 of that group's own peak so far (a peak above 0:
+    # a warm-up from 0 and a rising range test never count) while the optimizer
+    # kept stepping there this many steps (and 1% of the steps its rate took
+    # to fall that far). The rates are read every 10 steps, off the healthy
+    # step. Per-batch-stepped ExponentialLR(0.9) falls that far in 131 steps,
+    # StepLR(30, 0.1) in 210; cosine to 0 spends 6.4e-4 of its decay there,
+    # OneCycleLR ends at 4e-6 of its peak, linear decay to 0 at 1/steps.
+    lr_collapse_steps: int = field(default=20, metadata=_range(1))
 
 
 @dataclass

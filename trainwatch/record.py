@@ -221,6 +221,19 @@ class StallReport:
 
 
 @dataclass
+class LearningRates:
+    """One watched optimizer's learning rates, read on a sampled step."""
+
+    optimizer: int  # its index among the monitor's optimizers
+    optimizer_class: str
+    # Each param group's ``lr``; NaN where it is no plain number (a tensor).
+    rates: list[float]
+    # The latest step it applied (this step for the optimizer stepping now);
+    # None: it never stepped.
+    last_step: int | None
+
+
+@dataclass
 class ReplacedModel:
     """What trains a model that no optimizer holds, replaced after its optimizer was
     built: the optimizer stepping the parameters of the module it replaced, a
@@ -400,6 +413,8 @@ class StepRecord:
     # keeps (0 on other steps), and the re-run of the first batch.
     stall_phase: int = 0
     stall: StallReport | None = None
+    # Every watched optimizer's learning rates, on one sampled step in ten.
+    optimizer_rates: list[LearningRates] | None = None
     # Under FSDP2 the gradients measured are this rank's shards: a shard can be
     # all zero while its layer's gradient is not (an embedding's rows no batch used).
     sharded: bool = False

@@ -70,6 +70,7 @@ from trainwatch.record import (
     AmpReport,
     BetweenBackwardsRecord,
     ClassTargets,
+    LearningRates,
     NonfiniteReport,
     ReplacedModel,
     StepRecord,
@@ -663,6 +664,24 @@ class StepPipeline:
         ]
         pending.record.stall.left_out_told = self._left_out_told()
 
+    def _read_rates(self, record: StepRecord, stepping: int | None, step: int) -> None:
+        """Every watched optimizer's learning rates, one sampled step in ten: a
+        schedule that collapsed them (a per-epoch one stepped every batch) is told
+        from them long before the re-runs see the updates stop. Each optimizer
+        comes with the latest step it applied, as a rate that collapsed counts
+        only while its optimizer still steps."""
+        self.stall.rates_read(step)  # type: ignore[union-attr]
+        applied_at = self._applied_at
+        record.optimizer_rates = [
+            LearningRates(
+                index,
+                type(optimizer).__name__,
+                list(map(_group_rate, optimizer.param_groups)),
+                step if index == stepping else applied_at.get(index),
+            )
+            for index, optimizer in enumerate(self._optimizers)
+        ]
+
     def _left_out_told(self) -> bool:
         """Whether not_optimized has told that nothing updates any of the model's
         trainable weights (a loss module's learned weights left out of the
@@ -1178,11 +1197,13 @@ class StepPipeline:
         frame = pending.frame
         stall = self.stall
         step = now if index is not None else now - 1  # monitor.step() counted it
-        if stall is not None and (step < stall.loss_until or step >= stall.loss_from):
+        if stall is not None and (step < stall.loss_until or step >= stall.look_from):
             # One of its sampled steps (plain attributes: no call on the others).
             found = self._guarded("stalled training", stall.sample, record, params, step)
             if found is not None:
                 pending.stall_due, pending.weights_before = found
+            if step >= stall.rates_due and not attach:
+                self._guarded("stalled training", self._read_rates, record, index, step)
         if manual and self._check_accumulation and self.tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self.layers)
@@ -1562,6 +1583,13 @@ class StepPipeline:
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due
+
+
+def _group_rate(group: dict[str, Any]) -> float:
+    """A param group's learning rate; NaN where it is no plain number (a tensor,
+    which a GPU would have to be waited on to read)."""
+    rate = group.get("lr")
+    return float(rate) if isinstance(rate, (int, float)) else math.nan
 
 
 def _holds(monitor: Any, optimizer: Optimizer) -> bool:

@@ -13,7 +13,9 @@ the output.
 On the same sampled steps the weights are copied before the optimizer's
 update, which gives each layer's update-to-weight ratio ``||dW|| / ||W||``
 after it: about 1e-3 in healthy runs, orders of magnitude less when the
-learning rate is effectively zero.
+learning rate is effectively zero. One step in ``RATE_EVERY`` is sampled as
+well, for the optimizers' learning rates alone: a rate that collapsed shows
+there long before the re-runs see the updates stop.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ _CLONE = methodcaller("clone")
 _FLOAT = methodcaller("float")
 _POSITIVE = (0.0).__lt__  # a norm above zero (NaN is not)
 _consume = deque(maxlen=0).extend  # runs a C loop (a ``map``) for its effects
+# Steps between two looks at the learning rates: a look reads every param
+# group's ``lr`` in Python, which a healthy step must not pay for.
+RATE_EVERY = 10
 
 
 class FirstBatchProbe:
@@ -62,7 +67,7 @@ class FirstBatchProbe:
 
     Healthy steps must not pay for it: it listens to the passes only until it
     has its batch, and the monitor reads the sampled steps off plain
-    attributes (``loss_until``, ``loss_from``) without a call. A model wrapped in
+    attributes (``loss_until``, ``look_from``) without a call. A model wrapped in
     DDP is re-run through its inner module (no collective on one rank), one with
     SyncBatchNorm or FSDP-sharded parts not at all.
     """
@@ -79,6 +84,10 @@ class FirstBatchProbe:
         self.loss_until = 0
         self.due = 0
         self.loss_from = 0
+        # The next look at the learning rates, and the first sampled step after
+        # ``loss_until``: the earlier of that look and ``loss_from``.
+        self.rates_due = 0
+        self.look_from = 0
         self._kept = False  # a batch is kept, or the attempt gave up for this phase
         # monitor.step() comes after the update: the weights at the boundary before a re-run.
         self._weights_at_boundary: list[torch.Tensor] | None = None
@@ -124,6 +133,12 @@ class FirstBatchProbe:
     def _schedule(self, due: int) -> None:
         self.due = due
         self.loss_from = due - self.loss_window + 1
+        self.look_from = min(self.loss_from, self.rates_due)
+
+    def rates_read(self, step: int) -> None:
+        """The learning rates were read at ``step``: the next look, ``RATE_EVERY`` on."""
+        self.rates_due = step + RATE_EVERY
+        self.look_from = min(self.loss_from, self.rates_due)
 
     def detach(self) -> None:
         self._passes.unsubscribe(self)

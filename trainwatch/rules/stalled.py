@@ -12,6 +12,12 @@ collapses after a few real steps (a per-epoch schedule stepped every batch)
 leaves it large for ever. The updates themselves tell that case: every
 layer's update-to-weight ratio, measured on the same sampled steps, falls
 orders of magnitude below any real training's and stays there.
+
+Sooner still, the learning rates tell it: read one step in ten, an
+optimizer whose every param group sits at a millionth of its own peak while
+it keeps stepping has collapsed, which no schedule meant to train does for
+long (cosine to 0 spends 6.4e-4 of its decay there, OneCycleLR ends at 4e-6
+of its peak).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import statistics
 
 from trainwatch.alert import Alert
 from trainwatch.config import StalledTrainingConfig
-from trainwatch.record import StallReport, StepRecord
+from trainwatch.record import LearningRates, StallReport, StepRecord
 from trainwatch.rules.base import Rule
 
 _HINT = (
@@ -41,6 +47,14 @@ _STOPPED_HINT = (
     "as intended, the gradients themselves vanished. Healthy updates move weights by "
     "about 1e-3 of their norm."
 )
+_COLLAPSED_HINT = (
+    "the learning rate fell to nothing while the optimizer keeps stepping: usually a "
+    "scheduler meant per epoch stepped every batch (StepLR's step_size, ExponentialLR's "
+    "gamma, MultiStepLR's milestones counted in epochs; in Lightning, a per-epoch "
+    "scheduler returned with interval 'step'), a decay in the wrong unit, or "
+    "ReduceLROnPlateau reducing without a min_lr. Step the scheduler where its unit "
+    "says (once an epoch), or give it steps, and set a floor (min_lr, eta_min)."
+)
 # Healthy runs' typical update-to-weight ratio, quoted in the message.
 _HEALTHY_RATIO = 1e-3
 # Sampled steps in a row, past the warm-up, whose updates stopped: one alone
@@ -56,6 +70,15 @@ _RATE_FELL = 1e-3
 # Gradients still alive: the step's total norm at least this share of the largest
 # the phase's sampled steps had. A converged fit's fall by many orders of magnitude.
 _GRADIENTS_ALIVE = 1e-3
+# A learning rate collapsed: below this share of its param group's own peak.
+# OneCycleLR ends at 4e-6 of its peak, linear decay to 0 at 1/steps of it.
+_COLLAPSED = 1e-6
+# And there, while stepping, for this share of the steps it took to fall from
+# its peak (at least ``lr_collapse_steps``): cosine annealing to 0 spends
+# 2 * sqrt(1e-6) / pi = 6.4e-4 of its decay below the bound, at any length
+# (its last 64 steps of 100,000), a per-epoch schedule stepped every batch the
+# rest of the run.
+_COLLAPSED_SHARE = 1e-2
 
 
 class StalledTrainingRule(Rule):
@@ -74,8 +97,34 @@ class StalledTrainingRule(Rule):
         self._stopped = _Stopped()
         self._peak_rate = 0.0  # the largest learning rate the phase had, as sampled
         self._peak_norm = 0.0  # and the largest total gradient norm
+        # Each optimizer's learning rates as the looks saw them (by index): kept
+        # across phases, as an optimizer's schedule goes on through them.
+        self._rates: dict[int, _Rates] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.optimizer_rates is None:
+            return self._stalled(record)
+        return self._with_rates(record)  # one sampled step in ten
+
+    def _with_rates(self, record: StepRecord) -> list[Alert]:
+        alerts = self._stalled(record)  # (a new phase starts there)
+        collapsed = self._collapsed(record.step, record.optimizer_rates or [])
+        if collapsed:
+            self._fired = True  # what the re-runs would tell later, told now
+        return alerts + collapsed
+
+    def _collapsed(self, step: int, looked: list[LearningRates]) -> list[Alert]:
+        """The optimizers whose learning rates collapsed, each told once a collapse."""
+        alerts = []
+        for look in looked:
+            rates = self._rates.get(look.optimizer)
+            if rates is None or not rates.fits(look):
+                rates = self._rates[look.optimizer] = _Rates(look)
+            if rates.note(step, look, self.config.lr_collapse_steps):
+                alerts.append(self._collapsed_alert(step, look, rates))
+        return alerts
+
+    def _stalled(self, record: StepRecord) -> list[Alert]:
         if record.stall_phase != self._phase:
             self._restart(record.stall_phase)  # a new phase: its own first losses
         loss = record.loss if record.loss is not None else record.late_loss
@@ -197,6 +246,33 @@ class StalledTrainingRule(Rule):
         }
         return self.alert(step, "", message, _HINT, data)
 
+    def _collapsed_alert(self, step: int, look: LearningRates, rates: _Rates) -> Alert:
+        name = f"optimizer {look.optimizer} ({look.optimizer_class})"
+        judged = [i for i, peak in enumerate(rates.peaks) if peak > 0.0]
+        peaks = [rates.peaks[i] for i in judged]
+        now = [look.rates[i] for i in judged]
+        groups = "its learning rate" if len(judged) == 1 else "every param group's learning rate"
+        stepped = (step if look.last_step is None else look.last_step) - rates.since
+        message = (
+            f"learning rate collapsed: {name} keeps stepping with {groups} below "
+            f"{_COLLAPSED:g} of its peak, fallen there by step {rates.since} and stepped "
+            f"{stepped} steps since (lr {_rates(now)} now, peak {_rates(peaks)}): its "
+            f"updates change nothing any more"
+        )
+        data = {
+            "kind": "learning_rate_collapsed",
+            "criterion": "learning_rate_collapsed",
+            "optimizer": look.optimizer,
+            "optimizer_class": look.optimizer_class,
+            "collapsed_since": rates.since,
+            "steps_collapsed": stepped,
+            "peak_step": rates.peak_step,
+            "learning_rates": now,
+            "peak_learning_rates": peaks,
+            "bound": _COLLAPSED,
+        }
+        return self.alert(step, "", message, _COLLAPSED_HINT, data)
+
     def _stopped_alert(self, step: int, report: StallReport) -> Alert:
         ratios = report.update_ratios
         stopped = self._stopped
@@ -299,6 +375,54 @@ class _Stopped:
         steps as the phase ran before: a schedule that decays to 0 at the end of a
         long run has its last sampled steps stopped, never half its steps."""
         return self.past_warmup >= _STOPPED_SAMPLES and 2 * self.since <= steps
+
+
+class _Rates:
+    """One optimizer's learning rates, as the looks saw them: each param group's
+    peak so far, and whether every group is collapsed now.
+
+    A group's peak counts once its rate was above 0 (a warm-up from 0 and a
+    range test, which only rises, never collapse); a group held at 0 from the
+    start (frozen on purpose) is left out. Collapsed: every group with a peak
+    below :data:`_COLLAPSED` of it. Told once the optimizer stepped there for
+    ``lr_collapse_steps`` steps and :data:`_COLLAPSED_SHARE` of those the rate
+    took to fall from its peak, then not again until a rate rises above the
+    bound (a restart). Slotted: a checkpoint keeps it (rules/state.py).
+    """
+
+    __slots__ = ("optimizer_class", "peaks", "peak_step", "since", "told")
+
+    def __init__(self, look: LearningRates) -> None:
+        self.optimizer_class = look.optimizer_class
+        self.peaks = [0.0] * len(look.rates)
+        self.peak_step = 0  # the latest look with a group at its peak
+        self.since = -1  # the first look of this collapse; -1: not collapsed
+        self.told = False
+
+    def fits(self, look: LearningRates) -> bool:
+        """The same optimizer with the same groups (a group added starts over)."""
+        return look.optimizer_class == self.optimizer_class and len(look.rates) == len(self.peaks)
+
+    def note(self, step: int, look: LearningRates, steps: int) -> bool:
+        """Take the look at ``step`` in; whether the collapse is to be told now."""
+        peaks = self.peaks
+        for group, rate in enumerate(look.rates):
+            if rate > 0.0 and rate >= peaks[group]:
+                peaks[group] = rate
+                self.peak_step = step
+        # The groups with a peak: one held at 0 throughout says nothing.
+        judged = [(rate, peak) for rate, peak in zip(look.rates, peaks) if peak > 0.0]
+        if not judged or not all(rate < _COLLAPSED * peak for rate, peak in judged):
+            self.since, self.told = -1, False  # (a NaN rate: not collapsed)
+            return False
+        if self.since < 0:
+            self.since = step
+        last = look.last_step
+        needed = max(steps, _COLLAPSED_SHARE * (self.since - self.peak_step))
+        if self.told or last is None or last - self.since < needed:
+            return False
+        self.told = True
+        return True
 
 
 def _audit(report: StallReport) -> str:
