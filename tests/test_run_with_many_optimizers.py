@@ -5,9 +5,9 @@ then moves the meta-model (never called itself) by hand and one Adam step.
 Each fresh optimizer met while the forward hooks were off made a heap search
 for its model (three scans of every live object: its holder, its optimizers,
 compile wrappers), so the run went ten times slower than the plain script.
-Past the first few, a fresh optimizer's model is now found at its next call
-(the forward hooks come back on for it), and only a model that call does not
-bring (the meta-model) is searched for, at its optimizer's third step.
+A fresh optimizer's building now turns the forward hooks back on and its model
+is found at its first call, the optimizer known already (no search), and only
+a model no call brings (the meta-model) is searched for.
 """
 
 from __future__ import annotations
@@ -114,14 +114,14 @@ def test_heap_scans_do_not_grow_with_the_number_of_tasks(tmp_path, monkeypatch):
 
 def test_a_late_tasks_copy_found_by_its_call_is_checked(tmp_path, monkeypatch):
     # The last meta-iteration's inner loops forget zero_grad(): their copies,
-    # found by their calls (not a heap scan), are told at their second step:
-    # the first of them once, the others counted with it (copies set up alike).
+    # found by their first calls (not a heap scan), are told at their second
+    # step: the first of them once, the others counted with it (copies set up alike).
     _, alerts, _ = _run(tmp_path, monkeypatch, "late_task_accumulates")
     told = [a for a in alerts if a["rule"] == "accumulated_gradient"]
     assert len(told) == 1, alerts
     counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())["counts"]
-    # Four copies, each at its second and third watched step.
-    assert [(c["rule"], c["count"]) for c in counts] == [("accumulated_gradient", 8)]
+    # Four copies, each at its second, third and fourth step.
+    assert [(c["rule"], c["count"]) for c in counts] == [("accumulated_gradient", 12)]
 
 
 def test_a_script_importing_lightning_and_transformers_scans_no_more(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ The global hooks cost a few microseconds per module call; they are removed by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import sys
 import threading
@@ -78,6 +79,9 @@ _REPLACED_LOOKS = 20
 # its model's next call (a loop building a model copy and an optimizer per
 # task, as Reptile does, would otherwise scan the heap per task).
 _SEARCHES_AT_FIRST_STEP = 4
+# Steps of the models watched through which an optimizer built over parameters no
+# model of ours holds keeps the forward hooks on for its model's first call.
+_BUILT_WAIT = 2
 # Scans for the model holding a module called on its own, whose optimizer holds
 # more than that module, that may find none (see AutoWatch._holder_called_through).
 _PART_SEARCHES = 4
@@ -560,6 +564,13 @@ class AutoWatch:
         # The datasets read for evaluations so far, by id (see _evaluation_started).
         self._evaluated: set[int] = set()
         self._loader_iter: Any = None
+        # Optimizer.__init__ as it was before install() with our wrapper of it, and
+        # the optimizers built over parameters no model of ours holds while the
+        # forward hooks were off, with the step each was built at (see _optimizer_built).
+        self._optimizer_init: Any = None
+        self._awaited: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+        # Those attached as their model was first called (see _attach_awaited).
+        self._met_at_call: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # Turns the forward hooks on in no_grad / inference_mode blocks once they
         # are off, so a model first evaluated late is found (trainwatch.late_models).
         self._lookout = NoGradLookout(self)
@@ -572,6 +583,7 @@ class AutoWatch:
         self._handles.append(register_optimizer_step_post_hook(self._after_step))
         self._compile_warning = CompiledHookWarning()
         self._watch_loaders()
+        self._watch_optimizers()
         self._lookout.install()
         termination.hold(self)  # a SIGTERM'd script still gets its files closed
 
@@ -581,8 +593,9 @@ class AutoWatch:
         They cost every module call of every model, so they are on only while
         a model may still appear: until every model found trains with an
         optimizer (or is never trained: a target network, an EMA copy) for
-        two steps, and again from the first step of an optimizer whose
-        parameters no model of ours holds. After that, a model first called in
+        two steps, and again from the building (or, built before they came
+        off, the first step) of an optimizer whose parameters no model of ours
+        holds. After that, a model first called in
         a ``no_grad`` or ``inference_mode`` block (an EMA copy first validated
         at step 500) is found by the lookout, which turns them on for the block
         (see :mod:`trainwatch.late_models`); one first called outside such a
@@ -618,6 +631,62 @@ class AutoWatch:
 
         self._loader_iter = (original, __iter__)
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+
+    def _watch_optimizers(self) -> None:
+        """See each optimizer the script builds, so that a model built after the others
+        settled is watched from its first pass (see :meth:`_optimizer_built`).
+
+        ``Optimizer.__init__``, which every optimizer class reaches through
+        ``super().__init__``, is wrapped until :meth:`close`.
+        """
+        original = Optimizer.__init__
+        owner = weakref.ref(self)
+
+        @functools.wraps(original)
+        def __init__(optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+            original(optimizer, *args, **kwargs)
+            watcher = owner()
+            if watcher is not None and not watcher._closed:
+                try:
+                    watcher._optimizer_built(optimizer)
+                except Exception as exc:  # never break the script's optimizer
+                    watcher._unwatch_optimizers()
+                    watcher._internal.internal_error("trainwatch run: optimizer built", exc, 0)
+
+        self._optimizer_init = (original, __init__)
+        Optimizer.__init__ = __init__  # type: ignore[method-assign]
+
+    def _unwatch_optimizers(self) -> None:
+        if self._optimizer_init is not None:
+            original, ours = self._optimizer_init
+            if Optimizer.__dict__.get("__init__") is ours:  # not wrapped again since
+                Optimizer.__init__ = original  # type: ignore[method-assign]
+            self._optimizer_init = None
+
+    def _optimizer_built(self, optimizer: Optimizer) -> None:
+        """An optimizer built while the forward hooks are off, over parameters no model
+        of ours holds: a second model's (a student distilled from the teacher trained
+        first, the next fold's). Scripts build the optimizer before the model's first
+        call, so the hooks go on to find the model at that call: its first pass and
+        loss are checked, as the first model's are. They go off again once it steps
+        (see _after_step), or after :data:`_BUILT_WAIT` steps of the models watched
+        if it is not called (at its optimizer's first step it is looked for, as
+        before). One built over a watched model's parameters (a new learning rate,
+        an LR finder's loop) turns nothing on.
+        """
+        if self._forward_handles or not self._unowned(optimizer):
+            return
+        self._awaited[optimizer] = self.steps
+        self._hook_forwards()
+
+    def _awaiting_built(self) -> bool:
+        """Whether an optimizer built for a model not found yet still waits for its
+        first call; one waited for :data:`_BUILT_WAIT` steps is not."""
+        steps = self.steps
+        for optimizer, built in list(self._awaited.items()):
+            if steps - built >= _BUILT_WAIT:
+                del self._awaited[optimizer]
+        return bool(self._awaited)
 
     def _loader_started(self, loader: DataLoader) -> None:
         if not torch.is_grad_enabled():
@@ -700,6 +769,7 @@ class AutoWatch:
             if DataLoader.__dict__.get("__iter__") is ours:  # not wrapped again since
                 DataLoader.__iter__ = original  # type: ignore[method-assign]
             self._loader_iter = None
+        self._unwatch_optimizers()
         for monitor in self.monitors:
             try:
                 monitor.close()
@@ -986,7 +1056,9 @@ class AutoWatch:
                 return
             for part in parts:
                 self._give_way(part)
-        self._release_dropped()
+        if not (self._awaited and self._awaited_over(params)):
+            # (One built for it releases them at its first step: see _before_step.)
+            self._release_dropped()
         name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
@@ -1010,6 +1082,8 @@ class AutoWatch:
         monitor.on_model_not_called(_NotCalled(self, monitor))
         for optimizer in list(self._pending):
             self._attach(optimizer)
+        if self._awaited:
+            self._attach_awaited(monitor)
         if not monitor.optimizers:
             # The optimizer usually exists already: attach it before the first
             # training forward, so the monitor runs in optimizer mode from the start.
@@ -1022,6 +1096,21 @@ class AutoWatch:
             monitor.pass_started(part, args)  # this very call of the part is a pass
         elif called:
             monitor.pass_started(module, args)  # this very call is the model's first pass
+
+    def _awaited_over(self, params: list[torch.Tensor]) -> bool:
+        wanted = {id(p) for p in params}
+        return any(_holds_any(optimizer, wanted) for optimizer in list(self._awaited))
+
+    def _attach_awaited(self, monitor: Monitor) -> None:
+        """Attach the optimizers built for the monitor's model before its first call
+        (see _optimizer_built): known already, so no scan of live objects looks for
+        them (a loop building a model copy and an optimizer per task makes none)."""
+        mine = {id(p) for p in monitor.model.parameters()}
+        for optimizer in list(self._awaited):
+            if _holds_any(optimizer, mine):
+                del self._awaited[optimizer]  # found: its first step searches nothing
+                self._met_at_call.add(optimizer)
+                self._attach(optimizer)
 
     def _release_dropped(self) -> None:
         """Close the monitors whose model and optimizers the script has dropped (a
@@ -1088,6 +1177,12 @@ class AutoWatch:
                     self._note_closure_step(optimizer, args, kwargs)
             return None
         self._handled.add(optimizer)
+        if optimizer in self._met_at_call:
+            # Its model was found at its first call, while the previous task's copy
+            # was still held (by its last loss's graph): dropped by now, it closes
+            # before this model's first step.
+            self._met_at_call.discard(optimizer)
+            self._release_dropped()
         try:
             self._attach(optimizer)
         except Exception as exc:
@@ -1110,22 +1205,17 @@ class AutoWatch:
         (a model first called inside the optimizer's closure) keep it pending
         until that model appears.
         """
-        unowned = [
-            p for g in optimizer.param_groups for p in g["params"] if registry.owner_of(p) is None
-        ]
-        if unowned:
-            # A module put into a watched model (a new head): its monitor names it now.
-            for monitor in self.monitors:
-                if not monitor.closed:
-                    monitor.refresh_layers()
-            unowned = [p for p in unowned if registry.owner_of(p) is None]
-        if unowned and not self._forward_handles and not self._closed:
+        unowned = self._unowned(optimizer)
+        # Built while the forward hooks were off, and its model not met since (one
+        # called only inside a torch.func transform, or never: see _optimizer_built).
+        awaited = self._awaited.pop(optimizer, None) is not None
+        if unowned and (awaited or not self._forward_handles) and not self._closed:
             # Its model ran while the forward hooks were off (a second model,
             # built after the first had settled): find it now, so that this
             # step, its first, is counted; past the first few, at its next call.
             if self._first_step_searches < _SEARCHES_AT_FIRST_STEP:
                 self._first_step_searches += 1
-                self._discover_holders(unowned)
+                self._discover_holders(unowned, hooks_on=bool(self._forward_handles))
             else:
                 self._unsearched.add(optimizer)
         ours = {id(m): m for m in self.monitors}
@@ -1156,6 +1246,19 @@ class AutoWatch:
             self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
+
+    def _unowned(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The optimizer's parameters that no monitor watches."""
+        unowned = [
+            p for g in optimizer.param_groups for p in g["params"] if registry.owner_of(p) is None
+        ]
+        if unowned:
+            # A module put into a watched model (a new head): its monitor names it now.
+            for monitor in self.monitors:
+                if not monitor.closed:
+                    monitor.refresh_layers()
+            unowned = [p for p in unowned if registry.owner_of(p) is None]
+        return unowned
 
     def _take_over(self, optimizer: Optimizer) -> None:
         """A pending optimizer steps a module that shares parameters with another
@@ -1284,11 +1387,14 @@ class AutoWatch:
         )
         self._emit(alert, "")
 
-    def _discover_holders(self, params: list[torch.Tensor]) -> None:
+    def _discover_holders(self, params: list[torch.Tensor], hooks_on: bool = False) -> None:
         """Watch the outermost modules holding ``params`` (one heap scan).
 
         A module holding another found module is the model, as the first
         module called would be; a module holding none of them is left alone.
+        ``hooks_on``: the forward hooks were on since the optimizer was built, so
+        a holder they met and left unwatched (a model built around part of one of
+        ours, see _take_over) was left so on purpose: then none is watched.
         """
         wanted = {id(p) for p in params}
         try:
@@ -1297,10 +1403,12 @@ class AutoWatch:
                 obj
                 for obj in gc.get_objects()
                 if issubclass(type(obj), nn.Module)
-                and obj not in self._seen
                 and id(obj) not in watched
                 and any(id(p) in wanted for p in obj.parameters())
             ]
+            if hooks_on and any(holder in self._seen for holder in holders):
+                return
+            holders = [holder for holder in holders if holder not in self._seen]
             inner = {id(sub) for holder in holders for sub in holder.modules() if sub is not holder}
             for holder in holders:
                 if id(holder) not in inner:
@@ -1340,7 +1448,7 @@ class AutoWatch:
         scanned = None
         try:
             wanted = {id(p) for p in params}
-            known = [o for o in self._pending if _holds_any(o, wanted)]
+            known = [o for o in (*self._pending, *self._awaited) if _holds_any(o, wanted)]
             if not known:
                 known = scanned = _optimizers_over(params)
             wider = [o for o in known if _holds_more(o, params)]
@@ -1383,6 +1491,7 @@ class AutoWatch:
                 and self.monitors
                 and all(m.optimizers or m.closed or not m.step_count for m in self.monitors)
                 and not (self._not_called and self._awaiting_replacement())
+                and not (self._awaited and self._awaiting_built())
             ):
                 # Every model found steps with an optimizer, or takes no steps at all
                 # (a momentum target, an EMA copy, a frozen teacher: run, never
