@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import os
 import sys
 import threading
 import weakref
@@ -38,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from trainwatch import dispatch, registry, termination
 from trainwatch.alert import Alert, standing_worst
 from trainwatch.callers import called_from
+from trainwatch.child_processes import ChildProcesses
 from trainwatch.collect import quiet
 from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
 from trainwatch.config import Config
@@ -490,8 +492,10 @@ class AutoWatch:
         sinks: Sequence[Sink] = (),
         max_steps: int | None = None,
         relay: StoreLink | None = None,
+        script: str = "script.py",
     ) -> None:
         self.config = config
+        self.script = script  # as the closing line names it in a command to run
         # Under torchrun: this rank's side of the store relay (rank zero
         # receives there; the others' only sink is a RankSender on it).
         self.relay = relay
@@ -574,6 +578,8 @@ class AutoWatch:
         # Turns the forward hooks on in no_grad / inference_mode blocks once they
         # are off, so a model first evaluated late is found (trainwatch.late_models).
         self._lookout = NoGradLookout(self)
+        # The processes the script starts, named by a closing line that saw no step.
+        self._children = ChildProcesses()
 
     # -- lifecycle -------------------------------------------------------
     def install(self) -> None:
@@ -584,8 +590,10 @@ class AutoWatch:
         self._compile_warning = CompiledHookWarning()
         self._watch_loaders()
         self._watch_optimizers()
+        self._children.install()
         self._lookout.install()
         termination.hold(self)  # a SIGTERM'd script still gets its files closed
+        _OPEN.add(self)
 
     def _hook_forwards(self) -> None:
         """Global forward hooks: every module call in the process, to find new models.
@@ -754,6 +762,12 @@ class AutoWatch:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
+        self._uninstall()
+        self._close_monitors()
+
+    def _uninstall(self) -> None:
+        """Every global hook and wrapper of install() off."""
         if self._scripts_own in dispatch.OBSERVERS:
             dispatch.OBSERVERS.remove(self._scripts_own)
         self._lookout.remove()
@@ -770,6 +784,19 @@ class AutoWatch:
                 DataLoader.__iter__ = original  # type: ignore[method-assign]
             self._loader_iter = None
         self._unwatch_optimizers()
+        self._children.remove()
+
+    def _left_to_the_parent(self) -> None:
+        """In a process forked from the script's (a ``multiprocessing.Process`` it
+        trains in, a DataLoader worker) the run is the parent's, which reports it:
+        here the hooks come off and nothing is written (the TensorBoard writer's
+        thread was not forked along, and a flush waiting on it never ends)."""
+        self._closed = True
+        self.sinks.clear()  # the run's sinks, every model's view writes through
+        self._uninstall()  # termination's table already tells the child's pid apart
+
+    def _close_monitors(self) -> None:
+        """Every monitor, the other ranks' last alerts, then the one summary."""
         for monitor in self.monitors:
             try:
                 monitor.close()
@@ -784,7 +811,7 @@ class AutoWatch:
             self._tell_alike()
             shown, raw = self.summary(), self.summary(labelled=False)
             if not shown.steps and not self._scripts_own.steps:
-                shown.idle = _NOTHING_WATCHED
+                shown.idle = self._children.note(self.script) or _NOTHING_WATCHED
             self._each_sink(
                 "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
             )
@@ -1657,3 +1684,20 @@ class AutoWatch:
             return
         self._released_steps = max(self._released_steps, monitor.step_count)
         self._give_way(monitor, keep_optimizers=False)
+
+
+# The runs open in this process. A process forked from it inherits them, hooks
+# and all; there they are the parent's to report (see AutoWatch._left_to_the_parent).
+_OPEN: weakref.WeakSet[AutoWatch] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    try:
+        for watcher in list(_OPEN):
+            watcher._left_to_the_parent()
+        _OPEN.clear()
+    except Exception:  # never stand in the way of the script's own process
+        pass
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -72,8 +72,8 @@ class TrainWatchCallback(Callback):
         self._monitor: Monitor | None = None
         self._reporter: Reporter | None = None
         self._restored: dict[str, Any] | None = None
-        # The tallies an evaluation run took over from the run before it.
-        self._carried: dict[Any, int] | None = None
+        # The findings an evaluation run took over from the run before it.
+        self._carried: set[Any] | None = None
         self._phase: Phase | None = None
         self._batches = 0
         self._failed = False
@@ -192,7 +192,7 @@ class TrainWatchCallback(Callback):
         for optimizer in optimizers:
             _quietly(monitor.add_optimizer, _unwrap(optimizer))
         # What the run before left (a checkpoint's findings too) was told already.
-        self._carried = _counts(reporter) if earlier is not None else None
+        self._carried = _findings(reporter) if earlier is not None else None
 
     def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
         """The default sinks; TensorBoard writes through the logger's writer when there is one."""
@@ -211,8 +211,9 @@ class TrainWatchCallback(Callback):
         if reporter is not None and not reporter.closed:
             if reporter.outbox is not None and reporter.outbox.pending:
                 self._report_undelivered(reporter)
-            if self._carried is not None and _counts(reporter) == self._carried:
-                # The run before already printed these: no summary saying them again.
+            if self._carried is not None and _findings(reporter) <= self._carried:
+                # The run before already told these (an evaluation seeing one of
+                # them again counts it): no summary saying them again.
                 _quietly(_without_summary, reporter)
             _quietly(reporter.close)
 
@@ -326,9 +327,14 @@ def _carry(earlier: Reporter, later: Reporter) -> None:
     later.memory.alerts.extend(earlier.memory.alerts)
 
 
-def _counts(reporter: Reporter) -> dict[Any, int]:
-    """Each finding's count: unchanged over an evaluation run, it told nothing new."""
-    return {key: tally.count for key, tally in reporter.dispatcher.tallies.items()}
+def _findings(reporter: Reporter) -> set[Any]:
+    """The findings told so far: an evaluation run that adds none told nothing new.
+
+    Their keys, not their counts: ``test()`` audits its first passes afresh and
+    meets the fit's broadcast again (the same op, line and shapes in a shared
+    loss), which counts it once more but is no news.
+    """
+    return set(reporter.dispatcher.tallies)
 
 
 def _without_summary(reporter: Reporter) -> None:

@@ -77,7 +77,9 @@ def run_script(
         except OSError as exc:
             note.print(f"trainwatch run: --log-dir: cannot write alerts into {str(out)!r}: {exc}")
             return EXIT_USAGE
-    watcher = AutoWatch(config=cfg, sinks=sinks, max_steps=max_steps, relay=link)
+    watcher = AutoWatch(
+        config=cfg, sinks=sinks, max_steps=max_steps, relay=link, script=str(script)
+    )
     rank_zero = link is None or link.rank == 0  # trainwatch's own notes are rank zero's
     console = console and rank_zero
     if console:

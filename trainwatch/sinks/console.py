@@ -54,6 +54,15 @@ def _fold(items: Sequence[T], key: Callable[[T], Hashable | None]) -> list[list[
     return folded
 
 
+def _row_module(alert: Alert) -> str:
+    """The summary's module cell. A finding in an evaluation pass is counted apart
+    from the same rule's training finding (its hint differs: training itself may
+    be sound), and both often name no module (a loss written in the loop): the
+    cell says which row is the evaluation's, or the two rows read the same."""
+    module = _module_label(alert.module) or "-"
+    return f"{module} (evaluation)" if alert.data.get("phase") == "evaluation" else module
+
+
 def _same_finding(alert: Alert) -> Hashable | None:
     """Alerts of one publish that say the same thing of different modules: a rule's
     kinds and causes are different findings (a layer without a gradient is not
@@ -208,7 +217,7 @@ class ConsoleSink(Sink):
 
         for group in _fold(ordered, same_row):
             alert = group[0].first
-            module = _module_label(alert.module) or "-"
+            module = _row_module(alert)
             if len(group) > 1:
                 module += f" +{len(group) - 1} more"
             table.add_row(
