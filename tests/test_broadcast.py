@@ -30,6 +30,7 @@ def test_regression_output_n1_minus_target_n_is_caught_at_step_0(model, quiet_wa
     assert alert.data["result"] == [32, 32]
     assert alert.data["source"].endswith(f"{__name__.split('.')[-1]}.py:{_line('(out - y)')}")
     assert ".squeeze(-1)" in alert.hint and "view_as" in alert.hint
+    assert "torch.cat them instead of torch.stack" in alert.hint  # (N, 1): maybe stacked
 
 
 def test_mse_loss_with_mismatched_target_is_caught(model, quiet_watch):

@@ -73,6 +73,7 @@ def test_a_dice_loss_pairing_a_one_channel_map_with_an_unsqueezed_mask_is_caught
     # The hint names the channel axis, the size-1 one, not the last.
     assert "squeeze the (4, 1, 16, 16) side (.squeeze(1))" in first.hint
     assert ".unsqueeze(1)" in first.hint and ".squeeze(-1)" not in first.hint
+    assert "torch.stack" not in first.hint  # no stacking of per-step (1,) makes a map
 
 
 def test_the_same_dice_loss_with_the_mask_given_its_channel_axis_is_silent(quiet_watch):

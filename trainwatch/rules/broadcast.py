@@ -90,7 +90,7 @@ class BroadcastRule(Rule):
                     "paired with every other sample's value",
                     f"make the shapes equal before the op: squeeze the {_shape(high)} "
                     f"side ({squeeze}) or reshape the {_shape(low)} side to match "
-                    f"({reshape}); " + (_EVALUATION if evaluation else _TRAINING),
+                    f"({reshape}); " + (_EVALUATION if evaluation else _training(high)),
                     data,
                 )
             )
@@ -98,10 +98,21 @@ class BroadcastRule(Rule):
 
 
 _TRAINING = (
-    "a loss stacked from per-step (1,) tensors: torch.cat them instead of torch.stack. "
     "A regression trained like this collapses to predicting the target mean; a policy "
     "gradient loses every per-action signal."
 )
+_STACKED = (
+    "if that side was stacked from per-step (1,) tensors (a policy's log-probabilities), "
+    "torch.cat them instead of torch.stack. "
+)
+
+
+def _training(high: tuple[int, ...]) -> str:
+    """The consequence in training; the stacking story only where the shape allows it:
+    per-step ``(1,)`` tensors stacked make ``(T, 1)``."""
+    return (_STACKED if len(high) == 2 and high[-1] == 1 else "") + _TRAINING
+
+
 _EVALUATION = (
     "the number computed (a validation loss, a metric) is not the one meant: model "
     "selection, early stopping or a scheduler on a plateau act on a wrong value, though "
