@@ -11,6 +11,7 @@ from __future__ import annotations
 from trainwatch.collect.eval_passes import (
     FROZEN_AFTER,
     IDLE_PASSES,
+    SHORT_RUN,
     SPARSE_GAP,
     EvalPassJudge,
     PartStreak,
@@ -62,7 +63,7 @@ def _steps(pattern, steps: int) -> list[int]:
     for step in range(steps):
         for kind in pattern(step) if callable(pattern) else pattern:
             if kind == "t":
-                judge.training_pass()
+                judge.training_pass((0, step))
             else:
                 told += [r.step for r in judge.nograd_pass(StepRecord(step=step, source="forward"))]
         told += [r.step for r in judge.step_boundary()]
@@ -118,8 +119,8 @@ def test_a_shape_check_before_the_first_training_pass_is_let_go():
     assert _steps(lambda step: "nnt" if step == 0 else "t", 30) == []
 
 
-def test_a_baseline_evaluation_before_training_is_still_told_at_once():
-    # Control: three passes or more are an evaluation loop, trained or not.
+def test_a_baseline_evaluation_before_training_is_still_told_with_its_step():
+    # Control: three passes or more are no shape check; not recurring, an evaluation.
     assert _steps(lambda step: "nnnt" if step == 0 else "t", 30) == [0, 0, 0]
 
 
@@ -343,3 +344,72 @@ def test_a_generator_trained_alone_then_sampled_for_five_critic_steps_is_silent(
         optimizer_steps += 1
         clock += 1
     assert told + judge.flush(optimized=True) == []
+
+
+def test_labels_guessed_over_up_to_short_run_augmentations_every_step_are_silent():
+    # MixMatch with K augmentations, a teacher per view or crop: K passes a step.
+    for k in (3, 4, 5, SHORT_RUN):
+        assert _steps("n" * k + "t", 30) == []
+        assert _steps("t" + "n" * k, 30) == []
+
+
+def test_three_validation_passes_every_ten_steps_are_still_told_at_once():
+    # Control: the same three passes, at every tenth step only: nothing before them
+    # could make them a run of every step, so the third pass tells them (a halt
+    # stops the evaluation there).
+    told = _steps(lambda step: "tnnn" if step % 10 == 9 else "t", 30)
+    assert told == [9, 9, 9, 19, 19, 19, 29, 29, 29]
+
+
+def _first_step_run(passes: int) -> list[int]:
+    """A run of no-grad passes after the model's first training pass, in its first
+    step: how many records the judge tells at each pass."""
+    judge = EvalPassJudge()
+    judge.training_pass((0, 0))
+    return [len(judge.nograd_pass(StepRecord(step=0, source="forward"))) for _ in range(passes)]
+
+
+def test_a_run_in_the_first_step_is_held_up_to_short_run_and_told_beyond():
+    assert _first_step_run(SHORT_RUN) == [0] * SHORT_RUN
+    assert _first_step_run(SHORT_RUN + 1) == [0] * SHORT_RUN + [SHORT_RUN + 1]
+
+
+def test_a_validation_next_to_four_label_guesses_a_step_is_told_at_its_sixth_pass():
+    # Four guesses a step recur; a pass more may be the loop varying, held; a
+    # second one more is an evaluation next to them, told at once.
+    judge = EvalPassJudge()
+    for step in range(3):
+        for _ in range(4):
+            assert judge.nograd_pass(StepRecord(step=step, source="forward")) == []
+        judge.training_pass((0, step))
+        assert judge.step_boundary() == []
+    told = [len(judge.nograd_pass(StepRecord(step=3, source="forward"))) for _ in range(6)]
+    assert told == [0, 0, 0, 0, 0, 2]
+
+
+def test_a_baseline_of_three_then_one_pseudo_label_a_step_is_told():
+    # Runs of other lengths at two steps are no run recurring: the three are told,
+    # with their step, before one pass a step is taken for training.
+    told = _steps(lambda step: "nnnt" if step == 0 else "nt", 30)
+    assert told[:3] == [0, 0, 0] and set(told) <= {0, 1}
+
+
+def test_a_copy_that_never_moves_run_on_three_views_a_step_is_told_at_the_next_step():
+    # A model with no steps of its own, its three passes a step held; the next
+    # step's first pass, its weights unchanged, goes on across a step: told.
+    judge = EvalPassJudge()
+    found = []
+    for clock in range(3):
+        for _ in range(3):
+            found.append(len(judge.nograd_pass(StepRecord(step=0, source="forward"), 0, clock)))
+    assert found[:3] == [0, 0, 0] and found[3] == 4
+
+
+def test_a_moving_copy_run_on_five_views_a_step_is_a_silent_target():
+    # Control: a mean teacher on five noisy views, its weights moved by EMA at every step.
+    judge = EvalPassJudge()
+    told = []
+    for clock in range(20):
+        for _ in range(5):
+            told += judge.nograd_pass(StepRecord(step=clock, source="forward"), clock, clock)
+    assert told + judge.flush() == []

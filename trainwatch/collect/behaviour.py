@@ -107,7 +107,7 @@ class BehaviourWatch:
         # Whether the step in progress is one the sampler measures (and which step).
         self._due_step = -1
         self._due_now = False
-        self.eval_passes = EvalPassJudge()
+        self.eval_passes = EvalPassJudge(PROCESS_STEPS.taken)
         self._part_streak = PartStreak()  # parts called one after the other: one pass
         # Whether the model has an optimizer of its own (set by the pipeline): a
         # generator not yet trained, sampled once per critic step, is one.

@@ -9,20 +9,28 @@ batch norm in training mode there. So:
   with an optimizer of its own, no optimizer step nor backward of a watched
   model between either: a critic stepping, or accumulating a micro-batch,
   between two samples of its generator is training): an evaluation loop,
-  reported at once;
-- a short run of one or two between training passes, or after the step's
-  training passes (pseudo-labels computed last, just before backward; labels
-  guessed over two augmentations, as MixMatch does; a double-DQN target's two
-  passes of the online network): held until the next step boundary has shown
-  whether it recurs. Recurring every step, it is part of training and stays
-  silent; not recurring, it is a periodic evaluation and is reported then,
-  with the step it ran in. Once such runs recur, a longer one (a validation
-  pass next to the step's own) is reported for its passes beyond them.
+  reported at once (a halt stops it there), unless the run may be one that
+  every step runs (:meth:`EvalPassJudge._may_recur`): before or in the
+  model's first training step, about as long as the step before had or
+  every step has, or a target's. Such a run is held up to :data:`SHORT_RUN`
+  passes, more being an evaluation loop, told at once;
+- a short run between training passes, or after the step's training passes
+  (pseudo-labels computed last, just before backward; labels guessed over K
+  augmentations, as MixMatch does; a double-DQN target's two passes of the
+  online network; a mean teacher on K noisy views, DINO's teacher once per
+  global crop): held until the next step boundary has shown whether it
+  recurs. Recurring every step, about as long (:data:`RUN_SLACK`), it is part
+  of training and stays silent; not recurring, it is a periodic evaluation
+  and is reported then, with the step it ran in. Once such runs recur, a
+  longer one (a validation pass next to the step's own) is reported for its
+  passes beyond them.
 
 Whatever is still held when the monitor closes is reported then. One or two
 passes before the model's first training pass are a check of the model just
 built (``assert model(torch.zeros(2, 10)).shape == ...`` under ``no_grad``),
-not an evaluation: they are let go at that first training pass.
+not an evaluation: they are let go at that first training pass. A longer run
+there (a baseline evaluation) is a short run like any other: told at the next
+step boundary unless it recurs.
 
 The step of another model between two passes counts for a model with an
 optimizer of its own only once that model has trained: before its first
@@ -42,16 +50,18 @@ their first parameter (``weights_moved``): its version counter, its storage
 and a few of its values, so an EMA in place under ``no_grad``, one assigned
 to ``param.data`` and one written into ``param.data`` in place all show.
 
-A target runs at every step of the network it follows (once or twice per
-step, per view). An EMA copy kept for evaluation moves just the same, but is
+A target runs at every step of the network it follows (once per step, or
+once per view or crop). An EMA copy kept for evaluation moves just the same, but is
 run only now and then: passes :data:`SPARSE_GAP` or more steps of the
 process apart (every model's steps, on one clock) with its weights moved in
 between are an evaluation of that copy, one that forgot ``ema.eval()``.
 
-A target's last one or two passes, still held when the monitor closes, have
-no next pass to show its weights moving: once seen moving as a target, it is
-let go. A model never trained here and never seen moving so, whose one or
-two no-grad passes are all it ran (an SWA or EMA copy evaluated once at the
+A target's last short run, still held when the monitor closes, has no next
+pass to show its weights moving: once seen moving as a target, it is let go.
+A model with no step boundary of its own has its short runs judged at its
+next pass (its weights moved: a target; or not, the run going on across a
+step: told). A model never trained here and never seen moving so, whose
+short run of no-grad passes is all it ran (an SWA or EMA copy evaluated once at the
 end, a model loaded and tested), ran an evaluation in training mode: told at
 close.
 
@@ -89,10 +99,26 @@ from trainwatch.record import ModeReport, StepRecord
 # iteration).
 SPARSE_GAP = 4
 
-# The longest run of no-grad passes in a row that may be part of every step
-# (two augmentations' label guesses, two passes for a double-DQN target): a
-# longer one is an evaluation loop, told at once.
-SHORT_RUN = 2
+# The longest run of no-grad passes in a row within one step that may be part
+# of every step, held until the steps after it show whether it recurs: label
+# guesses over K augmentations (MixMatch: 2 to 4), a double-DQN target's two
+# passes, a mean teacher on K noisy views, a teacher run once per global crop
+# (DINO, iBOT), a few Monte-Carlo dropout samples. A longer run (a validation
+# loop's batches) is an evaluation loop, told at once.
+SHORT_RUN = 8
+# The most no-grad passes in a row held whatever came before them (a pseudo-label
+# pass, two augmentations' label guesses, a double-DQN target's two passes): a
+# third is an evaluation loop, told at once, unless the run may be one that every
+# step runs (see EvalPassJudge._may_recur). A teacher loaded and distilled from,
+# one pass after each student step, is told so at its third pass.
+HELD_ALWAYS = 2
+# Passes in a row before a model's first training pass that are let go at it: a
+# check of the model just built. A longer run there (a baseline evaluation) is
+# judged as a short run is, by whether it recurs.
+SHAPE_CHECK = 2
+# How many passes two steps' short runs may differ by and still be the same run
+# recurring (one or two passes a step, as a loop varies).
+RUN_SLACK = 1
 
 # No-grad passes of a model with an optimizer of its own that never trained,
 # each after another model's step, its weights unchanged, from which its
@@ -175,7 +201,10 @@ def _mark_frozen_use(records: list[StepRecord], trained: bool) -> None:
 
 
 class EvalPassJudge:
-    def __init__(self) -> None:
+    def __init__(self, clock: int | None = None) -> None:
+        """``clock``: the optimizer steps the process had taken when the model was
+        watched (None: unknown): a run before any step since is its first."""
+        self._born = clock
         self._held: list[StepRecord] = []
         self.in_a_row = 0  # no-grad training-mode passes since the last training pass
         self._run_now = 0  # the longest short run of this interval (0: none)
@@ -200,6 +229,9 @@ class EvalPassJudge:
         # the process at the last pass.
         self._run_stepped = 0
         self._optimizer_steps: int | None = None
+        # The run under way went on across a step of the process: no short run
+        # within one step, one every step may run (see _may_recur).
+        self._run_spans = False
 
     def nograd_pass(
         self,
@@ -233,16 +265,20 @@ class EvalPassJudge:
             self._run_ends()
             self.in_a_row = 0
         optimizer_steps = steps[0] if steps is not None else None
+        gap = clock - self._clock if clock is not None and self._clock is not None else 0
         if self.in_a_row == 0:
             self._follows_training = self.trained
             self._run_stepped = 0
+            self._run_spans = False
         elif optimizer_steps is not None and optimizer_steps != self._optimizer_steps:
             self._run_stepped += 1
+            self._run_spans = True
+        elif gap:
+            self._run_spans = True
         self._optimizer_steps = optimizer_steps
         self.in_a_row += 1
         moved = weights is not None and self._weights is not None and weights != self._weights
         self._weights = weights
-        gap = clock - self._clock if clock is not None and self._clock is not None else 0
         self._clock = clock
         if self.trained and steps is not None and clock is not None:
             due = self._frozen_use(record, moved, gap, clock, steps)
@@ -261,11 +297,16 @@ class EvalPassJudge:
             self._held = []
             self._target = True
             return []
-        # Two in a row may be part of every step (two views, two augmentations),
-        # trained here or not (a target called on two views a step, BYOL): only
-        # a third pass is an evaluation loop. Those held are reported at the
-        # step boundary or close.
-        if self.in_a_row > SHORT_RUN:
+        # A short run within one step may be part of every step (K views, K
+        # augmentations), trained here or not (a target called on each view,
+        # BYOL, a mean teacher): held, and reported at the step boundary that
+        # shows it did not recur, or at close (a model with no step boundary of
+        # its own: at its next pass, which shows whether its weights moved). A
+        # longer run, or one that cannot be a run of every step, is an
+        # evaluation loop or a frozen model's use, told now.
+        if self.in_a_row > SHORT_RUN or (
+            self.in_a_row > HELD_ALWAYS and not self._may_recur(record.step, clock)
+        ):
             return self._in_a_row(record)
         if self.in_a_row <= self._recurring:
             return []
@@ -282,6 +323,30 @@ class EvalPassJudge:
             return due
         return []
 
+    def _may_recur(self, step: int, clock: int | None) -> bool:
+        """Whether a run longer than a shape check, still under way, may be the one
+        every step runs, and so waits for the steps after it; if not, it is an
+        evaluation loop told at its third pass, as a halt wants (the evaluation
+        stopped there, not a step later).
+
+        It may recur where nothing before it could show it: before the model's
+        first training step, or in it (a MixMatch model's first label guesses, a
+        FixMatch model's first weak views after its forward, a mean teacher's
+        first targets); or where it comes back about as long as the step before
+        had it, or as every step has it; or, for a model trained by no backward,
+        once seen moving as a target. A run across steps of the process with no
+        step of the model's own, and an EMA copy first sampled after steps were
+        taken since it was watched, are no such run.
+        """
+        if self._run_spans:
+            return False
+        if not self.trained:
+            return self._target or clock is None or self._born is None or clock == self._born
+        start = self._trained_from
+        if start is not None and step == start[1]:
+            return True
+        return self.in_a_row <= max(self._run_before, self._recurring) + RUN_SLACK
+
     def _new_run(self) -> None:
         """Weights moved since the last pass: this pass starts a new run. What the
         run before counted (passes after other models' steps, the weights
@@ -291,9 +356,11 @@ class EvalPassJudge:
         loop looked like a frozen teacher's passes, one after each other step."""
         self.in_a_row = 1
         self._run_stepped = 0
+        self._run_spans = False
 
     def _in_a_row(self, record: StepRecord) -> list[StepRecord]:
-        """A third no-grad pass in a row, with those held: an evaluation loop, told.
+        """A run of no-grad passes too long for a step, with those held: an
+        evaluation loop, told.
 
         A model with no optimizer of its own (a teacher loaded and distilled from)
         has its passes in a row across other models' steps: one after each such
@@ -416,11 +483,13 @@ class EvalPassJudge:
         self._run_ends()
         if not self.trained:
             self._trained_from = steps
-            # Passes before the model's first training pass, too few to be an
-            # evaluation loop (three are told at once): a shape check or a dry
-            # run of the model just built; or a generator's samples, one per
-            # step of its critic before its own first.
-            self._held = []
+            if self.in_a_row <= SHAPE_CHECK:
+                # Passes before the model's first training pass, too few to be an
+                # evaluation loop: a shape check or a dry run of the model just
+                # built; or a generator's samples, one per step of its critic
+                # before its own first. A longer run waits, as any short run does,
+                # for the steps after it (a baseline evaluation, once, is told).
+                self._held = []
         self.in_a_row = 0
         self.trained = True
 
@@ -441,11 +510,16 @@ class EvalPassJudge:
             # Longer than the run every step has: those beyond it (a
             # validation pass next to the step's own) are an evaluation.
             return self._due()
-        if before:
-            # Short runs at two steps in a row: part of training, up to the
-            # longer of them (one or two passes a step, as a loop varies).
+        if before and abs(run - before) <= RUN_SLACK:
+            # Short runs of about the same length at two steps in a row: part of
+            # training, up to the longer of them.
             self._recurring = self._recurring or max(run, before)
             self._held = []
+        elif before and not self._recurring:
+            # A run of another length than the step's before (a baseline
+            # evaluation of three batches, then one pseudo-label pass a step):
+            # the one before did not recur.
+            return self._due()
         return []
 
     def _due(self) -> list[StepRecord]:
@@ -460,15 +534,15 @@ class EvalPassJudge:
         """What is still held at close: an evaluation, unless a target's last passes.
 
         A target network (seen moving between its passes, trained by no backward
-        here) ends the run with one or two passes whose next pass never comes
+        here) ends the run with a short run of passes whose next pass never comes
         to show its weights moving again: those are part of its training. So
         does a model with an optimizer of its own (``optimized``) that has not
         trained yet, up to :data:`IDLE_AT_CLOSE` passes: a generator sampled at
         each of its critic's steps, in a run stopped before the generator's own
         first step (a smoke run, ``--max-steps 5`` on a WGAN-GP); from there on its
         optimizer is idle (a teacher's, built and never stepped). A model
-        never seen moving so, never trained and with no optimizer, whose one or
-        two passes are all there is (an SWA or EMA copy evaluated once at the
+        never seen moving so, never trained and with no optimizer, whose short run
+        of passes is all there is (an SWA or EMA copy evaluated once at the
         end, a model loaded and tested), ran an evaluation in training mode: told.
         """
         use = self._use
