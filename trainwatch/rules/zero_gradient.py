@@ -124,6 +124,15 @@ _SIBLINGS_RAN = 100
 # box) leaves its head without one now and then (unused_parameter notes that at
 # once). A layer cut off inside the model (every output still reached) is not.
 _USED_BEFORE = 50
+# Steps in a row a module told of as getting no gradient must get one at every
+# parameter told before its warning is withdrawn: a staged auxiliary head whose
+# loss term joins after a warm-up keeps getting gradients from then on, while a
+# head used on rare steps (unused_parameter's story) or a layer-drop block back
+# for a step does not.
+_JOINED_STEPS = 10
+# The streak kind of a parameter told of as getting no gradient, now getting one:
+# its ``start`` is the first step of that run, its ``count`` the steps in it.
+_JOINED = "joined"
 # Layout ids remembered for that (bounded: a router's layouts may change every step).
 _LAYOUTS_KEPT = 64
 _NAME = attrgetter("name")
@@ -173,6 +182,11 @@ _PARTNER_HINTS = {
         "stays zero and nothing learns through it. Add it to the optimizer's param groups."
     ),
 }
+_JOINED_HINT = (
+    "nothing to do if its loss term was meant to start later (an auxiliary task "
+    "switched on after a warm-up, a curriculum). If not, look at what kept it out "
+    "of the loss until then: a condition on the epoch or step that held too long."
+)
 _NO_SIGNAL_HINT = (
     "nothing is learned while this lasts. Fine for a margin, hinge or triplet loss that "
     "every sample already satisfies (the model has converged on this data: harder "
@@ -220,6 +234,12 @@ class ZeroGradientRule(Rule):
         self._layouts_seen: set[int] = set()
         # The model was told as no longer called while its optimizer steps.
         self._not_called_told = False
+        # Per module told of as getting no gradient (a warning), the parameters
+        # told: withdrawn once they all keep getting gradients (a staged head).
+        self._pending: dict[str, list[str]] = {}
+        # Modules whose warning is never withdrawn: told of otherwise too (an
+        # exactly zero gradient), or withdrawn once already.
+        self._settled: set[str] = set()
 
     _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen"}  # ids: this process's only
 
@@ -292,9 +312,12 @@ class ZeroGradientRule(Rule):
         if record.moved_without_grad:
             silent = self._left_out_of_update(record, silent)
         silent_names = {info.name for info, _ in silent}
+        joined: set[str] = set()  # modules whose told parameters have joined long enough
         for info in record.present:
             if info.name not in silent_names:
-                self._streaks.pop(info.name, None)
+                streak = self._streaks.pop(info.name, None)
+                if streak is not None and self._pending:
+                    self._follow_joining(info, streak, record.step, joined)
 
         due: list[ParamInfo] = []
         followed, called = record.calls_followed, record.called_now
@@ -303,7 +326,7 @@ class ZeroGradientRule(Rule):
         ran: frozenset[str] | None = None  # modules that ran (asked for on this path only)
         for info, kind in silent:
             streak = self._streaks.get(info.name)
-            if streak is None:
+            if streak is None or streak.kind == _JOINED:  # (a joined one: silent again)
                 streak = self._streaks[info.name] = _Streak(record.step, kind)
             elif kind == "not_updated":
                 streak.kind = kind  # its first step could not tell (see _left_out_of_update)
@@ -398,9 +421,9 @@ class ZeroGradientRule(Rule):
                 streak.reported = True
                 due.append(info)
 
+        alerts = self._withdrawn(record, joined) if joined else []
         if not due:
-            return []  # the usual step: no call beyond this point
-        alerts = []
+            return alerts  # the usual step: no call beyond this point
         for owner, params in by_owner(due).items():
             streaks = [self._streaks[p.name] for p in params]
             kinds = {s.kind for s in streaks}
@@ -511,7 +534,86 @@ class ZeroGradientRule(Rule):
                 message += (
                     " (under DDP without find_unused_parameters=True the next iteration fails)"
                 )
+            if kinds == {"none"} and severity is None:
+                self._told_none(owner, params)
+            else:
+                self._never_withdrawn(owner)
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
+        return alerts
+
+    def _told_none(self, owner: str, params: list[ParamInfo]) -> None:
+        """Note a module warned of as getting no gradient: a staged head whose loss
+        term joins later has its warning withdrawn then (see _follow_joining)."""
+        if owner not in self._settled:
+            told = self._pending.setdefault(owner, [])
+            told += [p.name for p in params if p.name not in told]
+
+    def _never_withdrawn(self, owner: str | None) -> None:
+        """A module told of otherwise (an exactly zero gradient, a reset) keeps
+        whatever this rule told of it: a withdrawal would take all of it back."""
+        if owner is not None:
+            self._settled.add(owner)
+            self._pending.pop(owner, None)
+
+    def _follow_joining(
+        self, info: ParamInfo, streak: _Streak, step: int, joined: set[str]
+    ) -> None:
+        """A parameter with a gradient whose streak just ended (or was a joined one):
+        if its module was told of as getting none, it is followed while it keeps
+        getting one, its module noted in ``joined`` once that lasted long enough.
+        Parameters told of only: the usual step has no streak and never comes here."""
+        told = self._pending.get(info.owner)
+        if told is None or info.name not in told:
+            return
+        if streak.kind != _JOINED:
+            streak = _Streak(step, _JOINED)
+        streak.count += 1
+        self._streaks[info.name] = streak
+        if streak.count >= _JOINED_STEPS:
+            joined.add(info.owner)
+
+    def _withdrawn(self, record: StepRecord, joined: set[str]) -> list[Alert]:
+        """Modules told of as getting no gradient whose every told parameter has had
+        one for _JOINED_STEPS steps in a row, none of the module's parameters
+        silent now: the module joined the loss late (a staged auxiliary head, a
+        curriculum), and its warning is withdrawn, once, as a note dated at the
+        step it joined. A cut for good (a .detach()) never gets here."""
+        alerts = []
+        for owner in sorted(joined):
+            told = self._pending[owner]
+            streaks = [self._streaks.get(name) for name in told]
+            if any(s is None or s.kind != _JOINED or s.count < _JOINED_STEPS for s in streaks):
+                continue
+            if any(
+                s.kind != _JOINED and name.rpartition(".")[0] == owner
+                for name, s in self._streaks.items()
+            ):
+                continue  # another parameter of it silent now: its finding may be dated earlier
+            for name in told:
+                del self._streaks[name]
+            self._never_withdrawn(owner)
+            since = max(s.start for s in streaks if s is not None)
+            listed = _listed(told, 4)
+            alerts.append(
+                self.alert(
+                    since,
+                    owner,
+                    f"{listed} got a gradient in every step from step {since} on "
+                    f"({record.step - since + 1} steps in a row): {owner or 'the model'} "
+                    f"joined the loss at step {since} (a staged head, a curriculum), so the "
+                    "warning that it got no gradient no longer stands",
+                    _JOINED_HINT,
+                    {
+                        "kind": _JOINED,
+                        "finding": _JOINED,
+                        "withdraws": True,  # the warning no longer stands (--fail-on)
+                        "parameters": list(told),
+                        "since_step": since,
+                        "steps": record.step - since + 1,
+                    },
+                    severity="info",
+                )
+            )
         return alerts
 
     def _left_out_of_update(
@@ -537,7 +639,8 @@ class ZeroGradientRule(Rule):
         held = self.held
         if held is None or not owner:
             return None
-        found = held.all_zero_partners(owner, self._streaks.keys())
+        silent = [name for name, streak in self._streaks.items() if streak.kind != _JOINED]
+        found = held.all_zero_partners(owner, silent)
         if not found:
             return None
         # The one that stays zero for good first: that is the bug to name.
@@ -554,10 +657,12 @@ class ZeroGradientRule(Rule):
             return []
         params = record.present or record.missing
         names = [info.name for info in params]
+        module = common_module([info.owner for info in params])
+        self._never_withdrawn(module)
         return [
             self.alert(
                 since,
-                common_module([info.owner for info in params]),
+                module,
                 f"the gradients of all {len(names)} parameters the optimizer steps were "
                 f"{_RESET_HOW[cause]} after backward and before optimizer.step(), in "
                 f"{count} consecutive step{'s' if count != 1 else ''} since step {since}: "
@@ -591,6 +696,7 @@ class ZeroGradientRule(Rule):
         self._not_called_told = True
         params = [info for info in record.missing if info.in_model] or record.missing
         owner = common_module([info.owner for info in params])
+        self._never_withdrawn(owner)
         count = len(params)
         return [
             self.alert(
@@ -625,10 +731,12 @@ class ZeroGradientRule(Rule):
             return []
         names = [info.name for info in record.present]
         passes, wiped = found.backward_passes, found.wiped
+        module = common_module([info.owner for info in record.present])
+        self._never_withdrawn(module)
         return [
             self.alert(
                 found.since,
-                common_module([info.owner for info in record.present]),
+                module,
                 f"the optimizer steps once every {passes} backward passes, but zero_grad() "
                 f"ran before each of them: only the last backward's gradients reach each "
                 f"step, the other {wiped} {'is' if wiped == 1 else 'are'} wiped (in "
