@@ -216,7 +216,8 @@ class StallReport:
     # Each param group's learning rate before any scheduler (its ``initial_lr``, else
     # its ``lr``): what a schedule decayed from.
     initial_learning_rates: list[float] = field(default_factory=list)
-    # not_optimized has told that no optimizer updates any of the trainable weights.
+    # not_optimized has told that no optimizer updates any of the trainable weights,
+    # or the model, without an optimizer, copies one an optimizer trains (a target).
     left_out_told: bool = False
 
 
@@ -367,6 +368,9 @@ class StepRecord:
     # A model no optimizer holds, with accumulated or never-reset gradients: the
     # model an optimizer trains that it is a copy of (its target network), by name.
     copy_of: str | None = None
+    # With copy_of naming a part of this model: the part that copies it (a target
+    # network held inside the model), whose parameters are ``accumulated``.
+    copy_part: str | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
     # The layout of ``present`` kept across steps (a GradientLayout), when its
     # norms were planned: its per-layer sums, and a layout rules saw before.

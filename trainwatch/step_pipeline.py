@@ -50,6 +50,7 @@ from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
 from trainwatch.collect.norm_overflow import norm_overflow
+from trainwatch.collect.part_copies import PartCopies
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
 from trainwatch.collect.stall import FirstBatchProbe
@@ -277,6 +278,9 @@ class StepPipeline:
         self._copy_looked = False
         self._copy_of: str | None = None
         self._copy_told = False
+        # Parts of the model that copy another part, and those told as targets.
+        self._part_copies = PartCopies()
+        self._part_copies_told: set[str] = set()
         self._frozen_moves = FrozenMoves()
         self._gradless_updates = GradlessUpdates()
         # Names found for frozen parameters outside the model, by their placeholder.
@@ -662,7 +666,7 @@ class StepPipeline:
             else float(group["lr"])
             for group in groups
         ]
-        pending.record.stall.left_out_told = self._left_out_told()
+        pending.record.stall.left_out_told = self._left_out_told() or self._a_target()
 
     def _read_rates(self, record: StepRecord, stepping: int | None, step: int) -> None:
         """Every watched optimizer's learning rates, one sampled step in ten: a
@@ -846,6 +850,14 @@ class StepPipeline:
         self._copy_told = record.copy_of is not None
         return True
 
+    def _a_target(self) -> bool:
+        """Whether the model, without an optimizer of its own, copies one an optimizer
+        trains (a DQN's target network, hand-marked steps or boundaries at backward
+        under trainwatch run): its weights come from that model, still between
+        syncs every few hundred steps, so they tell no stall of its own. Asked on
+        sampled steps only."""
+        return not self._optimizers and self._copied_model() is not None
+
     def _name_the_copy(self, record: StepRecord) -> None:
         """Gradients pile up in this model, which no optimizer holds, while the loop
         moves its weights: a copy of a model an optimizer trains is its target network,
@@ -854,6 +866,29 @@ class StepPipeline:
         record.copy_of = self._copied_model()
         if record.copy_of is not None and self._copy_told:
             record.accumulated = []  # told when it had not moved yet
+
+    def _tell_part_copies(
+        self,
+        step: int,
+        record: StepRecord,
+        trained: list[nn.Parameter],
+        unheld: list[nn.Parameter],
+    ) -> list[nn.Parameter]:
+        """Parameters no optimizer holds got gradients: those of a part that copies
+        another part (a target network held inside the model) are told, once, as a
+        target fed gradients, not as a part left out of the optimizer, which
+        ``add_param_group()`` would train. The rest, left to not_optimized."""
+        left, copies = self._part_copies.split(step, self._root, trained, unheld)
+        for copy in copies:
+            if copy.name in self._part_copies_told:
+                continue
+            self._part_copies_told.add(copy.name)
+            told = StepRecord(copy.since, source=record.source, optimizer=record.optimizer)
+            told.accumulated = [self.layers.info(p) for p in copy.params if p in self.layers]
+            told.copy_of, told.copy_part = copy.of, copy.name
+            # Within the step's hooks: a halt waits for the step's end.
+            self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
+        return left
 
     def _copied_model(self) -> str | None:
         """The model an optimizer trains that this one is a copy of, looked for once
@@ -1144,8 +1179,12 @@ class StepPipeline:
             unoptimized = self._unoptimized_params()
             if unoptimized:  # usually none: every parameter is some optimizer's
                 trained = [p for p in unoptimized if p.requires_grad and p.grad is not None]
-                if self._checks_not_optimized:
-                    record.not_optimized = [info(p) for p in trained]
+                if self._checks_not_optimized and trained:
+                    step = now if index is not None else now - 1  # monitor.step() counted it
+                    left = self._guarded(
+                        "part copies", self._tell_part_copies, step, record, trained, unoptimized
+                    )
+                    record.not_optimized = [info(p) for p in (trained if left is None else left)]
                 if trained and self.behaviour is not None:
                     self._guarded("behaviour checks", self.behaviour.got_gradients, trained)
         if self._audits_setup:

@@ -43,7 +43,7 @@ _WITHIN_STEPS = 3.0
 # about 1e-3 of it (a sync's jump, with its larger update, 3e-3..5e-3 in a
 # CartPole DQN); one at a learning rate raised 100x under Adam by about their
 # own norm, which leaves a copy synced long before just as near in steps.
-_WITHIN_NORM = 0.05
+WITHIN_NORM = 0.05
 # Steps after a scan that found no copy near the model before the next scan: a
 # model with none whose gradients jump again and again scans the heap once in
 # so many.
@@ -67,8 +67,8 @@ class ModelCopies:
         model = _inner(self._model())
         if model is None:
             return None
-        weights = _sample(model.parameters())
-        near = _WITHIN_NORM * float(torch.linalg.vector_norm(weights))
+        weights = sample_weights(model.parameters())
+        near = WITHIN_NORM * float(torch.linalg.vector_norm(weights))
         copies = _near(weights, near, (ref() for ref in self._found))
         if not copies:
             if self._none_since is not None and step - self._none_since < _RESCAN_AFTER:
@@ -100,12 +100,12 @@ class CopiesLook:
         if model is None:
             return None
         weights = self._weights
-        moved = _distance(_sample(model.parameters()), weights)
+        moved = weight_distance(sample_weights(model.parameters()), weights)
         for ref, values in self._copies:
             copy = ref()
-            if copy is None or not torch.equal(_sample(copy.parameters()), values):
+            if copy is None or not torch.equal(sample_weights(copy.parameters()), values):
                 continue  # gone, or moved since (an EMA moves every step)
-            if _distance(values, weights) <= _WITHIN_STEPS * moved:
+            if weight_distance(values, weights) <= _WITHIN_STEPS * moved:
                 return SyncedCopy(copy, values)
         return None
 
@@ -120,7 +120,7 @@ class SyncedCopy:
 
     def unchanged(self) -> bool:
         copy = self._copy()
-        return copy is not None and torch.equal(_sample(copy.parameters()), self._values)
+        return copy is not None and torch.equal(sample_weights(copy.parameters()), self._values)
 
 
 def _inner(model: nn.Module | None) -> nn.Module | None:
@@ -140,8 +140,8 @@ def _near(
     found = []
     for copy in copies:
         if copy is not None:
-            values = _sample(copy.parameters())
-            if _distance(values, weights) <= near:
+            values = sample_weights(copy.parameters())
+            if weight_distance(values, weights) <= near:
                 found.append((copy, values))
     return found
 
@@ -169,7 +169,7 @@ def is_copy(params: Sequence[torch.Tensor], of: Sequence[torch.Tensor]) -> bool:
     return not any(id(p) in own for p in params)
 
 
-def _sample(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def sample_weights(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """A few values of each tensor, evenly spread, as one float tensor on the host
     (a copy: the weights move on)."""
     parts = []
@@ -182,7 +182,7 @@ def _sample(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+def weight_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return math.inf
     return float(torch.linalg.vector_norm(a - b))

@@ -29,6 +29,14 @@ _TARGET_HINT = (
     "gradients (fast weights updated by hand), reset them once the update has used them."
 )
 
+_PART_TARGET_HINT = (
+    "compute the target under torch.no_grad() (or .detach() it) so that backward "
+    "stops there, and freeze the copy, {part}, with requires_grad_(False); adding it to the "
+    "optimizer would train the target instead of letting it follow {copied}. Only a "
+    "part meant to train on its own (a second head started from the first) belongs in "
+    "the optimizer (optimizer.add_param_group())."
+)
+
 
 class AccumulatedGradientRule(Rule):
     id = "accumulated_gradient"
@@ -38,6 +46,8 @@ class AccumulatedGradientRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.accumulated:
             return []
+        if record.copy_part is not None:
+            return [self._part_target(record)]
         if record.copy_of is not None:
             return [self._target(record)]
         owners = by_owner(record.accumulated)
@@ -100,5 +110,32 @@ class AccumulatedGradientRule(Rule):
                 "optimizer": record.optimizer,
                 "kind": "target_receives_gradients",
                 "copy_of": record.copy_of,
+            },
+        )
+
+    def _part_target(self, record: StepRecord) -> Alert:
+        """A part of the model that copies another part (a target network held inside
+        a LightningModule beside its Q-network) and that no optimizer holds receives
+        gradients: a target computed with gradients, not a part left out of the
+        optimizer."""
+        part, copied = record.copy_part, record.copy_of
+        count = len(record.accumulated)
+        return self.alert(
+            record.step,
+            part,
+            f"backward writes gradients into {part}, a copy of {copied} inside this model "
+            f"that no optimizer holds (a target network), in {count} parameter"
+            f"{'s' if count != 1 else ''} ({short_names(record.accumulated, 3)}): its output "
+            "is used with gradients, most likely a target computed without torch.no_grad() "
+            "or .detach(), which also sends gradients into whatever the target was "
+            "computed from",
+            _PART_TARGET_HINT.format(part=part, copied=copied),
+            {
+                "parameters": count,
+                "modules": list(by_owner(record.accumulated)),
+                "optimizer": record.optimizer,
+                "kind": "target_receives_gradients",
+                "copy": part,
+                "copy_of": copied,
             },
         )
