@@ -260,7 +260,7 @@ class StepPipeline:
         # checks for stale gradients only for accumulated_gradient.
         self.tracker = GradResetTracker(on_error, "accumulation_tracker" in needs)
         self.tracker.attach(layers.parameters())
-        self.passes.subscribe("accumulation tracker", self.tracker, starts=False)
+        self.tracker.watch_passes(self.passes)
         if "zero_gradient" in self._rule_ids:
             # zero_grad() between the backward passes of a step is looked for.
             self.tracker.follow_wipes = self.passes

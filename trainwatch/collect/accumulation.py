@@ -23,6 +23,16 @@ happens once per backward pass, when the gradient first reaches the model's
 output (one tensor hook there; one hook on one parameter for backward passes
 that come another way), as one loop over the parameters; and once when that
 backward ends, to note what it reached.
+
+Which output: the one backward reaches first, before any parameter behind any
+output accumulates. A loss may leave the first output out (an actor-critic's
+value warm-up, a metric head), and a head whose output backward reaches
+before the hooked one accumulates before the look (it would pass for reset).
+So the first passes hook every output (``_learning_pass_ends``), and the one
+reached first is the one hooked from then on: the first output as usual
+(``pass_ends``), or another (``_targeted_pass_ends``). A step boundary with no
+hook fired since the last, whose gradients were added onto in place, had a
+backward come another way: the outputs are learned again (``arm``).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, eq, is_, is_not
+from operator import and_, attrgetter, eq, is_, is_not, ne
 from typing import Any
 
 import torch
@@ -173,6 +183,26 @@ def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool
     return not any(map(eq, map(_VERSION, now), versions))  # zeroed in place
 
 
+def _added_in_place(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool:
+    """Some gradient of the snapshot is the same tensor, written since (in C loops)."""
+    params, refs, versions = snapshot
+    now = list(map(_GRAD, params))
+    held = map(is_not, now, repeat(None))
+    same = list(map(and_, held, map(is_, map(weakref.ref.__call__, refs), now)))
+    return any(map(ne, map(_VERSION, compress(now, same)), compress(versions, same)))
+
+
+def _state_added(state: _ParamState) -> bool:
+    """The gradient the last step used is still there, written since."""
+    grad = state.param.grad
+    if not state.armed or grad is None:
+        return False
+    same = (state.grad_ref is not None and state.grad_ref() is grad) or (
+        state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
+    )
+    return same and grad._version != state.version
+
+
 class _ClosureStep:
     """An optimizer step with a closure in progress, and where the weights stood when
     its latest backward ended (None: no backward of it has ended yet)."""
@@ -269,6 +299,21 @@ class GradResetTracker:
         # That step's accumulation was found between two of its own evaluations
         # (onto gradients the step itself had used, not the previous step).
         self.closure_evaluations_accumulated = False
+        # The model's passes (ModelPasses), told when this tracker's pass_ends changes.
+        self._passes: weakref.ref[Any] | None = None
+        # While learning which output backward reaches first, every output of a pass
+        # is hooked; the one the usual pass_ends would have hooked is noted, by the
+        # pass's module id and the output's place among its floating tensors.
+        self._learning = False
+        self._usual_key: tuple[int, int] | None = None
+        # Per module id, the hook table waiting for a backward, and the process
+        # step those waits began in (a pass a step later gets hooks anew).
+        self._learning_waits: dict[int, weakref.ref[OrderedDict[int, Any]]] = {}
+        self._learning_taken = -1
+        self._reach_hooks: dict[tuple[int, int], WeakHook] = {}
+        # The output to hook where it is not the usual one: (module id, place).
+        self._target = (0, 0)
+        self._learn()
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -296,6 +341,7 @@ class GradResetTracker:
 
     def detach(self) -> None:
         self.stop_following()
+        self.__dict__.pop("pass_ends", None)  # a method of its own: no cycle stays
         if self._fallback is not None:
             self._fallback.remove()
             self._fallback = None
@@ -304,6 +350,22 @@ class GradResetTracker:
     def fail(self, exc: BaseException) -> None:
         self.enabled = False
         self._on_error("accumulation tracker", exc)
+
+    def watch_passes(self, passes: Any) -> None:
+        """Take the model's passes (ModelPasses) from now on."""
+        self._passes = weakref.ref(passes)
+        passes.subscribe("accumulation tracker", self, starts=False)
+
+    def _use_pass_ends(self, method: Callable[..., None] | None) -> None:
+        """Passes go to ``method`` from now on (None: the usual ``pass_ends``): a
+        method swapped in, not a test at every pass."""
+        if method is None:
+            self.__dict__.pop("pass_ends", None)
+        else:
+            self.pass_ends = method  # type: ignore[method-assign]
+        passes = self._passes() if self._passes is not None else None
+        if passes is not None:
+            passes.redispatch()
 
     # -- the model's passes (ModelPasses) ----------------------------------
     def pass_starts(self, module: object) -> None:
@@ -337,15 +399,111 @@ class GradResetTracker:
                 self._hooked_output = placed[0] if placed is not None else None
                 return
 
-    def _hook_later_pass(self, output: object) -> None:
+    def _targeted_pass_ends(
+        self, module: object, args: object, kwargs: object, output: object
+    ) -> None:
+        """``pass_ends`` where backward was seen to reach first an output other than
+        the usual one (the first floating output of the first pass): that one.
+
+        Passes of other modules (an actor's, where backward reaches the
+        critic's first) get no hook; the learned output comes first, then the
+        others as usual where it takes no gradient in this pass.
+        """
+        if not self.enabled or self._snapshot_reset or not torch.is_grad_enabled():
+            if self._snapshot_reset and self.follow_wipes is not None:
+                self._hook_later_pass(output, module)
+            return
+        if id(module) != self._target[0]:
+            return
+        hooked = self._hooked_output
+        if hooked is not None and hooked() is not None:
+            return
+        tensors = floating_list(output)
+        place = self._target[1]
+        for tensor in tensors[place : place + 1] + tensors:
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                placed = hook_pass_tensor(tensor, self._starts)
+                self._hooked_output = placed[0] if placed is not None else None
+                return
+
+    def _learning_pass_ends(
+        self, module: object, args: object, kwargs: object, output: object
+    ) -> None:
+        """``pass_ends`` while learning which output backward reaches first: every
+        floating output of a module's pass gets a hook (one pass per module waits
+        at a time, as the usual hook does), and the one ``pass_ends`` would have
+        hooked is noted."""
+        if not self.enabled or self._snapshot_reset or not torch.is_grad_enabled():
+            if self._snapshot_reset and self.follow_wipes is not None:
+                self._hook_later_pass(output)
+            return
+        waits = self._learning_waits
+        if self._learning_taken != PROCESS_STEPS.taken:
+            waits.clear()  # a new step: its passes are hooked anew
+            self._learning_taken = PROCESS_STEPS.taken
+        key = id(module)
+        waiting = waits.get(key)
+        if waiting is not None and waiting() is not None:
+            return
+        hooked = self._hooked_output
+        usual = hooked is None or hooked() is None
+        for place, tensor in enumerate(floating_list(output)):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                placed = hook_pass_tensor(tensor, self._reach_hook(key, place))
+                table = placed[0] if placed is not None else None
+                if table is not None and waits.get(key) is None:
+                    waits[key] = table
+                if usual:
+                    self._hooked_output = table
+                    self._usual_key = (key, place)
+                    usual = False
+
+    def _reach_hook(self, module: int, place: int) -> WeakHook:
+        """The hook telling that backward reached output ``place`` of ``module``'s pass
+        (one object per output, reused)."""
+        hook = self._reach_hooks.get((module, place))
+        if hook is None:
+            hook = self._reach_hooks[(module, place)] = WeakHook(
+                self, "output_reached", module, place
+            )
+        return hook
+
+    def output_reached(self, module: int, place: int, grad: torch.Tensor | None = None) -> None:
+        """Backward reached an output hooked while learning: the first one reached
+        is the one hooked from now on; then the look as from any output."""
+        if self._learning:
+            self._learned((module, place))
+        getattr(self, self._starts.method)(grad)  # as the usual hook: following too
+
+    def _learn(self) -> None:
+        """Hook every output of the passes until backward shows which it reaches first."""
+        self._learning = True
+        self._usual_key = None
+        self._learning_waits.clear()
+        self._use_pass_ends(self._learning_pass_ends)
+
+    def _learned(self, key: tuple[int, int]) -> None:
+        self._learning = False
+        self._learning_waits.clear()
+        if key == self._usual_key:
+            self._use_pass_ends(None)
+        else:
+            self._target = key
+            self._use_pass_ends(self._targeted_pass_ends)
+
+    def _hook_later_pass(self, output: object, module: object = None) -> None:
         """A pass after the step's first backward (its gradients found reset): its
         backward is looked at as it begins, where zero_grad() between the backward
-        passes is looked for. One hook per such pass, as on the step's first."""
+        passes is looked for. One hook per such pass, as on the step's first (on
+        the learned output, where backward reaches another than the first)."""
         if not self.enabled or self.track_reached or not torch.is_grad_enabled():
             return
         if PROCESS_STEPS.taken < self._wipes_resume_at:
             return  # resting
-        for tensor in floating_list(output):
+        tensors = floating_list(output)
+        if id(module) == self._target[0]:
+            tensors = tensors[self._target[1] :] + tensors
+        for tensor in tensors:
             if tensor.requires_grad and tensor.grad_fn is not None:
                 hook_pass_tensor(tensor, self._later_starts)
                 return
@@ -713,6 +871,22 @@ class GradResetTracker:
             state.version = version
             state.grad_ref, state.grad_key = ref, None
 
+    def _backward_unseen(self, params: Sequence[torch.Tensor], whole: bool) -> None:
+        """No hook saw a backward since the last step boundary: where one came all the
+        same, adding onto the gradients in place, it reached the model another way
+        than through the hooked output (the loss changed which outputs it uses): the
+        outputs are learned again, and the next step is looked at from the one
+        backward reaches first. Only with one optimizer over the whole model (with
+        several, another's step may come after the same backward)."""
+        if not whole or not self.enabled or not self.check_resets or self._learning:
+            return
+        if self._snapshot is not None:
+            added = _added_in_place(self._snapshot)
+        else:
+            added = any(_state_added(state) for state in self._states.values())
+        if added:
+            self._learn()
+
     def reached(self, param: torch.Tensor) -> bool:
         """Backward accumulated into this parameter since the last step boundary."""
         state = self._states.get(id(param))
@@ -729,6 +903,8 @@ class GradResetTracker:
         ``writes_may_follow``: the step was marked at backward's end, before
         the loop's own use of the gradients (a clip rescales them in place).
         """
+        if not self._snapshot_reset and not self.backward_seen:
+            self._backward_unseen(params, whole)  # no hook fired since the last arm
         self.backward_seen = False
         self.left = None
         self._writes_may_follow = writes_may_follow
@@ -736,7 +912,7 @@ class GradResetTracker:
         self._hooked_output = None
         if not self.enabled:
             return
-        self._snapshot, self._snapshot_reset = None, False
+        self._snapshot_reset = False
         swap = _swap_mode()
         if whole and not self.track_reached:
             grads = list(map(_GRAD, params))
@@ -746,6 +922,7 @@ class GradResetTracker:
                 self._snapshot = (params, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
                 return
             self._impls = impls
+        self._snapshot = None
         states = self._states
         for param in params:
             state = states.get(id(param))

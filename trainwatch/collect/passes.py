@@ -211,6 +211,10 @@ class ModelPasses:
         self._listeners = [entry for entry in self._listeners if entry[1] is not listener]
         self._dispatch()
 
+    def redispatch(self) -> None:
+        """A listener's ``pass_starts`` or ``pass_ends`` is another method now."""
+        self._dispatch()
+
     def _dispatch(self) -> None:
         self._starts = tuple(
             (name, item, item.pass_starts) for name, item, starts in self._listeners if starts
