@@ -9,6 +9,14 @@ gradients the tracker noted, they are noted again as clipped, and at the
 step a gradient reset or rewritten since the clip has the step gathered
 again, so a ``zero_grad()`` between the clip and the step is still seen.
 
+A step taken with a closure after the clip (Lightning's manual optimization
+steps through ``optimizer.step(closure)`` once the loop has clipped) keeps
+that gathering over the closure: unless the closure runs the model again, it
+is the step's own, read before the clip, with the pass that made the
+gradients. Gathered a second time instead, after the clip and with no pass
+since, the step would lose what its pass found and read as one whose pass no
+hook saw.
+
 Asked only by a loop that clips (or by the monitor's pre-step hook once such
 a gathering is held): a loop that never clips never reaches this.
 """
@@ -55,6 +63,8 @@ class ClipGathering:
         # the clip is looked for.
         self.reset_after_clip: set[int] = set()
         self._holder: tuple[int, int, int] | None = None  # (id(param), len, index)
+        # Steps gathered before clipping, kept over the closure step that followed.
+        self.kept_over_closure: dict[int, PendingStep] = {}
 
     def gather_before_clipping(self, param: torch.Tensor) -> None:
         """Gathers the step of the optimizer holding ``param``, held for its step:
@@ -92,11 +102,32 @@ class ClipGathering:
         self.reset_after_clip.discard(index)
         params = self._pipeline.optimizer_params(index)
         if self._pipeline.tracker.rewritten_since_backward(params):
-            self._pending[index] = self._pipeline.gather(index, step)
+            self._pending[index] = self._pipeline.gather(index, step, again=True)
+
+    def keep_over_closure(self, index: int, step: int) -> None:
+        """``step(closure)`` begins on the step gathered before clipping: kept for
+        the step to end with, where no pass ran since (a reset since the clip is
+        looked for first, as at a step without a closure)."""
+        if self._gathered_at_pass.get(index) != self._pipeline.passes.passes:
+            return
+        if index in self.reset_after_clip:
+            self.regather_if_reset(index, step)
+        pending = self._pending.get(index)
+        if pending is not None:
+            self.kept_over_closure[index] = pending
+
+    def take_kept(self, index: int) -> PendingStep | None:
+        """The step gathered before clipping and kept over its closure, where the
+        closure ran no pass (one that did made gradients of its own: gathered anew)."""
+        pending = self.kept_over_closure.pop(index, None)
+        if pending is None or self._gathered_at_pass.get(index) != self._pipeline.passes.passes:
+            return None
+        return pending
 
     def forget(self, index: int) -> None:
         """The optimizer at ``index`` was let go: nothing of it is looked for."""
         self.reset_after_clip.discard(index)
+        self.kept_over_closure.pop(index, None)
 
     def _optimizer_holding(self, param: torch.Tensor) -> int | None:
         """Which optimizer holds ``param`` (remembered: a loop clips the same ones)."""

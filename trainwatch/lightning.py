@@ -8,7 +8,11 @@ callback meets it:
   gathers the gradients in ``on_before_optimizer_step``, which Lightning calls
   after backward and *before* clipping, so norms and rules see the gradients
   the model produced, not the clipped ones. The optimizer's post-hook still
-  ends the step, in automatic and manual optimisation alike.
+  ends the step, in automatic and manual optimisation alike. Under a
+  GradScaler ("16-mixed") Lightning steps after the hook, without a closure:
+  the step's pre-hook keeps the gathering. In manual optimisation the loop
+  clips itself before ``opt.step()``: the gathering made before that clip is
+  the step's (see trainwatch/clip_gathering.py).
 * ``accumulate_grad_batches``: Lightning steps (and zero_grads) once per N
   batches; steps are optimizer steps, so no false accumulated-gradient alarm.
 * DDP: every rank collects; alerts are stamped with their rank and gathered
@@ -241,7 +245,10 @@ class TrainWatchCallback(Callback):
         monitor = self._monitor
         if monitor is not None and not monitor.closed:
             # After backward, before Lightning clips: norms of what the model produced.
-            monitor.collect_before_step(_unwrap(optimizer))
+            # Under a GradScaler ("16-mixed") the step comes after this, without a
+            # closure (``scaler.step(optimizer)``): its pre-hook keeps this gathering.
+            held = getattr(trainer.precision_plugin, "scaler", None) is not None
+            monitor.collect_before_step(_unwrap(optimizer), hold=held)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any

@@ -518,12 +518,36 @@ class Monitor:
         """
         for index, opt in enumerate(self._optimizers):
             if opt is optimizer:
+                if (self._held_early or self._clipping.kept_over_closure) and self._guarded(
+                    "step collector", self._gathered_before_clipping, index
+                ):
+                    return
                 self._guarded("step collector", self._gather_into_pending, index)
                 if index in self._pending:
                     self._gathered_at_pass[index] = self._pipeline.passes.passes
                     if hold:
                         self._held_early.add(index)
                 return
+
+    def _gathered_before_clipping(self, index: int) -> bool:
+        """Whether the step was gathered already, before the loop's own clip, with
+        no pass since: a framework's hook after that clip (Lightning's, in manual
+        optimization, runs inside the step) keeps that gathering. Gathered again,
+        the step would read the clipped gradients and lose what its pass found."""
+        kept = self._clipping.take_kept(index)
+        if kept is not None:  # the loop clipped, then stepped with a closure
+            self._pending[index] = kept
+            return True
+        passes = self._pipeline.passes.passes
+        if index not in self._pending or self._gathered_at_pass.get(index) != passes:
+            return False
+        if index not in self._held_early:
+            return False
+        # The loop clipped inside its closure, before the framework's hook.
+        self._held_early.discard(index)
+        if index in self._clipping.reset_after_clip:
+            self._clipping.regather_if_reset(index, self._step)
+        return True
 
     def closure_step_began(self, optimizer: Optimizer) -> None:
         """``optimizer``, just added, is inside its own ``step(closure)`` already:
@@ -596,6 +620,8 @@ class Monitor:
         # The step hooks see step()'s own arguments: (optimizer, closure?).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
+            if self._held_early:  # gathered before the loop clipped: kept over the closure
+                self._keep_over_closure(index)
             # LBFGS & co compute gradients inside step(): gather them after it.
             self._pending.pop(index, None)
             # Their updates and forwards interleave inside step(): a weight's
@@ -621,6 +647,14 @@ class Monitor:
         except Exception as exc:
             self._guard.fail("step collector", exc)
 
+    def _keep_over_closure(self, index: int) -> None:
+        """``step(closure)`` after the loop clipped (Lightning's manual optimization):
+        the step gathered before the clip is kept for the step to end with."""
+        if index in self._held_early:
+            self._held_early.discard(index)
+            if index in self._pending and "step collector" not in self._disabled:
+                self._guarded("step collector", self._clipping.keep_over_closure, index, self._step)
+
     def _gather_into_pending(self, index: int) -> None:
         stale = self._pending.get(index)
         if (
@@ -645,7 +679,7 @@ class Monitor:
         if pending is None and "step collector" not in self._disabled:
             gather = self._pipeline.gather
             if _closure_of(args, kwargs) is not None:
-                gather = self._pipeline.gather_closure_step
+                gather = self._closure_step
             # Counted as a step gathered before it was (the step's own number, as
             # the pre-step hook sees it): a closure's step, an optimizer adopted
             # at its first step.
@@ -657,6 +691,17 @@ class Monitor:
         else:
             self._pipeline.applied(step, pending, pending.params, len(self._optimizers) == 1)
         self._finish(step, pending)
+
+    def _closure_step(self, index: int, step: int) -> PendingStep:
+        """A closure's step, once ``step()`` returned: the one gathered before the
+        loop clipped where the closure ran no pass (``trainwatch run`` of a Lightning
+        loop in manual optimization: no hook inside the step), else gathered now."""
+        if self._clipping.kept_over_closure:
+            kept = self._clipping.take_kept(index)
+            if kept is not None:
+                self._pipeline.tracker.closure_step_over()
+                return kept
+        return self._pipeline.gather_closure_step(index, step)
 
     def _manual_step(self) -> None:
         step = self._advance()

@@ -1053,12 +1053,15 @@ class StepPipeline:
         if audit is not None:
             self._guarded("broadcast audit", audit.stop)
 
-    def gather(self, index: int | None, now: int, attach: bool = False) -> PendingStep:
+    def gather(
+        self, index: int | None, now: int, attach: bool = False, again: bool = False
+    ) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
 
         ``index``: the optimizer stepping (None: ``monitor.step()`` without one,
         already counted). ``now``: the monitor's step count. ``attach``: an
-        optimizer being attached, not a step.
+        optimizer being attached, not a step. ``again``: the step was gathered
+        already (its gradients were reset since): no pass of it is missing.
         """
         if LOSS_MODES:  # a sampled step: a list read, no call on the others
             self._end_loss_modes()
@@ -1075,6 +1078,7 @@ class StepPipeline:
             and not attach  # gradients left from before watching came from no pass of ours
             and passes == self._passes_at_step
             and self._wrapper_search
+            and not again
         ):
             # Gradients without a pass seen: compiled after watching, perhaps.
             self._wrapper_search -= 1
