@@ -219,3 +219,45 @@ def test_the_users_showwarning_is_put_back_and_still_used(quiet_watch):
         assert warnings.showwarning is log
     where = f"test_user_warnings.py:{_spread_line()}: std(): degrees of freedom"
     assert len(shown) == 3 and all(line.startswith(where) for line in shown), shown
+
+
+class _ShortSourceLoader:
+    """A module loader whose source is shorter than the code run in its globals."""
+
+    def get_source(self, name: str) -> str:
+        return "x = 1\n"
+
+
+def test_a_loss_warning_from_code_run_by_exec_in_a_module_with_a_loader_does_not_break_training(
+    quiet_watch,
+):
+    # Code handed to exec() in a module's globals (a notebook runner, a job launcher):
+    # the warning names a line past the end of that module's own source.
+    source = "\n" * 30 + textwrap.dedent(
+        """
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        """
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = quiet_watch(model, opt)
+    namespace = {
+        "__name__": "train_job",
+        "__loader__": _ShortSourceLoader(),
+        "F": F,
+        "model": model,
+        "opt": opt,
+        "x": torch.randn(16, 4),
+        "y": torch.randn(16),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(source, "train_job.py", "exec"), namespace)
+    assert monitor.step_count == 3
+    assert [a.rule for a in monitor.alerts] == ["broadcast"]
+    shown = [w for w in caught if "target size" in str(w.message)]
+    assert shown and shown[0].filename == "train_job.py"

@@ -122,10 +122,12 @@ class reattributed(_ShowHook):
         held, self._held = self._held, []
         try:
             _warn_from_callers_line(self._op, held)
-        except Exception:
+        except Warning:
             if kind is None:
                 raise  # the user's filters made it an error, as they would have
             # The op's own exception goes on, not one of its warnings.
+        except Exception:  # trainwatch's own failure: the warning is lost, training is not
+            pass
 
 
 def _callers_frame(op: Any) -> FrameType | None:
@@ -152,7 +154,11 @@ def _callers_frame(op: Any) -> FrameType | None:
 
 def _warn_from_callers_line(op: Any, held: list[Warning]) -> None:
     """Warn each again as ``warnings.warn`` would from the op's caller: the same
-    filename, line, module and registry it takes from there."""
+    filename, line, module and registry it takes from there. Not the caller's
+    globals as ``module_globals``: ``warnings.warn`` passes none, and with them
+    Python asks the module's loader for the source line, which fails for code
+    run by ``exec`` inside a module that has a loader (a line past the end of
+    that module's own source)."""
     frame = _callers_frame(op)
     if frame is None:
         return
@@ -166,7 +172,6 @@ def _warn_from_callers_line(op: Any, held: list[Warning]) -> None:
             frame.f_lineno or 0,
             module=globals_.get("__name__", "<string>"),
             registry=registry,
-            module_globals=globals_,
         )
 
 
