@@ -71,11 +71,11 @@ class Agent(nn.Module):
         return nn.functional.mse_loss(q, y)
 
 
-def _agent_loop(how: str, steps: int = 6) -> list[tw.Alert]:
+def _agent_loop(how: str, steps: int = 6, config: dict | None = None) -> list[tw.Alert]:
     torch.manual_seed(0)
     agent = Agent(how)
     opt = torch.optim.Adam(agent.q.parameters(), lr=1e-3)
-    monitor = tw.watch(agent, opt, console=io.StringIO())
+    monitor = tw.watch(agent, opt, console=io.StringIO(), config=config)
     try:
         for _ in range(steps):
             s, s2 = torch.randn(32, 4), torch.randn(32, 4)
@@ -102,6 +102,13 @@ def test_a_target_part_fed_gradients_is_told_as_a_target_not_as_left_out(how):
 
 def test_a_target_part_under_no_grad_is_silent():
     assert _found(_agent_loop("no_grad")) == []
+
+
+def test_with_accumulated_gradient_off_a_target_part_fed_gradients_is_still_not_optimized():
+    # The rule that tells the target's story is off: the parameters that got
+    # gradients no optimizer applies are still told, by the rule that is on.
+    alerts = _agent_loop("deepcopy", config={"accumulated_gradient": {"enabled": False}})
+    assert ("not_optimized", "q_target.0") in _found(alerts)
 
 
 class Tower(nn.Module):

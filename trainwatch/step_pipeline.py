@@ -1184,10 +1184,17 @@ class StepPipeline:
             if unoptimized:  # usually none: every parameter is some optimizer's
                 trained = [p for p in unoptimized if p.requires_grad and p.grad is not None]
                 if self._checks_not_optimized and trained:
-                    step = now if index is not None else now - 1  # monitor.step() counted it
-                    left = self._guarded(
-                        "part copies", self._tell_part_copies, step, record, trained, unoptimized
-                    )
+                    left = None
+                    if self._check_accumulation:  # whose story a target part is
+                        step = now if index is not None else now - 1  # monitor.step() counted
+                        left = self._guarded(
+                            "part copies",
+                            self._tell_part_copies,
+                            step,
+                            record,
+                            trained,
+                            unoptimized,
+                        )
                     record.not_optimized = [info(p) for p in (trained if left is None else left)]
                 if trained and self.behaviour is not None:
                     self._guarded("behaviour checks", self.behaviour.got_gradients, trained)
