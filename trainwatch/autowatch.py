@@ -49,6 +49,7 @@ from trainwatch.held import held_only_by
 from trainwatch.late_models import NoGradLookout
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.patches import MethodPatch
 from trainwatch.record import ReplacedModel
 from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit, table_content
@@ -567,11 +568,11 @@ class AutoWatch:
         self._train_loader: weakref.ref[Any] | None = None
         # The datasets read for evaluations so far, by id (see _evaluation_started).
         self._evaluated: set[int] = set()
-        self._loader_iter: Any = None
+        self._loader_iter: MethodPatch | None = None
         # Optimizer.__init__ as it was before install() with our wrapper of it, and
         # the optimizers built over parameters no model of ours holds while the
         # forward hooks were off, with the step each was built at (see _optimizer_built).
-        self._optimizer_init: Any = None
+        self._optimizer_init: MethodPatch | None = None
         self._awaited: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
         # Those attached as their model was first called (see _attach_awaited).
         self._met_at_call: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -625,20 +626,21 @@ class AutoWatch:
         the model in eval mode is a validation loader, read in order by design.
         ``DataLoader.__iter__`` is wrapped until :meth:`close`.
         """
-        original = DataLoader.__iter__
         owner = weakref.ref(self)
 
-        def __iter__(loader: DataLoader, *args: Any, **kwargs: Any) -> Any:
-            watcher = owner()
-            if watcher is not None and not watcher._closed:
-                try:
-                    watcher._loader_started(loader)
-                except Exception as exc:  # never break the script's data
-                    watcher._internal.internal_error("trainwatch run: data loader", exc, 0)
-            return original(loader, *args, **kwargs)
+        def wrap(original: Any) -> Any:
+            def __iter__(loader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+                watcher = owner()
+                if watcher is not None and not watcher._closed:
+                    try:
+                        watcher._loader_started(loader)
+                    except Exception as exc:  # never break the script's data
+                        watcher._internal.internal_error("trainwatch run: data loader", exc, 0)
+                return original(loader, *args, **kwargs)
 
-        self._loader_iter = (original, __iter__)
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+            return __iter__
+
+        self._loader_iter = MethodPatch(DataLoader, "__iter__", wrap)
 
     def _watch_optimizers(self) -> None:
         """See each optimizer the script builds, so that a model built after the others
@@ -647,28 +649,27 @@ class AutoWatch:
         ``Optimizer.__init__``, which every optimizer class reaches through
         ``super().__init__``, is wrapped until :meth:`close`.
         """
-        original = Optimizer.__init__
         owner = weakref.ref(self)
 
-        @functools.wraps(original)
-        def __init__(optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
-            original(optimizer, *args, **kwargs)
-            watcher = owner()
-            if watcher is not None and not watcher._closed:
-                try:
-                    watcher._optimizer_built(optimizer)
-                except Exception as exc:  # never break the script's optimizer
-                    watcher._unwatch_optimizers()
-                    watcher._internal.internal_error("trainwatch run: optimizer built", exc, 0)
+        def wrap(original: Any) -> Any:
+            @functools.wraps(original)
+            def __init__(optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+                original(optimizer, *args, **kwargs)
+                watcher = owner()
+                if watcher is not None and not watcher._closed:
+                    try:
+                        watcher._optimizer_built(optimizer)
+                    except Exception as exc:  # never break the script's optimizer
+                        watcher._unwatch_optimizers()
+                        watcher._internal.internal_error("trainwatch run: optimizer built", exc, 0)
 
-        self._optimizer_init = (original, __init__)
-        Optimizer.__init__ = __init__  # type: ignore[method-assign]
+            return __init__
+
+        self._optimizer_init = MethodPatch(Optimizer, "__init__", wrap)
 
     def _unwatch_optimizers(self) -> None:
         if self._optimizer_init is not None:
-            original, ours = self._optimizer_init
-            if Optimizer.__dict__.get("__init__") is ours:  # not wrapped again since
-                Optimizer.__init__ = original  # type: ignore[method-assign]
+            self._optimizer_init.remove()
             self._optimizer_init = None
 
     def _optimizer_built(self, optimizer: Optimizer) -> None:
@@ -779,9 +780,7 @@ class AutoWatch:
         if self._compile_warning is not None:
             self._compile_warning.detach()
         if self._loader_iter is not None:
-            original, ours = self._loader_iter
-            if DataLoader.__dict__.get("__iter__") is ours:  # not wrapped again since
-                DataLoader.__iter__ = original  # type: ignore[method-assign]
+            self._loader_iter.remove()
             self._loader_iter = None
         self._unwatch_optimizers()
         self._children.remove()

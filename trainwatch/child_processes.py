@@ -20,6 +20,8 @@ from collections import Counter
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from trainwatch.patches import MethodPatch
+
 # What the target of a process started by torch.multiprocessing's spawn or
 # start_processes is defined in (its _wrap, which runs the script's function).
 _TORCH_SPAWN = "torch.multiprocessing.spawn"
@@ -33,31 +35,29 @@ class ChildProcesses:
     def __init__(self) -> None:
         self.started: Counter[str] = Counter()
         self._lock = threading.Lock()  # start_processes may start them from threads
-        self._wrapped: tuple[Any, Any] | None = None
+        self._wrapped: MethodPatch | None = None
 
     def install(self) -> None:
-        original = BaseProcess.start
         owner = weakref.ref(self)
 
-        def start(process: BaseProcess) -> None:
-            counter = owner()
-            if counter is not None:
-                try:
-                    counter._starting(process)
-                except Exception:  # never stand between the script and its processes
-                    pass
-            original(process)
+        def wrap(original: Any) -> Any:
+            def start(process: BaseProcess) -> None:
+                counter = owner()
+                if counter is not None:
+                    try:
+                        counter._starting(process)
+                    except Exception:  # never stand between the script and its processes
+                        pass
+                original(process)
 
-        self._wrapped = (original, start)
-        BaseProcess.start = start  # type: ignore[method-assign]
+            return start
+
+        self._wrapped = MethodPatch(BaseProcess, "start", wrap)
 
     def remove(self) -> None:
-        if self._wrapped is None:
-            return
-        original, ours = self._wrapped
-        if BaseProcess.__dict__.get("start") is ours:  # not wrapped again since
-            BaseProcess.start = original  # type: ignore[method-assign]
-        self._wrapped = None
+        if self._wrapped is not None:
+            self._wrapped.remove()
+            self._wrapped = None
 
     def _starting(self, process: BaseProcess) -> None:
         where = getattr(getattr(process, "_target", None), "__module__", None) or ""
