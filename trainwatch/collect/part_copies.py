@@ -15,7 +15,11 @@ and lies near it: within ``WITHIN_NORM`` of its weights' norm (a deepcopy, a
 recent sync), or moved towards it by the next boundary while no optimizer holds
 it (a Polyak target started from an initialization of its own). A head added
 after the optimizer was built copies nothing: a fresh initialization lies as
-far from any other part as weights go, and nothing moves it.
+far from any other part as weights go, and nothing moves it. Nor does a
+parameter in no part wholly out of the optimizers: a layer's weight swapped
+for a new one (``fc.weight = nn.Parameter(pretrained)`` after the optimizer was
+built, ``remove_parametrizations()`` mid-run) beside a bias an optimizer still
+holds, or a parameter of the model itself.
 
 Looked at only at a boundary where parameters no optimizer holds got gradients
 (never on the healthy step); each part is decided once.
@@ -82,9 +86,10 @@ class PartCopies:
         """``trained`` (parameters no optimizer holds, of ``unheld``, that got
         gradients at ``step``) parted into those left to not_optimized and the
         copies of other parts. A part in doubt is in neither until the next
-        boundary decides it."""
+        boundary decides it; a parameter in no unheld part is left to not_optimized
+        at once."""
         if any(self._verdict(p) is _UNKNOWN for p in trained):
-            self._decide(step, root, {id(p) for p in unheld}, {id(p) for p in trained})
+            self._decide(step, root, {id(p) for p in unheld}, trained)
         left: list[torch.Tensor] = []
         copies: dict[tuple[str, str], list[torch.Tensor]] = {}
         for param in trained:
@@ -104,13 +109,21 @@ class PartCopies:
             return _UNKNOWN
         return held[1]
 
-    def _decide(self, step: int, root: nn.Module, unheld: set[int], trained: set[int]) -> None:
-        """Every part that got gradients and is not yet decided: decided, or in doubt."""
+    def _decide(
+        self, step: int, root: nn.Module, unheld: set[int], trained: list[torch.Tensor]
+    ) -> None:
+        """Every part that got gradients and is not yet decided: decided, or in doubt.
+        A parameter in no part wholly out of the optimizers (a weight swapped for a
+        new one beside a bias an optimizer still holds, one on the model itself)
+        copies nothing: left to not_optimized."""
         # By the names the alerts use: a compiled part is its inner module.
         modules = {user_name(raw): module for raw, module in root.named_modules()}
+        got = {id(p) for p in trained}
+        in_parts: set[int] = set()
         for name, part in _unheld_parts(modules, unheld):
             params = list(part.parameters())
-            if not any(id(p) in trained for p in params):
+            in_parts.update(map(id, params))
+            if not any(id(p) in got for p in params):
                 continue
             if all(self._verdict(p) is not _UNKNOWN for p in params):
                 continue
@@ -121,6 +134,9 @@ class PartCopies:
             if verdict is not _UNKNOWN:
                 for param in params:
                     self._verdicts[id(param)] = (weakref.ref(param), verdict)
+        for param in trained:
+            if id(param) not in in_parts:
+                self._verdicts[id(param)] = (weakref.ref(param), None)
 
     def _judge(
         self,

@@ -175,8 +175,10 @@ class NotOptimizedRule(_ReportOnce):
                 f"{short_names(params)} received gradients but no watched optimizer "
                 "holds them, so they are never updated",
                 "was the optimizer built over only part of the model "
-                "(self.encoder.parameters()), this module replaced after the optimizer was "
-                "built (a new head for fine-tuning), or the model moved with .to()/.half() while "
+                "(self.encoder.parameters()), this module or one of its weights replaced after "
+                "the optimizer was built (a new head for fine-tuning, layer.weight = "
+                "nn.Parameter(pretrained), remove_parametrizations()), or the model moved "
+                "with .to()/.half() while "
                 "torch.__future__.set_overwrite_module_params_on_conversion(True) "
                 "replaces its parameters? Build the optimizer after the last change to "
                 "the model, or add the parameters with optimizer.add_param_group().",
