@@ -78,7 +78,16 @@ class UnshuffledDataRule(Rule):
         config = self.config
         if not self.batches and record.step >= config.min_batches * config.every:  # type: ignore[attr-defined]
             self.done = True
-            return [self._order_alert(record.step, None, "no class targets were seen to check")]
+            # Nothing to check the order against (an autoencoder, a regression):
+            # the sampler alone says too little for a warning.
+            return [
+                self._order_alert(
+                    record.step,
+                    "info",
+                    "no class targets were seen to check (data stored sorted by time, "
+                    "target or source would make successive batches alike)",
+                )
+            ]
         if self.batches >= 2 * config.window:  # type: ignore[attr-defined]
             self.done = True
             return [
