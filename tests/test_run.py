@@ -144,6 +144,28 @@ def test_script_sees_its_own_argv_name_and_path(tmp_path, capsys):
     assert sys.argv[0] != str(script)  # restored
 
 
+def test_a_script_named_by_a_relative_path_sees_its_absolute_file_as_under_python(
+    tmp_path, capsys, monkeypatch
+):
+    """python gives __main__ an absolute __file__ whatever the path typed: a script
+    that changes directory and then opens files beside itself works the same."""
+    write(
+        tmp_path,
+        "where.py",
+        """
+        import os
+        os.chdir(os.path.dirname(os.path.dirname(__file__)))
+        print("FILE", __file__)
+        print("BESIDE", os.path.exists(os.path.join(os.path.dirname(__file__), "netdef.py")))
+        """,
+    )
+    monkeypatch.chdir(tmp_path)
+    assert run_script(Path("where.py"), log_dir=tmp_path / "log", console=False) == 0
+    out = capsys.readouterr().out
+    assert f"FILE {tmp_path / 'where.py'}" in out
+    assert "BESIDE True" in out
+
+
 def test_sys_exit_code_is_passed_through(tmp_path):
     script = write(tmp_path, "exits.py", "import sys\nsys.exit(7)\n")
     assert run_script(script, log_dir=tmp_path / "log", console=False) == 7

@@ -126,7 +126,9 @@ def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
     code = 0
     watcher.install()
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        # __file__ absolute, as python gives it to a script: one that changes
+        # directory and then opens files beside itself works the same.
+        runpy.run_path(os.path.abspath(path), run_name="__main__")
     except StopRun:
         code = 0
     except SystemExit as exc:
