@@ -403,7 +403,16 @@ class Monitor:
         by a finite one after it.
         """
         self._ensure_open()
-        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        if isinstance(loss, torch.Tensor):
+            value: torch.Tensor | float = loss.detach()
+            if self._pipeline.probe is not None:
+                # Its graph, for the probe to look into should its backward turn
+                # out non-finite (the training code's frames no longer hold it);
+                # weakly, so a graph kept for a second backward goes when the
+                # framework lets it go.
+                self._pipeline.probe.handed_loss = weakref.ref(loss)
+        else:
+            value = float(loss)
         if self._pipeline.loss is None:
             self._pipeline.loss = value
         elif isinstance(self._pipeline.loss, torch.Tensor) and isinstance(value, torch.Tensor):

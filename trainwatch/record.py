@@ -46,6 +46,11 @@ class NonfiniteReport:
     # measured (None: none was).
     largest: float | None = None
     clip_norm: float | None = None
+    # "loss": the loss the training code held, when it was not handed over
+    # (None: not found), and whether the op named in its backward lies under a
+    # torch.where (the branch it did not pick still went through backward).
+    loss: float | None = None
+    under_where: bool = False
 
 
 @dataclass

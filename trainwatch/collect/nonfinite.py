@@ -38,6 +38,8 @@ its own), ``nonfinite_sums`` (a tensor's sum, taken once, and its verdict),
 ``nonfinite_gradients`` (each checked call's gradients),
 ``nonfinite_negative_inf`` (a -inf let pass as a mask that turned into a
 NaN), ``nonfinite_entering`` (the gradient the loss sent into the model),
+``nonfinite_loss_backward`` (whether that loss was finite, and the op of its
+backward that made the NaN/Inf),
 ``nonfinite_replay`` (re-running a pass), ``nonfinite_hooks`` (the global
 module hooks) and ``nonfinite_locate`` (origins from sums read back later).
 """
@@ -256,6 +258,9 @@ class NonfiniteProbe:
         self._pass_seq = 0  # passes awaiting a backward, counted
         # During a backward replay: the node that made its first NaN/Inf, once seen.
         self._backward_watch: FirstNonfiniteBackward | None = None
+        # The loss a framework handed over before its backward (Lightning), with
+        # its graph: looked into only when what entered the model was non-finite.
+        self.handed_loss: weakref.ref[torch.Tensor] | None = None
         self.passes_worth_a_look = 1
         self._handles = HookGroup()  # module hooks: deferred mode only
         self._modules: list[weakref.ref[nn.Module]] = []

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding
+from trainwatch.collect.nonfinite_loss_backward import look_at_loss
 from trainwatch.collect.tensors import finite_exact
 
 if TYPE_CHECKING:
@@ -77,7 +78,10 @@ def entering_bad(probe: NonfiniteProbe) -> bool:
         if bad is not None:
             probe._this_pass.bad = True
             if probe._this_step.entering_origin is None:
-                probe._this_step.entering_origin = _entering_origin(bad)
+                origin = probe._this_step.entering_origin = _entering_origin(bad)
+                # The loss the training code holds says whether it, or its
+                # backward, made the NaN/Inf.
+                look_at_loss(probe, origin)
     return probe._this_pass.bad
 
 

@@ -69,6 +69,10 @@ class NonfiniteFinding:
     owner: str | None = None
     largest: float | None = None
     clip_norm: float | None = None
+    # "loss": the value of the loss the training code held (None: not found),
+    # and whether the op named lies under a torch.where (its masked branch).
+    loss: float | None = None
+    under_where: bool = False
 
 
 FINITE, INF, NAN, NEG_INF = 0.0, 1.0, 2.0, 3.0
@@ -302,7 +306,8 @@ def locate_backward(
     return None
 
 
-_DOMAIN_EDGE = re.compile(
+# Ops whose derivative is infinite (or 0 * inf) at the edge of their domain.
+DOMAIN_EDGE = re.compile(
     r"^(Sqrt|Rsqrt|Pow|Div|Log|Log2|Log10|Log1p|Reciprocal|LinalgVectorNorm|Norm|Acos|Asin|"
     r"Atanh|Acosh|Cdist|Std|Var|Tan|Exp|Erfinv|Lgamma|Digamma|Polygamma)Backward\d*$"
 )
@@ -388,6 +393,6 @@ def _edge_op(grad_fn: Any, stop: set[int], limit: int) -> str | None:
             continue
         if first_name is None:
             first_name = name
-        if _DOMAIN_EDGE.match(name):
+        if DOMAIN_EDGE.match(name):
             return _node_op(name)
     return _node_op(first_name) if first_name is not None else None

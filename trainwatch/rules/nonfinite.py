@@ -102,9 +102,12 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
             "op": report.op,
             "source": report.source,
             "op_basis": report.op_basis,
+            "loss": report.loss,
         }.items()
         if value is not None
     }
+    if report.under_where:
+        data["under_where"] = True
     if report.largest is not None:
         data["parameter"] = report.parameter
         data["largest"] = report.largest
@@ -287,14 +290,12 @@ class NonfiniteBackwardRule(_ReportRule):
             )
         if report.cause == GRADIENT_OVERFLOW:
             return _gradient_overflow(record, report, self.loss_out_of_reach)
+        if report.cause == "loss":
+            return _loss_backward(record, report)
         where = (
-            "in the loss's backward, before the gradient reached the model"
-            if report.cause == "loss"
-            else (
-                f"in the gradient of parameter {report.parameter}"
-                if report.parameter
-                else "while its output gradient was finite"
-            )
+            f"in the gradient of parameter {report.parameter}"
+            if report.parameter
+            else "while its output gradient was finite"
         )
         return (
             f"first non-finite gradient of the backward pass: {_what(report)}, {where}; "
@@ -305,6 +306,49 @@ class NonfiniteBackwardRule(_ReportRule):
                 "at 0, log at 0, division by 0): add an epsilon",
             ),
         )
+
+
+_WHERE_TRAP = (
+    "the torch.where gradient trap: backward runs through the branch torch.where did "
+    "not pick too, and the NaN/Inf it makes there ({made}) poisons the gradient "
+    "although the loss picked a finite value. Mask the inputs, not the output: "
+    "s / n.clamp_min(1) rather than torch.where(n > 0, s / n, 0); for a log or sqrt, "
+    "clamp its argument (x.clamp_min(eps))"
+)
+_LOSS_BACKWARD_HINT = (
+    "the loss is finite but its backward is not: most often a torch.where guard whose "
+    "branch not taken is NaN/Inf (torch.where(n > 0, s / n, 0) still backpropagates "
+    "through s / n: mask the inputs instead, s / n.clamp_min(1)), or a derivative "
+    "infinite at the edge of its domain in the loss (sqrt or a norm at 0, log at 0): "
+    "add an epsilon"
+)
+
+
+def _loss_backward(record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
+    """A finite loss whose backward sent a NaN/Inf into the model: with the op of
+    the loss's backward and the line, where its graph names them."""
+    loss = record.loss if record.loss is not None else report.loss
+    finite = f", while the loss ({loss:.4g}) is finite" if loss is not None else ""
+    op = ""
+    if report.op:
+        line = f" at {report.source}" if report.source else ""
+        under = " under a torch.where" if report.under_where else ""
+        op = f"; made by the derivative of {report.op}{under}{line}"
+    what = _what(dataclasses.replace(report, op=None, source=None))
+    if report.under_where:
+        made = (
+            "a division by a zero count: 0 * inf"
+            if report.op == "aten::div"
+            else f"the derivative of {report.op} at the edge of its domain"
+        )
+        hint = _WHERE_TRAP.format(made=made)
+    else:
+        hint = _hint(report, _LOSS_BACKWARD_HINT)
+    return (
+        f"first non-finite gradient of the backward pass: {what}, in the loss's "
+        f"backward, before the gradient reached the model{finite}{op}; {_applied(record)}",
+        hint,
+    )
 
 
 _GRADIENT_OVERFLOW_HINT = (
@@ -355,6 +399,15 @@ _LOSS_OVERFLOW = (
 )
 
 
+_UNKNOWN_LOSS_HINT = (
+    "a non-finite loss: a log of a probability that reached 0 (use cross_entropy / "
+    "BCEWithLogitsLoss), NaN or Inf in the targets, a division by a zero count (an "
+    "empty mask); or a finite loss whose backward is not: a torch.where guard whose "
+    "branch not taken is NaN/Inf (torch.where(n > 0, s / n, 0) still backpropagates "
+    "through s / n: mask the inputs instead, s / n.clamp_min(1))"
+)
+
+
 class NonfiniteLossRule(_ReportRule):
     id = "nonfinite_loss"
     needs = frozenset({"nonfinite_probe"})
@@ -368,7 +421,8 @@ class NonfiniteLossRule(_ReportRule):
         return report
 
     def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
-        value = f" ({record.loss})" if record.loss is not None else ""
+        loss = record.loss if record.loss is not None else report.loss
+        value = f" ({loss})" if loss is not None else ""
         if report.cause == "unlocated":
             return (
                 f"the loss is non-finite{value}; the model ran inside a graph compiled "
@@ -385,6 +439,19 @@ class NonfiniteLossRule(_ReportRule):
                 "every gradient is finite, but so large that their norm overflows "
                 f"(the largest element {report.largest:.3g}, in {report.parameter}){clipped}",
                 _LOSS_OVERFLOW,
+            )
+        if report.cause == "loss" and record.loss is None and report.loss is None:
+            # Neither handed over nor found where the training code holds it.
+            handed = (
+                "not seen"
+                if self.loss_out_of_reach
+                else "not handed over (monitor.step(loss=loss))"
+            )
+            return (
+                "the loss is non-finite, or its backward is: the gradient entering the "
+                f"model is non-finite ({_what(report)}) while the model's output was "
+                f"finite; the loss was {handed}, so which of the two is not known",
+                _UNKNOWN_LOSS_HINT,
             )
         return (
             f"the loss is non-finite{value} while the model's output was finite",

@@ -99,6 +99,8 @@ class NonfiniteJudge:
             source=finding.source,
             op_basis=finding.op_basis,
             spread=[self.names[i] for i in finding.spread if 0 <= i < len(self.names)],
+            loss=finding.loss,
+            under_where=finding.under_where,
         )
 
     @staticmethod
@@ -358,13 +360,17 @@ class NonfiniteJudge:
         if finding.cause == "loss":
             report = self._report(finding)
             report.module = None
+            # The loss handed over, else the one the training code held.
+            loss = record.loss if record.loss is not None else finding.loss
             if _fp16_overflow(finding, record.loss):
                 report.cause = GRADIENT_OVERFLOW
                 record.nonfinite_backward = report
-            elif loss_bad or record.loss is None:
-                record.nonfinite_loss = report
-            else:
+            elif loss is not None and _finite(loss):
+                # A finite loss whose backward made the NaN/Inf (a torch.where
+                # whose branch not taken divides by zero).
                 record.nonfinite_backward = report
+            else:  # the loss is non-finite, or not known to be finite
+                record.nonfinite_loss = report
             return
         record.nonfinite_backward = self._report(finding)
 
