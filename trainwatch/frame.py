@@ -111,6 +111,15 @@ class StepFrame:
         else:
             self._host = flat.cpu()
 
+    def landed(self) -> bool:
+        """Its values can be read without waiting on the device: read on the host
+        already, or its copy finished (asked by a look judging a step later)."""
+        if self._lists is not None:
+            return True
+        if self._host is None:
+            return False
+        return self._event is None or bool(self._event.query())
+
     @property
     def lagged(self) -> bool:
         return self._event is not None

@@ -462,9 +462,27 @@ class WipedReport:
     wiped: int  # of them, how many were wiped before the step
 
 
+@dataclass
+class CancelledReport:
+    """An optimizer's steps whose gradients, left by one backward while another
+    optimizer stepped, the next backward mostly cancelled (a GAN's generator fed the
+    discriminator's loss through an output not detached): each step applied a
+    small remainder of the two."""
+
+    optimizer: int
+    since: int  # the first cancelled step of those looked at
+    looked: int  # steps looked at (the latest ones)
+    cancelled: int  # of them, how many were cancelled
+    before: float  # the latest cancelled step's norm as the later backward began
+    at_step: float  # and at the step
+    ids: list[int]  # the parameters cancelled (that step's), by id
+    others: tuple[str, ...]  # the optimizers that stepped in between
+
+
 @dataclass(slots=True)
 class BetweenBackwardsRecord(StepRecord):
     """Not a step's record: a finding about the backward passes between an
     optimizer's steps (``source`` "between_backwards"), its parameters in ``present``."""
 
     wiped: WipedReport | None = None
+    cancelled: CancelledReport | None = None

@@ -268,6 +268,10 @@ class StepPipeline:
         # Per optimizer whose micro-batches are wiped: its layers only earlier ones reached.
         self._wiped_away: dict[int, frozenset[str]] = {}
         self._check_accumulation = "accumulated_gradient" in self._rule_ids
+        # A later backward cancelling what an earlier one left while another optimizer
+        # stepped is looked for (see OtherBackwardLook), at the model's optimizer steps.
+        if self._check_accumulation and self.tracker.check_resets:
+            self.tracker.look_for_cancels(self._optimizers)
         # PROCESS_STEPS.taken when the latest optimizer step with a closure began.
         self._closure_taken = -1
         # Each optimizer's latest step (None: monitor.step()): with several, the
@@ -633,6 +637,43 @@ class StepPipeline:
         )
         record.present = [self.layers.info(p) for p in params if p in self.layers]
         record.wiped = found
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _judge_cancels(
+        self, index: int, now: int, params: list[torch.Tensor], frame: StepFrame
+    ) -> None:
+        """Optimizer ``index`` is about to step: what a later backward cancelled of the
+        gradients an earlier one left on its parameters while another optimizer
+        stepped (see OtherBackwardLook), figured with this step's frame; the steps
+        whose frames have landed judged, and told (accumulated_gradient,
+        ``other_optimizers_backward``) once most of the latest were cancelled."""
+        tracker = self.tracker
+        look = tracker.cancels
+        if look is None:
+            tracker.start_cancels_if_left_aside(params)
+            return
+        try:
+            look.take(index, params, now, frame.add)
+            found = look.judge()
+        except Exception as exc:  # the look's hooks go with it
+            tracker.cancels_failed(exc)
+            return
+        if look.settled:
+            tracker.stop_cancels()
+        if found is None:
+            return
+        record = BetweenBackwardsRecord(
+            step=found.since,
+            source="between_backwards",
+            optimizer=found.optimizer,
+            optimizer_class=type(self._optimizers[found.optimizer]).__name__,
+        )
+        known = self.layers.known()
+        record.accumulated = [known[pid] for pid in found.ids if pid in known]
+        if not record.accumulated:
+            return
+        record.present = record.accumulated
+        record.cancelled = found
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _check_parameters(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
@@ -1094,15 +1135,23 @@ class StepPipeline:
             self.rebuild_layers()
             params = self.layers.parameters() if index is None else self.optimizer_params(index)
             record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+        pending = _new_pending_step(record)
+        pending.params = params
+        frame = pending.frame
         if self.tracker.left is not None and index is not None and not attach:
             # Noted off the usual step only: the first step, gradients not reset
-            # in the usual place, several optimizers.
+            # in the usual place, several optimizers, a look at what a later
+            # backward cancelled.
             record.rewritten_since_backward = (
                 self._guarded("gradient reset check", self.tracker.rewritten_since_backward, params)
                 is True
             )
             if self.tracker.wipes is not None:  # a step with several backward passes
                 self._guarded("reset between backwards", self._judge_wipes, index, now, params)
+            if self.tracker.follow_cancels and not again:
+                self._guarded(
+                    "other optimizer's backward", self._judge_cancels, index, now, params, frame
+                )
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)
             self.restarted.clear()
@@ -1242,9 +1291,6 @@ class StepPipeline:
                         ran,
                         len(self._optimizers),
                     )
-        pending = _new_pending_step(record)
-        pending.params = params
-        frame = pending.frame
         stall = self.stall
         step = now if index is not None else now - 1  # monitor.step() counted it
         if stall is not None and (step < stall.loss_until or step >= stall.look_from):

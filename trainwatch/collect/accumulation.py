@@ -48,9 +48,11 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 from torch.nn.parameter import is_lazy
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.between_backwards import BetweenBackwards
+from trainwatch.collect.other_backward import OtherBackwardLook
 from trainwatch.collect.tensors import all_plain, floating_list, local_part
 from trainwatch.hooks import WeakHook, hook_pass_tensor
 from trainwatch.process_steps import PROCESS_STEPS
@@ -162,6 +164,21 @@ class _ParamState:
 #   same = grad is not None and (
 #       (state.grad_ref is not None and state.grad_ref() is grad)
 #       or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)))
+
+
+class _Probe:
+    """What a later call of the step's backward hooks asks before the look at what a
+    backward cancels (see ``GradResetTracker._cancel_probe``): a stand-in with a
+    fixed ``grad``."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: object) -> None:
+        self.grad = grad
+
+
+_NO_PROBE = _Probe(None)  # the look is not looked for (off, settled, or no parameter to ask)
+_LOOKING = _Probe(True)  # the look runs: every later backward goes to it
 
 
 # ``left`` after a step boundary while zero_grad() between backward passes is
@@ -299,6 +316,24 @@ class GradResetTracker:
         # That step's accumulation was found between two of its own evaluations
         # (onto gradients the step itself had used, not the previous step).
         self.closure_evaluations_accumulated = False
+        # Where a backward cancels the gradients an earlier one left while another
+        # optimizer stepped (a GAN's generator fed the discriminator's loss through an
+        # output not detached; see OtherBackwardLook): the model's optimizers (set by
+        # the step pipeline), whether the look may still start (False once it settled),
+        # the look once started, and its hooks.
+        self.cancel_optimizers: Sequence[Any] = ()
+        self.follow_cancels = False
+        self.cancels: OtherBackwardLook | None = None
+        self._cancels_hooks: list[RemovableHandle] = []
+        # Asked by a later call of the hooks in a step whose first backward found its
+        # gradients reset: its ``grad`` is None where that call cannot begin a later
+        # backward. The usual step's second call is the fallback parameter's hook in
+        # the same backward, before that parameter's gradient accumulates (None
+        # after zero_grad()); a later backward finds the first one's gradient there.
+        # A parameter or a stand-in (``_NO_PROBE``, ``_LOOKING``): one attribute
+        # read, no call, on the usual step.
+        self._fallback_param: torch.Tensor | None = None
+        self._cancel_probe: Any = _NO_PROBE
         # The model's passes (ModelPasses), told when this tracker's pass_ends changes.
         self._passes: weakref.ref[Any] | None = None
         # While learning which output backward reaches first, every output of a pass
@@ -338,13 +373,17 @@ class GradResetTracker:
             )
             if last is not None:
                 self._fallback = last.register_hook(self._starts)
+                self._fallback_param = last
+                self._reprobe()
 
     def detach(self) -> None:
         self.stop_following()
+        self.stop_cancels()
         self.__dict__.pop("pass_ends", None)  # a method of its own: no cycle stays
         if self._fallback is not None:
             self._fallback.remove()
             self._fallback = None
+        self._fallback_param = None
         self._states.clear()
 
     def fail(self, exc: BaseException) -> None:
@@ -525,24 +564,43 @@ class GradResetTracker:
             return  # a second output of the same backward: parameters may have moved
         snapshot = self._snapshot
         # Asked without the stale-gradient check too: gradients found reset leave
-        # backward's end nothing to note (see note_left). A later backward of the
-        # step comes back here as cheaply (its pass's hook has had its look).
-        if snapshot is not None and (self._snapshot_reset or _all_reset(snapshot)):
-            self._snapshot_reset = True  # later backward passes of the step too
-            self._stale = []
-            if self._end_listeners or self.track_reached:
-                self._in_backward = True
-                Variable._execution_engine.queue_callback(self._ends)
-            # Else backward's end has nothing to note: no callback (one more
-            # call into Python at every backward). A hook firing again in this
-            # backward comes back here, as cheaply.
-            return
+        # backward's end nothing to note (see note_left).
+        if snapshot is not None:
+            if self._snapshot_reset:
+                # A later call of the step's hooks (nothing stale: the first found
+                # its gradients reset): it comes back here as cheaply (its pass's
+                # hook has had its look), but for the look at what a later backward
+                # adds onto (see OtherBackwardLook and _cancel_probe).
+                if self._cancel_probe.grad is not None:
+                    self._look_for_cancels(True)
+                if self._end_listeners or self.track_reached:
+                    self._in_backward = True
+                    Variable._execution_engine.queue_callback(self._ends)
+                return
+            if _all_reset(snapshot):
+                self._snapshot_reset = True  # later backward passes of the step too
+                self._stale = []
+                if self._end_listeners or self.track_reached:
+                    self._in_backward = True
+                    Variable._execution_engine.queue_callback(self._ends)
+                # Else backward's end has nothing to note: no callback (one more
+                # call into Python at every backward). A hook firing again in this
+                # backward comes back here, as cheaply.
+                return
         self._in_backward = True
         Variable._execution_engine.queue_callback(self._ends)
-        if self.left is not None and self.wipes is None and self.follow_wipes is not None:
+        left = self.left
+        if (
+            left is not None
+            and left is not _NOTHING_LEFT
+            and self.wipes is None
+            and self.follow_wipes is not None
+        ):
             # A second backward since the step, its first noted (the first steps,
             # several optimizers): looked at from here on.
-            self._start_following(self.left)
+            self._start_following(left)
+        if self.follow_cancels:
+            self._look_for_cancels(left is not None and left is not _NOTHING_LEFT)
         if not self.check_resets:
             return
         closure = self._closure
@@ -651,7 +709,7 @@ class GradResetTracker:
         self._starts.method = "backward_starts"
         self._later_starts.method = "later_backward_starts"
         self.__dict__.pop("arm", None)
-        if self.left is _NOTHING_LEFT:
+        if self.left is _NOTHING_LEFT and self.cancels is None:
             self.left = None
         if self._wipes_listener is not None:
             self._wipes_listener.remove()
@@ -672,6 +730,101 @@ class GradResetTracker:
         except Exception as exc:
             self.stop_following()
             self._on_error("reset between backwards", exc)
+
+    # -- a backward cancelling what an earlier one left ------------------------
+    def _look_for_cancels(self, later: bool) -> None:
+        """A backward begins: the look sees it before it adds anything; where none
+        runs yet, a later backward since the model's last step (``later``) starts it."""
+        look = self.cancels
+        if look is None:
+            if later:
+                self.start_cancels()
+            return
+        try:
+            look.starts()
+        except Exception as exc:
+            self.cancels_failed(exc)
+
+    def look_for_cancels(self, optimizers: Sequence[Any]) -> None:
+        """The look may start from now on, judged at ``optimizers``' steps (the model's)."""
+        self.cancel_optimizers = optimizers
+        self.follow_cancels = True
+        self._reprobe()
+
+    def _reprobe(self) -> None:
+        if not self.follow_cancels:
+            self._cancel_probe = _NO_PROBE
+        elif self.cancels is not None:
+            self._cancel_probe = _LOOKING
+        else:
+            param = self._fallback_param
+            self._cancel_probe = param if param is not None else _NO_PROBE
+
+    def start_cancels(self) -> None:
+        """Look at each backward and each optimizer step of the process from now on,
+        until the look settles (``stop_cancels``). Not without an optimizer of the
+        model: its steps are where the look judges."""
+        if self.cancels is not None or not self.follow_cancels or not self.enabled:
+            return
+        if not self.cancel_optimizers or self.track_reached:
+            return
+        try:
+            self.cancels = OtherBackwardLook(self._states, self.cancel_optimizers)
+            self._cancels_hooks = [
+                self.on_backward_end(self._cancels_backward_ended),
+                register_optimizer_step_post_hook(WeakHook(self, "cancels_optimizer_stepped")),
+            ]
+            self._reprobe()
+            if self.left is None:
+                self.left = _NOTHING_LEFT  # the model's next step gathers with the look
+        except Exception as exc:
+            self.cancels_failed(exc)
+
+    def start_cancels_if_left_aside(self, params: Sequence[torch.Tensor]) -> None:
+        """An optimizer of the model is about to step ``params`` while the latest
+        backward left gradients on parameters it does not hold (another optimizer's,
+        in a model with several): those may be added onto before their own step."""
+        left = self.left
+        if left and not set(left).issubset(map(id, params)):
+            self.start_cancels()
+
+    def cancels_optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Any optimizer of the process stepped (a global post-step hook, after the
+        optimizer's own: the model's step has armed its gradients)."""
+        look = self.cancels
+        if look is None or not self.enabled:
+            return
+        try:
+            look.stepped(optimizer)
+        except Exception as exc:
+            self.cancels_failed(exc)
+            return
+        if self.left is None:
+            self.left = _NOTHING_LEFT  # the model's next step gathers with the look
+
+    def _cancels_backward_ended(self) -> None:
+        look = self.cancels
+        if look is None or not self.enabled:
+            return
+        try:
+            look.ended()
+        except Exception as exc:
+            self.cancels_failed(exc)
+
+    def stop_cancels(self) -> None:
+        """The look stops for good (settled, told, or failed)."""
+        self.follow_cancels = False
+        look, self.cancels = self.cancels, None
+        self._reprobe()
+        hooks, self._cancels_hooks = self._cancels_hooks, []
+        for handle in hooks:
+            handle.remove()
+        if look is not None and self.left is _NOTHING_LEFT and self.wipes is None:
+            self.left = None
+
+    def cancels_failed(self, exc: BaseException) -> None:
+        self.stop_cancels()
+        self._on_error("other optimizer's backward", exc)
 
     def on_backward_end(self, callback: Callable[[], None]) -> RemovableHandle:
         """Call ``callback`` when each backward that reached the model has ended, every

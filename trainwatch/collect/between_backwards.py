@@ -58,7 +58,7 @@ SETTLED_STEPS = 20
 _RUNS = count(1)
 
 
-def _marks(params: Sequence[torch.Tensor]) -> dict[int, tuple[int, int]]:
+def gradient_marks(params: Sequence[torch.Tensor]) -> dict[int, tuple[int, int]]:
     """Each gradient held, by its parameter's id: the tensor's id and version."""
     grads = list(map(_GRAD, params))
     held = list(map(is_not, grads, repeat(None)))
@@ -186,7 +186,7 @@ class BetweenBackwards:
         """A backward begins: if it is a later one of the run, what became of the
         previous one's gradients."""
         params = list(map(_PARAM, self._states.values()))
-        marks = _marks(params)
+        marks = gradient_marks(params)
         key = _key()
         left = self._left
         if left is None or left.key != key:
@@ -298,7 +298,7 @@ class BetweenBackwards:
         if not last:
             return False
         ids = list(map(id, params))
-        now = _marks(params)
+        now = gradient_marks(params)
         return any(
             before is not None and after is not None and before[0] != after[0]
             for before, after in zip(map(last.get, ids), map(now.get, ids))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainwatch.alert import Alert
-from trainwatch.record import StepRecord
+from trainwatch.record import CancelledReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 
 _HINT = (
@@ -37,6 +37,27 @@ _PART_TARGET_HINT = (
     "the optimizer (optimizer.add_param_group())."
 )
 
+_CANCELLED_HINT = (
+    "detach the generator's output where the discriminator's loss uses it "
+    "(D(fake.detach())), or call the generator optimizer's zero_grad() after the "
+    "discriminator's step, right before the generator's backward; "
+    "backward(retain_graph=True) on the discriminator's loss hides the error torch "
+    "would otherwise raise there (trying to backward through the graph a second "
+    "time). Outside a GAN: reset these parameters' gradients between the two "
+    "backward passes, or detach the input the second loss does not mean to train."
+)
+
+
+def _common_module(owners: list[str]) -> str:
+    """The innermost module holding every one of ``owners`` ("" for the root)."""
+    parts = [owner.split(".") if owner else [] for owner in owners]
+    common: list[str] = []
+    for names in zip(*parts):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
 
 class AccumulatedGradientRule(Rule):
     id = "accumulated_gradient"
@@ -46,6 +67,9 @@ class AccumulatedGradientRule(Rule):
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.accumulated:
             return []
+        cancelled = getattr(record, "cancelled", None)
+        if cancelled is not None:
+            return [self._cancelled(record, cancelled)]
         if record.copy_part is not None:
             return [self._part_target(record)]
         if record.copy_of is not None:
@@ -86,6 +110,44 @@ class AccumulatedGradientRule(Rule):
                 },
             )
         ]
+
+    def _cancelled(self, record: StepRecord, found: CancelledReport) -> Alert:
+        """Gradients one backward left while another optimizer stepped, mostly
+        cancelled by the next backward before their own optimizer's step: no reset
+        missing in the usual place, but a second loss reaching these parameters."""
+        owners = list(by_owner(record.accumulated))
+        module = _common_module(owners)
+        others = " and ".join(found.others) or "another optimizer"
+        kept = found.at_step / found.before if found.before > 0 else 0.0
+        count = len(record.accumulated)
+        return self.alert(
+            found.since,
+            module,
+            f"the gradients of {count} parameter{'s' if count != 1 else ''} "
+            f"({short_names(record.accumulated, 3)}) that a backward left while {others} "
+            f"stepped were mostly cancelled by the next backward before optimizer "
+            f"{found.optimizer} ({record.optimizer_class}) stepped them: their norm fell "
+            f"from {found.before:.3g} to {found.at_step:.3g} ({kept:.0%} left) at "
+            f"{found.cancelled} of {found.looked} steps. Most likely a GAN whose "
+            "discriminator loss uses the generator's output without .detach(): the "
+            "generator's step applies the discriminator's gradient plus its own, which "
+            "nearly cancel, so it barely learns while both losses still move",
+            _CANCELLED_HINT,
+            {
+                "kind": "other_optimizers_backward",
+                "parameters": count,
+                "modules": owners,
+                "optimizer": found.optimizer,
+                "optimizer_class": record.optimizer_class,
+                "other_optimizers": list(found.others),
+                "norm_before": found.before,
+                "norm_at_step": found.at_step,
+                "kept": kept,
+                "cancelled_steps": found.cancelled,
+                "steps_looked": found.looked,
+            },
+            severity="warning",
+        )
 
     def _target(self, record: StepRecord) -> Alert:
         """A copy of a trained model, which no optimizer holds and the loop moves by
