@@ -41,7 +41,13 @@ from trainwatch.alert import Alert, standing_worst
 from trainwatch.callers import called_from
 from trainwatch.child_processes import ChildProcesses
 from trainwatch.collect import quiet
-from trainwatch.compiled import CompiledHookWarning, compiling, transform_level, unwrap
+from trainwatch.compiled import (
+    CompiledHookWarning,
+    compiling,
+    transform_level,
+    unwrap,
+    user_name,
+)
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
@@ -1047,6 +1053,9 @@ class AutoWatch:
             return  # a loss module
         part = None
         scanned: list[Optimizer] | None = None  # the optimizers over it, if looked for
+        # Parts of it watched as models of their own until now, by name in it: called
+        # on their own before it (a teacher the loop calls before the model).
+        called_alone: list[str] = []
         if called:
             holder = _lightning_module_holding(module)
             if holder is None and not any(map(registry.owner_of, params)):
@@ -1080,8 +1089,13 @@ class AutoWatch:
                     # that one has stopped running (see _take_over).
                     self._overlapping[id(module)] = _Overlap(module, others)
                 return
-            for part in parts:
-                self._give_way(part)
+            for given in parts:
+                inner = unwrap(given.model)
+                called_alone.extend(
+                    user_name(raw) for raw, sub in unwrap(module).named_modules() if sub is inner
+                )
+                given.found_part_of_a_model()
+                self._give_way(given)
         if not (self._awaited and self._awaited_over(params)):
             # (One built for it releases them at its first step: see _before_step.)
             self._release_dropped()
@@ -1116,6 +1130,8 @@ class AutoWatch:
             self._find_optimizers(monitor, scanned)
         if not monitor.optimizers and (self._not_called or self._stale_optimizers):
             self._continue_steps(monitor)
+        for name in called_alone:
+            monitor.part_called_alone(name)
         if part is not None:
             self._through_parts.add(monitor)
             monitor.watch_parts()

@@ -506,6 +506,26 @@ class Monitor:
         before ``fit``) would be seen by no check."""
         self._guarded("model passes", self._pipeline.passes.widen)
 
+    def part_called_alone(self, name: str) -> None:
+        """The model's part ``name`` was called on its own before the model's first call
+        (``trainwatch run`` watched it as a model of its own until then: a teacher the
+        loop calls before the model): the checks that ask whether a part runs (is a
+        frozen teacher run in training mode?) know it does from that first step."""
+        behaviour = self._pipeline.behaviour
+        if behaviour is not None:
+            self._guarded("behaviour checks", behaviour.part_called_alone, name)
+
+    def found_part_of_a_model(self) -> None:
+        """This model turned out to be a part of one ``trainwatch run`` found at its first
+        call, before any step: the part was called on its own first (a teacher the loop
+        calls before the model, an encoder's shape check). That model's monitor
+        watches it from now on, and this one closes: its passes without gradients so
+        far, too few to be an evaluation loop, were that model's before its first
+        training pass, and are let go as such passes are there."""
+        behaviour = self._pipeline.behaviour
+        if behaviour is not None:
+            self._guarded("behaviour checks", behaviour.eval_passes.found_part_of_a_model)
+
     def pass_started(self, module: nn.Module, args: Any) -> None:
         """``module``'s call, already begun, is one of the model's passes.
 

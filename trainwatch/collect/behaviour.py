@@ -441,6 +441,12 @@ class BehaviourWatch:
         if self.modes is not None:
             self.modes.find_frozen_parts()
 
+    def part_called_alone(self, name: str) -> None:
+        """The model's part ``name`` was called on its own, outside the model's passes,
+        where the call tracker could not see it (see ``ModeWatch.part_called``)."""
+        if self.modes is not None:
+            self.modes.part_called(name)
+
     def held_by_none(self, params: list[nn.Parameter]) -> None:
         """The model's parameters no watched optimizer holds (the membership changed):
         those requiring grad and never given a gradient make frozen parts too."""

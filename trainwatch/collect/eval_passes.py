@@ -493,6 +493,16 @@ class EvalPassJudge:
         self.in_a_row = 0
         self.trained = True
 
+    def found_part_of_a_model(self) -> None:
+        """The model is a part of a bigger one, first called now, before any step
+        (``trainwatch run`` watched the part first: a teacher the loop calls before
+        the model, an encoder's shape check): the bigger model's monitor watches it
+        from now on. Its passes so far were that model's before its first training
+        pass: one or two are let go, as :meth:`training_pass` lets them go; a longer
+        run (a baseline evaluation through the part) is still told at close."""
+        if self.in_a_row <= SHAPE_CHECK:
+            self._held = []
+
     def step_boundary(self) -> list[StepRecord]:
         if 0 < self.in_a_row <= SHORT_RUN and self._follows_training:
             # A short run after this step's training passes: one of this step,

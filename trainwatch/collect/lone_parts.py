@@ -22,7 +22,11 @@ so a part called under ``no_grad`` at every step (a target computed with
 evaluation. A part in eval mode, or holding no such module, is never
 followed: a healthy evaluation leaves no hook behind. Nor is a frozen part (a
 teacher, a momentum encoder or EMA copy kept inside the model), which runs
-under ``no_grad`` in training mode on purpose, once or once per view a step.
+under ``no_grad`` once or once per view a step: a large one called there is
+told to the mode watch instead (``ModeWatch.part_called``), whose frozen-part
+check (is a teacher run in training mode?) sees the model's passes only. For
+that, a model holding a large frozen part is looked into from its first step,
+before its first training pass: the loop calls the teacher first.
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ class LoneParts:
             model is not None
             and not (quiet.anywhere and quiet.replaying())  # trainwatch's own re-run
             and model.training
-            and self._judge.trained
+            # Before the first training pass only for a model with a large frozen
+            # part: a teacher called by the loop before the model, from step 0.
+            and (self._judge.trained or bool(self._modes.frozen_parts))
             and not self._passes.in_pass
             and bool(self._modes.listed)
         )
@@ -100,11 +106,15 @@ class LoneParts:
         name = names.get(id(module))
         if not name or passes.hooks(module):
             return  # not the model's, the model itself, or a part already followed
+        if self._modes.part_called(name):
+            return  # a teacher or frozen backbone inside the model: the frozen-part check's
+        if not self._judge.trained:
+            return  # (looked into for its frozen parts only)
         part = (name, module)
         if self._modes.in_mode(True, skip_dropout=self._skip_dropout, part=part) is None:
             return  # nothing of it depends on the mode, or it is in eval mode
         if _frozen(module):
-            return  # a teacher or target network inside the model: judged as before
+            return  # frozen, if too small to be a frozen part of its own: never followed
         passes.hook(module, nograd_only=True)
         passes.started(module, args)  # this very call is the part's first pass
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 _REF = itemgetter(3)  # a Listed's module reference
 _DEREF = weakref.ref.__call__
 _TRAINING = attrgetter("training")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 _DROPOUT: tuple[type[nn.Module], ...] = (
     nn.Dropout,
@@ -97,6 +98,12 @@ class ModeWatch:
         # Per part of the model called on its own, its share of ``listed`` (made
         # at its first pass; dropped whenever ``listed`` changes).
         self._parts: dict[str, list[Listed]] = {}
+        # Per listed module's name, the parameters of the nearest module holding
+        # some, from it up (see _in_frozen_part): read at a training step's pass
+        # with modules in eval mode, with no walk of the model (a linear probe's
+        # model.eval() asks it at every step, for every batch norm of its backbone).
+        # Their flags are read live; the list is made again with the model's tree.
+        self._holders: dict[str, tuple[nn.Parameter, ...]] = {}
         # Per listed module, the modules above it (qualified name, reference),
         # from the root down: made when a no-grad pass first finds dropout in
         # training mode under a module in eval mode (see _switched_alone).
@@ -107,6 +114,15 @@ class ModeWatch:
         # The flags of ``in_frozen`` and the call tracker's count when those in
         # training mode were last found not running (see frozen_in_training).
         self._not_running: tuple[tuple[bool, ...], int] | None = None
+        # The large frozen parts of a model that trains, by name, where they hold
+        # listed modules (none where the whole model is frozen: no part of it
+        # trains around them).
+        self.frozen_parts: list[str] = []
+        # Parts of the model seen called on their own, outside its passes
+        # (``model.teacher(x)`` under no_grad in the loop): the frozen parts in
+        # them run, though the call tracker, which sees the model's passes only,
+        # never saw them (see part_called).
+        self._called_alone: set[str] = set()
         # No parameter of the model trains (a loss network watched on its own).
         self.wholly_frozen = False
         # Ids of parameters that keep requires_grad=True yet train no more than
@@ -127,6 +143,7 @@ class ModeWatch:
         self.listed = []
         self._parts = {}
         self._above = {}
+        self._holders = {}
         self.ordered = False
         if model is None:
             return
@@ -156,6 +173,7 @@ class ModeWatch:
         """
         model = self._root()
         self.in_frozen = []
+        self.frozen_parts = []
         self._not_running = None
         self.wholly_frozen = False
         if model is None or not self.listed:
@@ -183,6 +201,8 @@ class ModeWatch:
             self.in_frozen = [
                 item for item in self.listed if any(_inside(item.name, part) for part in parts)
             ]
+            if self.in_frozen:
+                self.frozen_parts = parts
 
     def frozen_in_training(self, calls: CallTracker | None = None) -> ModeReport | None:
         """Listed modules of a large frozen part in training mode (None: none is).
@@ -190,7 +210,8 @@ class ModeWatch:
         ``calls``: which modules ran. A frozen part never called (an EMA copy
         updated by hand, a backbone kept for later) computes nothing for the
         rest of the model, whatever its mode: it is left out once the tracker
-        saw the module holding it called and not it.
+        saw the module holding it called and not it, unless it was seen called
+        on its own (:meth:`part_called`: a teacher the loop calls itself).
 
         Cheap on the usual step: the list is empty unless a part is frozen, and
         then its flags are read in C loops; a part found not running is asked
@@ -226,7 +247,13 @@ class ModeWatch:
             if not found:
                 return None
         if calls is not None:
-            found = [item for item in found if calls.ran(item.name) is not False]
+            alone = self._called_alone
+            found = [
+                item
+                for item in found
+                if calls.ran(item.name) is not False
+                or any(_inside(item.name, part) for part in alone)
+            ]
             if not found:
                 self._not_running = (flags, calls.seen_count)
                 return None
@@ -239,6 +266,21 @@ class ModeWatch:
             held_by_no_optimizer=root is not None
             and any(_idle_part(root, item.name, idle) for item in found),
         )
+
+    def part_called(self, name: str) -> bool:
+        """A part of the model (``name``) was called on its own, outside the model's
+        passes: ``model.teacher(x)`` under ``no_grad`` in the loop, ``self.teacher(x)``
+        in a LightningModule's ``training_step``. The large frozen parts it holds or
+        lies in run, though the call tracker, which sees the model's passes only,
+        cannot tell: :meth:`frozen_in_training` is told. Returns whether it lies
+        in one (a teacher, a frozen backbone: no evaluation of the model's).
+        """
+        if name not in self._called_alone:
+            # Kept whatever is frozen now: a part found frozen later (held by no
+            # optimizer, known once one attaches) ran all the same.
+            self._called_alone.add(name)
+            self._not_running = None  # asked again at the next training pass
+        return any(_inside(name, part) for part in self.frozen_parts)
 
     def still_frozen(self, names: list[str]) -> bool:
         """Whether the parts around these listed modules train no parameter now."""
@@ -389,13 +431,26 @@ class ModeWatch:
         if (
             not training
             and root is not None
-            and (self.wholly_frozen or any(k != "norm" for k in found_kinds))
+            and (whole or self.wholly_frozen or any(k != "norm" for k in found_kinds))
         ):
-            # Only where it can matter: normalisation layers in eval are an idiom
-            # anyway, so the usual fine-tuning step (frozen batch norm) walks nothing.
-            idle = self.idle
-            report.in_frozen_parts = [name for name in names if _in_frozen_part(root, name, idle)]
+            # Only where it can matter: normalisation layers in eval beside a model in
+            # training mode are an idiom anyway, so the usual fine-tuning step (frozen
+            # batch norm after model.train()) walks nothing. With the whole model in
+            # eval they are the forgotten model.train(), unless a frozen part holds
+            # them: a linear probe's model.eval() over its frozen backbone.
+            report.in_frozen_parts = [name for name in names if self._frozen_holder(root, name)]
         return report
+
+    def _frozen_holder(self, root: nn.Module, name: str) -> bool:
+        """:func:`_in_frozen_part`, the holder's parameters found once per listed module."""
+        params = self._holders.get(name)
+        if params is None:
+            holder = _holder(root, name)
+            params = self._holders[name] = () if holder is None else tuple(holder.parameters())
+        idle = self.idle
+        if not idle:
+            return bool(params) and True not in map(_REQUIRES_GRAD, params)  # in C
+        return bool(params) and not any(p.requires_grad and id(p) not in idle for p in params)
 
     def _switched_alone(self, name: str, within: str) -> bool:
         """Whether this dropout in training mode was switched on by itself: every
