@@ -24,10 +24,20 @@ _TABLES = (nn.Embedding, nn.EmbeddingBag)
 EXTERNAL = "<outside the model>"
 
 
-def _parametrized_owner(name: str, module: nn.Module) -> str:
-    """``fc.parametrizations.weight`` holds fc's weight (spectral/weight norm): fc owns it."""
+def _parametrized_owner(name: str, module: nn.Module, lists: dict[str, str]) -> str:
+    """The layer a parametrization's parameters belong to: ``fc.parametrizations.weight``
+    holds fc's weight (spectral/weight norm), and a module inside it holds
+    parameters of fc's weight too (a LoRA adapter registered as a parametrization:
+    its ``lora_A``, ``lora_B``): fc owns them all. ``lists`` gathers the
+    ParametrizationLists met so far (their names, each with its layer's), the
+    modules reached in ``named_modules()`` order, outer first."""
     if isinstance(module, parametrize.ParametrizationList):
-        return name.rsplit(".parametrizations.", 1)[0] if ".parametrizations." in name else ""
+        owner = name.rsplit(".parametrizations.", 1)[0] if ".parametrizations." in name else ""
+        lists.setdefault(name, owner)
+        return owner
+    for held, owner in lists.items():
+        if name.startswith(held + "."):
+            return owner
     return name
 
 
@@ -74,14 +84,15 @@ class LayerMap:
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid while mapped
         self._keep: dict[int, torch.Tensor] = {}
         index: dict[str, int] = {}
+        parametrized: dict[str, str] = {}  # ParametrizationList name -> its layer's
         # Where each parameter was found: (its module's parameter table, key).
         self._slots: list[tuple[dict[str, nn.Parameter | None], str, nn.Parameter]] = []
         for raw_name, module in model.named_modules():
             module_name = user_name(raw_name)  # a compiled submodule's _orig_mod dropped
+            owner = _parametrized_owner(module_name, module, parametrized)
             for short, param in module.named_parameters(recurse=False):
                 if id(param) in self._info:
                     continue
-                owner = _parametrized_owner(module_name, module)
                 if owner not in index:
                     index[owner] = len(self.layers)
                     self.layers.append(owner)

@@ -59,6 +59,7 @@ from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.unwatched_updates import UnwatchedUpdates
 from trainwatch.collect.weights_at_alert import HeldParameters
+from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -78,6 +79,7 @@ from trainwatch.record import (
 )
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
+from trainwatch.rules.zero_gradient import ZeroGradientRule
 from trainwatch.setup_audit import table_content
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
@@ -111,6 +113,7 @@ _PARTS = (
     "structure",
     "_calls",
     "_step_calls",
+    "_zero_look",
     "_compile_warning",
     "probe",
     "behaviour",
@@ -299,6 +302,14 @@ class StepPipeline:
         # Layers that went without a gradient, followed to see whether they run;
         # per optimizer, the layers without one at its last step.
         self._step_calls = StepCalls() if "zero_gradient" in self._rule_ids else None
+        # The latest pass's graph, kept only while zero_gradient asks (a zero streak
+        # not yet told): the op with a zero derivative behind it is named.
+        self._zero_look: ZeroDerivativeLook | None = None
+        if "zero_gradient" in self._rule_ids:
+            self._zero_look = ZeroDerivativeLook(self.passes, weak_getter(self, "layers", None))
+            for rule in rules:
+                if isinstance(rule, ZeroGradientRule):
+                    rule.zero_look = self._zero_look  # looked at only as an alert is built
         self._missing_before: dict[int | None, frozenset[str]] = {}
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:

@@ -34,7 +34,7 @@ def functions_through(
     not. Both come of the one walk; a graph too large to walk claims neither,
     and one holding any autograd Function claims no layer cut off.
     """
-    order = _postorder(roots)
+    order = postorder(roots)
     if order is None:
         return {}, frozenset()
     custom = {id(node): _custom(node) for node in order}
@@ -46,7 +46,7 @@ def functions_through(
             target_owner[id(node)] = owners[id(variable)]
     found: dict[str, list[str]] = {}
     for owner in targets:
-        names = _nearest(order, roots, custom, target_owner, owner)
+        names = _names(nearest(order, roots, custom, target_owner, owner))
         if names:
             found[owner] = names
     if any(isinstance(node, BackwardCFunction) for node in order):
@@ -56,33 +56,39 @@ def functions_through(
     return found, frozenset(targets.keys() - target_owner.values())
 
 
-def _nearest(
+def nearest(
     order: list[Any],
     roots: Sequence[Any],
-    custom: dict[int, bool],
+    blocking: dict[int, bool],
     target_owner: dict[int, str],
     owner: str,
-) -> list[str]:
-    """The custom Functions from which ``owner``'s parameters are reached without
-    passing another; none where some root reaches them without any."""
+) -> list[Any]:
+    """The ``blocking`` nodes from which ``owner``'s parameters are reached without
+    passing another; none where some root reaches them without any (or where
+    the graph does not hold them). ``order``: the graph's nodes, children first
+    (``postorder``); ``target_owner``: the parameters' AccumulateGrad nodes, by id,
+    with the layer owning each."""
     plain: dict[int, bool] = {}  # reaches the parameters through plain nodes only
     for node in order:  # children first
         plain[id(node)] = target_owner.get(id(node)) == owner or any(
-            child is not None and plain[id(child)] and not custom[id(child)]
+            child is not None and plain[id(child)] and not blocking[id(child)]
             for child, _ in node.next_functions
         )
-    if any(plain[id(root)] and not custom[id(root)] for root in roots):
-        return []  # a path with no custom Function: something else gave None
+    if any(plain[id(root)] and not blocking[id(root)] for root in roots):
+        return []  # a path with no blocking node: something else explains it
+    return [node for node in order if blocking[id(node)] and plain[id(node)]]
+
+
+def _names(nodes: list[Any]) -> list[str]:
     names: list[str] = []
-    for node in order:
-        if custom[id(node)] and plain[id(node)]:
-            name = _name(node)
-            if name not in names:
-                names.append(name)
+    for node in nodes:
+        name = _name(node)
+        if name not in names:
+            names.append(name)
     return names
 
 
-def _postorder(roots: Sequence[Any]) -> list[Any] | None:
+def postorder(roots: Sequence[Any]) -> list[Any] | None:
     """Every node reachable from ``roots``, each after the nodes it leads to."""
     order: list[Any] = []
     seen: set[int] = set()

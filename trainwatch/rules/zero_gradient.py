@@ -7,6 +7,7 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.collect.weights_at_alert import FROZEN, LR_ZERO, NO_OPTIMIZER
+from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import BetweenBackwardsRecord, StepRecord
@@ -68,6 +69,25 @@ _HINTS = {
         "backward reached these parameters but every gradient entry is exactly "
         "zero: usually all units upstream are dead (ReLU stuck at 0), the output "
         "is multiplied by zero, or a mask removes everything."
+    ),
+    "zero_derivative_op": (
+        "round, floor, ceil, trunc and sign have a derivative of exactly zero, so "
+        "backward passes nothing through them: a quantiser written with them (fake "
+        "quantization, binarised weights, a rounded activation) without a "
+        "straight-through estimator leaves everything behind it untrained. Round in "
+        "the forward only: `w + (w.round() - w).detach()` (the same with the op "
+        "used), a custom autograd Function whose backward returns grad_output, or "
+        "torch.fake_quantize_per_tensor_affine, whose gradient passes straight through."
+    ),
+    "zero_weight_path": (
+        "the layer's bias got a gradient, so the gradient reaches the layer's output "
+        "and its own units are not dead; a weight's gradient is its input times that "
+        "gradient, so what is zero is on the weight's side: its input is exactly zero "
+        "for the whole batch (every unit feeding it dead (ReLU stuck at 0), an input "
+        "zeroed or masked out), the weight is multiplied by an all-zero mask before "
+        "use, or it passes through an op with a zero derivative (torch.round, floor, "
+        "sign: a quantiser without a straight-through estimator, fixed as "
+        "`w + (w.round() - w).detach()`)."
     ),
     "zero_table": (
         "backward reached this embedding table but every gradient entry is exactly "
@@ -158,6 +178,12 @@ _STAYS_ZERO = {
     FROZEN: "; it is frozen (requires_grad=False), so it never leaves zero",
     NO_OPTIMIZER: "; no watched optimizer holds it, so it never leaves zero",
 }
+# Said with the usual zero hint where no pass's graph could show whether such an op
+# is there (a first step told at once, a model called only through a compiled graph).
+_ZERO_DERIVATIVE_TOO = (
+    " Or an op with a zero derivative (torch.round, floor, sign) stands on the way "
+    "without a straight-through estimator: write `x + (x.round() - x).detach()`."
+)
 _PARTNER_HINT = (
     "a weight initialised to zero (a LoRA B matrix, a zero-initialised gate) "
     "multiplies the path to these parameters: their gradient is exactly zero until "
@@ -217,6 +243,9 @@ class ZeroGradientRule(Rule):
     id = "zero_gradient"
     needs = frozenset({"call_tracker"})
     config: ZeroGradientConfig
+    # The latest pass's graph, kept while a zero streak is not yet told and looked
+    # at as its alert is built (an op with a zero derivative); set by the pipeline.
+    zero_look: ZeroDerivativeLook | None = None
 
     def __init__(self, config: ZeroGradientConfig) -> None:
         super().__init__(config)
@@ -241,7 +270,7 @@ class ZeroGradientRule(Rule):
         # exactly zero gradient), or withdrawn once already.
         self._settled: set[str] = set()
 
-    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen"}  # ids: this process's only
+    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen", "zero_look"}  # ids: this process's only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -423,7 +452,12 @@ class ZeroGradientRule(Rule):
 
         alerts = self._withdrawn(record, joined) if joined else []
         if not due:
-            return alerts  # the usual step: no call beyond this point
+            if self.zero_look is not None:
+                self._keep_graphs()  # (after the streaks above: a new one, one ended)
+            return alerts  # the usual step with a streak: no further call
+        # Per layer, the ops with a zero derivative behind its zero gradients (None:
+        # no graph to look at); a walk of the graph where some gradient is zero.
+        zero_ops = self._zero_ops(due)
         for owner, params in by_owner(due).items():
             streaks = [self._streaks[p.name] for p in params]
             kinds = {s.kind for s in streaks}
@@ -529,6 +563,27 @@ class ZeroGradientRule(Rule):
                 data["partner_stays_zero"] = why
                 message += f": {_through_zero(name, params)}{_STAYS_ZERO.get(why, '')}"
                 hint = _PARTNER_HINTS.get(why, _PARTNER_HINT)
+            elif kind == "zero" and zero_ops and (ops := zero_ops.get(owner)):
+                data["cause"] = "zero_derivative_op"
+                data["ops"] = ops
+                them = "them" if len(params) > 1 else "it"
+                message += (
+                    f": every path from the model's output back to {them} passes through "
+                    f"{_listed(ops)}, whose derivative is zero"
+                )
+                if _bias_learns(record, owner):
+                    message += " (the layer's bias got a gradient: its units are not dead)"
+                hint = _HINTS["zero_derivative_op"]
+            elif kind == "zero" and _bias_learns(record, owner):
+                data["bias_learns"] = True
+                bias = f"{owner}.bias" if owner else "bias"
+                message += (
+                    f", while {bias} got a gradient: the gradient reaches the layer's "
+                    "output, and stops on the weight's own side"
+                )
+                hint = _HINTS["zero_weight_path"]
+            elif kind == "zero" and zero_ops is None and hint == _HINTS["zero"]:
+                hint += _ZERO_DERIVATIVE_TOO  # no graph was seen to rule it out
             elif kind == "none" and at_once and since == self._first_step:
                 data["distributed"] = True
                 message += (
@@ -539,7 +594,30 @@ class ZeroGradientRule(Rule):
             else:
                 self._never_withdrawn(owner)
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
+        if self.zero_look is not None:
+            self._keep_graphs()
         return alerts
+
+    def _keep_graphs(self) -> None:
+        """The model's latest pass's graph is kept while some zero streak is not yet
+        told: its alert names the op with a zero derivative behind it, if any."""
+        assert self.zero_look is not None
+        self.zero_look.want(
+            any(s.kind == "zero" and not s.reported for s in self._streaks.values())
+        )
+
+    def _zero_ops(self, due: list[ParamInfo]) -> dict[str, list[str]] | None:
+        """Per layer of ``due``, the ops with a zero derivative on every path from
+        the latest pass's output to its parameters whose gradient is exactly zero;
+        None where no pass's graph was kept to look at."""
+        look = self.zero_look
+        if look is None:
+            return None
+        wanted: dict[str, list[str]] = {}
+        for info in due:
+            if self._streaks[info.name].kind == "zero":
+                wanted.setdefault(info.owner, []).append(info.name)
+        return look.ops(wanted) if wanted else {}
 
     def _told_none(self, owner: str, params: list[ParamInfo]) -> None:
         """Note a module warned of as getting no gradient: a staged head whose loss
@@ -775,6 +853,15 @@ class ZeroGradientRule(Rule):
                 severity="info",
             )
         ]
+
+
+def _bias_learns(record: StepRecord, owner: str) -> bool:
+    """Whether ``owner``'s bias got a non-zero gradient this step: the gradient
+    reaches the layer's output. Asked as a zero-gradient alert is built."""
+    bias = f"{owner}.bias" if owner else "bias"
+    return any(
+        info.name == bias and norm != 0.0 for info, norm in zip(record.present, record.param_norms)
+    )
 
 
 def _through_zero(name: str, params: list[ParamInfo]) -> str:
