@@ -586,7 +586,9 @@ class Monitor:
         for index, opt in enumerate(self._optimizers):
             if opt is inner_optimizer(optimizer):
                 self._pending.pop(index, None)
-                self._guarded("step collector", self._pipeline.closure_step_begins, index)
+                self._guarded(
+                    "step collector", self._pipeline.closure_step_begins, index, self._step
+                )
                 return
 
     def before_clipping(self, param: torch.Tensor) -> None:
@@ -656,7 +658,7 @@ class Monitor:
             # Their updates and forwards interleave inside step(): a weight's
             # version counter then moves between passes by the optimizer's doing,
             # and each evaluation's backward uses the gradients.
-            self._guarded("step collector", self._pipeline.closure_step_begins, index)
+            self._guarded("step collector", self._pipeline.closure_step_begins, index, self._step)
             return
         if "step collector" in self._disabled:
             return

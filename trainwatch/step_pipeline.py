@@ -753,16 +753,23 @@ class StepPipeline:
         trainable = [self.layers.info(p).name for p in self._trainable()]
         return bool(trainable) and told.issuperset(trainable)
 
-    def closure_step_begins(self, index: int) -> None:
-        """An optimizer step with a closure (LBFGS) begins: its updates and passes
-        interleave inside ``step()``.
+    def closure_step_begins(self, index: int, step: int) -> None:
+        """An optimizer step with a closure (LBFGS, Lightning's automatic
+        optimization) begins: its updates and passes interleave inside ``step()``.
 
         Where the last update left the weights no longer says who wrote them;
         each backward of the step is followed as a use of the gradients (see
         ``GradResetTracker.closure_step_begins``); and its passes are the step's
         own evaluations, not steps a GradScaler skipped (``in_closure_step``).
+        The step is gathered once ``step()`` returned, after its update: on
+        stalled_training's re-run step the weights before it are copied now.
         """
         self._closure_taken = PROCESS_STEPS.taken
+        stall = self.stall
+        if stall is not None and step == stall.due:  # (plain attributes)
+            self._guarded(
+                "stalled training", stall.closure_step_begins, self.optimizer_params(index), step
+            )
         if self.probe is not None:
             self.probe.updated = None
         if self.tracker.enabled:

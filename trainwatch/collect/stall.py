@@ -1,21 +1,31 @@
 """Whether training changes what the model computes: its first batch, re-run now and then.
 
-The first forward pass with gradients of a training phase leaves a few rows
-of its inputs behind (at most ``rows``, cloned once) and, before any update,
-the model's output on them. Every ``every`` steps the model is run on those
-rows again, in eval mode, without gradients and under the quiet marker (no
-other collector sees the pass), with the RNG forked and the buffers swapped
-for copies, so training goes on bit for bit as it would have. Batch-norm
-running statistics are the ones kept at the start of the phase: they move on
-every training pass whatever the learning rate, so only the weights can move
-the output.
+A forward pass with gradients of a training phase's first step leaves a few
+rows of its inputs behind (at most ``rows``, cloned once) and, before any
+update, the model's output on them: the first pass of the last module to
+run. The last module, not the first: a loop that calls the model's parts
+(``self.head(self.encoder(x))``) runs a frozen encoder first, whose output
+nothing trains, and the part the loss comes out of last. Its first pass: a
+step with a closure (LBFGS) updates the weights between its evaluations. A
+pass through a module with no trainable parameter is never kept (re-run on
+its own inputs it cannot move), and one whose module got no gradient while
+the step's weights did (cut off by a stray ``detach()``) is dropped: the
+phase is not measured. Every ``every`` steps
+the model is run on those rows again, in eval mode, without gradients and
+under the quiet marker (no other collector sees the pass), with the RNG
+forked and the buffers swapped for copies, so training goes on bit for bit
+as it would have. Batch-norm running statistics are the ones kept at the
+start of the phase: they move on every training pass whatever the learning
+rate, so only the weights can move the output.
 
 On the same sampled steps the weights are copied before the optimizer's
-update, which gives each layer's update-to-weight ratio ``||dW|| / ||W||``
-after it: about 1e-3 in healthy runs, orders of magnitude less when the
-learning rate is effectively zero. One step in ``RATE_EVERY`` is sampled as
-well, for the optimizers' learning rates alone: a rate that collapsed shows
-there long before the re-runs see the updates stop.
+update (for a step with a closure, as ``step(closure)`` begins: it is
+gathered only once it returned, its update made), which gives each layer's
+update-to-weight ratio ``||dW|| / ||W||`` after it: about 1e-3 in healthy
+runs, orders of magnitude less when the learning rate is effectively zero.
+One step in ``RATE_EVERY`` is sampled as well, for the optimizers' learning
+rates alone: a rate that collapsed shows there long before the re-runs see
+the updates stop.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from trainwatch.collect.small_norms import LayerSums
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
 from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
+from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import StallReport, StepRecord
 from trainwatch.rng import forked_rngs
 
@@ -48,6 +59,7 @@ _NORM_STATS = nn.modules.batchnorm._NormBase
 _TRAINING = attrgetter("training")
 _STATE = attrgetter("__dict__")  # a module's plain attributes, its mode among them
 _REQUIRES_GRAD = attrgetter("requires_grad")
+_GRAD = attrgetter("grad")
 _NUMEL = methodcaller("numel")
 _LAYER_INDEX = attrgetter("layer_index")
 _OWNER = attrgetter("owner")
@@ -89,6 +101,13 @@ class FirstBatchProbe:
         self.rates_due = 0
         self.look_from = 0
         self._kept = False  # a batch is kept, or the attempt gave up for this phase
+        # While not kept: PROCESS_STEPS.taken at the latest pass with gradients
+        # (None: none yet this phase). A step taken since ends the first step:
+        # its last pass is the one to keep.
+        self._since: int | None = None
+        # The weights as a step with a closure began (its step, its parameters,
+        # their copies): that step is gathered after its update.
+        self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         # monitor.step() comes after the update: the weights at the boundary before a re-run.
         self._weights_at_boundary: list[torch.Tensor] | None = None
         self._module: weakref.ref[nn.Module] | None = None
@@ -109,9 +128,20 @@ class FirstBatchProbe:
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._kept or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
-        self._kept = True  # one try per phase, whatever happens below
-        self._passes.unsubscribe(self)  # the passes that follow cost nothing
-        self._keep(module, args, kwargs)
+        since = self._since
+        if since is not None and since != PROCESS_STEPS.taken:
+            # A step ended since the latest pass (one not sampled): that pass
+            # was the first step's last.
+            self._settle(None)
+            return
+        self._since = PROCESS_STEPS.taken
+        target = replay_target(module)  # never a collective: DDP's inner module, or nothing
+        if target is None or (self._module is not None and self._module() is target):
+            # Its first pass of the step is kept: the later ones (micro-batches, an
+            # LBFGS step's evaluations, which follow updates of its own) add nothing.
+            return
+        if any(map(_REQUIRES_GRAD, target.parameters())):
+            self._keep(target, args, kwargs)  # the step's last module so far
 
     def restart(self, step: int) -> None:
         """A new phase (the first, a new optimizer, a replaced module): a new first batch."""
@@ -120,9 +150,10 @@ class FirstBatchProbe:
         self.loss_until = step + self.loss_window
         self._schedule(step + self.every - 1)
         self._kept = False
+        self._since = None
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
-        self._weights_at_boundary = None
+        self._weights_at_boundary = self._held = None
         if not self._passes.listens(self):
             self._passes.subscribe("stalled training", self, starts=False)
 
@@ -145,19 +176,43 @@ class FirstBatchProbe:
         self._kept = True
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
-        self._weights_at_boundary = None
+        self._weights_at_boundary = self._held = None
+
+    def _settle(self, params: Sequence[torch.Tensor] | None) -> None:
+        """The first step is over: the pass kept of its last module with trainable
+        parameters is the phase's batch, unless that module got no gradient while
+        ``params`` (the step's weights, where known) did: its output, cut off from
+        the loss, cannot tell whether training changes anything. Nothing kept: the
+        phase is not measured."""
+        self._kept = True
+        self._passes.unsubscribe(self)  # the passes that follow cost nothing
+        module = self._module() if self._module is not None else None
+        if module is None or params is None or not _any_grad(params):
+            return
+        if not _any_grad(filter(_REQUIRES_GRAD, module.parameters())):
+            self._module = self._args = self._kwargs = self._reference = None
+            self._stats = []
+
+    def closure_step_begins(self, params: Sequence[torch.Tensor], step: int) -> None:
+        """A step with a closure begins on the re-run's step: the weights
+        before its update, kept for :meth:`sample` (reached after the update)."""
+        self._held = (step, list(params), _copies(params))
 
     # -- the sampled steps -------------------------------------------------------
     def sample(
         self, record: StepRecord, params: Sequence[torch.Tensor], step: int
     ) -> tuple[bool, list[torch.Tensor] | None]:
         """One of the sampled steps: the rule sees its loss. Returns whether the re-run
-        follows this step, and the weights before its update.
+        follows this step, and the weights before its update (None: not known).
 
         An optimizer's pre-step hook comes before the update; ``monitor.step()``
-        after it, so there the weights are copied one step boundary earlier.
+        after it, so there the weights are copied one step boundary earlier; a
+        step with a closure is gathered after its update, so its weights were
+        copied as it began (:meth:`closure_step_begins`).
         """
         record.stall_phase = self.phase
+        if not self._kept and self._since is not None:
+            self._settle(params)  # the first step's passes are over
         if step > self.due:
             self.passed(step - 1)  # steps counted elsewhere (a resumed run)
         ready = self._reference is not None
@@ -172,6 +227,12 @@ class FirstBatchProbe:
         if manual:
             before, self._weights_at_boundary = self._weights_at_boundary, None
             return True, before
+        held = self._held
+        if held is not None and held[0] == step:
+            # A step with a closure: the weights as it began, if it stepped the same ones.
+            kept, copies = held[1], held[2]
+            same = len(kept) == len(params) and all(map(is_, kept, params))
+            return True, copies if same else None
         return True, _copies(params)
 
     def report(
@@ -183,6 +244,7 @@ class FirstBatchProbe:
     ) -> StallReport:
         """The output's move on the first batch and each layer's update ratio, after the update."""
         self.passed(step)
+        self._held = None
         ratios = self._ratios(params, before, layers)
         trainable, total, where = self._trainable(layers)
         return StallReport(
@@ -257,42 +319,48 @@ class FirstBatchProbe:
 
     # -- internals ---------------------------------------------------------------
     def _keep(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        target = replay_target(module)  # never a collective: DDP's inner module, or nothing
-        if target is None:
-            return
-        module = target
+        """``module``'s pass as the phase's batch, in place of the one kept before it,
+        if its output can be measured (a constant one, or a failed re-run: the
+        earlier stays)."""
         batch = _batch_size(args, kwargs)
-        self._module = weakref.ref(module)
-        self._args = _first_rows(args, batch, self.rows)
-        self._kwargs = _first_rows(kwargs, batch, self.rows)
-        self._stats = [
+        rows = _first_rows(args, batch, self.rows)
+        named = _first_rows(kwargs, batch, self.rows)
+        stats = [
             (sub._buffers, name, buf.detach().clone())
             for sub in module.modules()
             if isinstance(sub, _NORM_STATS)
             for name, buf in sub._buffers.items()
             if buf is not None
         ]
-        output = self._run()
+        output = self._run(module, rows, named, stats)
         if output is None:
             return
         spread = float(output.std()) if output.numel() > 1 else 0.0
         if not math.isfinite(spread) or spread <= 0.0:
             return  # a constant output: nothing to measure a move against
+        self._module = weakref.ref(module)
+        self._args, self._kwargs, self._stats = rows, named, stats
         self._reference, self._spread = output, spread
 
     def _change(self) -> float | None:
         reference = self._reference
-        output = self._run()
+        module = self._module() if self._module is not None else None
+        output = None
+        if module is not None:
+            output = self._run(module, self._args, self._kwargs, self._stats)
         if reference is None or output is None or output.shape != reference.shape:
             return None
         moved = float((output - reference).pow(2).mean().sqrt())
         return moved / self._spread if math.isfinite(moved) else None
 
-    def _run(self) -> torch.Tensor | None:
-        """The kept rows through the model, as training would never see it; None if it fails."""
-        module = self._module() if self._module is not None else None
-        if module is None:
-            return None
+    def _run(
+        self,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        stats: list[tuple[dict[str, Any], str, torch.Tensor]],
+    ) -> torch.Tensor | None:
+        """Rows through ``module``, as training would never see it; None if it fails."""
         subs = list(module.modules())
         modes = list(map(_TRAINING, subs))
         # A forward may keep state in plain attributes (a call counter, an
@@ -309,10 +377,10 @@ class FirstBatchProbe:
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(quiet.replay())
                 stack.enter_context(eager())
-                for buffers, name, kept in self._stats:
+                for buffers, name, kept in stats:
                     buffers[name] = kept.clone()  # the phase's running statistics
                 _consume(map(setattr, subs, repeat("training"), repeat(False)))
-                output = module(*detached_copies(self._args), **detached_copies(self._kwargs))
+                output = module(*detached_copies(args), **detached_copies(kwargs))
                 flat = [t.detach().float().reshape(-1) for t in floating_tensors(output)]
                 return torch.cat(flat) if flat else None
         except Exception:
@@ -345,6 +413,11 @@ def _divided(
     positive = list(map(_POSITIVE, values))
     moved = map(updates.__getitem__, compress(names, positive))
     return dict(zip(compress(names, positive), map(truediv, moved, compress(values, positive))))
+
+
+def _any_grad(params: Any) -> bool:
+    """Whether any of ``params`` holds a gradient."""
+    return not all(map(is_, map(_GRAD, params), repeat(None)))
 
 
 def _copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
