@@ -1345,6 +1345,9 @@ class StepPipeline:
             record.used_at = self._applied_at.get(index)
             flags = []
             for param, content in self.tracker.suspects(params):
+                if self.tracker.perturbed(param):
+                    # Used by moving the weights between two backward passes (SAM).
+                    record.accumulation_method = "perturbation"
                 slot = None
                 if content is not None:
                     slot = len(flags)

@@ -52,6 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.between_backwards import BetweenBackwards
+from trainwatch.collect.moved_between_backwards import MovedBetweenBackwards
 from trainwatch.collect.other_backward import OtherBackwardLook
 from trainwatch.collect.tensors import all_plain, floating_list, local_part
 from trainwatch.hooks import WeakHook, hook_pass_tensor
@@ -136,6 +137,7 @@ class _ParamState:
         "end_version",
         "start_version",
         "added",
+        "perturbed",
     )
 
     def __init__(self, param: torch.Tensor) -> None:
@@ -157,6 +159,9 @@ class _ParamState:
         # nothing: its gradients are the loop's to assign).
         self.start_version = -1
         self.added = False
+        # Armed as a backward began, not by a step: the previous backward's gradient,
+        # its weight moved since (SAM's perturbation; see MovedBetweenBackwards).
+        self.perturbed = False
 
 
 # Written out in each loop over the parameters instead of called (a call per
@@ -180,6 +185,8 @@ class _Probe:
 _NO_PROBE = _Probe(None)  # the look is not looked for (off, settled, or no parameter to ask)
 _LOOKING = _Probe(True)  # the look runs: every later backward goes to it
 
+# No weight moved since the previous backward (see MovedBetweenBackwards).
+_NONE_MOVED: frozenset[int] = frozenset()
 
 # ``left`` after a step boundary while zero_grad() between backward passes is
 # looked for: nothing noted (as None), but the boundary's checks still run.
@@ -334,6 +341,11 @@ class GradResetTracker:
         # read, no call, on the usual step.
         self._fallback_param: torch.Tensor | None = None
         self._cancel_probe: Any = _NO_PROBE
+        # The gradients each backward looked at one parameter at a time left, against
+        # the weights' moves before the next (SAM's perturbation), and the states
+        # that backward armed for it (see _arm_perturbed).
+        self._moves = MovedBetweenBackwards()
+        self._perturbed: list[_ParamState] = []
         # The model's passes (ModelPasses), told when this tracker's pass_ends changes.
         self._passes: weakref.ref[Any] | None = None
         # While learning which output backward reaches first, every output of a pass
@@ -609,6 +621,17 @@ class GradResetTracker:
             return
         if snapshot is not None:
             self._unpack_snapshot()
+        moved = _NONE_MOVED
+        first = PROCESS_STEPS.taken == self._moves.first_taken
+        if not self.track_reached and (first or self._moves.noted is not None):
+            # The first step (SAM's first pass), or after a backward that added onto
+            # used gradients: what moved since the previous backward (an optimizer's
+            # loop: each backward's end is noted).
+            since = self._moves.starts(list(map(_PARAM, self._states.values())), first)
+            if closure is None:  # a closure step's evaluations are looked at as such
+                if since.kept:
+                    self._arm_perturbed(since.kept)
+                moved = since.moved
         suspects: list[_ParamState] = []
         stale: list[_ParamState] = []
         self._stale = stale
@@ -621,6 +644,12 @@ class GradResetTracker:
                 or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
             )
             if not same or (grad._version != state.version and not self._writes_may_follow):
+                if moved and state.added and id(state.param) in moved:
+                    # Added onto after a step used it, then reset, its weight moved in
+                    # between: the stale sum moved the weights before this reset (SAM's
+                    # perturbation made from it), used as a step would have used it;
+                    # told at the step, as if still there.
+                    continue
                 state.reset = True
                 state.content = None
                 continue
@@ -840,6 +869,7 @@ class GradResetTracker:
             self._in_backward = False
             if not self.enabled:
                 return
+            added = False
             for state in self._stale:
                 grad = state.param.grad
                 if grad is not None and (
@@ -847,11 +877,21 @@ class GradResetTracker:
                     or (state.grad_key is not None and state.grad_key == (id(grad), grad._cdata))
                 ):
                     if grad._version != state.start_version:
-                        state.added = True  # this backward added onto the stale values
+                        state.added = added = True  # this backward added onto the stale values
                     state.version = grad._version  # the next backward compares with this
             if not self.track_reached:
                 if not self._snapshot_reset:
                     self.note_left()
+                    # After the first step, only a backward that added onto used
+                    # gradients with one optimizer over the whole model (arm's snapshot
+                    # path set _impls): a GAN's generator backward adds onto the
+                    # discriminator's by design at every step, and pays nothing here.
+                    first = PROCESS_STEPS.taken == self._moves.first_taken
+                    if self.check_resets and (first or (added and self._impls is not None)):
+                        params = list(map(_PARAM, self._states.values()))
+                        self._moves.ended(params, self.left, first)
+                        if self._perturbed:
+                            self._perturbed_ended()
                 return
             stale = {id(state) for state in self._stale}
             for state in self._states.values():
@@ -914,6 +954,49 @@ class GradResetTracker:
         if self._closure_listener is not None:
             self._closure_listener.remove()
             self._closure_listener = None
+
+    def _arm_perturbed(self, kept: Sequence[int]) -> None:
+        """The previous backward's gradients, left as it left them while every weight
+        they belong to moved in place (SAM's perturbation made from them), armed as a
+        step's would be: this backward adding onto them is told at the step that
+        applies the sum. Those a step armed and no reset reached stay as they are."""
+        states = self._states
+        swap = _swap_mode()
+        armed = []
+        for pid in kept:
+            state = states.get(pid)
+            grad = state.param.grad if state is not None else None
+            if grad is None or (state.armed and not state.reset):
+                continue
+            state.armed = state.perturbed = True
+            state.reset = state.accumulated = state.added = False
+            state.content = None
+            state.version = grad._version
+            if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
+                state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
+            else:
+                state.grad_ref, state.grad_key = weakref.ref(grad), None
+            armed.append(state)
+        self._perturbed = armed
+
+    def _perturbed_ended(self) -> None:
+        """The backward that began on gradients armed by ``_arm_perturbed`` ended: where
+        it wrote none of them (``torch.autograd.grad``, first-order MAML adapting the
+        weights in place), they were no step's and are followed no more."""
+        armed, self._perturbed = self._perturbed, []
+        if any(state.added for state in armed):
+            return
+        for state in armed:
+            state.armed = state.perturbed = state.accumulated = False
+            state.content = None
+            state.grad_ref = state.grad_key = None
+        self._any_accumulated = any(map(_ACCUMULATED, self._states.values()))
+
+    def perturbed(self, param: torch.Tensor) -> bool:
+        """The gradients backward added onto at ``param`` were used by moving the
+        weights between two backward passes, not by a step (see _arm_perturbed)."""
+        state = self._states.get(id(param))
+        return state is not None and state.perturbed
 
     def note_left(self) -> None:
         """Which gradients this backward left, each tensor's id and version, in C loops.
@@ -1019,6 +1102,7 @@ class GradResetTracker:
             if state is None:
                 continue
             state.seen = state.reset = state.accumulated = state.added = False
+            state.perturbed = False
             state.content = None
             state.armed = True
             state.version = version
@@ -1090,6 +1174,7 @@ class GradResetTracker:
             state.reset = False
             state.accumulated = False
             state.added = False
+            state.perturbed = False
             state.content = None
             grad = param.grad
             if grad is None:

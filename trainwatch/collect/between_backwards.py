@@ -22,6 +22,12 @@ step one of whose passes took an input that requires grad (an adversarial
 perturbation computed through the model by backward before the training pass).
 Gradients rewritten in place are a wipe only where they are all zero: a clip
 after each micro-batch rescales them instead.
+
+The weights' moves are seen in their version counters; a SAM that perturbs and
+restores them through ``.data`` moves none. So once a step's backward passes
+were found wiped, each backward's end also notes the weights' norms (float64,
+on the device), read at the next backward's start only where its predecessor's
+gradients were wiped with no counter moved: a perturbation found so is no wipe.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainwatch.collect.moved_between_backwards import read_flags, weight_norms
 from trainwatch.collect.tensors import floating_list, floating_tensors
 from trainwatch.process_steps import ANY_OPTIMIZER_STEPS, PROCESS_STEPS
 from trainwatch.record import WipedReport
@@ -79,6 +86,7 @@ class _Left(NamedTuple):
     wrote: list[int]  # the parameters whose gradient it wrote
     weights: list[int] | None  # the parameters' versions (None: not known)
     passes: int | None  # the model's passes so far (None: not known)
+    norms: list[torch.Tensor] | None = None  # the weights' norms (once a wipe was found)
 
 
 class _Between(NamedTuple):
@@ -115,6 +123,10 @@ class BetweenBackwards:
         # Found rescaled in place between two backward passes (a clip after each
         # micro-batch): gradients written in place are no wipe in this loop.
         self.rescaled = False
+        # A step's backward passes were found wiped: the weights' values are noted at
+        # each backward's end from then on (a perturbation through .data moves no
+        # version counter).
+        self.weigh = False
         self.idle = 0  # verdicts in a row whose run had a single backward pass
         ANY_OPTIMIZER_STEPS.hold()
         self._held = True
@@ -204,7 +216,10 @@ class BetweenBackwards:
         before = self._before
         wrote = list(compress(left, map(ne, left.values(), map(before.get, left))))
         params = list(map(_PARAM, self._states.values()))
-        self._left = _Left(_key(), left, wrote, list(map(_VERSION, params)), self._passes.passes)
+        norms = weight_norms(params) if self.weigh and wrote else None
+        self._left = _Left(
+            _key(), left, wrote, list(map(_VERSION, params)), self._passes.passes, norms
+        )
 
     def _compare(
         self, left: _Left, params: list[torch.Tensor], marks: dict[int, tuple[int, int]]
@@ -225,6 +240,11 @@ class BetweenBackwards:
         now = list(map(marks.get, wrote))
         same = list(map(eq, map(before.get, wrote), now))
         spoiled.update(compress(wrote, same))
+        if left.norms is not None and not spoiled.issuperset(wrote):
+            # Wiped, no counter moved: moved through .data (SAM's perturbation)?
+            norms = weight_norms(params)
+            if norms is not None and len(norms) == len(left.norms):
+                spoiled.update(compress(ids, read_flags(list(map(torch.ne, norms, left.norms)))))
         # Neither kept nor set to None: zeroed in place, rescaled, or replaced.
         moved = list(map(not_, same))
         rewritten = list(
@@ -270,6 +290,8 @@ class BetweenBackwards:
             and _dropped(between, after)
         ]
         held = len(wiped) >= own - 1
+        if held:
+            self.weigh = True  # the next ones are weighed: a perturbation is no wipe
         if held and self._replaced(params):
             # The step's gradients are built by hand from each backward's (per-sample
             # clipping and noise, DP-SGD written out): each backward's were read

@@ -21,6 +21,12 @@ _HAND_HINT = (
     "or model.zero_grad()); with gradient accumulation, after the update. Without "
     "it every update re-applies all earlier gradients."
 )
+_PERTURBATION_HINT = (
+    "reset the gradients after they moved the weights and before the backward at the "
+    "moved weights (SAM: first_step(zero_grad=True)). Without it the update applies "
+    "the gradient at the original weights plus the one at the moved weights, not the "
+    "latter alone."
+)
 
 _TARGET_HINT = (
     "compute the target under torch.no_grad() (or .detach() it) so that backward "
@@ -80,6 +86,7 @@ class AccumulatedGradientRule(Rule):
         # the alert keeps the first one's step, where backward added onto them.
         step = record.step if record.accumulated_since is None else record.accumulated_since
         in_closure = record.accumulation_method == "closure"
+        perturbed = record.accumulation_method == "perturbation"
         if by_hand:
             used = (
                 f"an update had already used (the weights changed since step {step - 1}, "
@@ -89,6 +96,12 @@ class AccumulatedGradientRule(Rule):
             used = (
                 f"an earlier evaluation of step {step}'s closure had already used "
                 "(the optimizer moved the weights in between)"
+            )
+        elif perturbed:
+            used = (
+                f"an earlier backward of step {step} had already used to move the weights "
+                "(every weight they belong to moved in place between the two backward "
+                "passes, as SAM's perturbation does)"
             )
         else:
             used = (
@@ -101,7 +114,13 @@ class AccumulatedGradientRule(Rule):
                 None,
                 f"backward added onto the gradients {used}, in {len(record.accumulated)} "
                 f"parameters ({short_names(record.accumulated, 3)}): zero_grad() is missing",
-                _HAND_HINT if by_hand else _CLOSURE_HINT if in_closure else _HINT,
+                _HAND_HINT
+                if by_hand
+                else _CLOSURE_HINT
+                if in_closure
+                else _PERTURBATION_HINT
+                if perturbed
+                else _HINT,
                 {
                     "parameters": len(record.accumulated),
                     "modules": list(owners),
