@@ -51,6 +51,9 @@ class NonfiniteReport:
     # torch.where (the branch it did not pick still went through backward).
     loss: float | None = None
     under_where: bool = False
+    # Non-finite where it entered the model, while every parameter's gradient is
+    # finite: the model's own forward (a ReLU or clamp at its output) zeroed it.
+    gradients_finite: bool = False
 
 
 @dataclass

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
-from operator import attrgetter, itemgetter, methodcaller
+from operator import attrgetter, is_not, itemgetter, methodcaller
 from typing import Any
 
 import torch
@@ -106,6 +107,9 @@ _GROUPS = attrgetter("param_groups")  # an optimizer's
 _VERSION = attrgetter("_version")  # a tensor's in-place write counter
 _OWNER = attrgetter("owner")  # a parameter record's module
 _DATA_PTR = methodcaller("data_ptr")  # its storage: new after ``param.data = ...``
+_IS_TENSOR = partial(is_not, None)  # a gradient that entered an output (None: none did)
+# No gradient entering the model to check (shared, never written).
+_NO_ENTERING: list[torch.Tensor] = []
 # The pipeline's parts that attach hooks: each has detach(); what close() takes off.
 _PARTS = (
     "passes",
@@ -136,6 +140,9 @@ class PendingStep:
     frame: StepFrame = field(default_factory=StepFrame)
     norms: Slot | None = None
     norm_tensor: torch.Tensor | None = None  # the norms on the device, before the readback
+    # How many norms at the end of ``norms`` are of the gradients that entered the
+    # model (dropped from the parameters' as the step is read).
+    entering_norms: int = 0
     suspects: list[tuple[ParamInfo, int | None]] = field(default_factory=list)
     suspect_flags: Slot | None = None
     loss: Slot | None = None
@@ -444,13 +451,17 @@ class StepPipeline:
             self._dispatcher.publish(self._window_alerts(window, self._step_count()))
         self._on_new_pass()
 
-    def _locate_if_off(self, norms: torch.Tensor | None) -> list[float] | None:
+    def _locate_if_off(
+        self, norms: torch.Tensor | None, entering: list[torch.Tensor]
+    ) -> list[float] | None:
         """Trigger, then diagnose: bad gradients (or, on a device, a bad output) get
         located now, before the optimizer applies the step.
 
         On CPU the norms are read on the host for free; on a device the probe
         reads one scalar (``settle``). The backward replay must not look like
         training to the accumulation tracker, so it is paused meanwhile.
+        ``norms`` end with those of ``entering``, the gradients that entered
+        the model.
 
         Returns the norms read on the host (None where they were not): the
         step's frame keeps them instead of reading them again.
@@ -465,16 +476,36 @@ class StepPipeline:
             listed = norms.tolist() if norms is not None else None
             bad_grads = listed is not None and not all(map(math.isfinite, listed))
         if bad_grads:
-            overflow = self._guarded("non-finite probe", self._norm_overflow)
-            if overflow is not None:
-                probe.note_norm_overflow(overflow)  # nothing for a replay to locate
-                return listed
+            entering_bad = bool(entering) and self._guarded("non-finite probe", probe.entering_bad)
+            if not entering_bad:
+                if entering and not self._parameters_off(norms, listed, len(entering)):
+                    # A finite gradient entering the model, too large for its fp32
+                    # norm: nothing non-finite anywhere.
+                    return listed
+                overflow = self._guarded("non-finite probe", self._norm_overflow)
+                if overflow is not None:
+                    probe.note_norm_overflow(overflow)  # nothing for a replay to locate
+                    return listed
             paused, self.tracker.enabled = self.tracker.enabled, False
             try:
                 probe.replay_backward()
             finally:
                 self.tracker.enabled = paused
+            if entering_bad and not self._parameters_off(norms, listed, len(entering)):
+                # The model's own forward (a ReLU or clamp at its output) zeroed the
+                # gradient where it was non-finite: every parameter's is finite, and
+                # the step is judged on what entered the model.
+                probe.note_entering_alone()
         return listed
+
+    @staticmethod
+    def _parameters_off(norms: torch.Tensor, listed: list[float] | None, entering: int) -> bool:
+        """Whether a parameter's gradient norm is non-finite, the entering gradients'
+        (the last ``entering`` norms) aside: read again on a device (a rare step)."""
+        if listed is not None:
+            return not all(map(math.isfinite, listed[: len(listed) - entering]))
+        own = norms[: norms.numel() - entering]
+        return not math.isfinite(float(own.double().sum()))
 
     def _norm_overflow(self) -> NonfiniteFinding | None:
         """The norms came out non-finite: whether the gradients are all finite, only
@@ -1318,28 +1349,42 @@ class StepPipeline:
                 pending.stall_due, pending.weights_before = found
             if step >= stall.rates_due and not attach:
                 self._guarded("stalled training", self._read_rates, record, index, step)
+        probe = self.probe
+        entering = _NO_ENTERING
+        if probe is not None and probe.on_the_spot:
+            # The gradient that entered the model in the backward the step uses (the
+            # probe's reference, read as an attribute: no call) rides with the
+            # gradients' norms, in the same kernel: a NaN/Inf the loss sent in turns
+            # them non-finite even where the model's own ReLU kept it from every
+            # parameter.
+            entering = probe._this_pass.grad_entering
+            if None in entering:  # an output backward did not reach (rare)
+                entering = list(filter(_IS_TENSOR, entering))
         if manual and self._check_accumulation and self.tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self.layers)
-            norms, weight_norms = norms_with_weights(grads, weights)
+            norms, weight_norms = norms_with_weights(grads, weights, entering)
             pending.weights = (names, frame.add(weight_norms))
         else:
-            norms = self._small_norms.norms(record, grads) if grads else None
-        listed = self._locate_if_off(norms)
-        if listed and self.probe is not None and 0.0 in listed:
-            if not any(listed):
+            norms = self._small_norms.norms(record, grads, entering) if grads else None
+        listed = self._locate_if_off(norms, entering)
+        if listed and probe is not None and 0.0 in listed:
+            own = listed[: len(listed) - len(entering)]  # the parameters' norms
+            if not any(own):
                 # Every gradient exactly zero (rare; read on the host already): did
                 # the loss send anything into the model at all?
-                no_signal = self._guarded("zero signal", self.probe.entering_all_zero)
+                no_signal = self._guarded("zero signal", probe.entering_all_zero)
                 record.no_signal = no_signal is True
-            else:
+            elif 0.0 in own:
                 # Some exactly zero: did some output of the model get none (a task
                 # whose loss weight is 0 for now)?
-                silent = self._guarded("zero signal", self.probe.outputs_without_signal)
+                silent = self._guarded("zero signal", probe.outputs_without_signal)
                 record.silent_outputs = silent or []
         if norms is not None:
             pending.norms = frame.add(norms, listed)
             pending.norm_tensor = norms
+            # Read back with the parameters' norms, and dropped as read.
+            pending.entering_norms = len(entering)
         if self._check_accumulation:
             record.accumulation_method = "monitor.step" if manual else "optimizer_step"
             record.used_at = self._applied_at.get(index)
@@ -1355,8 +1400,8 @@ class StepPipeline:
                 pending.suspects.append((info(param), slot))
             if flags:
                 pending.suspect_flags = frame.add(torch.cat([f.to(flags[0].device) for f in flags]))
-        if self.probe is not None and self.probe.enabled:
-            window = self.probe.take()
+        if probe is not None and probe.enabled:
+            window = probe.take()
             pending.window = window
             if (
                 window.sums is not None
@@ -1407,6 +1452,8 @@ class StepPipeline:
         record = pending.record
         if pending.norms is not None:
             record.param_norms = pending.norms.values()
+            if pending.entering_norms:
+                del record.param_norms[-pending.entering_norms :]
             if record.layout is not None:
                 per_layer, total = record.layout.layer_norms(record.param_norms, self.layers.layers)
             else:

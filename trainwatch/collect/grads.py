@@ -85,14 +85,21 @@ def layer_norms(
 
 
 def norms_with_weights(
-    grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    entering: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The gradients' L2 norms (None without gradients) and the weights' own norms,
     from the same batched kernel.
 
+    ``entering``: the gradients that entered the model, whose norms follow the
+    gradients' (beside gradients only: they are read with them).
+
     Under ``no_grad`` the weights are read as they are: a detach per weight
     would be one more op per parameter.
     """
+    if grads and entering:
+        grads = [*grads, *entering]
     strided = torch.strided
     dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
     plain = [w if w.layout == strided else _dense(w) for w in weights]

@@ -224,6 +224,7 @@ class NonfiniteProbe:
     on_grad = nonfinite_gradients.on_grad
     replay_backward = nonfinite_replay.replay_backward
     entering_all_zero = nonfinite_entering.entering_all_zero
+    entering_bad = nonfinite_entering.entering_bad
     outputs_without_signal = nonfinite_entering.outputs_without_signal
     outputs_unreached = nonfinite_entering.outputs_unreached
 
@@ -527,8 +528,17 @@ class NonfiniteProbe:
         if self._this_step.backward_origin is None:
             self._this_step.backward_origin = finding
 
+    def note_entering_alone(self) -> None:
+        """The gradient that entered the model was non-finite while every parameter's
+        is finite (the model zeroed it there: a ReLU or clamp at its output): what
+        entered stands in for a backward origin, so the step is judged on it."""
+        step = self._this_step
+        if step.backward_origin is None and step.entering_origin is not None:
+            step.backward_origin = step.entering_origin
+
     def on_grad_entering(self, candidate: _AwaitedPass, position: int, grad: torch.Tensor) -> None:
-        """Kept, not summed: the step's gradient norms show whether anything is off.
+        """Kept, not summed: the step's gradient norms (which take its norm beside
+        the parameters') show whether anything is off.
 
         Of the passes backward reaches, the latest is the one a replay runs.
         """

@@ -1,10 +1,13 @@
 """The gradient where backward enters the model, and what it says when asked.
 
 The probe keeps, per pass, the gradient each output of the model was handed
-(references, never read on a healthy step). It is read only when the step's
-numbers ask: non-finite gradients (was it the loss? an fp16 overflow?), every
-gradient exactly zero (did the loss send anything back?), some exactly zero
-(did one output get nothing?), or a backward no step used (its flag).
+(references, never read on a healthy step on their own). Their norms ride
+with the parameters' gradient norms at the step, in the same kernel, so
+non-finite numbers ask even where the model's own ReLU kept the NaN/Inf
+from every parameter. They are read only when the step's numbers ask:
+non-finite gradients (was it the loss? an fp16 overflow?), every gradient
+exactly zero (did the loss send anything back?), some exactly zero (did one
+output get nothing?), or a backward no step used (its flag).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def entering_bad(probe: NonfiniteProbe) -> bool:
             (
                 g
                 for g in probe._this_pass.grad_entering
-                if g is not None and g.is_floating_point() and not finite_exact(g)
+                if g is not None and g.is_floating_point() and not finite_exact(g, masks=False)
             ),
             None,
         )

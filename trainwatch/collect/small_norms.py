@@ -16,6 +16,11 @@ every distinct kernel a step adds runs cold, and on a 670k-parameter MLP
 (about 580 against 490 us, medians over 200 steps each, read right after
 backward). Fewer ops win.
 
+The gradient that entered the model's output (the probe's) rides along:
+handed over as ``entering``, its norms come last, after every parameter's,
+from the same ``_foreach_norm``, so a NaN/Inf the model's own ReLU kept from
+every parameter still turns the step's norms non-finite, at no op of its own.
+
 The norms come back in the plan's order, not the input's: a reordering op
 would cost as much as a group saves, and every reader pairs norms with the
 parameters they belong to, so the caller reorders its parameter list instead
@@ -43,6 +48,8 @@ _RUN = itemgetter(1)  # one of groupby's runs
 SMALL = 1 << 14
 # Fewer gradients of one shape than this are not worth a group of their own.
 _MIN_GROUP = 4
+# No gradient entering the model to check (shared, never written).
+_NO_ENTERING: list[torch.Tensor] = []
 
 
 class NormPlan:
@@ -83,8 +90,11 @@ class NormPlan:
         dims = [tuple(range(1, grads[members[0]].dim() + 1)) for members in groups]
         self._picks = [(itemgetter(*members), d) for members, d in zip(groups, dims)]
 
-    def norms(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """fp32 norms in :attr:`order`; raises when the gradients no longer fit the plan."""
+    def norms(
+        self, grads: Sequence[torch.Tensor], entering: list[torch.Tensor] = _NO_ENTERING
+    ) -> torch.Tensor:
+        """fp32 norms in :attr:`order`, then ``entering``'s; raises when the gradients
+        no longer fit the plan."""
         pieces = []
         # create_graph=True gradients: nothing recorded (by grad mode, at every step).
         grad = torch.is_grad_enabled()
@@ -96,8 +106,8 @@ class NormPlan:
                 if stacked.dim() != len(dims) + 1:
                     raise RuntimeError("a gradient changed shape since the plan")
                 pieces.append(torch.linalg.vector_norm(stacked, 2, dim=dims, dtype=torch.float32))
-            if self.rest:
-                rest = list(map(grads.__getitem__, self.rest))
+            rest = list(map(grads.__getitem__, self.rest)) + entering
+            if rest:
                 pieces.append(torch.stack(torch._foreach_norm(rest, 2, dtype=torch.float32)))
         finally:
             if grad:
@@ -175,10 +185,16 @@ class SmallGradientNorms:
     def __init__(self) -> None:
         self._layouts: dict[tuple[int, ...], GradientLayout] = {}
 
-    def norms(self, record: StepRecord, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    def norms(
+        self,
+        record: StepRecord,
+        grads: list[torch.Tensor],
+        entering: list[torch.Tensor] = _NO_ENTERING,
+    ) -> torch.Tensor:
         """The fp32 norms of ``grads`` (``record.present``'s), in the order of the
         layout's ``present``, which becomes ``record.present`` (``record.layout``: the
-        layout, for the per-layer sums)."""
+        layout, for the per-layer sums); then those of ``entering``, the gradients
+        that entered the model (not part of any layout: new tensors every step)."""
         present = record.present
         layouts = self._layouts
         key = tuple(map(id, present))  # a layout: these parameters, in this order
@@ -191,12 +207,12 @@ class SmallGradientNorms:
         plan = layout.plan
         if plan is not None:
             try:
-                norms = plan.norms(grads)
+                norms = plan.norms(grads, entering)
             except RuntimeError:  # a parameter's .data replaced by another shape
                 layouts.clear()
-                return gradient_norms(grads)
+                return gradient_norms(grads + entering)
         else:
-            norms = gradient_norms(grads)
+            norms = gradient_norms(grads + entering)
         # One list for every step of this layout: records read it, none writes it.
         record.present = layout.present
         record.layout = layout

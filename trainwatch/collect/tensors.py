@@ -185,11 +185,12 @@ def non_leaf(tensor: torch.Tensor) -> bool:
 _READ_AS_FLOATS = 16
 
 
-def finite_exact(tensor: torch.Tensor) -> bool:
+def finite_exact(tensor: torch.Tensor, masks: bool = True) -> bool:
     """Whether every value is finite (or a deliberate -inf mask, see ``finite_or_mask``).
 
     A small CPU tensor is read as floats; any other gets one fp32 sum, and the
-    exact elementwise check only when that sum is not finite.
+    exact elementwise check only when that sum is not finite. ``masks=False``
+    lets no -inf pass as a mask: a gradient is never one.
     """
     if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.numel() <= _READ_AS_FLOATS:
         values = tensor.tolist()
@@ -203,7 +204,7 @@ def finite_exact(tensor: torch.Tensor) -> bool:
                 values = chain.from_iterable(values)
         if all(map(math.isfinite, values)):
             return True
-        return finite_or_mask(tensor)
+        return masks and finite_or_mask(tensor)
     # Outside autograd by grad mode (see set_grad_enabled), at every pass.
     grad = torch.is_grad_enabled()
     if grad:
@@ -215,6 +216,8 @@ def finite_exact(tensor: torch.Tensor) -> bool:
             set_grad_enabled(True)
     if math.isfinite(float(total)):
         return True
+    if not masks:  # the sum may overflow where every value is finite
+        return bool(torch.isfinite(tensor.detach()).all())
     return finite_or_mask(tensor)
 
 

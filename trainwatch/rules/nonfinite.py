@@ -111,6 +111,8 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
     if report.largest is not None:
         data["parameter"] = report.parameter
         data["largest"] = report.largest
+    if report.gradients_finite:
+        data["gradients_finite"] = True
     if report.spread:
         data["spread"] = report.spread[:20]
         data["spread_count"] = len(report.spread)
@@ -408,6 +410,34 @@ _UNKNOWN_LOSS_HINT = (
 )
 
 
+_ENTERING_ALONE_HINT = (
+    "the loss function made it, at outputs the model holds at exactly 0: a log (or a "
+    "division) of a rate or probability that a ReLU or clamp(min=0) makes 0 "
+    "(a Poisson NLL's log(rate)); end the model in softplus or exp, use "
+    "poisson_nll_loss(log_input=True), or take log(rate + eps)"
+)
+
+
+def _entering_alone(
+    record: StepRecord, report: NonfiniteReport, loss_out_of_reach: bool
+) -> tuple[str, str]:
+    """Non-finite where it entered the model, kept from every parameter by the model's
+    own ReLU or clamp: the loss printed is NaN/Inf, the training goes on as if not."""
+    held = record.loss if record.loss is not None else report.loss
+    if held is not None:
+        loss = f"the loss is non-finite ({held})"
+    else:
+        handed = "not seen" if loss_out_of_reach else "not handed over (monitor.step(loss=loss))"
+        loss = f"the loss ({handed}) is most likely non-finite"
+    return (
+        f"{loss}: the gradient it sent into the model's output is non-finite "
+        f"({_what(report)}) while the model's output was finite; every parameter's "
+        "gradient stayed finite, since the model zeroes the gradient at those outputs "
+        "(a ReLU or clamp at its end), so the optimizer steps on as if nothing were wrong",
+        _ENTERING_ALONE_HINT,
+    )
+
+
 class NonfiniteLossRule(_ReportRule):
     id = "nonfinite_loss"
     needs = frozenset({"nonfinite_probe"})
@@ -440,6 +470,8 @@ class NonfiniteLossRule(_ReportRule):
                 f"(the largest element {report.largest:.3g}, in {report.parameter}){clipped}",
                 _LOSS_OVERFLOW,
             )
+        if report.gradients_finite:
+            return _entering_alone(record, report, self.loss_out_of_reach)
         if report.cause == "loss" and record.loss is None and report.loss is None:
             # Neither handed over nor found where the training code holds it.
             handed = (

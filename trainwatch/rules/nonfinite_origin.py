@@ -177,13 +177,26 @@ class NonfiniteJudge:
                 self._unlocated(record, bad_grads, loss_bad)  # else: the cascade
             _mark_after_exploding(record, reported)
             return
+        entering = None
+        if (
+            forward_clean
+            and window is not None
+            and record.param_norms  # a step that came: its backward was applied
+            and not bad_grads
+            and window.backward_origin is None
+        ):
+            # Deferred checks: every parameter's gradient finite, and what entered the
+            # model in the step's backward perhaps not (the model zeroed it there).
+            entering = self._entering_summed(window, values.get("grad_sums"))
         if (
             forward_clean
             and window is not None
             # A step that never came (skipped) has no norms: its origin stands alone.
-            and (bad_grads or window.backward_origin is not None)
+            and (bad_grads or window.backward_origin is not None or entering is not None)
         ):
-            self._backward(record, window, values.get("grad_sums"), bad_grads, loss_bad, reported)
+            self._backward(
+                record, window, values.get("grad_sums"), bad_grads, loss_bad, reported, entering
+            )
         if overflow is not None and forward_clean:
             self._overflow(record, overflow)
         if loss_bad and forward_clean and record.nonfinite_loss is None:
@@ -293,6 +306,26 @@ class NonfiniteJudge:
         else:
             record.nonfinite_backward = report
 
+    def _entering_summed(
+        self, window: StepWindow, grad_sums: list[float] | None
+    ) -> NonfiniteFinding | None:
+        """Deferred checks: the gradient already non-finite where it entered the model
+        in the step's last backward. Backward passes no step used before it (a
+        GradScaler's skips) are not looked at: from the model's own output
+        gradient of the last pass on (the first gradient a backward hands it)."""
+        if not grad_sums or grad_sums.count(FINITE) == len(grad_sums):
+            return None
+        events = window.grad_events
+        starts = [
+            i for i, (call, side, _) in enumerate(events) if call.module == 0 and side == "out"
+        ]
+        if not starts:
+            return None
+        finding = locate_backward(
+            events[starts[-1] :], [v == FINITE for v in grad_sums], grad_sums, self.owners
+        )
+        return finding if finding is not None and finding.cause == "loss" else None
+
     @staticmethod
     def _unlocated(record: StepRecord, bad_grads: list[ParamInfo], loss_bad: bool) -> None:
         """No hook saw this step's forward (compiled in place): say what is bad, not where.
@@ -316,10 +349,13 @@ class NonfiniteJudge:
         bad_grads: list[ParamInfo],
         loss_bad: bool,
         reported: Collection[str],
+        entering: NonfiniteFinding | None = None,
     ) -> None:
+        """``entering``: what entered the model non-finite (deferred checks), where no
+        parameter's gradient is."""
         finding = window.backward_origin
         if finding is None:
-            finding = window.entering_origin
+            finding = window.entering_origin or entering
         if finding is None and grad_sums is not None:
             finding = locate_backward(
                 window.grad_events, [v == FINITE for v in grad_sums], grad_sums, self.owners
@@ -362,6 +398,22 @@ class NonfiniteJudge:
             report.module = None
             # The loss handed over, else the one the training code held.
             loss = record.loss if record.loss is not None else finding.loss
+            if not bad_grads:
+                # Every parameter's gradient is finite: the model's own forward (a
+                # ReLU or clamp at its output) zeroed the gradient where it was not.
+                # An fp16 overflow there, or a NaN/Inf from a finite loss, handed
+                # over or held (a where-masked log's 0 * inf), reached no update:
+                # nothing to tell. Nor where the gradients were wiped after backward
+                # (zero_grad() before the step, told on its own): they say nothing of it.
+                if (
+                    _fp16_overflow(finding, record.loss)
+                    or (loss is not None and _finite(loss))
+                    or record.gradients_reset_after_backward()
+                ):
+                    return
+                report.gradients_finite = True
+                record.nonfinite_loss = report
+                return
             if _fp16_overflow(finding, record.loss):
                 report.cause = GRADIENT_OVERFLOW
                 record.nonfinite_backward = report
