@@ -81,7 +81,8 @@ def test_a_teacher_called_by_the_loop_in_training_mode_is_the_frozen_part_line(n
     (alert,) = alerts
     assert alert.rule == "eval_in_train_mode"
     assert ("batch norm" if norm else "dropout is on") in alert.message
-    assert ".eval() on it" in alert.hint and "model.eval() before evaluating" not in alert.hint
+    assert "call teacher.eval()" in alert.hint
+    assert "model.eval() before evaluating" not in alert.hint
 
 
 def test_a_teacher_called_by_the_loop_kept_in_eval_says_nothing():

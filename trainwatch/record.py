@@ -87,6 +87,17 @@ class ModeReport:
     # holding parameters, itself or an ancestor, has none that trains): a frozen
     # backbone, teacher or loss network kept in eval on purpose.
     in_frozen_parts: list[str] = field(default_factory=list)
+    # Found on a training pass, modules in eval mode: the modules ``.eval()`` was
+    # called on, below a pass root still in training mode, whose own layers train
+    # (``self.net.eval()`` left on inside a LightningModule). Their modules are the
+    # forgotten ``.train()``, norms among them too: the frozen-statistics idiom
+    # puts the norm layers alone in eval, or a frozen part.
+    parts_in_eval: list[str] = field(default_factory=list)
+    # The frozen parts holding ``modules``, as ``.eval()`` would be called on them
+    # (``backbone``; or sibling parts frozen together, ``conv1``, ``bn1``,
+    # ``layer1``... of a ResNet whose ``fc`` trains): what a ``during_training``
+    # report names.
+    frozen_parts: list[str] = field(default_factory=list)
     # Found on a training pass: a large frozen part (a teacher, a backbone) ran in
     # training mode while the rest of the model trains.
     during_training: bool = False

@@ -203,6 +203,8 @@ class BehaviourWatch:
                 found.total + report.total,
                 found.in_frozen_parts
                 + [m for m in report.in_frozen_parts if m not in found.in_frozen_parts],
+                parts_in_eval=found.parts_in_eval
+                + [p for p in report.parts_in_eval if p not in found.parts_in_eval],
             )
 
     def fail(self, exc: BaseException) -> None:

@@ -108,6 +108,13 @@ class ModeWatch:
         # from the root down: made when a no-grad pass first finds dropout in
         # training mode under a module in eval mode (see _switched_alone).
         self._above: dict[str, tuple[tuple[str, weakref.ref[nn.Module]], ...]] = {}
+        # Per pass root (a part's name, "" for the model): its listed modules and
+        # the modules above them, whose modes are read together; and per layout of
+        # those modes, the modules ``.eval()`` was called on, with their layers'
+        # parameters. Read on training passes that find modules in eval mode
+        # without the pass's root (see _parts_in_eval).
+        self._chains: dict[str, tuple[weakref.ref[nn.Module], ...]] = {}
+        self._tops: dict[tuple[object, ...], tuple[tuple[str, tuple[nn.Parameter, ...]], ...]] = {}
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
@@ -141,7 +148,7 @@ class ModeWatch:
         self.stop_learning(apply=False)
         model = self._root()
         self.listed = []
-        self._parts = {}
+        self._listing_changed()
         self._above = {}
         self._holders = {}
         self.ordered = False
@@ -169,7 +176,9 @@ class ModeWatch:
         when none of its parameters trains. The frozen base
         layers of a LoRA model are many small subtrees beside trained adapters,
         frozen embeddings a small share: neither is one, and their dropout is
-        meant to be on.
+        meant to be on. The frozen modules beside a large one belong to the same
+        part (see :func:`_with_frozen_siblings`): a ResNet's stages frozen under
+        its trained ``fc`` are one backbone, named by each of them.
         """
         model = self._root()
         self.in_frozen = []
@@ -189,15 +198,16 @@ class ModeWatch:
             self.in_frozen = list(self.listed)
             self.wholly_frozen = True
             return
-        parts = []
+        large: list[str] = []
         for name, module in model.named_modules():
-            if any(name.startswith(part + ".") for part in parts):
+            if any(name.startswith(part + ".") for part in large):
                 continue
             size, trains = _counts(module, idle)
-            large = size >= FROZEN_SHARE * total
-            if size and not trains and large and not _embeddings_only(module):
-                parts.append(user_name(name))
-        if parts:
+            big = size >= FROZEN_SHARE * total
+            if size and not trains and big and not _embeddings_only(module):
+                large.append(name)
+        if large:
+            parts = [user_name(name) for name in _with_frozen_siblings(model, large, idle)]
             self.in_frozen = [
                 item for item in self.listed if any(_inside(item.name, part) for part in parts)
             ]
@@ -265,6 +275,11 @@ class ModeWatch:
             in_frozen_parts=[item.name for item in found],
             held_by_no_optimizer=root is not None
             and any(_idle_part(root, item.name, idle) for item in found),
+            frozen_parts=[
+                part
+                for part in self.frozen_parts
+                if any(_inside(item.name, part) for item in found)
+            ],
         )
 
     def part_called(self, name: str) -> bool:
@@ -322,7 +337,7 @@ class ModeWatch:
             listed.add(id(item.ref()))
             self._functional.append(item)
             self.listed.append(item)
-            self._parts = {}
+            self._listing_changed()
             added = True
         if added:
             self.stop_learning(apply=False)
@@ -330,6 +345,13 @@ class ModeWatch:
 
     def __len__(self) -> int:
         return len(self.listed)
+
+    def _listing_changed(self) -> None:
+        """``listed`` changed (rebuilt, grown, put in call order): what is kept per
+        position in it is made again when next asked."""
+        self._parts = {}
+        self._chains = {}
+        self._tops = {}
 
     def _listed_in(self, part: str) -> list[Listed]:
         found = self._parts.get(part)
@@ -366,7 +388,7 @@ class ModeWatch:
         called = set(calls)
         rest = [i for i in range(len(self.listed)) if i not in called]
         self.listed = [self.listed[i] for i in [*calls, *rest]]
-        self._parts = {}
+        self._listing_changed()
         self.ordered = True
 
     def fail(self, exc: BaseException) -> None:
@@ -428,18 +450,97 @@ class ModeWatch:
             return None
         whole = ran is not None and ran.training == training
         report = ModeReport(names, kinds, whole, len(listed))
-        if (
-            not training
-            and root is not None
-            and (whole or self.wholly_frozen or any(k != "norm" for k in found_kinds))
-        ):
-            # Only where it can matter: normalisation layers in eval beside a model in
-            # training mode are an idiom anyway, so the usual fine-tuning step (frozen
-            # batch norm after model.train()) walks nothing. With the whole model in
-            # eval they are the forgotten model.train(), unless a frozen part holds
-            # them: a linear probe's model.eval() over its frozen backbone.
-            report.in_frozen_parts = [name for name in names if self._frozen_holder(root, name)]
+        if not training and root is not None:
+            if not whole:
+                # The pass's root trains, but a module between it and these may not:
+                # ``self.net.eval()`` left on under a LightningModule run as self(x).
+                report.parts_in_eval = self._parts_in_eval(listed, within)
+            if (
+                whole
+                or report.parts_in_eval
+                or self.wholly_frozen
+                or any(k != "norm" for k in found_kinds)
+            ):
+                # Only where it can matter: normalisation layers in eval beside layers
+                # in training mode are an idiom anyway, so the usual fine-tuning step
+                # (frozen batch norm after model.train()) walks nothing. With the
+                # whole model (or a trained part of it) in eval they are the forgotten
+                # model.train(), unless a frozen part holds them: a linear probe's
+                # model.eval() over its frozen backbone.
+                report.in_frozen_parts = [name for name in names if self._frozen_holder(root, name)]
         return report
+
+    def _parts_in_eval(self, listed: list[Listed], within: str) -> list[str]:
+        """The modules ``.eval()`` was called on, above listed modules in eval mode
+        and below the pass's root (``within``, in training mode), whose layers
+        train: named in call order of the listed modules they hold.
+
+        Each is the topmost of an unbroken run of modules in eval mode above a
+        listed one. A norm layer put in eval alone (``m.eval()`` for each batch
+        norm: frozen statistics while the layers around it train) has none: its
+        parent is in training mode. A frozen backbone's ``.eval()`` has one whose
+        layers train nothing. A trained ``net`` in eval under a wrapper that
+        trains is the forgotten ``net.train()``; its layers (norm layers left
+        aside: no reason for ``.eval()`` on a block of norms alone) say it trains.
+
+        Read on every training pass that finds modules in eval mode without the
+        pass's root: the flags of the listed modules and of the modules above
+        them, read in C loops, key what is found for them, so the step walks
+        nothing once its layout of modes was seen; whether a part trains is read
+        live, from its parameters' flags (frozen or unfrozen at any step).
+        """
+        watched = self._chains.get(within)
+        if watched is None:
+            watched = self._chains[within] = self._with_modules_above(listed, within)
+        try:
+            key = (within, tuple(map(_TRAINING, map(_DEREF, watched))))
+        except AttributeError:
+            return []  # a module gone: the next rebuild lists what is there
+        tops = self._tops.get(key)
+        if not tops:
+            if tops is not None:
+                return []  # the usual fine-tuning step: its layout seen, nothing found
+            if len(self._tops) >= _LAYOUTS_KEPT:
+                self._tops = {}  # modes switched in many ways: keep the recent ones
+            tops = self._tops[key] = self._find_tops(listed, within)
+        idle = self.idle
+        return [name for name, params in tops if _trains(params, idle)]
+
+    def _with_modules_above(
+        self, listed: list[Listed], within: str
+    ) -> tuple[weakref.ref[nn.Module], ...]:
+        """These listed modules, then every module above them from the pass's root
+        down, once each: whose modes say which modules ``.eval()`` was called on."""
+        if any(item.name not in self._above for item in listed):
+            self._learn_above()
+        seen: dict[str, weakref.ref[nn.Module]] = {}
+        for item in listed:
+            for prefix, ref in self._above.get(item.name, ()):
+                if _inside(prefix, within):
+                    seen.setdefault(prefix, ref)
+        return (*map(_REF, listed), *seen.values())
+
+    def _find_tops(
+        self, listed: list[Listed], within: str
+    ) -> tuple[tuple[str, tuple[nn.Parameter, ...]], ...]:
+        """For one layout of modes (see :meth:`_parts_in_eval`): the topmost module
+        in eval mode above each listed one in eval mode, with its layers' parameters."""
+        tops: dict[str, tuple[nn.Parameter, ...]] = {}
+        for item in listed:
+            module = item.ref()
+            if module is None or module.training:
+                continue
+            top: tuple[str, nn.Module] | None = None
+            for prefix, ref in reversed(self._above.get(item.name, ())):
+                if prefix == within or not _inside(prefix, within):
+                    break  # the pass's root, in training mode, and what is above it
+                above = ref()
+                if above is None or above.training or isinstance(above, DistributedDataParallel):
+                    break
+                top = (prefix, above)
+            if top is not None and top[0] not in tops:
+                tops[top[0]] = _layer_parameters(top[1])
+        return tuple(tops.items())
 
     def _frozen_holder(self, root: nn.Module, name: str) -> bool:
         """:func:`_in_frozen_part`, the holder's parameters found once per listed module."""
@@ -505,6 +606,27 @@ class ModeWatch:
 # frozen part of its own (a teacher, a backbone), not a frozen layer.
 FROZEN_SHARE = 1 / 3
 
+# Layouts of modes (which modules are in eval) whose parts in eval are kept: a
+# run switches between a few (training, an evaluation's, a phase's).
+_LAYOUTS_KEPT = 64
+
+
+def _layer_parameters(module: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The parameters of the layers in ``module`` other than normalisation layers."""
+    return tuple(
+        param
+        for sub in module.modules()
+        if not isinstance(sub, _NORM_LAYERS)
+        for param in sub.parameters(recurse=False)
+    )
+
+
+def _trains(params: tuple[nn.Parameter, ...], idle: frozenset[int]) -> bool:
+    """Whether one of ``params`` trains: requires grad, and is not ``idle``."""
+    if not idle:
+        return True in map(_REQUIRES_GRAD, params)  # in C
+    return any(p.requires_grad and id(p) not in idle for p in params)
+
 
 def _counts(module: nn.Module, idle: frozenset[int]) -> tuple[int, int]:
     """(parameters, those that train), in elements: one trains when it requires
@@ -533,6 +655,40 @@ def _embeddings_only(module: nn.Module) -> bool:
         and all(isinstance(m, (nn.Embedding, *_NORM_LAYERS)) for m in holders)
         and any(isinstance(m, nn.Embedding) for m in holders)
     )
+
+
+def _with_frozen_siblings(model: nn.Module, large: list[str], idle: frozenset[int]) -> list[str]:
+    """The large frozen parts (raw qualified names) with the frozen modules beside
+    them: each child of a large part's parent that holds parameters, none of which
+    trains (embeddings left out: their dropout is meant to be on), in the
+    parent's order.
+
+    A backbone's modules are often the model's own children: a torchvision
+    ResNet whose new ``fc`` alone trains has ``conv1``, ``bn1``, ``layer1`` to
+    ``layer4`` frozen, of which only ``layer4`` holds a third of the
+    parameters. Told alone, its batch norms would be named and ``.eval()`` put
+    on it, leaving the others' statistics drifting. A part with no frozen
+    sibling (``backbone``, ``teacher``) stays as it is.
+    """
+    joined: list[str] = []
+    for name in large:
+        parent_name = name.rpartition(".")[0]
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            joined.append(name)
+            continue
+        for child_name, child in parent.named_children():
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if full in joined:
+                continue
+            if full == name:
+                joined.append(full)
+                continue
+            size, trains = _counts(child, idle)
+            if size and not trains and not _embeddings_only(child):
+                joined.append(full)
+    return joined
 
 
 def _inside(name: str, part: str) -> bool:

@@ -25,7 +25,20 @@ def _data(report: ModeReport) -> dict[str, object]:
         "whole_model": report.whole_model,
         "mode_dependent": report.total,
         "in_frozen_parts": report.in_frozen_parts,
+        "parts_in_eval": report.parts_in_eval,
+        "frozen_parts": report.frozen_parts,
     }
+
+
+def _names(parts: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``: every one named (a hint covers them all)."""
+    if len(parts) < 2:
+        return "".join(parts)
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _inside(name: str, part: str) -> bool:
+    return not part or name == part or name.startswith(part + ".")
 
 
 def _effect(report: ModeReport) -> str:
@@ -153,25 +166,40 @@ class EvalInTrainModeRule(Rule):
         frozen) trains no more than a frozen one: the same finding, the same
         severity, its message saying so."""
         effect = _effect(report)
+        parts = report.frozen_parts
+        # Named as .eval() would be called on it: one module, or the frozen modules
+        # side by side that make it (a ResNet's stem and stages beside its new fc).
+        many = len(parts) > 1
+        named = f"{_names(parts)}; " if parts else ""
+        them, runs = ("them", "run") if many else ("it", "runs")
         part = (
-            "a part of the model that no optimizer trains (no optimizer holds its "
-            "parameters, which get no gradient; an EMA or momentum target moved by hand "
-            "is one)"
+            f"{'parts' if many else 'a part'} of the model that no optimizer trains "
+            f"({named}no optimizer holds {'their' if many else 'its'} parameters, which "
+            "get no gradient; an EMA or momentum target moved by hand is one)"
             if report.held_by_no_optimizer
-            else "a frozen part of the model (no parameter of it trains)"
+            else f"{'frozen parts' if many else 'a frozen part'} of the model "
+            f"({named}no parameter of {them} trains)"
         )
         freeze = (
-            " Its parameters still require grad: requires_grad_(False) on it says it is frozen."
+            f" {'Their' if many else 'Its'} parameters still require grad: "
+            f"requires_grad_(False) on {them} says {'they are' if many else 'it is'} frozen."
             if report.held_by_no_optimizer
             else ""
         )
+        if len(parts) > 1:
+            call = f"call .eval() on each of {_names(parts)} after every model.train()"
+        elif parts:
+            call = f"call {parts[0]}.eval() after every model.train()"
+        else:
+            call = "call .eval() on it after every model.train()"
         alert = self.alert(
             step,
             report.modules[0],
-            f"{part} runs in training mode while the rest trains: {_listing(report)}; {effect}",
+            f"{part} {runs} in training mode while the rest trains: {_listing(report)}; {effect}",
             "a frozen teacher, backbone or feature extractor is usually kept in eval "
-            "mode: call .eval() on it after every model.train() (or override train() "
-            "to keep it there). Nothing to do if its training-mode behaviour is the "
+            f"mode: {call} (or override train() "
+            f"to keep {them} there). Nothing to do if {'their' if many else 'its'} "
+            "training-mode behaviour is the "
             f"intent (batch-norm statistics adapting to new data).{freeze}",
             {
                 **_data(report),
@@ -183,7 +211,8 @@ class EvalInTrainModeRule(Rule):
 
 
 class TrainInEvalModeRule(Rule):
-    """Whole-model eval during training is the bug; frozen batch norm alone is an idiom."""
+    """Whole-model eval during training is the bug, and so is a trained part of it in
+    eval; frozen batch norm alone, or a frozen part in eval, is an idiom."""
 
     id = "train_in_eval_mode"
     needs = frozenset({"modes"})
@@ -207,22 +236,43 @@ class TrainInEvalModeRule(Rule):
             "norm" in kind.lower() or name in frozen
             for name, kind in zip(report.modules, report.kinds)
         )
-        if not in_frozen_parts and (report.whole_model or not norms_only):
-            # Named after the first module outside the frozen parts: what trains.
-            named = next((m for m in report.modules if m not in frozen), report.modules[0])
-            return [
-                self.alert(
-                    record.step,
-                    named,
+        # A part whose layers train, in eval under a model in training mode
+        # (``self.net.eval()`` left on inside a wrapper): its norms are no idiom.
+        parts = [] if report.whole_model else report.parts_in_eval
+        if not in_frozen_parts and (report.whole_model or not norms_only or parts):
+            # Named after the first module outside the frozen parts: what trains
+            # (inside the trained part in eval, where there is one).
+            trains = [m for m in report.modules if m not in frozen]
+            inner = [m for m in trains if any(_inside(m, part) for part in parts)]
+            named = (inner or trains or report.modules)[0]
+            if parts:
+                switched = _names(parts)
+                message = (
+                    f"a training step ran with {switched} in eval mode while "
+                    f"{'its' if len(parts) == 1 else 'their'} layers train and the rest "
+                    f"of the model is in training mode: {len(report.modules)} of "
+                    f"{report.total} mode-dependent modules in eval mode: {_listing(report)}"
+                )
+                hint = (
+                    f".eval() was called on {switched} (an evaluation, a metrics helper) "
+                    "and training resumed without .train(): dropout is off and batch norm "
+                    "uses frozen running statistics, so the model trains differently from "
+                    f"what you think. Call .train() on {switched} (or model.train()) "
+                    "before training resumes. To freeze batch-norm statistics on purpose, "
+                    "put only the norm layers in eval."
+                )
+            else:
+                message = (
                     f"a training step ran with {len(report.modules)} of {report.total} "
-                    f"mode-dependent modules in eval mode: {_listing(report)}",
+                    f"mode-dependent modules in eval mode: {_listing(report)}"
+                )
+                hint = (
                     "an evaluation called model.eval() and training resumed without "
                     "model.train(): dropout is off and batch norm uses frozen running "
                     "statistics, so the model trains differently from what you think. "
-                    "Call model.train() at the start of each training epoch.",
-                    _data(report),
+                    "Call model.train() at the start of each training epoch."
                 )
-            ]
+            return [self.alert(record.step, named, message, hint, _data(report))]
         if self._told_partial:
             return []
         self._told_partial = True
