@@ -210,6 +210,48 @@ def test_a_frozen_feature_extractor_in_eval_under_a_trained_head_stays_one_info_
     assert [a.rule for a in alerts if a.severity != "info"] == []
 
 
+class BackboneAndHead(nn.Module):
+    """Two stages of convolutions and batch norm, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cnn = _cnn()
+        self.backbone = nn.Sequential(nn.Sequential(*cnn[:3]), nn.Sequential(*cnn[3:6]))
+        self.head = nn.Sequential(*cnn[6:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def test_a_backbone_in_eval_fine_tuned_in_its_last_stage_only_stays_one_info_line():
+    """backbone.eval() on purpose: its batch-norm statistics kept while its first
+    stage stays frozen and its last one trains (a partial fine-tune)."""
+    torch.manual_seed(0)
+    model = BackboneAndHead()
+    model.backbone[0].requires_grad_(False)
+
+    def backbone_in_eval(m: BackboneAndHead, step: int) -> None:
+        m.train()
+        m.backbone.eval()
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    alerts = _loop(model, params, backbone_in_eval)
+    assert [a.rule for a in alerts if a.severity != "info"] == []
+
+
+def test_a_backbone_left_in_eval_with_every_layer_trained_warns():
+    torch.manual_seed(0)
+    model = BackboneAndHead()
+
+    def backbone_in_eval(m: BackboneAndHead, step: int) -> None:
+        m.train()
+        if step >= 2:
+            m.backbone.eval()  # an evaluation helper's, never set back
+
+    alerts = _loop(model, model.parameters(), backbone_in_eval)
+    assert _mode_alerts(alerts) == [("warning", 2, "backbone.0.1")]
+
+
 class QuantNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -479,9 +479,11 @@ class ModeWatch:
         listed one. A norm layer put in eval alone (``m.eval()`` for each batch
         norm: frozen statistics while the layers around it train) has none: its
         parent is in training mode. A frozen backbone's ``.eval()`` has one whose
-        layers train nothing. A trained ``net`` in eval under a wrapper that
-        trains is the forgotten ``net.train()``; its layers (norm layers left
-        aside: no reason for ``.eval()`` on a block of norms alone) say it trains.
+        layers train nothing, a backbone fine-tuned in its last stage only one
+        whose layers train in part: both freezes made on purpose. A trained
+        ``net`` in eval under a wrapper that trains is the forgotten
+        ``net.train()``; its layers (norm layers left aside: no reason for
+        ``.eval()`` on a block of norms alone) all train.
 
         Read on every training pass that finds modules in eval mode without the
         pass's root: the flags of the listed modules and of the modules above
@@ -504,7 +506,7 @@ class ModeWatch:
                 self._tops = {}  # modes switched in many ways: keep the recent ones
             tops = self._tops[key] = self._find_tops(listed, within)
         idle = self.idle
-        return [name for name, params in tops if _trains(params, idle)]
+        return [name for name, params in tops if _wholly_trains(params, idle)]
 
     def _with_modules_above(
         self, listed: list[Listed], within: str
@@ -621,11 +623,18 @@ def _layer_parameters(module: nn.Module) -> tuple[nn.Parameter, ...]:
     )
 
 
-def _trains(params: tuple[nn.Parameter, ...], idle: frozenset[int]) -> bool:
-    """Whether one of ``params`` trains: requires grad, and is not ``idle``."""
+def _wholly_trains(params: tuple[nn.Parameter, ...], idle: frozenset[int]) -> bool:
+    """Whether every one of ``params`` trains: requires grad, and is not ``idle``.
+
+    A part put in eval that holds frozen layers is a freeze made on purpose (a
+    backbone fine-tuned in its last stage only, its batch-norm statistics kept
+    for all of it): the idiom, not a forgotten ``.train()``.
+    """
+    if not params:
+        return False
     if not idle:
-        return True in map(_REQUIRES_GRAD, params)  # in C
-    return any(p.requires_grad and id(p) not in idle for p in params)
+        return False not in map(_REQUIRES_GRAD, params)  # in C
+    return all(p.requires_grad and id(p) not in idle for p in params)
 
 
 def _counts(module: nn.Module, idle: frozenset[int]) -> tuple[int, int]:
