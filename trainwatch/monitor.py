@@ -311,6 +311,7 @@ class Monitor:
         self._handles.add(
             optimizer.register_step_post_hook(WeakHook(self, "_after_optimizer_step", index))
         )
+        self._guarded("optimizer restarts", self._watch_loads, optimizer, index)
         self._optimizers.append(optimizer)
         self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
@@ -677,6 +678,28 @@ class Monitor:
             raise
         except Exception as exc:
             self._guard.fail("step collector", exc)
+
+    def _watch_loads(self, optimizer: Optimizer, index: int) -> None:
+        """Its ``load_state_dict`` seen: a state loaded back to an earlier one says
+        training started over with it (see trainwatch.collect.optimizer_restarts)."""
+        self._handles.add(
+            optimizer.register_load_state_dict_pre_hook(
+                WeakHook(self, "_before_optimizer_load", index)
+            )
+        )
+        self._handles.add(
+            optimizer.register_load_state_dict_post_hook(
+                WeakHook(self, "_after_optimizer_load", index)
+            )
+        )
+
+    def _before_optimizer_load(self, index: int, optimizer: Optimizer, state: Any) -> None:
+        if not self.closed:
+            self._guarded("optimizer restarts", self._pipeline.restarts.loading, index, optimizer)
+
+    def _after_optimizer_load(self, index: int, optimizer: Optimizer) -> None:
+        if not self.closed:
+            self._guarded("optimizer restarts", self._pipeline.optimizer_loaded, index)
 
     def _keep_over_closure(self, index: int) -> None:
         """``step(closure)`` after the loop clipped (Lightning's manual optimization):

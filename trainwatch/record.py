@@ -398,6 +398,9 @@ class StepRecord:
     # replaced in this process (same name, new objects), or a new optimizer
     # started over them (a new training phase).
     restarted_layers: frozenset[str] = frozenset()
+    # Optimizers whose training started over here (their state emptied or loaded
+    # back to an earlier one): their runs are judged as from their first step.
+    restarted_optimizers: frozenset[int] = frozenset()
     total_norm: float | None = None
     loss: float | None = None
     # The previous step's loss, handed over after its optimizer step

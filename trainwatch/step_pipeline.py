@@ -51,6 +51,7 @@ from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
 from trainwatch.collect.norm_overflow import norm_overflow
+from trainwatch.collect.optimizer_restarts import OptimizerRestarts
 from trainwatch.collect.part_copies import PartCopies
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
@@ -234,8 +235,12 @@ class StepPipeline:
         self._steps_taken = steps_taken
         self._taken_before = PROCESS_STEPS.taken  # other monitors' steps before this one
         self._claim = claim  # parameters found in a rebuilt layer map belong to the monitor
-        # Layers whose gradient history starts over at the next step.
+        # Layers whose gradient history starts over at the next step, and the
+        # optimizers among theirs that started training over (their state
+        # emptied or loaded back: a k-fold loop reusing them).
         self.restarted: set[str] = set()
+        self.restarted_optimizers: set[int] = set()
+        self.restarts = OptimizerRestarts()
         # Per-layer norms of the latest step of each optimizer (None: manual steps).
         self.latest_by_source: dict[int | None, dict[str, float]] = {}
         self.total_norm: float | None = None
@@ -1160,8 +1165,13 @@ class StepPipeline:
         params = self.layers.parameters() if index is None else self.optimizer_params(index)
         record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
         if index is not None and not attach:
+            optimizer = self._optimizers[index]
             record.same_weights = self._moved_none
-            self._moved_none = _moves_none(self._optimizers[index])
+            self._moved_none = _moves_none(optimizer)
+            if not optimizer.state and index not in self.restarts.stateless:
+                # No state at this boundary: a new optimizer, one that keeps none,
+                # or one emptied since its last step (training started over).
+                self._guarded("optimizer restarts", self._state_empty, index, now)
         passes = self.passes.passes
         if (
             grads
@@ -1204,6 +1214,9 @@ class StepPipeline:
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)
             self.restarted.clear()
+            if self.restarted_optimizers:
+                record.restarted_optimizers = frozenset(self.restarted_optimizers)
+                self.restarted_optimizers.clear()
             if self.stall is not None:
                 self.stall.restart(now)  # a new phase, compared from its own first batch
             self._new_phase(now)
@@ -1715,6 +1728,44 @@ class StepPipeline:
         self._claim(fresh)
         if self.probe is not None:
             self.probe.find_device(self._root)
+
+    def _state_empty(self, index: int, now: int) -> None:
+        """The optimizer's state is empty at step ``now``'s boundary: a restart when
+        it kept state after its previous step."""
+        if self.restarts.emptied(index, now, self._applied_at.get(index)):
+            self.restart_optimizer(index)
+
+    def optimizer_loaded(self, index: int) -> None:
+        """``load_state_dict`` ran on a watched optimizer: a restart when it took the
+        optimizer back to an earlier state after it stepped here."""
+        optimizer = self._optimizers[index]
+        stepped = index in self._applied_at
+        rewritten = partial(self._weights_rewritten, index)
+        if self.restarts.loaded(index, optimizer, stepped, rewritten):
+            self.restart_optimizer(index)
+
+    def _weights_rewritten(self, index: int) -> bool:
+        """Every weight the optimizer trains was written in place (or given a new
+        storage) since the last update left it: a model's ``load_state_dict``,
+        ``reset_parameters()``. False when that is not known (no probe)."""
+        updated = self.probe.updated if self.probe is not None else None
+        if updated is None:
+            return False
+        listed, versions, storages = updated
+        after_update = dict(zip(map(id, listed), zip(versions, storages)))
+        params = self.optimizer_params(index)
+        return bool(params) and all(
+            id(p) in after_update and (p._version, p.data_ptr()) != after_update[id(p)]
+            for p in params
+        )
+
+    def restart_optimizer(self, index: int) -> None:
+        """Training starts over with this optimizer (a new fold or trial reusing it):
+        at the next step the layers it trains begin a new phase, as under a new
+        optimizer, and its warm-up checks start over as at a run's start."""
+        info = self.layers.info
+        self.restarted.update(info(p).owner for p in self.optimizer_params(index))
+        self.restarted_optimizers.add(index)
 
     def _new_phase(self, now: int) -> None:
         """A new phase of training (a new optimizer, a part of the model replaced,

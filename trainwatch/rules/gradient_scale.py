@@ -196,7 +196,8 @@ class ExplodingGradientRule(Rule):
         # During the warm-up, when no layer has a past to be judged against:
         # each optimizer's total norm and its run of steps each 10x the last
         # (None once told, or once every warm-up is over: a later optimizer,
-        # a new phase, is judged by the per-layer averages alone).
+        # a new phase, is judged by the per-layer averages alone; training
+        # started over with the same optimizer looks for it again).
         self._runaways: dict[int | None, _Runaway] | None = {}
         # A jump held back until the next step, the latest target-network sync
         # found, and the latest step with a jump (held back, excused or told).
@@ -236,6 +237,8 @@ class ExplodingGradientRule(Rule):
             warm = self._warm.get(tuple(record.layer_norms))
             if warm is not None and self._moved_in_c(warm, record):
                 return []
+        if record.restarted_optimizers:
+            self._started_over(record)
         overflow = record.nonfinite_backward
         if overflow is not None and overflow.cause == NORM_OVERFLOW:
             # Off the usual step (its norms are not finite): no layer's history
@@ -410,6 +413,23 @@ class ExplodingGradientRule(Rule):
                 "kind": "diverging",
             },
         )
+
+    def _started_over(self, record: StepRecord) -> None:
+        """Training started over with these optimizers (a new fold or trial reusing
+        them): a run diverging from its first steps is looked for again, from
+        this step on, as at the run's start, while their layers' histories start
+        over (``restarted_layers``) with a warm-up of their own."""
+        runaways = self._runaways
+        if runaways is None:
+            runaways = self._runaways = {}
+        for optimizer in record.restarted_optimizers:
+            runaways[optimizer] = _Runaway()
+        if record.optimizer in record.restarted_optimizers and record.source in (
+            "optimizer",
+            "manual",
+        ):
+            # Its first step: where the total norm begins (nothing to tell yet).
+            self._diverging(runaways[record.optimizer], record)
 
     def _moved_in_c(self, warm: _WarmLayers, record: StepRecord) -> bool:
         """The usual step, with no Python per layer: every norm finite and above zero,
