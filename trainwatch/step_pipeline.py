@@ -1751,16 +1751,11 @@ class StepPipeline:
         """Every weight the optimizer trains was written in place (or given a new
         storage) since the last update left it: a model's ``load_state_dict``,
         ``reset_parameters()``. False when that is not known (no probe)."""
-        updated = self.probe.updated if self.probe is not None else None
-        if updated is None:
+        if self.probe is None:
             return False
-        listed, versions, storages = updated
-        after_update = dict(zip(map(id, listed), zip(versions, storages)))
         params = self.optimizer_params(index)
-        return bool(params) and all(
-            id(p) in after_update and (p._version, p.data_ptr()) != after_update[id(p)]
-            for p in params
-        )
+        written = self.probe.written_each(params)
+        return bool(params) and written is not None and all(w is True for w in written)
 
     def restart_optimizer(self, index: int) -> None:
         """Training starts over with this optimizer (a new fold or trial reusing it):

@@ -299,15 +299,25 @@ class NonfiniteProbe:
         place through ``.data`` moves neither: such a weight is taken for the
         update's doing, and the alert says so.
         """
+        written = self.written_each(params)
+        if written is None:
+            return None
+        # A weight the update did not touch (None) was written whenever it went bad.
+        return any(w is not False for w in written)
+
+    def written_each(self, params: list[torch.Tensor]) -> list[bool | None] | None:
+        """For each of ``params``, whether it was written since the last update was
+        applied (see :meth:`written_since_update`), None for one that update did not
+        touch; None for all: no update seen yet."""
         updated = self.updated
         if updated is None:
             return None
         listed, versions, storages = updated
         after_update = dict(zip(map(id, listed), zip(versions, storages)))  # the rare path only
-        known = [p for p in params if id(p) in after_update]
-        if len(known) < len(params):
-            return True  # a weight no update moved: a write made it so
-        return any((p._version, p.data_ptr()) != after_update[id(p)] for p in known)
+        return [
+            None if id(p) not in after_update else (p._version, p.data_ptr()) != after_update[id(p)]
+            for p in params
+        ]
 
     # -- lifecycle -------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
