@@ -28,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainwatch.compiled import user_name
 from trainwatch.ddp_sync import reducer_names
 from trainwatch.errors import TrainingHealthError
+from trainwatch.graph_reuse_note import NOTE_PREFIX as GRAPH_NOTE_PREFIX
+from trainwatch.graph_reuse_note import graph_reuse_note
 
 NOTE_PREFIX = "trainwatch: raised in "
 _CALL_IMPL = nn.Module._call_impl.__code__
@@ -39,9 +41,12 @@ _DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for ran
 
 def already_noted(exc: BaseException) -> bool:
     """True once some monitor has named the module (several ways in may see one error)."""
+    return _has_note(exc, NOTE_PREFIX)
+
+
+def _has_note(exc: BaseException, prefix: str) -> bool:
     return any(
-        isinstance(note, str) and note.startswith(NOTE_PREFIX)
-        for note in getattr(exc, "__notes__", ())
+        isinstance(note, str) and note.startswith(prefix) for note in getattr(exc, "__notes__", ())
     )
 
 
@@ -50,19 +55,27 @@ def note_raise(exc: BaseException, roots: Iterable[nn.Module]) -> str | None:
 
     Names are qualified as in the root's ``named_modules()``. Nothing is
     added when no module of ``roots`` was running (an error in the loss, in
-    backward, in the data loader) or when a note was added already.
+    backward, in the data loader) or when a note was added already, except
+    for backward through a freed graph, whose note says what usually carries
+    a graph across steps (:mod:`trainwatch.graph_reuse_note`).
     """
     if not isinstance(exc, Exception) or isinstance(exc, TrainingHealthError):
         return None  # Ctrl-C, SystemExit, and trainwatch's own halt name no module
     if already_noted(exc):
         return None
+    roots = list(roots)
     names: dict[int, str] = {}
     for root in roots:
         for name, module in root.named_modules():
             names.setdefault(id(module), user_name(name))
     found = innermost_call(exc.__traceback__, names)
     if found is None:
-        return None
+        # Raised in backward (no module frame): a graph freed by an earlier
+        # backward is the one error whose cause the message itself gives away.
+        reuse = graph_reuse_note(exc, roots)
+        if reuse is not None and not _has_note(exc, GRAPH_NOTE_PREFIX):
+            _add_note(exc, reuse)
+        return reuse
     module, frame = found
     note = (
         f"{NOTE_PREFIX}{_display_name(names[id(module)])} = {one_line_repr(module)}, "

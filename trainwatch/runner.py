@@ -25,6 +25,7 @@ from trainwatch.autowatch import AutoWatch, StopRun
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config, load_config
 from trainwatch.raised import note_raise
+from trainwatch.registry import owners
 from trainwatch.sinks import ALERTS_FILE, Sink, default_sinks
 from trainwatch.store_relay import RankSender, StoreLink, env_rank
 
@@ -151,7 +152,11 @@ def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
 def _name_the_module(exc: BaseException, watcher: AutoWatch) -> None:
     """The note naming the watched module the error escaped from, before the traceback prints."""
     try:
-        note_raise(exc, [unwrap(monitor.model) for monitor in watcher.monitors])
+        models = [unwrap(monitor.model) for monitor in watcher.monitors]
+        # A script that watches its own model (tw.watch without `with`): its
+        # monitor is still open, and its model is where the error came from.
+        models += [unwrap(owner.model) for owner in owners() if hasattr(owner, "model")]
+        note_raise(exc, list({id(model): model for model in models}.values()))
     except Exception as failure:  # the script's own error is what must be seen
         print(f"trainwatch run: could not name the module: {failure!r}", file=sys.stderr)
 
