@@ -24,10 +24,14 @@ from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
 
 # Why an all-zero weight stays zero: its param group's learning rate is 0, it is
-# frozen, or no watched optimizer holds it. None: none of these (it may move yet).
+# frozen, or no watched optimizer holds it; or its own gradient is exactly zero
+# through a weight told of that is all zeros too (both halves of a LoRA adapter
+# initialised to zero: each holds the other at zero). None: none of these (it may
+# move yet).
 LR_ZERO = "lr_zero"
 FROZEN = "frozen"
 NO_OPTIMIZER = "no_optimizer"
+BOTH_ZERO = "both_zero"
 # The halves of a low-rank adapter, by module name (PEFT's layout).
 _PAIRS = {
     "lora_A": "lora_B",
@@ -51,24 +55,38 @@ class HeldParameters:
         # Copies of the model kept beside it (a DQN's target network).
         self.copies = ModelCopies(model)
 
-    def all_zero_partners(self, owner: str, skip: Collection[str]) -> list[tuple[str, str | None]]:
-        """The other weights of ``owner`` (and of the other half of a low-rank adapter
-        it is one half of) that are exactly zero everywhere, each with why it stays
-        so; biases are left out (a zero shift multiplies nothing), and so are the
-        names in ``skip`` (those whose own gradient is the finding)."""
+    def all_zero_partners(
+        self, owner: str, told: Collection[str], silent: Collection[str]
+    ) -> list[tuple[str, str | None]]:
+        """The weights of ``owner`` (and of the other half of a low-rank adapter it is
+        one half of) that are exactly zero everywhere, each with why it stays so;
+        biases are left out (a zero shift multiplies nothing).
+
+        ``told`` are the weights whose exactly zero gradient is the finding, ``silent``
+        every weight whose gradient is silent now (``told`` among them). A silent
+        weight is no cause by itself: its gradient is silent for a reason of its own
+        (dead units upstream), and it may merely not have moved yet. Unless a told
+        weight is all zeros too: two all-zero weights multiplying each other's path
+        (LoRA's A and B both initialised to zero) each make the other's gradient
+        exactly zero, so neither ever moves; then each of them, told ones included,
+        is returned as ``BOTH_ZERO``."""
         layers = self._layers()
         if layers is None:
             return []
         owners = {owner, *_pair_owners(owner)}
-        found = []
+        zero = []
         for param in layers.parameters():
             info = layers.info(param)
-            if info.owner not in owners or info.name in skip or not info.in_model:
+            if info.owner not in owners or not info.in_model:
                 continue
             if info.name.rsplit(".", 1)[-1] == "bias" or not _all_zero(param):
                 continue
-            found.append((info.name, self._why_still(param)))
-        return found
+            zero.append((info.name, param))
+        held_zero = [name for name, _ in zero if name in silent]
+        mutual = len(held_zero) > 1 and any(name in told for name in held_zero)
+        if mutual:
+            return [(name, BOTH_ZERO) for name in held_zero]
+        return [(name, self._why_still(param)) for name, param in zero if name not in silent]
 
     def _why_still(self, param: torch.Tensor) -> str | None:
         if not param.requires_grad:

@@ -6,7 +6,7 @@ from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
-from trainwatch.collect.weights_at_alert import FROZEN, LR_ZERO, NO_OPTIMIZER
+from trainwatch.collect.weights_at_alert import BOTH_ZERO, FROZEN, LR_ZERO, NO_OPTIMIZER
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
@@ -206,6 +206,13 @@ _PARTNER_HINTS = {
     NO_OPTIMIZER: (
         "a weight initialised to zero (LoRA's B) is left out of the optimizer, so it "
         "stays zero and nothing learns through it. Add it to the optimizer's param groups."
+    ),
+    BOTH_ZERO: (
+        "both halves of the adapter (LoRA's A and B, or a weight and the zero-initialised "
+        "gate multiplying it) were initialised to zero: each one's gradient passes "
+        "through the other, so both stay exactly zero and nothing learns. Initialise "
+        "one of them randomly: LoRA's A with nn.init.kaiming_uniform_(A, a=math.sqrt(5)) "
+        "(as PEFT does), B kept at zero so the adapter starts as a no-op."
     ),
 }
 _JOINED_HINT = (
@@ -556,12 +563,16 @@ class ZeroGradientRule(Rule):
                     "gradient from the loss and another did not"
                 )
                 hint, severity = _HINTS["output_without_signal"], "info"
-            elif kind == "zero" and (partner := self._all_zero_partner(owner, params)):
-                name, why = partner
+            elif kind == "zero" and (partners := self._all_zero_partners(owner, params)):
+                name, why = _partner_to_name(partners, params)
                 data["cause"] = "all_zero_partner"
                 data["zero_partner"] = name
                 data["partner_stays_zero"] = why
-                message += f": {_through_zero(name, params)}{_STAYS_ZERO.get(why, '')}"
+                if why == BOTH_ZERO:
+                    data["all_zero_weights"] = weights = [n for n, _ in partners]
+                    message += f": {_each_through_the_other(weights)}"
+                else:
+                    message += f": {_through_zero(name, params)}{_STAYS_ZERO.get(why, '')}"
                 hint = _PARTNER_HINTS.get(why, _PARTNER_HINT)
             elif kind == "zero" and zero_ops and (ops := zero_ops.get(owner)):
                 data["cause"] = "zero_derivative_op"
@@ -707,22 +718,21 @@ class ZeroGradientRule(Rule):
             self._streaks.pop(name, None)
         return [(info, "not_updated") for info, _ in silent]
 
-    def _all_zero_partner(
+    def _all_zero_partners(
         self, owner: str, params: list[ParamInfo]
-    ) -> tuple[str, str | None] | None:
-        """Another weight of ``owner`` that is exactly zero everywhere (read now, as
-        the alert is built), through which the zero gradient of ``params`` comes:
-        a LoRA ``B`` initialised to zero makes ``A``'s gradient exactly zero until
-        ``B`` moves. Weights whose own gradient is silent too are no such cause."""
+    ) -> list[tuple[str, str | None]]:
+        """Other weights of ``owner`` that are exactly zero everywhere (read now, as
+        the alert is built), through which the zero gradient of ``params`` comes: a
+        LoRA ``B`` initialised to zero makes ``A``'s gradient exactly zero until
+        ``B`` moves. Weights whose own gradient is silent too are no such cause,
+        unless they and some of ``params`` are all zeros alike (both halves of a
+        LoRA initialised to zero): then each holds the other at zero, and all of
+        them are returned, those of ``params`` among them."""
         held = self.held
         if held is None or not owner:
-            return None
+            return []
         silent = [name for name, streak in self._streaks.items() if streak.kind != _JOINED]
-        found = held.all_zero_partners(owner, silent)
-        if not found:
-            return None
-        # The one that stays zero for good first: that is the bug to name.
-        return min(found, key=lambda item: item[1] is None)
+        return held.all_zero_partners(owner, [p.name for p in params], silent)
 
     def _reset_before_step(self, record: StepRecord, cause: str) -> list[Alert]:
         """Told once per streak, after ``patience`` steps in a row, dated at its first:
@@ -861,6 +871,30 @@ def _bias_learns(record: StepRecord, owner: str) -> bool:
     bias = f"{owner}.bias" if owner else "bias"
     return any(
         info.name == bias and norm != 0.0 for info, norm in zip(record.present, record.param_norms)
+    )
+
+
+def _partner_to_name(
+    partners: list[tuple[str, str | None]], params: list[ParamInfo]
+) -> tuple[str, str | None]:
+    """The all-zero weight an alert names: one that stays zero for good first (that
+    is the bug); of weights that hold each other at zero, one not among ``params``
+    (the other half), else the last (LoRA's B beside its A)."""
+    if partners[0][1] == BOTH_ZERO:
+        told = {p.name for p in params}
+        return next((item for item in partners if item[0] not in told), partners[-1])
+    return min(partners, key=lambda item: item[1] is None)
+
+
+def _each_through_the_other(weights: list[str]) -> str:
+    if len(weights) == 2:
+        return (
+            f"{weights[0]} and {weights[1]} are both all zeros, and the gradient of each "
+            "passes through the other, so neither ever leaves zero"
+        )
+    return (
+        f"{', '.join(weights)} are all zeros, and the gradient of each passes through "
+        "the others, so none of them ever leaves zero"
     )
 
 
