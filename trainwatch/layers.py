@@ -72,6 +72,10 @@ class ParamInfo:
     # Owned by an embedding table (nn.Embedding, nn.EmbeddingBag): a batch that
     # looks up only its padding row leaves its gradient exactly zero.
     table: bool = False
+    # Its place in the model's own order (modules as named_modules() gives them,
+    # then each one's parameters as it registered them): alerts list a layer's
+    # parameters so, whatever order a step's gradients came in.
+    position: int = 0
 
 
 class LayerMap:
@@ -98,7 +102,9 @@ class LayerMap:
                     self.layers.append(owner)
                 qualified = f"{module_name}.{short}" if module_name else short
                 table = isinstance(module, _TABLES)
-                self._info[id(param)] = ParamInfo(qualified, owner, index[owner], table=table)
+                self._info[id(param)] = ParamInfo(
+                    qualified, owner, index[owner], table=table, position=len(self._info)
+                )
                 self._params[id(param)] = param
                 self._slots.append((module._parameters, short, param))
         self._departed: dict[int, ParamInfo] = {}
@@ -116,8 +122,14 @@ class LayerMap:
             self.layers.append(EXTERNAL)
         if info is None:
             self._extra += 1
-            info = ParamInfo(f"{EXTERNAL}.{self._extra}", EXTERNAL, 0)
-        found = ParamInfo(info.name, info.owner, self.layers.index(EXTERNAL), in_model=False)
+            info = ParamInfo(f"{EXTERNAL}.{self._extra}", EXTERNAL, 0, position=self._extra)
+        found = ParamInfo(
+            info.name,
+            info.owner,
+            self.layers.index(EXTERNAL),
+            in_model=False,
+            position=info.position,
+        )
         self._departed[id(param)] = found
         self._keep[id(param)] = param
         return found

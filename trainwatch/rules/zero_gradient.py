@@ -12,6 +12,7 @@ from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
 from trainwatch.record import BetweenBackwardsRecord, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.rnn_directions import unused_directions
 from trainwatch.rules.trainable_parameters import common_module
 
 _HINTS = {
@@ -156,6 +157,7 @@ _JOINED = "joined"
 # Layout ids remembered for that (bounded: a router's layouts may change every step).
 _LAYOUTS_KEPT = 64
 _NAME = attrgetter("name")
+_POSITION = attrgetter("position")
 _RESET_HINT = (
     "zero_grad() (optimizer.zero_grad() or model.zero_grad()) runs between "
     "loss.backward() and optimizer.step(), wiping the gradients backward just made: "
@@ -466,6 +468,7 @@ class ZeroGradientRule(Rule):
         # no graph to look at); a walk of the graph where some gradient is zero.
         zero_ops = self._zero_ops(due)
         for owner, params in by_owner(due).items():
+            params.sort(key=_POSITION)  # the module's own order, not the gradients'
             streaks = [self._streaks[p.name] for p in params]
             kinds = {s.kind for s in streaks}
             kind = "none" if "none" in kinds else "zero" if "zero" in kinds else "not_updated"
@@ -563,6 +566,24 @@ class ZeroGradientRule(Rule):
                     "gradient from the loss and another did not"
                 )
                 hint, severity = _HINTS["output_without_signal"], "info"
+            elif (
+                kind != "not_updated"
+                and not record.sharded
+                and (
+                    rnn := unused_directions(
+                        owner, record.present, record.param_norms, record.missing
+                    )
+                )
+            ):
+                # Whole layer-directions of an RNN silent while the others learn:
+                # the loss reads only part of its output (h_n[-1] of a bidirectional one).
+                data["cause"] = "rnn_output_unused"
+                data["unused_directions"] = rnn.names()
+                message += (
+                    ", while the module's other layer-directions got one: nothing the loss "
+                    f"uses comes from {rnn.said()}"
+                )
+                hint = rnn.hint()
             elif kind == "zero" and (partners := self._all_zero_partners(owner, params)):
                 name, why = _partner_to_name(partners, params)
                 data["cause"] = "all_zero_partner"
