@@ -364,6 +364,11 @@ class StepRecord:
     cut_off: frozenset[str] = frozenset()
     # Parameters that got a gradient although no watched optimizer holds them.
     not_optimized: list[ParamInfo] = field(default_factory=list)
+    # Of those, the ones (by name) that were frozen while no optimizer held them,
+    # when the optimizers' membership was last looked at (a backbone frozen for a
+    # linear probe as the optimizer was built over the head): unfrozen since, after
+    # the optimizer was built, which never got them.
+    unfrozen_unheld: frozenset[str] = frozenset()
     # With not_optimized: the model replaced another one after the optimizer was
     # built, and that optimizer steps the old one's parameters (set on that rare path).
     replaced: ReplacedModel | None = None

@@ -252,6 +252,10 @@ class StepPipeline:
         self.whole: WholeLayerNorms | None = None
         self._membership_key: tuple[Any, ...] | None = None
         self._unoptimized: list[nn.Parameter] = []
+        # Of those, the ones seen frozen while no optimizer held them (a backbone
+        # frozen for a linear probe as the optimizer was built over the head), by
+        # id: unfrozen later, they are what that optimizer never got.
+        self._frozen_unheld: set[int] = set()
         # The setup audit: redone when a step's parameter counts differ from the
         # last audited ones (per optimizer; None: without one), then the first
         # step after it checks that some trainable parameter got a gradient.
@@ -1306,7 +1310,13 @@ class StepPipeline:
                             trained,
                             unoptimized,
                         )
-                    record.not_optimized = [info(p) for p in (trained if left is None else left)]
+                    told = trained if left is None else left
+                    record.not_optimized = [info(p) for p in told]
+                    frozen_unheld = self._frozen_unheld
+                    if frozen_unheld:
+                        record.unfrozen_unheld = frozenset(
+                            info(p).name for p in told if id(p) in frozen_unheld
+                        )
                 if trained and self.behaviour is not None:
                     self._guarded("behaviour checks", self.behaviour.got_gradients, trained)
         if self._audits_setup:
@@ -1708,6 +1718,13 @@ class StepPipeline:
             }
             self._unoptimized = [p for p in self.layers.parameters() if id(p) not in held]
             self._membership_key = key
+            # Frozen now, or seen frozen at an earlier look and held by none since.
+            # (Lightning's toggle_optimizer freezes only parameters some optimizer
+            # holds: one the monitor does not know yet leaves this list once known.)
+            before = self._frozen_unheld
+            self._frozen_unheld = {
+                id(p) for p in self._unoptimized if not p.requires_grad or id(p) in before
+            }
             if self.behaviour is not None:
                 self._guarded("behaviour checks", self.behaviour.held_by_none, self._unoptimized)
         return self._unoptimized

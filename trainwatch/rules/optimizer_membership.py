@@ -10,6 +10,7 @@ from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import EXTERNAL, ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.trainable_parameters import common_module
 
 _UNFROZEN_HINT = "nothing to do: a freeze for warm-up or fine-tuning, ended as planned"
 # Under DDP the freeze itself is undone, but a wrapper built while it held does
@@ -168,7 +169,15 @@ class NotOptimizedRule(_ReportOnce):
             return self._idle(record)
         if record.replaced is not None:
             return self._replaced(record)
-        return [
+        params = record.not_optimized
+        alerts = []
+        unfrozen = record.unfrozen_unheld
+        if unfrozen:
+            alerts = self._unfrozen_after_optimizer(
+                record, [p for p in params if p.name in unfrozen]
+            )
+            params = [p for p in params if p.name not in unfrozen]
+        return alerts + [
             self.alert(
                 record.step,
                 owner,
@@ -184,7 +193,61 @@ class NotOptimizedRule(_ReportOnce):
                 "the model, or add the parameters with optimizer.add_param_group().",
                 {"parameters": [p.name for p in params]},
             )
-            for owner, params in self.new_owners(None, record.not_optimized).items()
+            for owner, params in self.new_owners(None, params).items()
+        ]
+
+    def _unfrozen_after_optimizer(self, record: StepRecord, params: list[ParamInfo]) -> list[Alert]:
+        """Parameters frozen while the optimizer was built, so left out of it, and
+        unfrozen since (a linear probe, then the backbone trained; the HF Trainer's
+        optimizer built at ``train()`` from the trainable parameters, a callback
+        unfreezing later): one alert for the modules unfrozen together, at the
+        module holding them all, since one fix adds them all."""
+        fresh = self.new_owners(None, params)
+        if not fresh:
+            return []
+        modules = list(fresh)
+        params = [p for group in fresh.values() for p in group]
+        module = common_module(modules)
+        count = len(params)
+        many = count != 1
+        where = module or "the model"
+        if len(modules) > 1:
+            where += f", in {len(modules)} modules"
+        return [
+            self.alert(
+                record.step,
+                module,
+                f"{count} parameter{'s' if many else ''} of {where} ({short_names(params)}) "
+                f"{'were' if many else 'was'} frozen (requires_grad=False) when the optimizer "
+                f"was built, and unfrozen since: {'they get' if many else 'it gets'} gradients "
+                f"from step {record.step}, but the optimizer never got "
+                f"{'them' if many else 'it'} and no watched optimizer holds "
+                f"{'them' if many else 'it'}, so {'they are' if many else 'it is'} never updated",
+                "an optimizer steps only the parameters it was built over: unfreezing "
+                "does not add them. Where you unfreeze them, add them: "
+                "optimizer.add_param_group({'params': "
+                f"[p for p in {_module_in_code(module)}.parameters() if p.requires_grad], "
+                "'lr': ...}) (under Lightning, BaseFinetuning's "
+                "unfreeze_and_add_param_group), before any LR scheduler is built over the "
+                "optimizer (a LambdaLR built earlier, as transformers' warm-up schedules "
+                "are, fails at its next step); or, after unfreezing, build a new optimizer "
+                "and scheduler over every parameter that trains"
+                + (
+                    ""
+                    if self.loss_out_of_reach
+                    else " and hand it to the monitor (monitor.add_optimizer)"
+                )
+                + ". Under the HF Trainer, whose optimizer and scheduler are built from the "
+                "trainable parameters as train() starts, train the unfrozen phase with a "
+                "new Trainer, or pass one optimizer over every parameter, frozen ones "
+                "included (Trainer(optimizers=(optimizer, scheduler))): while frozen they "
+                "get no gradient, so it updates them only once unfrozen.",
+                {
+                    "cause": "unfrozen_after_optimizer",
+                    "parameters": [p.name for p in params],
+                    "modules": modules,
+                },
+            )
         ]
 
     def _replaced(self, record: StepRecord) -> list[Alert]:
@@ -409,3 +472,12 @@ class NotOptimizedRule(_ReportOnce):
                 "kind": "never_updated",
             },
         )
+
+
+def _module_in_code(name: str) -> str:
+    """How the training code reaches the module ``name`` of its model."""
+    if not name:
+        return "model"
+    if all(piece.isidentifier() for piece in name.split(".")):
+        return f"model.{name}"
+    return f"model.get_submodule({name!r})"
