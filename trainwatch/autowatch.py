@@ -83,6 +83,10 @@ _REPLACEMENT_WAIT = 50
 # Steps of a hand-trained model at which an optimizer stepping the model it
 # replaced is looked for (see AutoWatch._look_for_replaced).
 _REPLACED_LOOKS = 20
+# The share of a model's trainable parameters, by count and by size, that an
+# optimizer stepping none of them must match by shape to be taken for the one
+# built over the model it replaced: a copy matches them all.
+_FITTING_SHARE = 0.5
 # Optimizers over no model of ours, met while the forward hooks are off, whose
 # model is looked for in the heap at their first step. Each later one waits for
 # its model's next call (a loop building a model copy and an optimizer per
@@ -295,11 +299,25 @@ def _shapes(params: Sequence[torch.Tensor]) -> Counter[tuple[int, ...]]:
     return Counter(tuple(p.shape) for p in params)
 
 
-def _fits(params: Sequence[torch.Tensor], shapes: Counter[tuple[int, ...]]) -> bool:
-    """Every one of ``params`` has a counterpart of its shape among ``shapes``: the
-    parameters of a copy of the model (a deep copy, a QAT-prepared copy, a new
-    instance of its class), or of part of it."""
-    return bool(params) and not (_shapes(params) - shapes)
+def _fits(held: Sequence[torch.Tensor], model: Sequence[torch.Tensor]) -> bool:
+    """The parameters ``held`` by an optimizer are those of a copy of the ``model``
+    parameters (a deep copy, a QAT-prepared copy, a new instance of its class), or
+    of most of it: each has a counterpart of its shape among them, and they make
+    more than half of them by count and by size. A shape shared with a part only
+    is no evidence: a learned temperature of shape (1,) matches any bias of one
+    output (SAC's critic)."""
+    if not held or _shapes(held) - _shapes(model):
+        return False
+    share = len(held) / len(model)
+    size = sum(p.numel() for p in held) / max(1, sum(p.numel() for p in model))
+    return share > _FITTING_SHARE and size > _FITTING_SHARE
+
+
+def _module_parameters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` a module may have held: a module holds only ``nn.Parameter``
+    (``register_parameter`` refuses a plain tensor), so a bare tensor made with
+    ``requires_grad=True`` (a learned temperature, a loss weight) was never one's."""
+    return [p for p in params if isinstance(p, nn.Parameter)]
 
 
 def _module_holding(params: list[torch.Tensor]) -> nn.Module | None:
@@ -1609,14 +1627,14 @@ class AutoWatch:
         """A new model without an optimizer, found while one of ours set up alike is no
         longer called: the loop trains it in its place (a copy made after the
         optimizer was built), so its steps go on from that model's."""
-        shapes = _shapes([p for p in unwrap(monitor.model).parameters() if p.requires_grad])
+        params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
         for stale, _ in self._stale_monitors():
             if stale is not monitor and any(
-                _fits(_parameters_of(opt), shapes) for opt in stale.optimizers
+                _fits(_parameters_of(opt), params) for opt in stale.optimizers
             ):
                 monitor.load_state_dict({"step": stale.step_count})
                 return
-        if any(_fits(_parameters_of(opt), shapes) for opt in list(self._stale_optimizers)):
+        if any(_fits(_parameters_of(opt), params) for opt in list(self._stale_optimizers)):
             monitor.load_state_dict({"step": self.steps})  # replaced again
 
     def _look_for_replaced(self, monitor: Monitor) -> None:
@@ -1637,13 +1655,12 @@ class AutoWatch:
         params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
         if not any(p.grad is not None for p in params):
             return
-        shapes = _shapes(params)
         for stale, since in self._stale_monitors():
             if stale is monitor:
                 continue
             for optimizer in stale.optimizers:
                 held = _parameters_of(optimizer)
-                if _fits(held, shapes) and all(p.grad is None for p in held):
+                if _fits(held, params) and all(p.grad is None for p in held):
                     root = unwrap(stale.model)
                     replaced = ReplacedModel(
                         type(optimizer).__name__, type(root).__name__, stale.model_name, since
@@ -1654,18 +1671,22 @@ class AutoWatch:
                     return
         for optimizer, told in list(self._stale_optimizers.items()):
             held = _parameters_of(optimizer)
-            if _fits(held, shapes) and all(p.grad is None for p in held):
+            if _fits(held, params) and all(p.grad is None for p in held):
                 self._tell_replaced(monitor, told)  # the model replaced once more
                 return
-        replaced = self._stale_pending(shapes)
+        replaced = self._stale_pending(params)
         if replaced is not None:
             self._tell_replaced(monitor, replaced)
 
-    def _stale_pending(self, shapes: Counter[tuple[int, ...]]) -> ReplacedModel | None:
-        """An optimizer that has stepped twice over parameters of these shapes that no
-        model of ours holds, none with a gradient: held by a module never called
-        (the float model ``prepare_qat`` copied), or by none any more (the model
-        the optimizer was built over, its name bound to a new instance loaded).
+    def _stale_pending(self, params: list[torch.Tensor]) -> ReplacedModel | None:
+        """An optimizer that has stepped twice over module parameters that match
+        ``params`` (see _fits), that no model of ours holds, none with a gradient:
+        held by a module never called (the float model ``prepare_qat`` copied), or
+        by none any more (the model the optimizer was built over, its name bound to
+        a new instance loaded). Its bare tensors, never a module's, are left out
+        (a learned loss weight beside the model's parameters may well get
+        gradients): one stepping only those (SAC's temperature ``log_alpha``, its
+        own Adam) replaced no model.
         A module called only where the forward hooks do not look (a ``torch.func``
         transform, a compiled graph) may train them: then none is."""
         if self._transformed_calls or self._compiled_calls:
@@ -1673,9 +1694,9 @@ class AutoWatch:
         for optimizer in list(self._pending):
             if self._pending_steps.get(id(optimizer), 0) < 1:
                 continue
-            held = _parameters_of(optimizer)
+            held = _module_parameters(_parameters_of(optimizer))
             if (
-                not _fits(held, shapes)
+                not _fits(held, params)
                 or any(p.grad is not None for p in held)
                 or any(registry.owner_of(p) is not None for p in held)
             ):
