@@ -119,8 +119,7 @@ class _WaitingPass:
     module: nn.Module
     args: Any
     kwargs: Any
-    codes: torch.Tensor  # fp64 sum of each floating output (device)
-    masks: list[bool]  # per output: outside autograd, so a -inf sum is a mask
+    codes: torch.Tensor  # fp64 sum of each floating output (device); -inf: a mask
     rng: torch.Tensor | None  # the CPU generator's state as the pass began
 
 
@@ -166,7 +165,6 @@ class _StepState:
     calls: list[ForwardCall] = field(default_factory=list)
     # Exact verdicts of sums read at once, index-aligned with ``sums`` (None: not read).
     finite: list[bool | None] = field(default_factory=list)
-    maskable: list[bool] = field(default_factory=list)
     forward_origin: NonfiniteFinding | None = None
     negative_inf_makers: list[NegativeInfMaker] = field(default_factory=list)
     grad_sums: list[torch.Tensor] = field(default_factory=list)
@@ -454,10 +452,7 @@ class NonfiniteProbe:
         if self.at_step:
             if self._this_step.forward_origin is None and outs:
                 codes = torch.stack([o.detach().sum(dtype=torch.float64) for o in outs])
-                masks = [not o.requires_grad for o in outs]
-                self._waiting.append(
-                    _WaitingPass(module, args, kwargs, codes, masks, self._rng_at_start)
-                )
+                self._waiting.append(_WaitingPass(module, args, kwargs, codes, self._rng_at_start))
                 if len(self._waiting) >= _MAX_WAITING:
                     self.settle(None)  # a long evaluation between two steps
         elif self._this_step.forward_origin is None:
@@ -522,11 +517,14 @@ class NonfiniteProbe:
         if not parts:
             return False
         total = torch.stack([p.to(parts[0].device) for p in parts]).sum()
-        if math.isfinite(float(total)):  # the step's one sync
+        # The step's one sync. A total of -inf holds no NaN or +inf (either would
+        # make it NaN/+inf): only masks' -inf, so a masked policy's every pass
+        # is not read back one by one.
+        if float(total) < math.inf:
             return False
         for w in waiting:
-            for value, mask in zip(w.codes.tolist(), w.masks):
-                if not (math.isfinite(value) or (value == -math.inf and mask)):
+            for value in w.codes.tolist():
+                if not (math.isfinite(value) or value == -math.inf):  # -inf: a mask
                     if self._this_step.forward_origin is None:
                         self._forward_bad(w.module, w.args, w.kwargs, w.rng)
                     break
@@ -590,7 +588,6 @@ class NonfiniteProbe:
         window = _new_window(
             step.calls, step.finite, step.forward_origin, step.backward_origin, step.grad_events
         )
-        window.maskable = step.maskable
         # The rest at the window's defaults on a usual step: set where they differ.
         if step.entering_origin is not None:
             window.entering_origin = step.entering_origin

@@ -100,8 +100,6 @@ class StepWindow:
     backward_origin: NonfiniteFinding | None
     # (call, "out" or "in", index of the gradient's sum)
     grad_events: list[tuple[ForwardCall, str, int]]
-    # Per sum: the tensor was outside autograd, so a sum of -inf is a mask.
-    maskable: list[bool] = field(default_factory=list)
     # The first non-finite gradient entering the model, as it was checked when it
     # came (None: every one was finite, or it was not checked there).
     entering_origin: NonfiniteFinding | None = None
@@ -129,12 +127,11 @@ def locate_forward(
     calls: Iterable[ForwardCall],
     finite: list[bool],
     codes: list[float] | None = None,
-    maskable: list[bool] | None = None,
 ) -> NonfiniteFinding | None:
     """The first call (in completion order) with bad outputs and finite inputs.
 
     With none such but bad outputs somewhere, the model's input was bad.
-    Inputs that were -inf outside autograd count as finite (masks), unless
+    Inputs that were -inf (no NaN, no +inf) count as finite (masks), unless
     the call that handed them over made that -inf from finite floating
     inputs (``_negative_inf_maker``): then that call is the origin.
     Pure, so the device path and the tests share it.
@@ -149,7 +146,7 @@ def locate_forward(
         if inputs_ok is None:
             inputs_ok = all(finite[i] for i in call.inputs)
         if inputs_ok:
-            maker = _negative_inf_maker(calls, call, codes, maskable)
+            maker = _negative_inf_maker(calls, call, codes)
             if maker is not None:
                 return NonfiniteFinding(
                     maker.module,
@@ -187,25 +184,15 @@ def _negative_inf_maker(
     calls: list[ForwardCall],
     victim: ForwardCall,
     codes: list[float] | None,
-    maskable: list[bool] | None,
 ) -> ForwardCall | None:
     """From sums alone (no values kept): the call that handed ``victim`` a -inf it
     made from finite floating inputs. A mask built from no floating input at
     all (``torch.full(..., -inf)``) is not one; a mask computed from finite
     floats cannot be told from arithmetic here (only a replay's op trace can).
     """
-    if not codes or not maskable:
+    if not codes:
         return None
-
-    def masked(index: int) -> bool:
-        return (
-            index < len(codes)
-            and codes[index] == NEG_INF
-            and index < len(maskable)
-            and maskable[index]
-        )
-
-    fed = {i for i in victim.inputs if masked(i)}
+    fed = {i for i in victim.inputs if i < len(codes) and codes[i] == NEG_INF}
     if not fed:
         return None
     for call in calls:

@@ -1,7 +1,8 @@
 """Where a -inf let pass as a mask came from, once it turned into a NaN/+inf.
 
-Outside autograd a sum of -inf is taken for a mask built on purpose
-(``masked_fill(mask, -inf)`` before a softmax) and judged finite. When a
+A sum of -inf is taken for a mask built on purpose (``masked_fill(mask,
+-inf)`` before a softmax, or on a policy's logits) and judged finite, with
+or without grad. When a
 later module turns it into a NaN/+inf (a BatchNorm after ``torch.log`` of a
 count of 0), that module took in a non-finite value, so it is no origin: the
 call whose own arithmetic made the -inf is. Only in a replay, where every
@@ -36,7 +37,7 @@ MAX_MAKERS = 16
 
 @dataclass
 class NegativeInfMaker:
-    """A replayed call whose output held -inf (outside autograd) from finite inputs:
+    """A replayed call whose output held -inf (no NaN, no +inf) from finite inputs:
     a mask, or arithmetic that overflowed to -inf; traced only if a NaN follows."""
 
     call: ForwardCall
@@ -54,11 +55,9 @@ def note_negative_inf(
     ins: list[torch.Tensor],
 ) -> None:
     """Keep a replayed call that made -inf (let pass as a mask) from finite inputs."""
-    sums, maskable = probe._this_step.sums, probe._this_step.maskable
+    sums = probe._this_step.sums
     makers = probe._this_step.negative_inf_makers
-    if len(makers) >= MAX_MAKERS or not any(
-        maskable[i] and float(sums[i]) == -math.inf for i in call.outputs
-    ):
+    if len(makers) >= MAX_MAKERS or not any(float(sums[i]) == -math.inf for i in call.outputs):
         return
     if exactly_finite(probe, call.inputs, ins):
         args, kwargs = detached_copies((args, kwargs))

@@ -305,8 +305,8 @@ def replay_forward(
     probe: NonfiniteProbe, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
 ) -> None:
     """Run the pass again module by module to find where its NaN/Inf was born."""
-    # Grad mode as in the pass itself, so masks and real values are told
-    # apart the same way (requires_grad) in the replay.
+    # Grad mode as in the pass itself: the replay takes the paths the pass took
+    # (a forward may branch on ``torch.is_grad_enabled()``).
     target = replay_target(module)
     if target is None:
         # Collective-free: the inputs and this rank's weights, read as they are.

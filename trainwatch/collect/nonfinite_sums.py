@@ -51,9 +51,6 @@ def sum_index(probe: NonfiniteProbe, tensor: torch.Tensor) -> int:
     index = len(probe._this_step.sums)
     probe._this_step.sums.append(checked_sum(probe, tensor))
     probe._this_step.finite.append(None)
-    # Outside autograd, a sum of -inf (-inf entries, no NaN, no +inf) is a
-    # mask built on purpose: judged finite (see finite_or_mask).
-    probe._this_step.maskable.append(not tensor.requires_grad)
     probe._this_pass.known[id(tensor)] = (weakref.ref(tensor), index, version)
     return index
 
@@ -65,12 +62,16 @@ def unchanged(probe: NonfiniteProbe, index: int, tensor: torch.Tensor) -> bool:
 
 
 def is_finite(probe: NonfiniteProbe, index: int, tensor: torch.Tensor | None = None) -> bool:
-    """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow."""
+    """Exact verdict for a CPU sum; a non-finite sum of finite values is an overflow.
+
+    A sum of -inf (-inf entries, no NaN, no +inf) is a mask made in the
+    forward, with or without grad: judged finite (see ``finite_or_mask``).
+    """
     step = probe._this_step
     verdict = step.finite[index]
     if verdict is None:
         value = float(step.sums[index])
-        verdict = math.isfinite(value) or (value == -math.inf and step.maskable[index])
+        verdict = math.isfinite(value) or value == -math.inf
         if not verdict and tensor is not None:
             verdict = finite_or_mask(tensor)
         step.finite[index] = verdict

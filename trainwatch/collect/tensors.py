@@ -218,20 +218,34 @@ def finite_exact(tensor: torch.Tensor, masks: bool = True) -> bool:
         return True
     if not masks:  # the sum may overflow where every value is finite
         return bool(torch.isfinite(tensor.detach()).all())
+    if float(total) == -math.inf and not is_weight(tensor):
+        # No NaN and no +inf (either makes the sum NaN/+inf): -inf entries, or
+        # finite ones past fp32's range. A masked output is judged by its sum.
+        return True
     return finite_or_mask(tensor)
 
 
 def finite_or_mask(tensor: torch.Tensor) -> bool:
-    """Finite, or a deliberate mask: outside autograd, its only non-finite entries -inf.
+    """Finite, or a mask: its only non-finite entries -inf, and it is no weight.
 
-    Causal and padding masks are built with -inf on purpose (``torch.full``,
-    ``masked_fill``) and never require grad; a -inf that training made does
-    (it came from the weights), and NaN or +inf is never a mask. Under
-    ``no_grad`` (evaluation) nothing requires grad, so a -inf alone is let
-    pass there: the NaN it turns into downstream is still caught.
+    A forward pass makes -inf on purpose, with or without grad: causal and
+    padding masks (``torch.full``, ``masked_fill``) and invalid-action
+    masking, where ``logits.masked_fill(~legal, -inf)`` carries the logits'
+    grad into a ``Categorical`` or a ``log_softmax``. A -inf alone harms
+    nothing; what it turns into is caught where it shows: a NaN/+inf that
+    follows (softmax of a row of nothing but -inf, ``-inf * 0``, a BatchNorm
+    after ``log(0)``, whose -inf is then traced to the op that made it), a
+    non-finite loss, a non-finite gradient. NaN or +inf is never a mask, and
+    neither is a -inf in a weight (a leaf autograd trains): masks are made by
+    ops, never written by an optimizer.
     """
     # Detached: inside a checkpoint's recomputation, any op that saves a
     # tensor for backward (isfinite's abs does) breaks the recompute's match.
     if bool(torch.isfinite(tensor.detach()).all()):
         return True
-    return not tensor.requires_grad and only_negative_inf(tensor)
+    return not is_weight(tensor) and only_negative_inf(tensor)
+
+
+def is_weight(tensor: torch.Tensor) -> bool:
+    """A leaf autograd trains (a parameter): written by an optimizer, never a mask."""
+    return tensor.requires_grad and tensor.is_leaf

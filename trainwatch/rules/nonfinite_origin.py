@@ -226,14 +226,10 @@ class NonfiniteJudge:
         finite = [
             known
             if known is not None
-            else (
-                sums is None
-                or sums[i] == FINITE
-                or (sums[i] == NEG_INF and i < len(window.maskable) and window.maskable[i])
-            )
+            else (sums is None or sums[i] == FINITE or sums[i] == NEG_INF)  # -inf: a mask
             for i, known in enumerate(window.finite)
         ]
-        located = locate_forward(window.calls, finite, sums, window.maskable)
+        located = locate_forward(window.calls, finite, sums)
         finding = window.forward_origin or located
         if finding is None:
             if not window.output_bad:
