@@ -88,6 +88,24 @@ class HeldParameters:
             return [(name, BOTH_ZERO) for name in held_zero]
         return [(name, self._why_still(param)) for name, param in zero if name not in silent]
 
+    def owners_beside(self, told: Collection[str]) -> set[str] | None:
+        """The modules owning a parameter of the model other than ``told`` that trains
+        (requires_grad) or that a watched optimizer holds: a frozen part told as one
+        (a backbone frozen inside the optimizer) ends short of each of them, so that
+        frozen embeddings and a frozen head, the encoder trained between them, stay
+        two parts. Parameters frozen and held by no optimizer (left out of it, as
+        they should be) end no part. None: the model is not known."""
+        layers = self._layers()
+        if layers is None:
+            return None
+        held = {id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]}
+        beside = set()
+        for param in layers.parameters():
+            info = layers.info(param)
+            if info.name not in told and (param.requires_grad or id(param) in held):
+                beside.add(info.owner)
+        return beside
+
     def _why_still(self, param: torch.Tensor) -> str | None:
         if not param.requires_grad:
             return FROZEN

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
@@ -12,6 +13,11 @@ from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.trainable_parameters import common_module
 
+_FROZEN_HINT_END = (
+    "(A freeze undone later is told then, as a note.) A momentum or EMA copy kept "
+    "frozen on purpose (MoCo's key encoder, a teacher) is moved by its own update, "
+    "which then never ran: is that update called every step?"
+)
 _UNFROZEN_HINT = "nothing to do: a freeze for warm-up or fine-tuning, ended as planned"
 # Under DDP the freeze itself is undone, but a wrapper built while it held does
 # not all-reduce these gradients: trainable_parameters tells that on its own.
@@ -49,6 +55,10 @@ class FrozenInOptimizerRule(_ReportOnce):
         self._first_seen: dict[tuple[int | None, str], int] = {}
         # The names told for parameters outside the model, by their placeholder.
         self._shown: dict[str, str] = {}
+        # Per (optimizer, module) told of, the modules its warning named, when more
+        # than one (a whole backbone frozen): the freeze is told undone at that
+        # module once they all train again.
+        self._parts: dict[tuple[int | None, str], list[str]] = {}
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.frozen:
@@ -66,36 +76,100 @@ class FrozenInOptimizerRule(_ReportOnce):
         moved = record.frozen_moved
         # Moved by the training code every step (a momentum encoder): not forgotten.
         frozen = [p for p in frozen if p.name not in moved] if moved else frozen
-        for owner, params in self.new_owners(record.optimizer, frozen).items():
-            if owner == EXTERNAL:
-                alerts.append(self._outside(record, params))
-                continue
-            trainable = record.trainable_by_module.get(owner, 0)
-            alerts.append(
-                self.alert(
-                    self._first_seen.get((record.optimizer, owner), record.step),
-                    owner,
-                    f"{len(params)} parameter{'s' if len(params) != 1 else ''} with "
-                    f"requires_grad=False ({short_names(params)}) "
-                    f"{'sit' if len(params) != 1 else 'sits'} in optimizer "
-                    f"{record.optimizer}'s param groups, beside {trainable} trainable "
-                    f"one{'s' if trainable != 1 else ''} of this module",
-                    "this layer is not updated while it stays frozen: a freeze for "
-                    "warm-up or fine-tuning that is never undone? Set requires_grad=True, "
-                    "or build the optimizer from the parameters you mean to train. (A "
-                    "freeze undone later is told then, as a note.) A momentum or EMA "
-                    "copy kept frozen on purpose (MoCo's key encoder, a teacher) is "
-                    "moved by its own update, which then never ran: is that update "
-                    "called every step?",
-                    {
-                        "frozen": len(params),
-                        "trainable": trainable,
-                        "parameters": [p.name for p in params],
-                        "optimizer": record.optimizer,
-                    },
-                )
-            )
+        fresh = self.new_owners(record.optimizer, frozen)
+        if not fresh:
+            return alerts
+        for owners in self._frozen_parts(fresh):
+            if owners == [EXTERNAL]:
+                alerts.append(self._outside(record, fresh[EXTERNAL]))
+            elif len(owners) == 1:
+                alerts.append(self._frozen_layer(record, owners[0], fresh[owners[0]]))
+            else:
+                alerts.append(self._frozen_part(record, {o: fresh[o] for o in owners}))
         return alerts
+
+    def _frozen_parts(self, fresh: dict[str, list[ParamInfo]]) -> list[list[str]]:
+        """The modules told now, grouped by the largest subtree of the model that
+        holds nothing else the optimizers hold or that trains: a backbone frozen
+        whole is one part, told once at the module holding it; frozen embeddings and
+        a frozen head with the encoder trained between them are two."""
+        owners = list(fresh)
+        held = self.held
+        if len(owners) < 2 or held is None:
+            return [[owner] for owner in owners]
+        told = {p.name for owner, group in fresh.items() if owner != EXTERNAL for p in group}
+        beside = held.owners_beside(told)
+        if beside is None:
+            return [[owner] for owner in owners]
+        # A module is part of no frozen part where it or a module inside it is beside.
+        ends = {""} if beside else set()
+        for owner in beside:
+            pieces = owner.split(".") if owner else []
+            ends.update(".".join(pieces[:i]) for i in range(1, len(pieces) + 1))
+        parts: dict[str, list[str]] = {}
+        for owner in owners:
+            if owner == EXTERNAL:  # outside the model: a part of its own
+                parts[EXTERNAL] = [EXTERNAL]
+                continue
+            pieces = owner.split(".") if owner else []
+            tops = (".".join(pieces[:i]) for i in range(len(pieces) + 1))
+            top = next((name for name in tops if name not in ends), owner)
+            parts.setdefault(top, []).append(owner)
+        return list(parts.values())
+
+    def _frozen_layer(self, record: StepRecord, owner: str, params: list[ParamInfo]) -> Alert:
+        """One module's frozen parameters, told alone: beside trainable ones of its
+        own, or the only module of the model frozen there."""
+        trainable = record.trainable_by_module.get(owner, 0)
+        many = len(params) != 1
+        return self.alert(
+            self._first_seen.get((record.optimizer, owner), record.step),
+            owner,
+            f"{len(params)} parameter{'s' if many else ''} with "
+            f"requires_grad=False ({short_names(params)}) "
+            f"{'sit' if many else 'sits'} in optimizer "
+            f"{record.optimizer}'s param groups, beside {trainable} trainable "
+            f"one{'s' if trainable != 1 else ''} of this module",
+            "this layer is not updated while it stays frozen: a freeze for "
+            "warm-up or fine-tuning that is never undone? Set requires_grad=True, "
+            "or build the optimizer from the parameters you mean to train. " + _FROZEN_HINT_END,
+            {
+                "frozen": len(params),
+                "trainable": trainable,
+                "parameters": [p.name for p in params],
+                "optimizer": record.optimizer,
+            },
+        )
+
+    def _frozen_part(self, record: StepRecord, part: dict[str, list[ParamInfo]]) -> Alert:
+        """A frozen subtree of modules (a backbone frozen whole while the optimizer was
+        built over ``model.parameters()``): one alert, at the module holding them all,
+        since one fix covers them all."""
+        modules = list(part)
+        module = common_module(modules)
+        params = [p for group in part.values() for p in group]
+        self._parts[(record.optimizer, module)] = modules
+        since = min(self._first_seen.get((record.optimizer, m), record.step) for m in modules)
+        where = module or "the model"
+        return self.alert(
+            since,
+            module,
+            f"{len(params)} parameters of {where}, in {len(modules)} modules "
+            f"({short_names(params)}), have requires_grad=False and sit in optimizer "
+            f"{record.optimizer}'s param groups: no parameter of {where} trains",
+            f"{where} is not updated while it stays frozen: a frozen backbone, or a "
+            "freeze for warm-up or fine-tuning that is never undone? Set "
+            "requires_grad=True where it should train; if it is meant to stay fixed, "
+            "build the optimizer from the parameters you mean to train "
+            "([p for p in model.parameters() if p.requires_grad]). " + _FROZEN_HINT_END,
+            {
+                "frozen": len(params),
+                "trainable": 0,
+                "parameters": [p.name for p in params],
+                "modules": modules,
+                "optimizer": record.optimizer,
+            },
+        )
 
     def _outside(self, record: StepRecord, params: list[ParamInfo]) -> Alert:
         """Frozen parameters outside the model, beside the model's in its optimizer, that
@@ -126,35 +200,100 @@ class FrozenInOptimizerRule(_ReportOnce):
         )
 
     def _unfrozen(self, record: StepRecord, frozen: list[ParamInfo]) -> list[Alert]:
-        """A module told of, whose frozen parameters all train now: a warm-up freeze
-        undone, told as a note beside the warning (``frozen``: those still frozen
-        that this monitor judges)."""
+        """A module or frozen part told of, whose frozen parameters all train now: a
+        warm-up freeze undone, told as a note beside the warning, at the module the
+        warning named (``frozen``: those still frozen that this monitor judges). A
+        part that trains again only in some of its modules (gradual unfreezing, top
+        layers first) is told in a note of its own, its warning standing for the rest."""
         still = {p.owner for p in frozen}
+        unfrozen = by_owner(record.unfrozen)
+        scope = record.optimizer
+        told: dict[str, list[str]] = {}  # the module each unfrozen module was told at
+        for owner in unfrozen:
+            if (scope, owner) in self._reported and owner not in still:
+                module = self._part_of(scope, owner)
+                if (scope, module) not in self._undone:
+                    told.setdefault(module, []).append(owner)
         alerts = []
-        for owner, params in by_owner(record.unfrozen).items():
-            key = (record.optimizer, owner)
-            if key not in self._reported or owner in still or key in self._undone:
+        for module, owners in told.items():
+            params = [p for owner in owners for p in unfrozen[owner]]
+            rest = [m for m in self._parts.get((scope, module), [module]) if m in still]
+            if rest:
+                alerts.append(self._part_unfrozen(record, module, owners, params, rest))
                 continue
-            self._undone.add(key)
+            self._undone.add((scope, module))
+            data: dict[str, Any] = {
+                "kind": "unfrozen",
+                "finding": "unfrozen",
+                "withdraws": True,  # the warning no longer stands (--fail-on)
+                "parameters": [self._shown.get(p.name, p.name) for p in params],
+                "optimizer": scope,
+            }
+            what, undone = self._names(params), "the freeze told of earlier was undone"
+            part = self._parts.get((scope, module))
+            if part is not None:
+                data["modules"] = part
+                if len(owners) < len(part):  # the others were told unfrozen before
+                    undone = (
+                        f"the rest of the freeze of {module or 'the model'} told of earlier "
+                        "was undone, all of it trains"
+                    )
+            if len(owners) > 1:
+                what = (
+                    f"{len(params)} parameters of {module or 'the model'}, in {len(owners)} "
+                    f"modules ({what}),"
+                )
             alerts.append(
                 self.alert(
                     record.step,
-                    owner,
-                    f"{self._names(params)} in optimizer {record.optimizer}'s param groups "
-                    f"train again from step {record.step} (requires_grad=True): the freeze "
-                    "told of earlier was undone",
+                    module,
+                    f"{what} in optimizer {scope}'s param groups "
+                    f"train again from step {record.step} (requires_grad=True): {undone}",
                     _UNFROZEN_HINT_DISTRIBUTED if process_group_up() else _UNFROZEN_HINT,
-                    {
-                        "kind": "unfrozen",
-                        "finding": "unfrozen",
-                        "withdraws": True,  # the warning no longer stands (--fail-on)
-                        "parameters": [self._shown.get(p.name, p.name) for p in params],
-                        "optimizer": record.optimizer,
-                    },
+                    data,
                     severity="info",
                 )
             )
         return alerts
+
+    def _part_of(self, scope: int | None, owner: str) -> str:
+        """The module whose warning named ``owner``: its own, or a frozen part's."""
+        for (told_scope, module), modules in self._parts.items():
+            if told_scope == scope and owner in modules:
+                return module
+        return owner
+
+    def _part_unfrozen(
+        self,
+        record: StepRecord,
+        module: str,
+        owners: list[str],
+        params: list[ParamInfo],
+        rest: list[str],
+    ) -> Alert:
+        """Some modules of a frozen part train again, others stay frozen: said at the
+        modules unfrozen, withdrawing nothing, since the part's warning still holds."""
+        return self.alert(
+            record.step,
+            common_module(owners),
+            f"{self._names(params)} in optimizer {record.optimizer}'s param groups "
+            f"train again from step {record.step} (requires_grad=True): part of the freeze "
+            f"of {module or 'the model'} told of earlier was undone; {len(rest)} of its "
+            f"modules ({', '.join(rest[:4])}{' and more' if len(rest) > 4 else ''}) "
+            f"{'stays' if len(rest) == 1 else 'stay'} frozen, and its warning stands for "
+            f"{'it' if len(rest) == 1 else 'them'}",
+            _UNFROZEN_HINT_DISTRIBUTED if process_group_up() else _UNFROZEN_HINT,
+            {
+                "kind": "unfrozen",
+                "finding": "unfrozen",
+                "withdraws": False,
+                "parameters": [p.name for p in params],
+                "modules": owners,
+                "still_frozen": rest,
+                "optimizer": record.optimizer,
+            },
+            severity="info",
+        )
 
     def _names(self, params: list[ParamInfo]) -> str:
         return short_names([replace(p, name=self._shown.get(p.name, p.name)) for p in params])
