@@ -14,6 +14,11 @@ norm is noisy by nature needs a jump beyond its own noise too: a classifier
 trained to a near-zero loss has near-zero gradients but for the odd hard
 example, which lifts its norms 50-150x for one step, healthily (its log norm
 moves by about 1.5 a step, against 0.1-0.3 for most layers most of the time).
+A jump that is gone a step later is no explosion either, unless it is huge: a
+batch-of-one policy gradient has steady, tiny norms while its policy is
+near-deterministic, and 60-190x that for the one step it samples the unlikely
+action; such a jump is held back a step and dropped once it passed, while one
+that goes on is told, dated at the step it began.
 Vanishing compares each layer with the other layers of the same step, for
 several steps in a row: a layer that is merely small (a rarely used
 embedding) is still within a few orders of magnitude of the rest.
@@ -155,20 +160,38 @@ class _Runaway:
 # going this many steps after the sync is told.
 _SYNC_SETTLES = 50
 
+# A jump below this many times its typical norm may be a small batch's heavy
+# tail, gone at the next step: a near-deterministic policy sampling its rare
+# action (REINFORCE, one episode an update: 60-190x), a classifier's odd hard
+# example near a zero loss (50-150x). A loss blown up for one batch (a term
+# scaled 1e4x, a division by a tiny std) jumps 3,600-10,000x: told at once.
+_PASSING_BELOW = 1000.0
+
 
 class _Waiting:
-    """A jump held back for a step: whether a copy of the model was just synced to
-    it is known once the model has moved once more."""
+    """A jump held back for a step: whether it passed (every layer that jumped back
+    near its typical norm, nothing jumping now) or a copy of the model was just
+    synced to it is known once the model has moved once more.
 
-    __slots__ = ("step", "optimizer", "alerts", "look")
+    ``look``: the copies of the model to look at then (None: none to look at);
+    ``passing``: a jump small enough to be a heavy tail, dropped if it passed.
+    """
+
+    __slots__ = ("step", "optimizer", "alerts", "look", "passing")
 
     def __init__(
-        self, step: int, optimizer: int | None, alerts: list[Alert], look: CopiesLook
+        self,
+        step: int,
+        optimizer: int | None,
+        alerts: list[Alert],
+        look: CopiesLook | None,
+        passing: bool,
     ) -> None:
         self.step = step
         self.optimizer = optimizer
         self.alerts = alerts
         self.look = look
+        self.passing = passing
 
 
 class _Sync:
@@ -242,8 +265,10 @@ class ExplodingGradientRule(Rule):
         overflow = record.nonfinite_backward
         if overflow is not None and overflow.cause == NORM_OVERFLOW:
             # Off the usual step (its norms are not finite): no layer's history
-            # moves, as for any spike.
-            return [self._overflow_alert(record, overflow)]
+            # moves, as for any spike. A jump held back went on to this.
+            waiting, self._waiting = self._waiting, None
+            held_back = waiting.alerts if waiting is not None else []
+            return [*held_back, self._overflow_alert(record, overflow)]
         self._write_back()  # the per-layer look reads every history, writes the step's
         alerts = self._evaluate_each_layer(record)
         if alerts or self._waiting is not None:
@@ -255,21 +280,30 @@ class ExplodingGradientRule(Rule):
         return alerts
 
     def closing(self) -> list[Alert]:
-        """A jump held back at the last step: no next step will say it was a sync."""
+        """A jump held back at the last step: no next step will say it passed or was
+        a sync."""
         waiting, self._waiting = self._waiting, None
         return waiting.alerts if waiting is not None else []
 
     def _unless_a_sync(self, record: StepRecord, alerts: list[Alert]) -> list[Alert]:
-        """The jumps of a DQN's target-network sync held back, the rest told.
+        """The jumps that pass at once and those of a DQN's target-network sync held
+        back, the rest told.
+
+        A jump below ``_PASSING_BELOW`` times its typical norm that starts a
+        run of them waits a step: one that passed (no layer that jumped still
+        sqrt(``factor``) above its typical norm, or non-finite, and no jump at
+        that step) was a small batch's heavy tail, and is dropped; one that
+        went on (a learning rate blown up, a NaN after it) is told then, at
+        its own step.
 
         The step after a target network is set to the model's weights the TD
         targets jump, and the gradients 100-250x with them. Where the first
         jump of a run of them finds a copy of the model (see
-        trainwatch.collect.model_copies), it waits a step: a copy that stayed
-        still and lies within a few of the model's moves was just synced, and
-        the jumps within ``_SYNC_SETTLES`` steps of it are its doing while it
-        stays so, if the jump went on at that step (the targets stay moved).
-        Each run of jumps costs at most one such look.
+        trainwatch.collect.model_copies), it waits a step too: a copy that
+        stayed still and lies within a few of the model's moves was just
+        synced, and the jumps within ``_SYNC_SETTLES`` steps of it are its
+        doing while it stays so, if the jump went on at that step (the targets
+        stay moved). Each run of jumps costs at most one such look.
         """
         waiting = self._waiting
         if (
@@ -278,7 +312,11 @@ class ExplodingGradientRule(Rule):
             and record.source in ("optimizer", "manual")
         ):
             self._waiting = None
-            copy = waiting.look.synced() if self._went_on(record, waiting.alerts) else None
+            went_on = self._went_on(record, waiting.alerts)
+            if waiting.passing and not (went_on or alerts) and self._finite(record, waiting):
+                return alerts  # passed: a heavy tail, not an explosion
+            look = waiting.look
+            copy = look.synced() if went_on and look is not None else None
             if copy is None:
                 alerts = [*waiting.alerts, *alerts]
                 if len(alerts) > len(waiting.alerts):
@@ -300,14 +338,16 @@ class ExplodingGradientRule(Rule):
             if running:  # a run begun at the sync: more than the targets moving
                 return [_after_a_sync(alert, sync, still) for alert in alerts]
         held = self.held
-        if running or self._waiting is not None or held is None:
+        if running or self._waiting is not None:
             return alerts
-        if any(alert.data.get("ratio") is None for alert in alerts):
+        ratios = [alert.data.get("ratio") for alert in alerts]
+        if None in ratios:
             return alerts  # over the configured bound: told whatever the cause
-        look = held.copies.look(step)
-        if look is None:
+        passing = max(ratios) < _PASSING_BELOW
+        look = held.copies.look(step) if held is not None else None
+        if look is None and not passing:
             return alerts
-        self._waiting = _Waiting(step, record.optimizer, alerts, look)
+        self._waiting = _Waiting(step, record.optimizer, alerts, look, passing)
         return []
 
     def _went_on(self, record: StepRecord, alerts: list[Alert]) -> bool:
@@ -323,6 +363,14 @@ class ExplodingGradientRule(Rule):
                 if math.log(norm) - history.mean > above:
                     return True
         return False
+
+    @staticmethod
+    def _finite(record: StepRecord, waiting: _Waiting) -> bool:
+        """No layer that jumped went non-finite a step later: a NaN after a jump is
+        where the jump led."""
+        norms = record.layer_norms
+        layers = (name for alert in waiting.alerts for name in alert.data["layers"])
+        return all(math.isfinite(norms.get(layer, 0.0)) for layer in layers)
 
     def _overflow_alert(self, record: StepRecord, report: NonfiniteReport) -> Alert:
         """Gradients too large for their norm's fp32 sum of squares: the largest
