@@ -387,7 +387,7 @@ class StepPipeline:
         if "first_batch" in needs:
             section = config.stalled_training
             self.stall = FirstBatchProbe(
-                self.passes, section.every, section.rows, section.loss_window
+                self.passes, section.every, section.rows, section.loss_window, optimizers
             )
             self.stall.restart(0)
         # An optimizer that holds the model but never steps: seen from its passes
@@ -802,11 +802,12 @@ class StepPipeline:
         ``GradResetTracker.closure_step_begins``); and its passes are the step's
         own evaluations, not steps a GradScaler skipped (``in_closure_step``).
         The step is gathered once ``step()`` returned, after its update: on
-        stalled_training's re-run step the weights before it are copied now.
+        stalled_training's re-run step, and on a phase's first (whose weights the
+        reference is taken with), the weights before it are copied now.
         """
         self._closure_taken = PROCESS_STEPS.taken
         stall = self.stall
-        if stall is not None and step == stall.due:  # (plain attributes)
+        if stall is not None and (step == stall.due or stall.first_step_open):  # (plain attributes)
             self._guarded(
                 "stalled training", stall.closure_step_begins, self.optimizer_params(index), step
             )

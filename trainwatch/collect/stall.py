@@ -1,22 +1,36 @@
 """Whether training changes what the model computes: its first batch, re-run now and then.
 
 A forward pass with gradients of a training phase's first step leaves a few
-rows of its inputs behind (at most ``rows``, cloned once) and, before any
-update, the model's output on them: the first pass of the last module to
-run. The last module, not the first: a loop that calls the model's parts
-(``self.head(self.encoder(x))``) runs a frozen encoder first, whose output
-nothing trains, and the part the loss comes out of last. Its first pass: a
-step with a closure (LBFGS) updates the weights between its evaluations. A
-pass through a module with no trainable parameter is never kept (re-run on
-its own inputs it cannot move), and one whose module got no gradient while
-the step's weights did (cut off by a stray ``detach()``) is dropped: the
-phase is not measured. Every ``every`` steps
-the model is run on those rows again, in eval mode, without gradients and
-under the quiet marker (no other collector sees the pass), with the RNG
-forked and the buffers swapped for copies, so training goes on bit for bit
-as it would have. Batch-norm running statistics are the ones kept at the
-start of the phase: they move on every training pass whatever the learning
-rate, so only the weights can move the output.
+rows of its inputs behind (at most ``rows``, cloned once): the first pass of
+the last module to run. The last module, not the first: a loop that calls
+the model's parts (``self.head(self.encoder(x))``) runs a frozen encoder
+first, whose output nothing trains, and the part the loss comes out of
+last. Its first pass: a step with a closure (LBFGS) updates the weights
+between its evaluations. A pass through a module with no trainable
+parameter is never kept (re-run on its own inputs it cannot move), and one
+whose module got no gradient while the step's weights did (cut off by a
+stray ``detach()``) is dropped: the phase is not measured.
+
+Nothing is re-run inside a pass: between a forward and its backward the
+graph holds the weights it saw, and a re-run that writes into one (an
+``nn.Embedding(max_norm=...)`` renormalises its rows in place on every call)
+would fail the user's backward. The model's output on the rows, the
+reference, is taken at the first step's boundary, as its gradients are
+gathered, and with the weights its passes saw: copies of them, put in place
+of the model's own for the call, so that even a model that writes into its
+weights when run in eval mode leaves the user's untouched. Where the step is
+gathered after its update (``monitor.step()`` without an optimizer, a step
+with a closure) those copies were taken before it: as the pass ended, or as
+``step(closure)`` began.
+
+Every ``every`` steps the model is run on those rows again, in eval mode,
+without gradients and under the quiet marker (no other collector sees the
+pass), with the RNG forked and the buffers swapped for copies, so training
+goes on bit for bit as it would have. Batch-norm running statistics are the
+ones kept at the start of the phase: they move on every training pass
+whatever the learning rate, so only the weights can move the output. A model
+whose re-run wrote into a weight in place is not re-run again (see
+:meth:`FirstBatchProbe._run`).
 
 On the same sampled steps the weights are copied before the optimizer's
 update (for a step with a closure, as ``step(closure)`` begins: it is
@@ -35,8 +49,8 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
-from itertools import compress, groupby, repeat
-from operator import attrgetter, is_, itemgetter, methodcaller, truediv
+from itertools import chain, compress, groupby, repeat
+from operator import attrgetter, eq, is_, is_not, itemgetter, methodcaller, ne, not_, truediv
 from typing import Any
 
 import torch
@@ -58,6 +72,16 @@ from trainwatch.rng import forked_rngs
 _NORM_STATS = nn.modules.batchnorm._NormBase
 _TRAINING = attrgetter("training")
 _STATE = attrgetter("__dict__")  # a module's plain attributes, its mode among them
+# What registers a module's weights, buffers and parts: dicts a forward can change
+# in place (``setattr`` of an ``nn.Parameter`` adds one to ``_parameters``).
+_PARAMETERS = attrgetter("_parameters")
+_BUFFERS = attrgetter("_buffers")
+_MODULES = attrgetter("_modules")
+_VERSION = attrgetter("_version")  # a tensor's in-place write counter
+_DATA_PTR = methodcaller("data_ptr")
+_INFERENCE = methodcaller("is_inference")
+_CLEAR = methodcaller("clear")
+_PLAIN = {dict}
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _GRAD = attrgetter("grad")
 _NUMEL = methodcaller("numel")
@@ -82,13 +106,26 @@ class FirstBatchProbe:
     attributes (``loss_until``, ``look_from``) without a call. A model wrapped in
     DDP is re-run through its inner module (no collective on one rank), one with
     SyncBatchNorm or FSDP-sharded parts not at all.
+
+    ``optimizers``: the watched optimizers (the monitor's own list, which it adds
+    to). With none, ``monitor.step()`` marks each step once its update is made,
+    so the weights a pass saw are copied as it ends; None: every step is
+    gathered before its update.
     """
 
-    def __init__(self, passes: ModelPasses, every: int, rows: int, loss_window: int) -> None:
+    def __init__(
+        self,
+        passes: ModelPasses,
+        every: int,
+        rows: int,
+        loss_window: int,
+        optimizers: Sequence[Any] | None = None,
+    ) -> None:
         self.every = every
         self.rows = rows
         self.loss_window = loss_window
         self._passes = passes
+        self._optimizers = optimizers
         self.phase = 0  # counts the training phases, from 1
         self._phase_start = 0  # the first step of the current phase
         # The sampled steps: the first ``loss_window`` of the phase, the
@@ -100,11 +137,33 @@ class FirstBatchProbe:
         # ``loss_until``: the earlier of that look and ``loss_from``.
         self.rates_due = 0
         self.look_from = 0
-        self._kept = False  # a batch is kept, or the attempt gave up for this phase
-        # While not kept: PROCESS_STEPS.taken at the latest pass with gradients
+        # The phase's first step is over: its passes are no longer listened to.
+        self.settled = False
+        # Until the phase's first step with a pass is gathered: a step with a
+        # closure beginning copies the weights its passes will see (read by the
+        # step pipeline as a plain attribute). Its first steps with no pass seen
+        # end it: a phase whose passes show up later copies no weights at every
+        # step meanwhile.
+        self.first_step_open = True
+        # While not settled: PROCESS_STEPS.taken at the latest pass with gradients
         # (None: none yet this phase). A step taken since ends the first step:
         # its last pass is the one to keep.
         self._since: int | None = None
+        # The first step's passes that may give the phase's batch, the last to run
+        # last: the module, its first rows (args, kwargs), its norm layers' running
+        # statistics. They are run at the step's boundary (:meth:`_take_reference`).
+        self._candidates: list[tuple[weakref.ref[nn.Module], Any, Any, list[Any]]] = []
+        # Copies of the weights the first step's passes saw, taken before an update
+        # that comes ahead of the step's boundary: id -> (weight, copy).
+        self._first_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A step boundary went by unsampled since the first step's passes: weights
+        # not copied before it may have moved.
+        self._missed = False
+        # The sampled steps report: a batch is kept, or the model writes into its
+        # weights when re-run and the output's move is left out (None).
+        self._ready = False
+        # Weights a re-run wrote into in place: a model holding one is not re-run.
+        self._written: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
         # The weights as a step with a closure began (its step, its parameters,
         # their copies): that step is gathered after its update.
         self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -126,22 +185,26 @@ class FirstBatchProbe:
         return None
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._kept or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        if self.settled or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
         since = self._since
         if since is not None and since != PROCESS_STEPS.taken:
             # A step ended since the latest pass (one not sampled): that pass
-            # was the first step's last.
-            self._settle(None)
+            # was the first step's last, and an update may have come since. Its
+            # candidates run at the next sampled step's boundary, not here: this
+            # pass's backward is still to come.
+            self._missed = True
+            self._settle()
             return
         self._since = PROCESS_STEPS.taken
         target = replay_target(module)  # never a collective: DDP's inner module, or nothing
-        if target is None or (self._module is not None and self._module() is target):
+        candidates = self._candidates
+        if target is None or (candidates and candidates[-1][0]() is target):
             # Its first pass of the step is kept: the later ones (micro-batches, an
             # LBFGS step's evaluations, which follow updates of its own) add nothing.
             return
         if any(map(_REQUIRES_GRAD, target.parameters())):
-            self._keep(target, args, kwargs)  # the step's last module so far
+            self._note(target, args, kwargs)  # the step's last module so far
 
     def restart(self, step: int) -> None:
         """A new phase (the first, a new optimizer, a replaced module): a new first batch."""
@@ -149,11 +212,10 @@ class FirstBatchProbe:
         self._phase_start = step
         self.loss_until = step + self.loss_window
         self._schedule(step + self.every - 1)
-        self._kept = False
+        self.settled = False
+        self.first_step_open = True
         self._since = None
-        self._module = self._args = self._kwargs = self._reference = None
-        self._stats = []
-        self._weights_at_boundary = self._held = None
+        self._forget()
         if not self._passes.listens(self):
             self._passes.subscribe("stalled training", self, starts=False)
 
@@ -173,30 +235,34 @@ class FirstBatchProbe:
 
     def detach(self) -> None:
         self._passes.unsubscribe(self)
-        self._kept = True
+        self.settled = True
+        self.first_step_open = False
+        self._forget()
+
+    def _forget(self) -> None:
+        """The phase's batch, its candidates and every copy of the weights, dropped."""
         self._module = self._args = self._kwargs = self._reference = None
         self._stats = []
+        self._candidates = []
+        self._first_weights = {}
+        self._missed = self._ready = False
         self._weights_at_boundary = self._held = None
 
-    def _settle(self, params: Sequence[torch.Tensor] | None) -> None:
-        """The first step is over: the pass kept of its last module with trainable
-        parameters is the phase's batch, unless that module got no gradient while
-        ``params`` (the step's weights, where known) did: its output, cut off from
-        the loss, cannot tell whether training changes anything. Nothing kept: the
-        phase is not measured."""
-        self._kept = True
-        self._passes.unsubscribe(self)  # the passes that follow cost nothing
-        module = self._module() if self._module is not None else None
-        if module is None or params is None or not _any_grad(params):
-            return
-        if not _any_grad(filter(_REQUIRES_GRAD, module.parameters())):
-            self._module = self._args = self._kwargs = self._reference = None
-            self._stats = []
+    def _settle(self) -> None:
+        """The first step's passes are over: the passes that follow cost nothing."""
+        self.settled = True
+        self.first_step_open = False
+        self._passes.unsubscribe(self)
 
     def closure_step_begins(self, params: Sequence[torch.Tensor], step: int) -> None:
-        """A step with a closure begins on the re-run's step: the weights
-        before its update, kept for :meth:`sample` (reached after the update)."""
-        self._held = (step, list(params), _copies(params))
+        """A step with a closure begins, the phase's first or the re-run's: the
+        weights before its update (its evaluations see them first), kept for the
+        reference and for :meth:`sample` (both reached after the update). Each its
+        own copies: a reference run may write into those it is given."""
+        if self.first_step_open:
+            self._first_weights.update(zip(map(id, params), zip(params, _copies(params))))
+        if step == self.due:
+            self._held = (step, list(params), _copies(params))
 
     # -- the sampled steps -------------------------------------------------------
     def sample(
@@ -208,14 +274,23 @@ class FirstBatchProbe:
         An optimizer's pre-step hook comes before the update; ``monitor.step()``
         after it, so there the weights are copied one step boundary earlier; a
         step with a closure is gathered after its update, so its weights were
-        copied as it began (:meth:`closure_step_begins`).
+        copied as it began (:meth:`closure_step_begins`). The first sampled step
+        after the phase's first passes takes the reference: a step boundary, no
+        forward waiting for its backward.
         """
         record.stall_phase = self.phase
-        if not self._kept and self._since is not None:
-            self._settle(params)  # the first step's passes are over
+        if not self.settled:
+            if self._since is not None:
+                self._settle()  # the first step's passes are over
+            else:
+                self._first_weights = {}  # a step with no pass: nothing its weights fit
+                # (the phase may have begun in this very gathering: its step is next)
+                self.first_step_open = step <= self._phase_start
+        if self._candidates:
+            self._take_reference(params)  # the first step's boundary: nothing is in a pass
         if step > self.due:
             self.passed(step - 1)  # steps counted elsewhere (a resumed run)
-        ready = self._reference is not None
+        ready = self._ready
         manual = record.source == "manual"
         if manual and step == self.due - 1 and ready:
             self._weights_at_boundary = _copies(params)
@@ -318,10 +393,12 @@ class FirstBatchProbe:
         return found
 
     # -- internals ---------------------------------------------------------------
-    def _keep(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """``module``'s pass as the phase's batch, in place of the one kept before it,
-        if its output can be measured (a constant one, or a failed re-run: the
-        earlier stays)."""
+    def _note(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """``module``'s pass, a candidate for the phase's batch in place of an earlier
+        pass of the same module: its first rows and its norm layers' running
+        statistics cloned now, its run left for the step's boundary. With no
+        optimizer watched that boundary comes after the update: the weights the
+        pass saw are copied too."""
         batch = _batch_size(args, kwargs)
         rows = _first_rows(args, batch, self.rows)
         named = _first_rows(kwargs, batch, self.rows)
@@ -332,23 +409,73 @@ class FirstBatchProbe:
             for name, buf in sub._buffers.items()
             if buf is not None
         ]
-        output = self._run(module, rows, named, stats)
-        if output is None:
+        if self._optimizers is not None and not self._optimizers:
+            self._hold_weights(list(filter(_REQUIRES_GRAD, module.parameters())))
+        candidates = [kept for kept in self._candidates if kept[0]() is not module]
+        candidates.append((weakref.ref(module), rows, named, stats))
+        self._candidates = candidates
+
+    def _hold_weights(self, params: list[torch.Tensor]) -> None:
+        """Copies of ``params`` as they are now, for the reference (one held stays)."""
+        held = self._first_weights
+        fresh = [param for param in params if id(param) not in held]
+        held.update(zip(map(id, fresh), zip(fresh, _copies(fresh))))
+
+    def _take_reference(self, params: Sequence[torch.Tensor]) -> None:
+        """At the first step's boundary (its backward over): its candidate passes run,
+        the last first, each with the weights it saw; the first whose output can
+        be measured is the phase's batch (a constant output or a failed run: the
+        one before). Unless that module got no gradient while ``params`` (the
+        step's weights) did: its output, cut off from the loss, cannot tell
+        whether training changes anything, and the phase is not measured. None
+        measured while a model wrote into its weights when re-run: the sampled
+        steps report without the output's move."""
+        candidates, self._candidates = self._candidates, []
+        held, self._first_weights = self._first_weights, {}
+        missed, self._missed = self._missed, False
+        wrote = False
+        for ref, rows, named, stats in reversed(candidates):
+            module = ref()
+            if module is None:
+                continue
+            if self._writes(module):
+                wrote = True
+                continue
+            swap = _weights_seen(module, held, missed)
+            if swap is None:
+                continue  # updated since its pass, its weights not copied before
+            output, written = self._run(module, rows, named, stats, swap)
+            wrote = wrote or written
+            if output is None or written:
+                continue
+            spread = float(output.std()) if output.numel() > 1 else 0.0
+            if not math.isfinite(spread) or spread <= 0.0:
+                continue  # a constant output: nothing to measure a move against
+            if (
+                not missed
+                and _any_grad(params)
+                and not _any_grad(filter(_REQUIRES_GRAD, module.parameters()))
+            ):
+                return
+            self._module = ref
+            self._args, self._kwargs, self._stats = rows, named, stats
+            self._reference, self._spread = output, spread
+            self._ready = True
             return
-        spread = float(output.std()) if output.numel() > 1 else 0.0
-        if not math.isfinite(spread) or spread <= 0.0:
-            return  # a constant output: nothing to measure a move against
-        self._module = weakref.ref(module)
-        self._args, self._kwargs, self._stats = rows, named, stats
-        self._reference, self._spread = output, spread
+        self._ready = wrote
+
+    def _writes(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds a weight a re-run wrote into (usually none)."""
+        written = self._written
+        return bool(written) and not written.isdisjoint(module.parameters())
 
     def _change(self) -> float | None:
         reference = self._reference
         module = self._module() if self._module is not None else None
-        output = None
-        if module is not None:
-            output = self._run(module, self._args, self._kwargs, self._stats)
-        if reference is None or output is None or output.shape != reference.shape:
+        if reference is None or module is None or self._writes(module):
+            return None
+        output, written = self._run(module, self._args, self._kwargs, self._stats, None)
+        if written or output is None or output.shape != reference.shape:
             return None
         moved = float((output - reference).pow(2).mean().sqrt())
         return moved / self._spread if math.isfinite(moved) else None
@@ -359,16 +486,40 @@ class FirstBatchProbe:
         args: Any,
         kwargs: Any,
         stats: list[tuple[dict[str, Any], str, torch.Tensor]],
-    ) -> torch.Tensor | None:
-        """Rows through ``module``, as training would never see it; None if it fails."""
+        swap: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Rows through ``module``, as training would never see it: its output (None
+        if it fails), and whether the call wrote into a weight in place.
+
+        ``swap``: (weight, copy) pairs, each copy in its weight's place for the
+        call wherever a module registers it (a tied weight in each).
+
+        A model that writes into a weight when run (``nn.Embedding(max_norm=...)``
+        renormalises the rows it looks up; an eval path doing what training
+        never does) is not re-run again: each re-run would change the user's
+        weights behind their back, so that training no longer goes on bit for
+        bit as without trainwatch, and a graph that saved the weight would
+        fail its backward. Its version counter moved while its storage stayed:
+        a write (cuDNN moving an RNN's weights into one flat buffer gives them
+        new storage, their values unchanged). The weight is remembered, the
+        user's own where a copy stood in, and no module holding it runs again.
+        """
         subs = list(module.modules())
         modes = list(map(_TRAINING, subs))
         # A forward may keep state in plain attributes (a call counter, an
-        # RNN's hidden state carried between batches): every module's
-        # attributes are put back as they were, so the re-run leaves no trace
-        # the training sees. Saved and put back in C loops, whatever the depth.
+        # RNN's hidden state carried between batches) or register a weight
+        # (``setattr`` of an ``nn.Parameter``): every module's attributes and
+        # its weights', buffers' and parts' dicts are put back as they were, so
+        # the re-run leaves no trace the training sees. Saved and put back in C
+        # loops, whatever the depth.
         states = list(map(_STATE, subs))
         saved = list(map(dict.copy, states))
+        weights = list(map(_PARAMETERS, subs))
+        tables = [*weights, *map(_BUFFERS, subs), *map(_MODULES, subs)]
+        entries = list(map(dict.copy, tables))
+        watched: list[torch.Tensor] = []
+        versions: list[int] = []
+        pointers: list[int] = []
         devices = _cuda_devices(module)
         try:
             with ExitStack() as stack:
@@ -379,29 +530,103 @@ class FirstBatchProbe:
                 stack.enter_context(eager())
                 for buffers, name, kept in stats:
                     buffers[name] = kept.clone()  # the phase's running statistics
+                watched = _tensors(weights)
+                if swap:
+                    _swap_in(weights, swap)
+                    watched.extend(map(_SECOND, swap))
+                versions = list(map(_VERSION, watched))
+                pointers = list(map(_DATA_PTR, watched))
                 _consume(map(setattr, subs, repeat("training"), repeat(False)))
                 output = module(*detached_copies(args), **detached_copies(kwargs))
                 flat = [t.detach().float().reshape(-1) for t in floating_tensors(output)]
-                return torch.cat(flat) if flat else None
+                found = torch.cat(flat) if flat else None
         except Exception:
             # A model that cannot run on a few of its own rows again (state kept
             # between calls, a fixed batch size) is not measured; training is
             # untouched either way.
-            return None
+            found = None
         finally:
-            _restore(states, saved)
+            _restore(states, saved, tables, entries)
             _consume(map(setattr, subs, repeat("training"), modes))
+        return found, self._wrote(watched, versions, pointers, swap)
+
+    def _wrote(
+        self,
+        watched: list[torch.Tensor],
+        versions: list[int],
+        pointers: list[int],
+        swap: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> bool:
+        """Whether a tensor of ``watched`` was written in place since ``versions`` and
+        ``pointers`` were read (compared in C); each one written is remembered."""
+        if not versions or list(map(_VERSION, watched)) == versions:
+            return False
+        moved = list(map(ne, map(_VERSION, watched), versions))
+        kept = list(map(eq, map(_DATA_PTR, watched), pointers))
+        written = [tensor for tensor, m, k in zip(watched, moved, kept) if m and k]
+        if not written:
+            return False
+        originals = {id(copy): weight for weight, copy in swap or ()}
+        for tensor in written:
+            self._written.add(originals.get(id(tensor), tensor))
+        return True
 
 
-def _restore(states: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
-    """Each module's attributes as saved: what the re-run added goes, what it changed
-    or removed comes back. What it added is held until every module is restored, so
-    nothing freed on the way (a ``__del__``, a weakref callback) meets a module
-    half restored."""
+def _tensors(tables: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The tensors ``tables`` (modules' ``_parameters``) hold that count their
+    writes (an inference tensor, a frozen part built under ``inference_mode``,
+    counts none), in C loops."""
+    values = list(chain.from_iterable(map(dict.values, tables)))
+    tensors = list(compress(values, map(is_not, values, repeat(None))))
+    return list(compress(tensors, map(not_, map(_INFERENCE, tensors))))
+
+
+def _swap_in(tables: list[dict[str, Any]], swap: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each weight of ``swap`` replaced by its copy in every table that holds it."""
+    copies = {id(weight): copy for weight, copy in swap}
+    for table in tables:
+        for name, value in list(table.items()):
+            copy = copies.get(id(value))
+            if copy is not None:
+                table[name] = copy
+
+
+def _weights_seen(
+    module: nn.Module, held: dict[int, tuple[torch.Tensor, torch.Tensor]], missed: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(weight, copy) for each of ``module``'s trainable weights as its pass saw
+    them: held since (copied before an update), or copied now, at a boundary
+    before the update; None where one was not held and a boundary went by
+    (``missed``). Frozen weights do not move: they stay in place."""
+    params = list(filter(_REQUIRES_GRAD, module.parameters()))
+    fresh = [param for param in params if id(param) not in held]
+    if fresh and missed:
+        return None
+    held.update(zip(map(id, fresh), zip(fresh, _copies(fresh))))
+    return list(map(held.__getitem__, map(id, params)))
+
+
+def _restore(
+    states: list[dict[str, Any]],
+    saved: list[dict[str, Any]],
+    tables: list[dict[str, Any]],
+    entries: list[dict[str, Any]],
+) -> None:
+    """Each module's attributes, and its weights', buffers' and parts' dicts, as
+    saved: what the re-run added goes, what it changed or removed comes back.
+    What it added is held until every module is restored, so nothing freed on
+    the way (a ``__del__``, a weakref callback) meets a module half restored."""
     added = list(map(dict.copy, states))
+    added_entries = list(map(dict.copy, tables))
     _consume(map(dict.clear, states))
     _consume(map(dict.update, states, saved))
-    del added
+    _consume(map(_CLEAR, tables))
+    if set(map(type, tables)) <= _PLAIN:
+        _consume(map(dict.update, tables, entries))
+    else:  # an OrderedDict among them: its own update keeps its order
+        for table, entry in zip(tables, entries):
+            table.update(entry)
+    del added, added_entries
 
 
 def _divided(
