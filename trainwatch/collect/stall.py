@@ -49,12 +49,13 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
-from itertools import chain, compress, groupby, repeat
+from itertools import chain, compress, filterfalse, groupby, repeat
 from operator import attrgetter, eq, is_, is_not, itemgetter, methodcaller, ne, not_, truediv
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from trainwatch.collect import quiet
 from trainwatch.collect.grads import layer_norms
@@ -258,7 +259,11 @@ class FirstBatchProbe:
         """A step with a closure begins, the phase's first or the re-run's: the
         weights before its update (its evaluations see them first), kept for the
         reference and for :meth:`sample` (both reached after the update). Each its
-        own copies: a reference run may write into those it is given."""
+        own copies: a reference run may write into those it is given. A lazy
+        module's weights, not made before the closure's first forward, have
+        nothing to copy yet: the reference copies them at the boundary."""
+        if any(map(is_lazy, params)):
+            params = list(filterfalse(is_lazy, params))
         if self.first_step_open:
             self._first_weights.update(zip(map(id, params), zip(params, _copies(params))))
         if step == self.due:
