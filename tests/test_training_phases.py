@@ -90,13 +90,18 @@ def test_a_spike_after_the_new_warm_up_is_still_exploding():
 
 
 def test_a_new_optimizer_over_the_same_layers_starts_a_new_phase():
-    """A second phase on new data at another scale, with its own optimizer: silent."""
+    """A second phase on new data at another scale, with its own optimizer: silent.
+
+    At lr 3e-5 its loss falls from 5e4 to 150 in 60 steps. (At 1e-4 it diverges:
+    at its 33rd step the loss reaches 3e12 and the gradient norm jumps 5e6x in
+    one step, after which the first layer's units are dead for good: that jump
+    is an explosion, told whatever the phase's warm-up.)"""
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     with tw.watch(model, optimizer, console=False) as monitor:
         _pretrain(model, optimizer)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=3e-5)
         monitor.add_optimizer(optimizer)
         for step in range(60):
             x = X[(step * 32) % 512 :][:32] * 30.0

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from trainwatch import clip_hook
+from trainwatch.weak import weak_getter
 
 if TYPE_CHECKING:
     from trainwatch.rules.rule_set import RuleSet
@@ -65,6 +66,9 @@ class ClipGathering:
         self._holder: tuple[int, int, int] | None = None  # (id(param), len, index)
         # Steps gathered before clipping, kept over the closure step that followed.
         self.kept_over_closure: dict[int, PendingStep] = {}
+        # The latest clip's max_norm (None: no clip seen), read as an alert is built.
+        self.max_norm: Any = None
+        pipeline.held.clip_max_norm = weak_getter(self, "max_norm", None)
 
     def gather_before_clipping(self, param: torch.Tensor) -> None:
         """Gathers the step of the optimizer holding ``param``, held for its step:

@@ -40,9 +40,9 @@ _ORIGINAL: Any = getattr(_clip_grad, _NAME, None)  # None: torch before 2.6
 _users: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _before_clipping(parameters: Any) -> tuple[Any, torch.Tensor] | None:
-    """The monitor owning the first parameter with a gradient, told; it and that
-    parameter, to be told again once clipped."""
+def _before_clipping(parameters: Any, max_norm: Any) -> tuple[Any, torch.Tensor] | None:
+    """The monitor owning the first parameter with a gradient, told (with the clip's
+    ``max_norm``); it and that parameter, to be told again once clipped."""
     if isinstance(parameters, torch.Tensor):
         parameters = (parameters,)
     for param in parameters:
@@ -50,7 +50,7 @@ def _before_clipping(parameters: Any) -> tuple[Any, torch.Tensor] | None:
             owner = registry.owner_of(param)
             if owner is None:
                 return None
-            owner.before_clipping(param)
+            owner.before_clipping(param, max_norm)
             return owner, param
     return None
 
@@ -62,7 +62,7 @@ def _clip_grads_with_norm_(
         parameters = list(parameters)  # read twice: by the monitor, then to clip
     told = None
     try:
-        told = _before_clipping(parameters)
+        told = _before_clipping(parameters, max_norm)
     except TrainingHealthError:
         raise
     except Exception:  # the monitor reports its own failures; clipping goes on

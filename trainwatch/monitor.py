@@ -592,8 +592,9 @@ class Monitor:
                 )
                 return
 
-    def before_clipping(self, param: torch.Tensor) -> None:
-        """``clip_grad_norm_`` is about to rescale the gradients ``param`` is among.
+    def before_clipping(self, param: torch.Tensor, max_norm: Any = None) -> None:
+        """``clip_grad_norm_`` is about to rescale the gradients ``param`` is among
+        to at most ``max_norm``.
 
         The optimizer holding ``param`` is gathered now, and its step keeps
         that gathering: the norms and the rules see the gradients backward
@@ -601,6 +602,8 @@ class Monitor:
         passes (a framework's hook before its own clipping), nor while a
         GradScaler has not unscaled them yet (clipping scaled gradients).
         """
+        # What the clip lets through to the weights: exploding_gradient reads it.
+        self._clipping.max_norm = max_norm
         if not self.closed and "step collector" not in self._disabled:
             self._guarded("step collector", self._clipping.gather_before_clipping, param)
 

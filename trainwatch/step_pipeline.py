@@ -224,6 +224,7 @@ class StepPipeline:
         )
         for rule in rules:
             rule.held = held  # looked at only as an alert is built
+        self.held = held
         # How the model trains under DDP (collect.calls.runs_distributed), once known.
         self._distributed = ""
         # The last optimizer step had every learning rate at 0: the weights stayed.
@@ -357,6 +358,8 @@ class StepPipeline:
             if self._tracks_calls:
                 self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
+            if self.behaviour.broadcast is not None:
+                held.losses = weak_getter(self.behaviour.broadcast, "losses", ())
         # When the broadcast audit is armed again (the step count at a boundary, the
         # one compare a healthy step makes for it): a new phase of training began
         # (``_new_phase``), or the step before a sampled one.

@@ -47,6 +47,7 @@ from trainwatch.collect import quiet
 from trainwatch.collect.loss_input import LOSS_INPUTS, probabilities_fed, squashing_node
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
+from trainwatch.collect.model_kind import LOSSES
 from trainwatch.collect.op_trace import _user_line
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import BroadcastReport, LossInputReport
@@ -531,6 +532,9 @@ class BroadcastAudit:
         # Whether a loss function's input is looked at for probabilities (loss_input).
         self.judges_loss_inputs = loss_inputs
         self.loss_inputs: list[LossInputReport] = []
+        # The loss functions seen taking the model's outputs (or its labels), by
+        # their torch names: what an explosion's hint says depends on them.
+        self.losses: set[str] = set()
         # The softmax and sigmoid nodes that made a pass's outputs, by id, with the
         # part of the model that made them ("" the model): probabilities out of forward.
         self._squashed: dict[int, tuple[Any, str]] = {}
@@ -774,6 +778,8 @@ class BroadcastAudit:
             and not called_from(_DISTRIBUTIONS, depth=12)
         ):
             self._measure_target(operands)
+        if name in LOSSES:
+            self.losses.add(name)
         if name in LOSS_INPUTS and self.judges_loss_inputs:
             self._judge_loss_input(name, args, kwargs, in_pass=False)
         if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
@@ -791,6 +797,8 @@ class BroadcastAudit:
                 if len(labels) < _MAX_TRACKED:
                     labels[id(tensor)] = tensor
             return
+        if name in LOSSES:
+            self.losses.add(name)
         if name in LOSS_INPUTS and self.judges_loss_inputs:
             self._judge_loss_input(name, args, kwargs, in_pass=True)
         operands = [a for a in args if isinstance(a, torch.Tensor)]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainwatch.collect.model_copies import ModelCopies
+from trainwatch.collect.model_kind import explosion_kind
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
 
@@ -54,6 +55,17 @@ class HeldParameters:
         self._optimizers = optimizers  # the Monitor's own list: it adds to it
         # Copies of the model kept beside it (a DQN's target network).
         self.copies = ModelCopies(model)
+        self._model = model
+        # The loss functions the loss audit saw take the model's outputs (set by
+        # the pipeline where the audit runs), and the max_norm of the loop's
+        # latest clip_grad_norm_ (set by its clip gathering; None: no clip seen).
+        self.losses: Callable[[], Collection[str]] = tuple
+        self.clip_max_norm: Callable[[], Any] = _none
+
+    def explosion_kind(self) -> tuple[str, str] | None:
+        """Whether the model's gradients explode from its weights rather than from
+        an outlier in the data: see trainwatch.collect.model_kind."""
+        return explosion_kind(self._model(), self.losses())
 
     def all_zero_partners(
         self, owner: str, told: Collection[str], silent: Collection[str]
@@ -118,6 +130,10 @@ class HeldParameters:
         if not rates:
             return NO_OPTIMIZER
         return LR_ZERO if all(rate == 0.0 for rate in rates) else None
+
+
+def _none() -> None:
+    return None
 
 
 def _pair_owners(owner: str) -> list[str]:

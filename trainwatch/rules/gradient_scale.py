@@ -35,29 +35,63 @@ from typing import Any
 
 from trainwatch.alert import Alert
 from trainwatch.collect.model_copies import CopiesLook, SyncedCopy
+from trainwatch.collect.model_kind import RECURRENT
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
+from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule
 
-_EXPLODING_HINT = (
+_EXPLODING_CAUSE = (
     "usually a learning rate too high for this point of training, a loss term "
     "that blows up (log of ~0, division by a tiny std), or bad data in this batch. "
-    "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or "
-    "add warm-up, and check the batch that caused it."
+)
+_EXPLODING_HINT = (
+    _EXPLODING_CAUSE + "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning "
+    "rate or add warm-up, and check the batch that caused it."
 )
 # The loop clips already: the clip bounds the update, not what made the jump.
 _EXPLODING_HINT_CLIPPED = (
-    "usually a learning rate too high for this point of training, a loss term "
-    "that blows up (log of ~0, division by a tiny std), or bad data in this batch. "
-    "The loop's clip_grad_norm_ bounds the update, not the cause: lower the "
-    "learning rate or add warm-up, and check the batch that caused it."
+    _EXPLODING_CAUSE + "The loop's clip_grad_norm_ bounds the update, not the cause: lower "
+    "the learning rate or add warm-up, and check the batch that caused it."
 )
 _OVERFLOW_HINT = (
     "values that large come from an outlier far outside the data's range in this "
     "batch (a corrupt target or input, whose error dominates the loss) or from "
     "weights the updates blew up: check this batch, drop or clamp outliers, or use "
     "a robust loss (huber_loss, smooth_l1_loss)"
+)
+# A model whose explosions come from its weights, not from an outlier in the data
+# (trainwatch.collect.model_kind): the cause, then the fix.
+_FROM_THE_WEIGHTS = {
+    RECURRENT: (
+        "a recurrent network's gradients explode through its time steps: {name} "
+        "multiplies the signal by the same weights at each one, so an update that "
+        "grows them grows the gradients by their power. The usual cause is a learning "
+        "rate too high for it with no small clip to bound each update, not an outlier "
+        "(a robust loss would not help). "
+    ),
+    "classification": (
+        "{name} bounds each sample's gradient on the logits whatever its target, so no "
+        "corrupt label makes a jump this large: the updates blew the weights up (a "
+        "learning rate too high for this point of training), or an input lies far "
+        "outside the data's range. "
+    ),
+}
+_CLIP_SMALL = (
+    "Clip gradients between backward and the update, torch.nn.utils.clip_grad_norm_("
+    "model.parameters(), max_norm) with a small max_norm (0.25 to 1.0), and lower "
+    "the learning rate."
+)
+# The loop clips already: the clip bounds the update only as far as its max_norm does.
+_CLIP_SMALLER = (
+    "The loop's clip_grad_norm_ bounds the update only as far as its max_norm is "
+    "small: keep it at 0.25 to 1.0, and lower the learning rate."
+)
+# The jump passed the loop's clip on to the weights.
+_LET_THROUGH = (
+    "The loop's clip_grad_norm_ let it through to the weights (max_norm {max_norm:g}): "
+    "give it a small max_norm (0.25 to 1.0) and lower the learning rate"
 )
 _VANISHING_HINT = (
     "the signal dies on its way back to this layer: saturating activations "
@@ -85,6 +119,23 @@ _RECENT_WINDOW = 4
 _SPREAD_UNITS = 6.0
 _ABOVE_PEAK = 5.0
 _RISEN = math.log(1.5)
+# A jump in one step that no healthy run makes, in its first steps too: a layer's
+# norm at least this many times its last few steps' and the highest typical norm
+# it has had, and this many times the median of the layers' typical norms, as
+# the update carries it (after the loop's clip). Told whatever the layer's
+# warm-up or noise. In their first 50 steps healthy runs jump by at most 90x:
+# transformers (pre- and post-LN, with and without LR warm-up) 2x, ResNets with
+# batch norm 3x, DCGANs 2x, batch-of-one policy gradients 6x (a bandit's heavy
+# tail: 60x), regressions 5x, the test suite's models 90x; a loss scaled 1e4x for
+# one step, 8.5e3x. Before their clip, RNN language models at lr 20 clipped to
+# 0.25 jump further (LSTM, GRU, tanh up to 18x; ReLU up to 4e5x in 74 seeds of
+# 75, and from 0.1 to 1e18 in the other, which trains on): hence the jump is
+# judged after the clip.
+# Without one, that ReLU model jumps 1e6-1e19x the step before its weights
+# overflow.
+_ENORMOUS = 1e6
+# The ``kind`` of such a jump's alert.
+_BURST = "enormous_jump"
 
 
 class _LogAverage:
@@ -328,6 +379,8 @@ class ExplodingGradientRule(Rule):
         step = record.step
         running = self._last_jump is not None and step - self._last_jump <= 1
         self._last_jump = step
+        if any(alert.data.get("kind") == _BURST for alert in alerts):
+            return alerts  # far past the 100-250x a sync's targets make
         sync = self._sync
         if sync is not None:
             settling = step - sync.since <= _SYNC_SETTLES
@@ -398,7 +451,18 @@ class ExplodingGradientRule(Rule):
                 "of this batch's gradient"
             )
             data["clipped_to_zero"] = True
-        return self.alert(record.step, report.module, message, _OVERFLOW_HINT, data)
+        return self.alert(record.step, report.module, message, self._overflow_hint(), data)
+
+    def _overflow_hint(self) -> str:
+        """An outlier in the data, or weights blown up: a recurrent model, or one
+        trained with a classification loss, has no outlier to blame."""
+        found = self.held.explosion_kind() if self.held is not None else None
+        if found is None:
+            return _OVERFLOW_HINT
+        kind, name = found
+        return _FROM_THE_WEIGHTS[kind].format(name=name or "the model") + (
+            _CLIP_SMALLER if self.loop_clips else _CLIP_SMALL
+        )
 
     def _diverging(self, runaway: _Runaway, record: StepRecord) -> Alert | None:
         """A learning rate far too high from the start: the warm-up hides it from the
@@ -539,9 +603,11 @@ class ExplodingGradientRule(Rule):
         fast = 2.0 / (_RECENT_WINDOW + 1)
         max_norm = config.max_norm
         warmup = config.warmup
+        enormous = max(math.log(_ENORMOUS), limit)
         histories = self._history
         rows = []
         suspect = False  # some layer jumped against its own past
+        towering = False  # some layer jumped past any healthy step's jump
         for layer, norm in record.layer_norms.items():
             if not 0.0 < norm < math.inf:
                 continue  # the non-finite and zero-gradient rules own those
@@ -564,28 +630,36 @@ class ExplodingGradientRule(Rule):
                 )
                 and log_norm - history.recent > sudden
             )
-            suspect = suspect or jump
-            rows.append((layer, norm, log_norm, history, jump))
+            huge = history.count > 0 and log_norm - max(history.recent, history.peak) > enormous
+            suspect = suspect or jump or huge
+            towering = towering or huge
+            rows.append((layer, norm, log_norm, history, jump, huge))
         # A layer recovering from tiny gradients (a deep stack whose units
         # were nearly dead waking up) jumps by 1e3-1e4 against its own past
         # in healthy runs, but only up to the other layers' level: a jump
         # counts when it also ends well above the layers' typical norms (their
         # median, before this step; taken only when some layer jumped).
         floor = 0.0
+        burst = False  # a jump told whatever the warm-up: the layers' with it are too
         if suspect:
             typical_norms = [h.mean for h in histories.values() if h.count]
-            floor = _ABOVE_OTHERS * math.exp(statistics.median(typical_norms))
+            typical_median = statistics.median(typical_norms)
+            floor = _ABOVE_OTHERS * math.exp(typical_median)
+            if towering:
+                burst = self._past_the_clip(rows, typical_median, enormous, record.total_norm)
         spikes: list[tuple[float, str, float, float | None]] = []
-        for layer, norm, log_norm, history, jump in rows:
+        for layer, norm, log_norm, history, jump, _ in rows:
             count = history.count
             jump = jump and norm >= floor
             over_bound = max_norm is not None and norm > max_norm
             # Each layer has its own warm-up: one first trained late, or
-            # restarted, is not judged on its first gradients.
-            if count >= warmup and (over_bound or jump):
+            # restarted, is not judged on its first gradients; but in a burst
+            # every layer with a past that jumped past ``factor`` is told.
+            joined = burst and count > 0 and log_norm - history.mean > limit
+            if (count >= warmup and (over_bound or jump)) or joined:
                 typical = math.exp(history.mean) if count else None
                 ratio = norm / typical if typical else math.inf
-                spikes.append((ratio if jump else 0.0, layer, norm, typical))
+                spikes.append((ratio if jump or joined else 0.0, layer, norm, typical))
                 continue  # a spike does not become the new normal
             # Written out, not a method: this runs for every layer at every step.
             history.count = count + 1
@@ -605,22 +679,76 @@ class ExplodingGradientRule(Rule):
         else:
             what = f"above the configured bound {config.max_norm:g}"
         others = f" ({len(spikes) - 1} other layers too)" if len(spikes) > 1 else ""
-        return [
-            self.alert(
-                record.step,
-                layer,
-                f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
-                f"{what}{others}",
-                _EXPLODING_HINT_CLIPPED if self.loop_clips else _EXPLODING_HINT,
-                {
-                    "norm": norm,
-                    "typical": typical,
-                    "ratio": ratio if ratio > 0.0 else None,
-                    "layers": [row[1] for row in spikes],
-                    "total_norm": record.total_norm,
-                },
+        data: dict[str, Any] = {
+            "norm": norm,
+            "typical": typical,
+            "ratio": ratio if ratio > 0.0 else None,
+            "layers": [row[1] for row in spikes],
+            "total_norm": record.total_norm,
+        }
+        if burst:
+            data["kind"] = _BURST
+            total = record.total_norm
+            told = [f"{len(spikes) - 1} other layers too"] if len(spikes) > 1 else []
+            if total is not None:
+                told.append(f"total norm {total:.3g}")
+            message = (
+                f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g} in one "
+                f"step, {what}" + (f" ({'; '.join(told)})" if told else "") + ": no healthy "
+                "training jumps that far in a step, in its first steps either"
             )
-        ]
+        else:
+            message = (
+                f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
+                f"{what}{others}"
+            )
+        return [self.alert(record.step, layer, message, self._exploding_hint(burst), data)]
+
+    def _past_the_clip(
+        self, rows: list[Any], typical_median: float, enormous: float, total: float | None
+    ) -> bool:
+        """Some layer jumped past ``enormous`` against its own past and the layers'
+        typical norms, as the update carries it: a loop's clip_grad_norm_ scales
+        every gradient by max_norm / total, and what it bounds reaches the weights
+        no further. A ReLU RNN language model at lr 20 clipped to 0.25 jumps up to
+        4e5x before its clip in its first steps (once from 0.1 to 1e18), and trains
+        on."""
+        shrink = 0.0
+        max_norm = _clip_bound(self.held)
+        if max_norm is not None and total is not None and 0.0 < max_norm < total < math.inf:
+            shrink = math.log(max_norm / total)
+        return any(
+            huge
+            and log_norm + shrink - max(history.recent, history.peak) > enormous
+            and log_norm + shrink - typical_median > enormous
+            for _, _, log_norm, history, _, huge in rows
+        )
+
+    def _exploding_hint(self, burst: bool = False) -> str:
+        """The cause and fix of a jump, by the model: a recurrent one, or one trained
+        with a classification loss, is told to clip with a small max_norm; a
+        ``burst`` that passed the loop's clip, to make its max_norm small."""
+        found = self.held.explosion_kind() if self.held is not None else None
+        if found is None:
+            cause = _EXPLODING_CAUSE
+        else:
+            cause = _FROM_THE_WEIGHTS[found[0]].format(name=found[1] or "the model")
+        max_norm = _clip_bound(self.held) if burst and self.loop_clips else None
+        if max_norm is not None:
+            fix = _LET_THROUGH.format(max_norm=max_norm)
+            return cause + fix + (", and check the batch that caused it." if found is None else ".")
+        if found is not None:
+            return cause + (_CLIP_SMALLER if self.loop_clips else _CLIP_SMALL)
+        return _EXPLODING_HINT_CLIPPED if self.loop_clips else _EXPLODING_HINT
+
+
+def _clip_bound(held: HeldParameters | None) -> float | None:
+    """The max_norm of the loop's latest clip_grad_norm_, None where none was seen."""
+    max_norm = held.clip_max_norm() if held is not None else None
+    try:
+        return float(max_norm) if max_norm is not None else None
+    except (TypeError, ValueError, RuntimeError):  # not a number (a tensor of many)
+        return None
 
 
 def _after_a_sync(alert: Alert, sync: _Sync, still: bool) -> Alert:
