@@ -172,6 +172,19 @@ class ActivationStats:
 
 
 @dataclass
+class FrozenOutput:
+    """Frozen layers the model's output comes straight from, while other parameters train."""
+
+    layers: list[str]  # qualified names
+    frozen: int  # their parameter elements
+    upstream: int  # elements of the trainable parameters behind them
+    # The frozen layers behind them, up to the first that train, and the elements
+    # of all (theirs included): a head, or a whole frozen network after what trains.
+    behind: list[str] = field(default_factory=list)
+    tail: int = 0
+
+
+@dataclass
 class SetupCheck:
     """What the trainable-parameter audit hands its rule (counts in parameter elements)."""
 
@@ -201,6 +214,9 @@ class SetupCheck:
     # reducer was built, whose gradients it waits for (the next forward fails);
     # ``synced`` and ``sync_trainable`` say how many it waits for.
     frozen_after: list[str] = field(default_factory=list)
+    # A pass's output came straight from layers whose every weight is frozen (a
+    # head frozen by mistake, or a deliberately fixed one): told as a note.
+    frozen_output: FrozenOutput | None = None
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from trainwatch.ddp_sync import SyncGap, parameter_names, sync_gaps
 from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import ParamInfo
-from trainwatch.record import SetupCheck, StepRecord
+from trainwatch.record import FrozenOutput, SetupCheck, StepRecord
 from trainwatch.setup_audit import SetupAudit, build_audit
 
 
@@ -46,6 +46,9 @@ class SetupWatch:
         self._frozen_before: set[str] | None = None
         self._told_unsynced: set[str] = set()
         self._told_frozen: set[str] = set()
+        # Frozen layers a pass's output came from before the audit they belong to
+        # was made (the model's first pass, ahead of its first step boundary).
+        self.frozen_output: FrozenOutput | None = None
 
     def audit(
         self, step: int, root: nn.Module, optimizers: Sequence[Optimizer]
@@ -74,9 +77,27 @@ class SetupWatch:
             names, gap = frozen_after
             record.setup.frozen_after = names
             record.setup.synced, record.setup.sync_trainable = gap.synced, gap.trainable
+        record.setup.frozen_output, self.frozen_output = self.frozen_output, None
         self.reach_due = set(range(len(optimizers))) if optimizers else {None}
         self._reach_since = None
         return audit, record
+
+    def frozen_output_found(self, found: FrozenOutput) -> StepRecord | None:
+        """Frozen layers a pass's output came from: kept for the audit still to be
+        made, or the record that tells them now (the setup changed after the audit)."""
+        if self.latest is None or self.due:
+            self.frozen_output = found
+            return None
+        # Dated at the audit that saw the change, as its own findings are.
+        record = StepRecord(step=self.latest.step, source="passes")
+        record.setup = SetupCheck(
+            self.latest.revision,
+            len(self.latest.optimizers),
+            self.latest.trainable,
+            self.latest.unheld,
+            frozen_output=found,
+        )
+        return record
 
     def _ddp_gaps(
         self, root: nn.Module

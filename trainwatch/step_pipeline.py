@@ -52,6 +52,7 @@ from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
 from trainwatch.collect.norm_overflow import norm_overflow
 from trainwatch.collect.optimizer_restarts import OptimizerRestarts
+from trainwatch.collect.output_layer import OutputLayerLook
 from trainwatch.collect.part_copies import PartCopies
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
@@ -74,6 +75,7 @@ from trainwatch.record import (
     AmpReport,
     BetweenBackwardsRecord,
     ClassTargets,
+    FrozenOutput,
     LearningRates,
     NonfiniteReport,
     ReplacedModel,
@@ -119,6 +121,7 @@ _PARTS = (
     "_calls",
     "_step_calls",
     "_zero_look",
+    "_output_look",
     "_compile_warning",
     "probe",
     "behaviour",
@@ -268,6 +271,19 @@ class StepPipeline:
         self.passes = ModelPasses(on_error)
         self.passes.hook(model if is_wrapper(model) else root)
         self.passes.on_raise = on_raise
+        # Whether the output comes straight from a frozen layer (a head frozen by
+        # mistake): looked for on one step's passes after each change of the setup.
+        self._output_look: OutputLayerLook | None = None
+        if self._audits_setup:
+            self._output_look = OutputLayerLook(
+                self.passes,
+                root,
+                optimizers,
+                step_count,
+                weak_callback(self._frozen_output),
+                on_error,
+            )
+            self._output_look.arm()
         self._wrapper_search = _WRAPPER_SEARCHES
         self._passes_at_step = 0
         # Per optimizer: the passes counted, and the step, when it stepped with no
@@ -1136,6 +1152,12 @@ class StepPipeline:
         record.idle_since = last_step
         self._dispatcher.publish(self.rules.evaluate(record))
 
+    def _frozen_output(self, found: FrozenOutput) -> None:
+        """The output comes from frozen layers: told with the audit, or now when it was made."""
+        record = self.setup.frozen_output_found(found)
+        if record is not None:
+            self._dispatcher.publish(self.rules.evaluate(record))
+
     def _publish_pass(self, record: StepRecord) -> None:
         """A forward pass found something on its own (an evaluation in training mode)."""
         self._dispatcher.publish(self.rules.evaluate(record))
@@ -1646,6 +1668,9 @@ class StepPipeline:
     def audit_setup(self, step: int) -> None:
         """The setup table to the sinks, and its rule's verdict on optimizer coverage."""
         audit, record = self.setup.audit(step, self._root, self._optimizers)
+        if audit.revision and self._output_look is not None:
+            # The first setup's passes were looked at since attach; a changed one's are next.
+            self._output_look.arm()
         if self.config.trainable_parameters.table:
             shown = table_content(audit)
             if shown != self._table_shown:

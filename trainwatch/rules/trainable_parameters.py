@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainwatch.alert import Alert
-from trainwatch.record import SetupCheck, StepRecord
+from trainwatch.record import FrozenOutput, SetupCheck, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 
 
@@ -39,12 +39,20 @@ class TrainableParametersRule(Rule):
         if check.outside_grad:
             return [self._outside_grad(step, check)]
         alerts = []
-        if record.source == "setup" and check.optimizers and check.trainable == check.unheld:
+        unheld = bool(check.optimizers) and check.trainable == check.unheld
+        if record.source == "setup" and unheld:
             alerts.append(self._unheld(record.step, check))
         if check.unsynced:
             alerts.append(self._unsynced(record.step, check))
         if check.frozen_after:
             alerts.append(self._frozen_after(record.step, check))
+        found = check.frozen_output
+        if found is not None and found.tail < found.upstream and not unheld:
+            # A head on a model that trains. The output of a frozen network larger than
+            # what trains before it is its own design: prompt tuning, adapters, a loss
+            # network or a frozen decoder fed by a trainable part. (And where no
+            # optimizer holds what trains, what feeds the layer does not train either.)
+            alerts.append(self._frozen_output(record.step, found))
         return alerts
 
     def _unheld(self, step: int, check: SetupCheck) -> Alert:
@@ -198,6 +206,35 @@ class TrainableParametersRule(Rule):
                 "trainable": check.sync_trainable,
                 "find_unused_parameters": False,
             },
+        )
+
+    def _frozen_output(self, step: int, found: FrozenOutput) -> Alert:
+        """A note, not a finding: a frozen output layer is also deliberate."""
+        layers = found.layers
+        what = (
+            f"the model's output layer `{layers[0]}` is"
+            if len(layers) == 1
+            else f"the layers the model's output comes from ({_listed(layers)}) are"
+        )
+        return self.alert(
+            step,
+            common_module(layers),
+            f"{what} frozen while {found.upstream:,} parameters upstream train: if "
+            f"{'it was' if len(layers) == 1 else 'they were'} freshly initialised, "
+            f"training cannot adapt {'it' if len(layers) == 1 else 'them'}",
+            "the layers before it learn to feed a fixed random projection. A new head "
+            "frozen by mistake (requires_grad_(False) on the wrong module, or "
+            "a freeze by name pattern that also caught the head): leave the head "
+            "trainable and build the optimizer after. Fine when the layer is fixed on "
+            "purpose (prompt or prefix tuning of a frozen model, a fixed classifier).",
+            {
+                "finding": "frozen output layer",
+                "modules": layers[:50],
+                "frozen": found.frozen,
+                "trainable": found.upstream,
+                "frozen_behind": found.behind[:50],
+            },
+            severity="info",
         )
 
 
