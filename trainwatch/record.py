@@ -36,6 +36,8 @@ class NonfiniteReport:
     op: str | None = None
     source: str | None = None
     op_basis: str | None = None
+    # The op's own inputs held -inf (a mask made inside the module).
+    op_inputs_masked: bool = False
     parameter: str | None = None
     spread: list[str] = field(default_factory=list)
     # exploding_gradient was reported before: the NaN/Inf is where that led

@@ -278,6 +278,7 @@ def _check_now(
             probe.suspended = False
         if found is not None:
             finding.op, finding.source, finding.op_basis = found.op, found.source, "re-run"
+            finding.op_inputs_masked = found.inputs_masked
             if found.shape is not None:
                 # Told as the op made it: the tensor the alert says it made.
                 finding.kind, finding.count = found.kind, found.count

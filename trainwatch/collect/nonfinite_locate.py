@@ -54,6 +54,9 @@ class NonfiniteFinding:
     op: str | None = None
     source: str | None = None
     op_basis: str | None = None
+    # The op's own inputs held -inf (a mask made inside the module), though
+    # the module's inputs (``input_min``/``input_max``) were finite.
+    op_inputs_masked: bool = False
     spread: list[int] = field(default_factory=list)
     # Whether the module's own weights were non-finite when it ran (None: not seen).
     weights_nonfinite: bool | None = None

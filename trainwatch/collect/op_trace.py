@@ -62,6 +62,9 @@ class OpFinding:
     count: int | None = None
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
+    # The op's own inputs held -inf (a mask built inside the module, such as
+    # attention's padding mask): a softmax over a row entirely -inf makes NaN.
+    inputs_masked: bool = False
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -207,6 +210,7 @@ class _FirstNonfinite(TorchDispatchMode):
                         int((~torch.isfinite(bad)).sum()),
                         tuple(bad.shape),
                         str(bad.dtype),
+                        inputs_masked=not finite,
                     )
                     if not _only_negative_inf(results):
                         # A NaN/+inf from a -inf this re-run made by arithmetic: that op.

@@ -108,6 +108,8 @@ def _data(report: NonfiniteReport) -> dict[str, Any]:
     }
     if report.under_where:
         data["under_where"] = True
+    if report.op_inputs_masked:
+        data["op_inputs_masked"] = True
     if report.largest is not None:
         data["parameter"] = report.parameter
         data["largest"] = report.largest
@@ -221,8 +223,17 @@ class NonfiniteForwardRule(_ReportRule):
                 "nonfinite_parameter.check_every: 1 tells the two apart",
             )
         inputs = ""
-        if report.input_min is not None:
-            low, high = report.input_min, report.input_max
+        low, high = report.input_min, report.input_max
+        if report.op_inputs_masked and low != -math.inf:
+            # The op read a -inf the module made itself (attention's padding mask):
+            # the module's own inputs were finite, the op's were not.
+            given = (
+                f", whose own inputs are finite in [{low:.4g}, {high:.4g}]"
+                if low is not None
+                else ""
+            )
+            inputs = f" from inputs holding -inf (a mask made inside the module{given})"
+        elif low is not None:
             # An input may hold -inf only as a deliberate mask (an attention mask):
             # the values it was made from are finite otherwise.
             finite = "inputs finite but for a -inf mask" if low == -math.inf else "finite inputs"

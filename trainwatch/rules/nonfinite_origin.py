@@ -98,6 +98,7 @@ class NonfiniteJudge:
             op=finding.op,
             source=finding.source,
             op_basis=finding.op_basis,
+            op_inputs_masked=finding.op_inputs_masked,
             spread=[self.names[i] for i in finding.spread if 0 <= i < len(self.names)],
             loss=finding.loss,
             under_where=finding.under_where,
