@@ -163,8 +163,10 @@ class FirstBatchProbe:
         # The sampled steps report: a batch is kept, or the model writes into its
         # weights when re-run and the output's move is left out (None).
         self._ready = False
-        # Weights a re-run wrote into in place: a model holding one is not re-run.
-        self._written: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # Weights a re-run wrote into in place (by id, each held weakly): a model
+        # holding one is not re-run. Not a WeakSet: its membership test compares
+        # live tensors with ==, which for a tensor is elementwise and ambiguous.
+        self._written: dict[int, weakref.ref[torch.Tensor]] = {}
         # The weights as a step with a closure began (its step, its parameters,
         # their copies): that step is gathered after its update.
         self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -472,7 +474,13 @@ class FirstBatchProbe:
     def _writes(self, module: nn.Module) -> bool:
         """Whether ``module`` holds a weight a re-run wrote into (usually none)."""
         written = self._written
-        return bool(written) and not written.isdisjoint(module.parameters())
+        if not written:
+            return False
+        return any(
+            ref() is param
+            for param in module.parameters()
+            if (ref := written.get(id(param))) is not None
+        )
 
     def _change(self) -> float | None:
         reference = self._reference
@@ -573,7 +581,8 @@ class FirstBatchProbe:
             return False
         originals = {id(copy): weight for weight, copy in swap or ()}
         for tensor in written:
-            self._written.add(originals.get(id(tensor), tensor))
+            weight = originals.get(id(tensor), tensor)
+            self._written[id(weight)] = weakref.ref(weight)
         return True
 
 
