@@ -95,15 +95,37 @@ def _not_an_optimizer(optimizer: Any) -> str:
     )
 
 
+# The most elements an optimizer's ``nn.Parameter``s may hold in all, none of them
+# the model's, and still be taken for learned scalars rather than another model:
+# a temperature, a Lagrange multiplier or a few per-task loss weights take one
+# element each, while a network's weights hold more (a Linear(4, 4) alone: 20).
+LEARNED_SCALARS_MAX_ELEMENTS = 16
+
+
 def check_optimizer_matches(optimizer: Optimizer, layers: LayerMap, index: int) -> None:
-    """An optimizer none of whose parameters the model holds is the wrong optimizer.
+    """An optimizer none of whose parameters the model holds is the wrong optimizer,
+    unless all it holds are learned scalars (see ``_holds_learned_scalars_only``).
 
     A few extra parameters (learnable loss weights) are fine: they are named
     as outside the model.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and not any(p in layers for p in params):
+    if params and not any(p in layers for p in params) and not _holds_learned_scalars_only(params):
         raise WatchError(
             f"optimizer {index} ({type(optimizer).__name__}) holds {len(params)} parameters "
             "and none of them belongs to the watched model: was it built for another model?"
         )
+
+
+def _holds_learned_scalars_only(params: list[torch.Tensor]) -> bool:
+    """Every tensor is a learned scalar of the training outside any module: SAC's
+    temperature (``log_alpha``), a Lagrange multiplier, learned loss weights.
+
+    Their optimizer is passed beside the model's because the loop steps it, not
+    because it was built for another model. A module holds only ``nn.Parameter``s,
+    so a plain tensor is no module's; ``nn.Parameter``s count as scalars only while
+    they hold a few elements in all (``LEARNED_SCALARS_MAX_ELEMENTS``), fewer than a
+    real network holds, so an optimizer over another model's weights is still refused.
+    """
+    parameters = [p for p in params if isinstance(p, nn.Parameter)]
+    return sum(p.numel() for p in parameters) <= LEARNED_SCALARS_MAX_ELEMENTS
