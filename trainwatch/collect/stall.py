@@ -529,6 +529,12 @@ class FirstBatchProbe:
         saved = list(map(dict.copy, states))
         weights = list(map(_PARAMETERS, subs))
         tables = [*weights, *map(_BUFFERS, subs), *map(_MODULES, subs)]
+        if not all(map(isinstance, tables, repeat(dict))):
+            # A TorchScript part: its tables are wrappers of C++ ones, which a
+            # Python forward cannot register into and which take no copy in
+            # place of a weight; its weights run as they are.
+            weights = [table for table in weights if isinstance(table, dict)]
+            tables = [table for table in tables if isinstance(table, dict)]
         entries = list(map(dict.copy, tables))
         watched: list[torch.Tensor] = []
         versions: list[int] = []
