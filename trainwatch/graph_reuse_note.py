@@ -21,9 +21,10 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from trainwatch.collect.model_kind import recurrent_modules
+
 NOTE_PREFIX = "trainwatch: backward reached a graph an earlier backward freed"
 _FREED_GRAPH = "backward through the graph a second time"
-_RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 
 
 def graph_reuse_note(exc: BaseException, roots: Iterable[nn.Module]) -> str | None:
@@ -31,12 +32,7 @@ def graph_reuse_note(exc: BaseException, roots: Iterable[nn.Module]) -> str | No
     graph across steps, the hidden state first where the model is recurrent."""
     if _FREED_GRAPH not in str(exc):
         return None
-    recurrent = [
-        name or type(root).__name__
-        for root in roots
-        for name, module in root.named_modules()
-        if isinstance(module, _RECURRENT)
-    ]
+    recurrent = [name or type(root).__name__ for root in roots for name in recurrent_modules(root)]
     carriers = [
         "a running total of losses that is backpropagated (add loss.item(), "
         "or backpropagate each loss)",

@@ -53,15 +53,21 @@ RECURRENT = "recurrent"
 CLASSIFICATION = "classification"
 
 
+RECURRENT_MODULES = (nn.RNNBase, nn.RNNCellBase)
+
+
+def recurrent_modules(model: nn.Module) -> list[str]:
+    """``model``'s recurrent modules (``nn.RNN``/``LSTM``/``GRU`` or a cell), by
+    their qualified names, in the model's order."""
+    return [name for name, module in model.named_modules() if isinstance(module, RECURRENT_MODULES)]
+
+
 def recurrent_module(model: nn.Module | None) -> str | None:
-    """The first recurrent module of ``model`` (``nn.RNN``/``LSTM``/``GRU`` or a
-    cell), by its qualified name; None when it has none."""
+    """The first recurrent module of ``model``, by its qualified name; None when it
+    has none."""
     if model is None:
         return None
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
-            return name
-    return None
+    return next(iter(recurrent_modules(model)), None)
 
 
 def explosion_kind(model: nn.Module | None, losses: Collection[str]) -> tuple[str, str] | None:
