@@ -29,8 +29,11 @@ def _attached(monitor) -> set[str]:
             found.add("activation_sampler")
     if monitor._pipeline.tracker.check_resets:
         found.add("accumulation_tracker")
-    if monitor._pipeline.class_targets is not None:
+    look = monitor._pipeline.class_targets
+    if look is not None and look._counting:
         found.add("class_targets")
+    if look is not None and look.padding is not None:
+        found.add("padded_labels")
     return found
 
 
@@ -42,6 +45,7 @@ COLLECTOR_NAMES = {
     "broadcast_audit": "broadcast_audit",
     "activation_sampler": "activation_sampler",
     "class_targets": "class_targets",
+    "padded_labels": "padded_labels",
     "first_batch": "stalled training",
 }
 

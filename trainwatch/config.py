@@ -182,7 +182,8 @@ class LossInputConfig(RuleConfig):
 @dataclass
 class UnshuffledDataConfig(RuleConfig):
     # The loss's class targets are counted on every ``every``-th step (one
-    # bincount joining the step's readback); other steps pay nothing.
+    # bincount joining the step's readback); other steps pay nothing. With
+    # loss_on_padding on, the look comes at the more frequent of the two cadences.
     every: int = field(default=5, metadata=_range(1))
     # Sampled batches compared with the run's targets, and how many it takes.
     window: int = field(default=8, metadata=_range(2))
@@ -192,6 +193,15 @@ class UnshuffledDataConfig(RuleConfig):
     ratio: float = field(default=0.5, metadata=_range(0.0, 1.0))
     # More outputs than this are tokens or items, not classes: not counted.
     max_classes: int = field(default=1000, metadata=_range(2))
+
+
+@dataclass
+class LossOnPaddingConfig(RuleConfig):
+    # The labels a token loss receives are looked at on every ``every``-th step
+    # (the class target look's sampled steps: with unshuffled_data on, the more
+    # frequent of the two cadences), until the first padded batch says whether
+    # its labels are ignored; other steps pay nothing.
+    every: int = field(default=5, metadata=_range(1))
 
 
 @dataclass
@@ -352,6 +362,7 @@ class Config:
         default_factory=TrainableParametersConfig
     )
     unshuffled_data: UnshuffledDataConfig = field(default_factory=UnshuffledDataConfig)
+    loss_on_padding: LossOnPaddingConfig = field(default_factory=LossOnPaddingConfig)
     stalled_training: StalledTrainingConfig = field(default_factory=StalledTrainingConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)

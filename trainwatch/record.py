@@ -237,6 +237,22 @@ class ClassTargets:
 
 
 @dataclass
+class PaddedLabels:
+    """Label positions at padding that the loss counts, seen on a sampled step."""
+
+    # "attention_mask": labels where the mask the model was called with is 0;
+    # "padding_idx": targets equal to the padding index of the model's embedding.
+    kind: str
+    padded: int  # label positions at padding that the loss counts
+    labelled: int  # label positions the loss counts (not ``ignore_index``)
+    pad_positions: int  # padding positions in the batch
+    pad_value: int  # the label found there (the most common on the host, the largest on the device)
+    other_pad_value: int | None  # the smallest found there, where it differs
+    ignore_index: int  # what the loss ignores
+    module: str = ""  # the module called with the labels; the root for a loss after it
+
+
+@dataclass
 class StallReport:
     """How far the model's output on its phase's first batch moved, measured on a sampled step."""
 
@@ -458,6 +474,9 @@ class StepRecord:
     setup: SetupCheck | None = None
     # Set on the steps the class targets are looked at (unshuffled_data).
     class_targets: ClassTargets | None = None
+    # Padding positions carrying labels the loss counts (loss_on_padding): set
+    # only on the sampled step where they are found.
+    padded_labels: PaddedLabels | None = None
     # stalled_training's sampled steps: the phase (from 1) whose losses it
     # keeps (0 on other steps), and the re-run of the first batch.
     stall_phase: int = 0

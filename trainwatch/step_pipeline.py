@@ -53,6 +53,7 @@ from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepW
 from trainwatch.collect.norm_overflow import norm_overflow
 from trainwatch.collect.optimizer_restarts import OptimizerRestarts
 from trainwatch.collect.output_layer import OutputLayerLook
+from trainwatch.collect.padded_labels import PaddingLook
 from trainwatch.collect.part_copies import PartCopies
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
@@ -161,6 +162,7 @@ class PendingStep:
     weights: tuple[list[str], Slot] | None = None
     scale: Slot | None = None  # the GradScaler's loss scale, when one is visible
     class_counts: Slot | None = None  # a sampled step's class targets, per class
+    padded_labels: Slot | None = None  # its labels at padding, when read on the device
     # stalled_training's re-run follows this step, with the weights before its update.
     stall_due: bool = False
     weights_before: list[torch.Tensor] | None = None
@@ -391,11 +393,21 @@ class StepPipeline:
             self.behaviour is not None and self.behaviour.modes is not None
         )
         # The loss's class targets on sampled steps, and the training loader's order.
+        # The same look measures the labels a token loss gives padding (loss_on_padding).
         self.class_targets: ClassTargetLook | None = None
-        if "class_targets" in needs:
-            section = config.unshuffled_data
+        if needs & {"class_targets", "padded_labels"}:
+            counts = "class_targets" in needs
+            padding = "padded_labels" in needs
+            cadences = [config.unshuffled_data.every] if counts else []
+            if padding:
+                cadences.append(config.loss_on_padding.every)
             self.class_targets = ClassTargetLook(
-                section.every, section.max_classes, step_count, on_error
+                min(cadences),
+                config.unshuffled_data.max_classes,
+                step_count,
+                on_error,
+                counts=counts,
+                padding=PaddingLook(weak_getter(self, "_root", None)) if padding else None,
             )
             # Listens to the passes of sampled steps only, from step ``every`` on:
             # the first steps are the broadcast audit's.
@@ -1178,6 +1190,18 @@ class StepPipeline:
         if audit is not None:
             self._guarded("broadcast audit", audit.stop)
 
+    def _take_padding(
+        self, look: ClassTargetLook, record: StepRecord, pending: PendingStep
+    ) -> None:
+        """A sampled step's padding measurement: judged now, or read back with the step."""
+        taken = self._guarded("class target look", look.take_padding)
+        if taken is None:
+            return
+        found, figures = taken
+        record.padded_labels = found
+        if figures is not None:
+            pending.padded_labels = pending.frame.add(figures)
+
     def gather(
         self, index: int | None, now: int, attach: bool = False, again: bool = False
     ) -> PendingStep:
@@ -1479,6 +1503,8 @@ class StepPipeline:
                 self.data_order,
                 self.own_batching,
             )
+            if look.measured:  # the labels a token loss gives padding
+                self._take_padding(look, record, pending)
         if self.behaviour is not None:
             pending.behaviour = self._guarded(
                 "behaviour checks", self.behaviour.gather, record, frame
@@ -1546,8 +1572,15 @@ class StepPipeline:
             )
         if self.behaviour is not None and pending.behaviour is not None:
             self._guarded("behaviour checks", self.behaviour.land, record, pending.behaviour)
-        if pending.class_counts is not None and record.class_targets is not None:
-            record.class_targets.counts = pending.class_counts.values()
+        if record.class_targets is not None:  # a sampled step
+            if pending.class_counts is not None:
+                record.class_targets.counts = pending.class_counts.values()
+            if pending.padded_labels is not None:
+                record.padded_labels = self._guarded(
+                    "class target look",
+                    self.class_targets.land_padding,  # type: ignore[union-attr]
+                    pending.padded_labels.values(),
+                )
         flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
         record.accumulated = [
             info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
@@ -1836,7 +1869,7 @@ class StepPipeline:
 
     def listen_for_targets(self, look: ClassTargetLook) -> None:
         """Only the passes of sampled steps reach the look: others pay nothing for it."""
-        due = self._step_count() % look.every == 0 and not look.per_position and not look.broken
+        due = self._step_count() % look.every == 0 and not look.finished and not look.broken
         if due and not look.listening:
             self.passes.subscribe("class_targets", look)
         elif look.listening and not due:

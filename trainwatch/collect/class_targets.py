@@ -12,10 +12,13 @@ a CPU batch of up to 4096 targets is counted on the host instead, with no
 op (each small op costs a launch). The monitor subscribes the look to the model's passes on sampled
 steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
-within each sample, and the look stops for good. A run whose sampled steps
-show no class loss at all (a regression) is looked at half as often after
-every few such steps, down to a sixteenth of the cadence, until a class loss
-shows up again (a classifier trained after a pretext phase).
+within each sample: nothing more to count. The same look measures the
+labels such a loss gives padding (:mod:`trainwatch.collect.padded_labels`)
+until that has its verdict; then it stops for good. A run whose sampled
+steps show no class loss at all (a regression), or a token loss whose
+batches hold no padding yet, is looked at half as often after every few such
+steps, down to a sixteenth of the cadence, until a class loss shows up again
+(a classifier trained after a pretext phase).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from torch.overrides import TorchFunctionMode
 from trainwatch.collect.broadcast import _AuditMode, _call
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
+from trainwatch.collect.padded_labels import PaddingLook
 from trainwatch.collect.tensors import tensor_leaves
+from trainwatch.record import PaddedLabels
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
 # Targets of a CPU batch up to this many are counted on the host, with no op.
@@ -136,25 +141,18 @@ class _TargetMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = _call(func, args, kwargs)  # a loss's own warnings still name the user's line
-        look = self.look
-        if (
-            look.counts is None
-            and not look.per_position
-            and getattr(func, "__name__", "") in _CLASS_LOSSES
-        ):
+        # The op's name first: most ops of the span are no class loss.
+        if getattr(func, "__name__", "") in _CLASS_LOSSES and not self.look.looked:
             try:
-                logits = args[0] if args else kwargs.get("input")
-                target = args[1] if len(args) > 1 else kwargs.get("target")
-                look.counts = class_counts(logits, target, look.max_classes, look.batch)
-                if look.counts is None and per_position(logits, target, look.batch):
-                    look.per_position = True
+                self.look.loss_seen(args, kwargs)
             except Exception as exc:  # never break the user's loss
-                look.fail(exc)
+                self.look.fail(exc)
         return out
 
 
 class ClassTargetLook:
-    """Listens to the model's passes; counts a sampled step's class targets."""
+    """Listens to the model's passes; counts a sampled step's class targets, and
+    measures the labels it gives padding (:mod:`trainwatch.collect.padded_labels`)."""
 
     def __init__(
         self,
@@ -162,6 +160,9 @@ class ClassTargetLook:
         max_classes: int,
         step_of: Callable[[], int],
         on_error: Callable[[str, BaseException], None],
+        *,
+        counts: bool = True,
+        padding: PaddingLook | None = None,
     ) -> None:
         self.every = every
         self._configured_every = every
@@ -176,6 +177,16 @@ class ClassTargetLook:
         self.batch: int | None = None  # the first dimension of the model's output
         # A class loss over tokens or pixels was seen: targets vary within each sample.
         self.per_position = False
+        # Whether the class targets are counted (unshuffled_data), and the padding job
+        # (loss_on_padding), open until its verdict.
+        self._counting = counts
+        self.padding = padding
+        # This sampled step's loss was found (counted, per position, or measured).
+        self.looked = False
+        # This sampled step's labels at padding were measured (the padding job's take).
+        self.measured = False
+        # Nothing left to look for: the monitor stops subscribing the look.
+        self.finished = not counts and padding is None
         # Subscribed to the model's passes (the monitor does it for sampled steps only).
         self.listening = False
         self.broken = False
@@ -186,7 +197,7 @@ class ClassTargetLook:
             self._stop()  # the model's own ops are not the loss
 
     def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if self.broken or self.per_position or self._depth is not None or self.counts is not None:
+        if self.broken or self.finished or self._depth is not None or self.looked:
             return
         if self._step_of() % self.every or not torch.is_grad_enabled():
             return
@@ -195,15 +206,48 @@ class ClassTargetLook:
         if isinstance(labels, torch.Tensor):
             # The loss is computed inside the model (``model(ids, labels=y)``,
             # Hugging Face style): its targets are the labels handed in.
-            logits = _logits_of(output)
-            self.counts = class_counts(logits, labels, self.max_classes, self.batch)
-            self.per_position = self.counts is None and per_position(logits, labels, self.batch)
+            self._labels_seen(module, kwargs, labels, output)
             self._span_seen = True
             return
         if _stack_is_ours_to_use():
             enter_loss_mode(self._mode)
             self._depth = torch._C._len_torch_function_stack()
             self._span_seen = True
+
+    def _labels_seen(self, module: Any, kwargs: dict[str, Any], labels: Any, output: Any) -> None:
+        logits = _logits_of(output)
+        if self._counting and not self.per_position:
+            self.counts = class_counts(logits, labels, self.max_classes, self.batch)
+            self.per_position = self.counts is None and per_position(logits, labels, self.batch)
+        padding = self.padding
+        measured = (
+            padding is not None
+            and padding.open
+            and padding.from_labels(module, kwargs, labels, output)
+        )
+        self.measured = measured
+        self.looked = self.counts is not None or self.per_position or measured
+        self._update_finished()
+
+    def loss_seen(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """A class loss computed after the pass: its targets counted, its padding measured."""
+        logits = args[0] if args else kwargs.get("input")
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        if self._counting and not self.per_position:
+            self.counts = class_counts(logits, target, self.max_classes, self.batch)
+        if self.counts is None and per_position(logits, target, self.batch):
+            self.per_position = True
+            padding = self.padding
+            if padding is not None and padding.open:
+                self.measured = padding.from_loss(logits, target, kwargs)
+        self.looked = self.counts is not None or self.per_position
+        self._update_finished()
+
+    def _update_finished(self) -> None:
+        padding = self.padding
+        self.finished = (not self._counting or self.per_position) and (
+            padding is None or not padding.open
+        )
 
     def end_span(self) -> None:
         """The step boundary is reached: no loss is computed any more."""
@@ -212,10 +256,25 @@ class ClassTargetLook:
     def take(self) -> torch.Tensor | list[float] | None:
         """At the step boundary: the step's counts (None when not sampled or not seen)."""
         self._stop()
-        found, self.counts = self.counts, None
+        found, self.counts, self.looked = self.counts, None, False
         if self._span_seen:
             self._span_seen = False
-            self._pace(found is not None or self.per_position)
+            # A class loss per sample keeps the cadence; one over tokens whose padding
+            # is still to be judged (no padded batch yet: packed sequences) does not.
+            self._pace(found is not None or self.finished)
+        return found
+
+    def take_padding(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
+        """This sampled step's padding finding (read on the host), or its figures to read back."""
+        self.measured = False
+        found = self.padding.take()  # type: ignore[union-attr]
+        self._update_finished()
+        return found
+
+    def land_padding(self, values: list[float]) -> PaddedLabels | None:
+        """The padding figures read back with the step: the finding, or None."""
+        found = self.padding.land(values)  # type: ignore[union-attr]
+        self._update_finished()
         return found
 
     def _pace(self, class_loss_seen: bool) -> None:

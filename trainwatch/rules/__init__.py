@@ -10,6 +10,7 @@ from trainwatch.rules.base import Rule
 from trainwatch.rules.broadcast import BroadcastRule
 from trainwatch.rules.gradient_scale import ExplodingGradientRule, VanishingGradientRule
 from trainwatch.rules.loss_input import LossInputRule
+from trainwatch.rules.loss_on_padding import LossOnPaddingRule
 from trainwatch.rules.modes import EvalInTrainModeRule, TrainInEvalModeRule
 from trainwatch.rules.nonfinite import (
     NonfiniteBackwardRule,
@@ -45,6 +46,7 @@ RULE_CLASSES: tuple[type[Rule], ...] = (
     DeadUnitsRule,
     TrainableParametersRule,
     UnshuffledDataRule,
+    LossOnPaddingRule,
     StalledTrainingRule,
 )
 
@@ -61,6 +63,7 @@ COLLECTORS = (
     "broadcast_audit",
     "activation_sampler",
     "class_targets",
+    "padded_labels",
     "first_batch",
 )
 

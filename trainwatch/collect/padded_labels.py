@@ -1,0 +1,234 @@
+"""Label positions at padding that a token loss still counts, measured on sampled steps.
+
+A language model's labels made as ``labels = input_ids.clone()`` on a padded
+batch keep the pad token where ``attention_mask`` is 0: the model is trained
+to predict padding (GPT-2's pad is its EOS: it learns to end every text
+with endless EOS) and the loss is diluted by positions that carry nothing.
+``DataCollatorForLanguageModeling`` sets those labels to -100, the index
+every Hugging Face loss ignores. The same slip in plain PyTorch: an
+``nn.Embedding(..., padding_idx=P)`` model whose ``cross_entropy`` over the
+same vocabulary gets targets holding ``P`` with an ``ignore_index`` other
+than ``P``.
+
+Two places show it, both seen by the class target look on its sampled steps
+only (other steps pay nothing):
+
+- a model called with ``labels=`` and ``attention_mask=`` of the same shape
+  (it computes its own loss, ignoring -100): the labels at mask 0 that are
+  not -100;
+- a ``cross_entropy``/``nll_loss`` over tokens after the pass, whose class
+  count is the ``num_embeddings`` of the model's one embedding with a
+  ``padding_idx``: its targets equal to that index, unless ``ignore_index``
+  is it.
+
+A batch of up to 4096 CPU positions is counted on the host, with no op;
+others in a handful of ops whose figures join the step's one readback.
+The look closes at its first verdict (padding labelled, padding masked, or
+nothing of the kind to look at: a classifier's labels, a seq2seq model's
+target sequence) and keeps looking, less and less often, while batches
+hold no padding at all (packed sequences).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainwatch.compiled import unwrap
+from trainwatch.record import PaddedLabels
+
+# The label every Hugging Face loss (and torch's cross_entropy by default) ignores.
+IGNORED = -100
+# Positions of a CPU batch up to this many are counted on the host, with no op.
+_COUNTED_ON_HOST = 4096
+# The look's figures, in order (also the device vector's).
+_FIGURES = ("pad_positions", "labelled", "padded", "pad_value_max", "pad_value_min")
+# Kinds of evidence.
+MASK = "attention_mask"
+PADDING_IDX = "padding_idx"
+
+
+def _integer(tensor: Any) -> bool:
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not tensor.is_floating_point()
+        and not tensor.is_complex()
+        and tensor.dtype != torch.bool
+    )
+
+
+def _seq2seq(module: Any, output: Any) -> bool:
+    """An encoder-decoder: its labels are the decoder's, not aligned with the encoder's mask."""
+    config = getattr(module, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return True
+    return getattr(output, "encoder_last_hidden_state", None) is not None
+
+
+def _host_figures(
+    labels: torch.Tensor, mask: torch.Tensor | None, pad: int | None, ignored: int
+) -> list[float]:
+    """The figures of the labels at padding (``mask`` 0, or equal to ``pad``), read on
+    the host: no op."""
+    values = labels.reshape(-1).tolist()
+    if mask is not None:
+        pads = [not kept for kept in mask.reshape(-1).tolist()]
+    else:
+        pads = [value == pad for value in values]
+    labelled = len(values) - values.count(ignored)
+    found = [v for v, at_pad in zip(values, pads, strict=True) if at_pad and v != ignored]
+    top = Counter(found).most_common(1)
+    value = float(top[0][0]) if top else 0.0
+    return [float(sum(pads)), float(labelled), float(len(found)), value, value]
+
+
+def _device_figures(
+    labels: torch.Tensor, mask: torch.Tensor | None, pad: int | None, ignored: int
+) -> torch.Tensor:
+    """The same figures on the device: a few small ops, read back with the step."""
+    labels = labels.detach()
+    padding = mask == 0 if mask is not None else labels == pad
+    labelled = labels != ignored
+    padded = padding & labelled
+    low = torch.iinfo(labels.dtype).min
+    high = torch.iinfo(labels.dtype).max
+    return torch.stack(
+        [
+            padding.sum(),
+            labelled.sum(),
+            padded.sum(),
+            torch.where(padded, labels, low).amax(),
+            torch.where(padded, labels, high).amin(),
+        ]
+    ).float()
+
+
+def name_in(root: nn.Module | None, module: Any) -> str:
+    """``module``'s qualified name in ``root`` (``""``: the root itself, or not found)."""
+    module = unwrap(module) if isinstance(module, nn.Module) else module
+    if root is None or module is unwrap(root):
+        return ""
+    return next((name for name, part in unwrap(root).named_modules() if part is module), "")
+
+
+def padding_indices(root: nn.Module | None) -> dict[int, int | None]:
+    """``num_embeddings -> padding_idx`` of the model's embeddings that have one
+    (None where two of the same size disagree)."""
+    found: dict[int, int | None] = {}
+    if root is None:
+        return found
+    for module in root.modules():
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            size, index = module.num_embeddings, int(module.padding_idx)
+            found[size] = index if found.get(size, index) == index else None
+    return found
+
+
+class PaddingLook:
+    """The padding job of the class target look: open until its first verdict."""
+
+    def __init__(self, root_of: Callable[[], nn.Module | None]) -> None:
+        self.open = True
+        self._root_of = root_of
+        self._pads: dict[int, int | None] | None = None  # the model's padding embeddings
+        # This sampled step's measurement: figures read on the host, or on the device.
+        self._kind: str | None = None
+        self._module = ""  # the module called with the labels (the root for a loss after it)
+        self._ignored = IGNORED
+        self._host: list[float] | None = None
+        self._device: torch.Tensor | None = None
+
+    # -- what a sampled step shows ------------------------------------------
+    def from_labels(self, module: Any, kwargs: dict[str, Any], labels: Any, output: Any) -> bool:
+        """``model(..., labels=, attention_mask=)``: measured (True) or nothing to look at."""
+        if _seq2seq(module, output):
+            mask = kwargs.get("decoder_attention_mask")
+        else:
+            mask = kwargs.get("attention_mask")
+        if (
+            not _integer(labels)
+            or not isinstance(mask, torch.Tensor)
+            or mask.shape != labels.shape
+            or labels.dim() < 2
+        ):
+            self.open = False  # a classifier's labels, an unmasked stream: nothing to look at
+            return False
+        self._measure(MASK, labels, mask, None, IGNORED)
+        self._module = name_in(self._root_of(), module)
+        return True
+
+    def from_loss(self, logits: Any, target: Any, kwargs: dict[str, Any]) -> bool:
+        """A class loss over tokens after the pass: measured (True) or nothing to look at."""
+        if self._pads is None:
+            self._pads = padding_indices(self._root_of())
+        pad = self._pads.get(logits.shape[1]) if logits.dim() >= 2 else None
+        ignore_index = kwargs.get("ignore_index", IGNORED)
+        if (
+            pad is None  # no padding embedding of this vocabulary
+            or not _integer(target)
+            or not isinstance(ignore_index, int)
+            # Per-position losses weighted after (a mask), or class weights that may
+            # give the padding none: the loss may well leave the padding out.
+            or kwargs.get("reduction", "mean") == "none"
+            or kwargs.get("weight") is not None
+        ):
+            self.open = False
+            return False
+        if ignore_index == pad:
+            self.open = False  # the padding is ignored: the fix is in
+            return False
+        self._measure(PADDING_IDX, target, None, pad, ignore_index)
+        self._module = ""
+        return True
+
+    def _measure(
+        self,
+        kind: str,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None,
+        pad: int | None,
+        ignored: int,
+    ) -> None:
+        self._kind, self._ignored = kind, ignored
+        if labels.device.type == "cpu" and labels.numel() <= _COUNTED_ON_HOST:
+            self._host = _host_figures(labels, mask, pad, ignored)
+        else:
+            self._device = _device_figures(labels, mask, pad, ignored)
+
+    # -- at the step boundary -------------------------------------------------
+    def take(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
+        """The step's measurement: judged now (read on the host) or a tensor to read back."""
+        host, device = self._host, self._device
+        self._host = self._device = None
+        if host is not None:
+            return self.land(host), None
+        return None, device
+
+    def land(self, values: list[float]) -> PaddedLabels | None:
+        """The figures read: the finding (padding labelled), or None. A verdict closes
+        the look; a batch without padding says nothing either way."""
+        figures = dict(zip(_FIGURES, (int(v) for v in values), strict=True))
+        kind = self._kind or MASK
+        if figures["padded"]:
+            self.open = False
+            return PaddedLabels(
+                kind=kind,
+                padded=figures["padded"],
+                labelled=figures["labelled"],
+                pad_positions=figures["pad_positions"],
+                pad_value=figures["pad_value_max"],
+                other_pad_value=(
+                    figures["pad_value_min"]
+                    if figures["pad_value_min"] != figures["pad_value_max"]
+                    else None
+                ),
+                ignore_index=self._ignored,
+                module=self._module,
+            )
+        if figures["pad_positions"] and kind == MASK:
+            self.open = False  # padding there, every label of it ignored
+        return None
