@@ -20,6 +20,36 @@ from trainwatch.compiled import unwrap, user_name
 
 _TABLES = (nn.Embedding, nn.EmbeddingBag)
 
+# torch's layers whose own forward adds ``self.bias`` to the output at every call
+# (when it is not None), and the methods a subclass must keep for that to hold.
+_SHIFT_LAYERS: tuple[tuple[type[nn.Module], tuple[str, ...]], ...] = (
+    (nn.Linear, ("forward",)),
+    (nn.Bilinear, ("forward",)),
+    (nn.modules.conv._ConvNd, ("forward", "_conv_forward")),
+    (nn.LayerNorm, ("forward",)),
+    (nn.GroupNorm, ("forward",)),
+    (nn.modules.batchnorm._BatchNorm, ("forward",)),
+    (nn.modules.instancenorm._InstanceNorm, ("forward",)),
+)
+# Where torch's own layer classes live (nn.Linear's module, nn.Conv2d's, ...).
+_TORCH_LAYERS = "torch.nn.modules."
+
+
+def _adds_its_bias(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's layers that adds its bias to the output
+    whenever it runs, that forward kept: a subclass of the user's own (or another
+    library's) that redefines it may leave the bias out. Asked once per layer, as
+    the map is built."""
+    kind = type(module)
+    for layer, methods in _SHIFT_LAYERS:
+        if isinstance(module, layer):
+            # The nearest of torch's layer classes it derives from (itself, for
+            # torch's own; a parametrized copy's base, for weight norm's).
+            torch_own = next(c for c in kind.__mro__ if c.__module__.startswith(_TORCH_LAYERS))
+            return all(getattr(kind, name) is getattr(torch_own, name) for name in methods)
+    return False
+
+
 # The layer that gathers optimizer parameters the model does not hold.
 EXTERNAL = "<outside the model>"
 
@@ -76,6 +106,11 @@ class ParamInfo:
     # then each one's parameters as it registered them): alerts list a layer's
     # parameters so, whatever order a step's gradients came in.
     position: int = 0
+    # A bias that one of torch's layers (nn.Linear, a convolution, a norm layer)
+    # adds to its output at every call: a constant shift, which a loss built from
+    # derivatives of the output alone (torch.autograd.grad with create_graph)
+    # never reaches while the layer's weight learns.
+    shift: bool = False
 
 
 class LayerMap:
@@ -102,8 +137,14 @@ class LayerMap:
                     self.layers.append(owner)
                 qualified = f"{module_name}.{short}" if module_name else short
                 table = isinstance(module, _TABLES)
+                shift = short == "bias" and _adds_its_bias(module)
                 self._info[id(param)] = ParamInfo(
-                    qualified, owner, index[owner], table=table, position=len(self._info)
+                    qualified,
+                    owner,
+                    index[owner],
+                    table=table,
+                    position=len(self._info),
+                    shift=shift,
                 )
                 self._params[id(param)] = param
                 self._slots.append((module._parameters, short, param))

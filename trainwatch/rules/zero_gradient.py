@@ -115,20 +115,60 @@ def _reset_by_hand(record: StepRecord) -> frozenset[str]:
     return rewritten
 
 
+def _learning_layers(record: StepRecord) -> set[str]:
+    """Layers with some parameter whose gradient is non-zero this step."""
+    return {info.owner for info, norm in zip(record.present, record.param_norms) if norm != 0.0}
+
+
 def _shift_free_biases(record: StepRecord) -> frozenset[str]:
     """Biases with an exactly zero gradient in a layer whose weight learns.
 
     The loss does not depend on that shift: a critic's output bias in
     ``D(fake).mean() - D(real).mean()`` (WGAN), a bias that batch norm right
     after removes. Dead units, a zero mask or a cut graph zero the weight's
-    gradient too, so those are still reported.
+    gradient too, so those are still reported. For a bias with no gradient at
+    all, see _unreached_shifts.
     """
-    learning = {info.owner for info, norm in zip(record.present, record.param_norms) if norm != 0.0}
+    learning = _learning_layers(record)
     return frozenset(
         info.name
         for info, norm in zip(record.present, record.param_norms)
         if norm == 0.0 and info.owner in learning and info.name.rsplit(".", 1)[-1] == "bias"
     )
+
+
+def _unreached_shifts(record: StepRecord) -> frozenset[str]:
+    """Biases with no gradient (None) that torch's own layer adds to its output
+    (``ParamInfo.shift``: nn.Linear, a convolution, a norm layer), in a layer
+    whose weight learns this step, the layer not seen skipped.
+
+    A loss built only from derivatives of the output (a Hamiltonian network's
+    ``torch.autograd.grad(H, x, create_graph=True)``, forces as ``-dE/dx``)
+    never reaches a constant shift of it, so backward leaves such a bias None
+    by design: the shift-free bias of _shift_free_biases, unreached instead of
+    zeroed. A layer cut off whole (its weight None too), a bias its layer's own
+    forward may leave out (a module of the user's own, a subclass redefining
+    forward), and a layer whose weight is read without the layer running
+    (``F.linear(x, fc.weight)``: the call tracker saw it not called) are still
+    reported. Asked only on steps with a parameter missing.
+    """
+    shifts = [info for info in record.missing if info.shift]
+    if not shifts:
+        return frozenset()
+    learning = _learning_layers(record)
+    held_by = record.calls_held_by or {}
+    followed, called = record.calls_followed, record.called_now
+    unreached = set()
+    for info in shifts:
+        if info.owner not in learning:
+            continue
+        runs = held_by.get(info.owner, info.owner)
+        if runs in record.never_called or (
+            called is not None and runs in followed and runs not in called
+        ):
+            continue  # its weight used without the layer running: the bias is left out
+        unreached.add(info.name)
+    return frozenset(unreached)
 
 
 # Steps a layer seen not running (and never seen running) is given beyond
@@ -344,6 +384,17 @@ class ZeroGradientRule(Rule):
             ]
         if not silent and not self._streaks:
             return []  # the healthy step: every gradient there and non-zero
+        if record.missing and not at_once:
+            # Under DDP (at_once) a parameter without a gradient fails the next
+            # iteration whatever the reason: told as before.
+            unreached = _unreached_shifts(record)
+            if unreached:
+                silent = [item for item in silent if item[0].name not in unreached]
+                if self._streaks:
+                    for name in unreached:  # a streak of theirs ends, as one with a gradient
+                        self._streaks.pop(name, None)
+                elif not silent:
+                    return []
         if record.not_called_since is not None:
             # No pass of the model between its optimizer's steps: says nothing of any layer.
             return self._not_called(record)
