@@ -452,8 +452,13 @@ class ZeroGradientRule(Rule):
             # may be skipped by design from the first step: unless the call
             # tracker saw the module holding it run without it (a head defined but
             # never called), it is given _NOT_YET_RAN more steps to run.
+            # Seen running: called on a step its calls were followed, or holding a
+            # gradient on an earlier step. The pipeline's ``calls_ran`` knows the
+            # steps of the optimizer stepping now only; a fresh optimizer built per
+            # task (the old task's head no longer called) starts that afresh, while
+            # the head ran under the one before: that is what ``_had_gradient`` keeps.
             skipped = streak.skipped and not streak.called
-            if skipped and runs not in record.calls_ran:
+            if skipped and runs not in record.calls_ran and info.name not in self._had_gradient:
                 skipped = False
                 if info.owner not in record.never_called:  # its holder skipped too
                     if ran is None:
