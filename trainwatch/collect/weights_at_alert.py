@@ -71,8 +71,9 @@ class HeldParameters:
         self, owner: str, told: Collection[str], silent: Collection[str]
     ) -> list[tuple[str, str | None]]:
         """The weights of ``owner`` (and of the other half of a low-rank adapter it is
-        one half of) that are exactly zero everywhere, each with why it stays so;
-        biases are left out (a zero shift multiplies nothing).
+        one half of) that are exactly zero everywhere and that a told weight is
+        multiplied by, each with why it stays so; biases are left out (a zero shift
+        multiplies nothing).
 
         ``told`` are the weights whose exactly zero gradient is the finding, ``silent``
         every weight whose gradient is silent now (``told`` among them). A silent
@@ -81,24 +82,39 @@ class HeldParameters:
         weight is all zeros too: two all-zero weights multiplying each other's path
         (LoRA's A and B both initialised to zero) each make the other's gradient
         exactly zero, so neither ever moves; then each of them, told ones included,
-        is returned as ``BOTH_ZERO``."""
+        is returned as ``BOTH_ZERO``.
+
+        Only factors of one product are partners: two all-zero weights of one module
+        may have nothing to do with each other's gradient (a learned prior's ``mu``
+        and ``logvar``, both N(0, I) at init and silent while the KL term is weighed
+        by 0). See :func:`_factors`."""
         layers = self._layers()
         if layers is None:
             return []
         owners = {owner, *_pair_owners(owner)}
-        zero = []
+        zero, told_weights = [], []
         for param in layers.parameters():
             info = layers.info(param)
             if info.owner not in owners or not info.in_model:
                 continue
+            if info.name in told:
+                told_weights.append(param)
             if info.name.rsplit(".", 1)[-1] == "bias" or not _all_zero(param):
                 continue
             zero.append((info.name, param))
-        held_zero = [name for name, _ in zero if name in silent]
-        mutual = len(held_zero) > 1 and any(name in told for name in held_zero)
-        if mutual:
-            return [(name, BOTH_ZERO) for name in held_zero]
-        return [(name, self._why_still(param)) for name, param in zero if name not in silent]
+        held_zero = [(name, param) for name, param in zero if name in silent]
+        mutual = [
+            name
+            for name, param in held_zero
+            if any(_factors(param, other) for _, other in held_zero if other is not param)
+        ]
+        if any(name in told for name in mutual):
+            return [(name, BOTH_ZERO) for name in mutual]
+        return [
+            (name, self._why_still(param))
+            for name, param in zero
+            if name not in silent and any(_factors(param, mine) for mine in told_weights)
+        ]
 
     def owners_beside(self, told: Collection[str]) -> set[str] | None:
         """The modules owning a parameter of the model other than ``told`` that trains
@@ -145,6 +161,26 @@ def _pair_owners(owner: str) -> list[str]:
         for i, part in enumerate(parts)
         if part in _PAIRS
     ]
+
+
+def _factors(one: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two weights chain as the factors of a low-rank product, so that the
+    gradient of each passes through the other: LoRA's ``B (out, r)`` after ``A (r,
+    in)``, in loralib's layout (bare parameters of one layer) or PEFT's (two Linear
+    or Conv layers, ``(out, in, ...)`` each), the rank shared and smaller than the
+    dimensions it joins. Weights of one dimension (a learned prior's ``mu`` and
+    ``logvar``) or of shapes that do not chain are no such pair; neither are two
+    square matrices of one size (a recurrent cell's input and hidden weights),
+    whose shapes chain whether they multiply or not."""
+    if one.dim() < 2 or other.dim() < 2:
+        return False
+    return _after(one.shape, other.shape) or _after(other.shape, one.shape)
+
+
+def _after(first: torch.Size, second: torch.Size) -> bool:
+    """``second (out, r, ...)`` takes what ``first (r, in, ...)`` gives, r the smaller."""
+    rank = first[0]
+    return second[1] == rank and (rank < first[1] or rank < second[0])
 
 
 def _all_zero(param: torch.Tensor) -> bool:

@@ -12,6 +12,12 @@ saved tensors are freed): while ``zero_gradient`` has a zero streak not yet
 told, the nodes the model's latest pass with gradients hangs its output from
 are kept (a listener on the passes only then), and walked once, as the alert
 is built. A healthy step pays nothing.
+
+The same look tells which of those parameters the model returns as they are
+(a learned prior's ``mu`` handed to the loss): such an output is a leaf,
+with no node of the pass's graph for backward to enter by, and its exactly
+zero gradient is the loss sending that output nothing (a KL term weighed by
+0 while it is annealed in), not a layer cut inside the model.
 """
 
 from __future__ import annotations
@@ -78,8 +84,10 @@ class ZeroDerivativeLook:
         self._passes = passes
         self._layers = layers  # the pipeline's map, rebuilt when the model changes
         self.wanted = False
-        # The nodes the latest pass with gradients hangs its output from.
+        # The nodes the latest pass with gradients hangs its output from, and the
+        # parameters it returned as they are, by their position among its tensors.
         self._roots: list[Any] | None = None
+        self._returned: list[tuple[int, torch.Tensor]] = []
 
     def want(self, wanted: bool) -> None:
         """Keep each pass's graph (until the next pass) from now on, or no more."""
@@ -96,9 +104,15 @@ class ZeroDerivativeLook:
 
     def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         if torch.is_grad_enabled():
-            roots = [t.grad_fn for _, t in tensor_leaves(output) if t.grad_fn is not None]
-            if roots:
-                self._roots = roots
+            tensors = [t for _, t in tensor_leaves(output)]
+            roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
+            returned = [
+                (position, t)
+                for position, t in enumerate(tensors)
+                if t.grad_fn is None and t.requires_grad
+            ]
+            if roots or returned:
+                self._roots, self._returned = roots, returned
 
     def ops(self, wanted: dict[str, list[str]]) -> dict[str, list[str]] | None:
         """Per layer of ``wanted`` (by name, with the names of its parameters whose
@@ -120,8 +134,37 @@ class ZeroDerivativeLook:
         except Exception:  # a graph that cannot be walked claims nothing; the alert stands
             return None
 
+    def returned(self, names: list[str]) -> list[int]:
+        """The output positions under which the latest pass returned the parameters
+        ``names`` as they are, where it returned every one of them so and its graph
+        reaches none of them through its other outputs (one read inside the model
+        too may have a zero gradient there of its own). Empty where some is not
+        returned so, or there is no pass to look at."""
+        returned, layers = self._returned, self._layers()
+        if not returned or layers is None:
+            return []
+        by_id = {id(t): position for position, t in returned}
+        positions = []
+        targets = set()
+        for param in layers.parameters():
+            if layers.info(param).name in names:
+                if id(param) not in by_id:
+                    return []
+                positions.append(by_id[id(param)])
+                targets.add(id(param))
+        if len(positions) != len(names):
+            return []
+        try:
+            order = postorder(self._roots or [])
+        except Exception:  # a graph that cannot be walked claims nothing
+            return []
+        if order is None or any(id(getattr(n, "variable", None)) in targets for n in order):
+            return []
+        return sorted(positions)
+
     def detach(self) -> None:
         self.wanted = False
         self._roots = None
+        self._returned = []
         if self._passes.listens(self):
             self._passes.unsubscribe(self)

@@ -227,7 +227,7 @@ _ZERO_DERIVATIVE_TOO = (
     "without a straight-through estimator: write `x + (x.round() - x).detach()`."
 )
 _PARTNER_HINT = (
-    "a weight initialised to zero (a LoRA B matrix, a zero-initialised gate) "
+    "a weight initialised to zero (a LoRA B matrix, a low-rank factor) "
     "multiplies the path to these parameters: their gradient is exactly zero until "
     "it moves, and it is still exactly zero. Check that it gets a gradient and an "
     "update (its learning rate, requires_grad, its place in the optimizer), or "
@@ -250,8 +250,8 @@ _PARTNER_HINTS = {
         "stays zero and nothing learns through it. Add it to the optimizer's param groups."
     ),
     BOTH_ZERO: (
-        "both halves of the adapter (LoRA's A and B, or a weight and the zero-initialised "
-        "gate multiplying it) were initialised to zero: each one's gradient passes "
+        "both halves of the adapter (LoRA's A and B, or the two factors of a low-rank "
+        "weight) were initialised to zero: each one's gradient passes "
         "through the other, so both stay exactly zero and nothing learns. Initialise "
         "one of them randomly: LoRA's A with nn.init.kaiming_uniform_(A, a=math.sqrt(5)) "
         "(as PEFT does), B kept at zero so the adapter starts as a no-op."
@@ -622,6 +622,19 @@ class ZeroGradientRule(Rule):
                     "gradient from the loss and another did not"
                 )
                 hint, severity = _HINTS["output_without_signal"], "info"
+            elif kind == "zero" and (outputs := self._returned_as_outputs(params)):
+                # Parameters the model returns as they are (a learned prior's mu):
+                # each is an output of its own, and the loss sent it nothing.
+                data["kind"] = "output_without_signal"
+                data["outputs"] = outputs
+                them = "them" if len(params) > 1 else "it"
+                are = "they are" if len(params) > 1 else "it is"
+                message += (
+                    f", and the model returns {them} as {are} (output"
+                    f"{'s' if len(outputs) > 1 else ''} {', '.join(map(str, outputs))}): "
+                    f"the loss sent {them} nothing"
+                )
+                hint, severity = _HINTS["output_without_signal"], "info"
             elif (
                 kind != "not_updated"
                 and not record.sharded
@@ -810,6 +823,13 @@ class ZeroGradientRule(Rule):
             return []
         silent = [name for name, streak in self._streaks.items() if streak.kind != _JOINED]
         return held.all_zero_partners(owner, [p.name for p in params], silent)
+
+    def _returned_as_outputs(self, params: list[ParamInfo]) -> list[int]:
+        """The output positions under which the model's latest pass returned
+        ``params`` as they are (none read inside the model): empty where it did not,
+        or no pass was looked at."""
+        look = self.zero_look
+        return look.returned([p.name for p in params]) if look is not None else []
 
     def _reset_before_step(self, record: StepRecord, cause: str) -> list[Alert]:
         """Told once per streak, after ``patience`` steps in a row, dated at its first:
