@@ -82,7 +82,9 @@ class ModeReport:
     modules: list[str]  # qualified names, in the order the model calls them
     kinds: list[str]  # class names (or the function called), aligned with ``modules``
     # The root module itself is in that mode: the whole model was switched
-    # (``model.eval()`` with no ``model.train()``), not a chosen part of it.
+    # (``model.eval()`` with no ``model.train()``), not a chosen part of it. For a
+    # part called on its own, the part's root; and, in training mode, the model's
+    # too (a part put back in ``train()`` after ``model.eval()`` is a chosen part).
     whole_model: bool
     total: int  # mode-dependent modules in the model
     # Those of ``modules`` inside a frozen part of the model (the nearest module

@@ -47,6 +47,7 @@ from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, pass_shape
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
 from trainwatch.collect.modes import ModeWatch
+from trainwatch.collect.pass_chain import PassChain
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.tensors import floating_tensors
@@ -109,6 +110,7 @@ class BehaviourWatch:
         self._due_now = False
         self.eval_passes = EvalPassJudge(PROCESS_STEPS.taken)
         self._part_streak = PartStreak()  # parts called one after the other: one pass
+        self._pass_chain = PassChain()  # passes that feed on the one before: one solve
         # Whether the model has an optimizer of its own (set by the pipeline): a
         # generator not yet trained, sampled once per critic step, is one.
         self.optimized: Callable[[], bool] = _never
@@ -318,7 +320,7 @@ class BehaviourWatch:
                                 hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
                                 break
             elif self.check_eval_pass:
-                self._nograd_modes(model, modes, part, args, output)
+                self._nograd_modes(model, modes, part, args, kwargs, output)
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad, None if part is None else part[0])
         if not grad or not module.training:
@@ -330,20 +332,26 @@ class BehaviourWatch:
         modes: ModeWatch,
         part: tuple[str, nn.Module] | None,
         args: Any,
+        kwargs: Any,
         output: Any,
     ) -> None:
         """A pass without gradients: modules in training mode, told or held."""
         report = modes.in_mode(
             True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
         )
-        if report is not None:
-            report.input_shape, report.output_shape = pass_shapes(args, output)
-        if report is not None and part is not None:
-            # A part after a training pass (or a step's end) starts a streak.
-            fresh = not self.eval_passes.in_a_row
-            report = self._part_streak.joined(part[0], report, fresh)
-        elif report is not None:
+        if report is None:
+            return
+        report.input_shape, report.output_shape = pass_shapes(args, output)
+        # A pass after a training pass (or a step's end) starts a streak; one that
+        # feeds on the pass before it is that computation's next step (a solver's).
+        fresh = not self.eval_passes.in_a_row
+        iterates = self._pass_chain.feeds_on_last(args, kwargs, output) and not fresh
+        if part is not None:
+            report = self._part_streak.joined(part[0], report, fresh, iterates)
+        else:
             self._part_streak.reset()
+            if iterates:
+                report = None  # one solve of the model, already judged at its first pass
         if report is not None:
             self._judge_nograd_pass(model, report)
 

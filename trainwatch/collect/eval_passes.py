@@ -25,6 +25,9 @@ batch norm in training mode there. So:
   longer one (a validation pass next to the step's own) is reported for its
   passes beyond them.
 
+Calls that feed on the pass before them (a fixed-point solver's twenty
+``z = cell(z, u)``, ``collect/pass_chain.py``) come to the judge as one pass.
+
 Whatever is still held when the monitor closes is reported then. One or two
 passes before the model's first training pass are a check of the model just
 built (``assert model(torch.zeros(2, 10)).shape == ...`` under ``no_grad``),
@@ -574,7 +577,8 @@ class PartStreak:
     Parts called one after the other (``decode(encode(x))``, ``head(net(x))``,
     a pseudo-label made with ``classifier(encoder(x))`` at every step) make one
     pass of the model between them: only a part called again starts a new pass
-    for the judge. Every record of the streak carries the same report, the
+    for the judge, unless that call iterates the pass before it (a fixed-point
+    solver's ``z = cell(z, u)``: one solve). Every record of the streak carries the same report, the
     modules of all its parts in the order called (filled in as they come, so a
     held record tells them all), so one evaluation is told once, at its first
     module.
@@ -585,9 +589,13 @@ class PartStreak:
         self._in_pass: set[str] = set()  # the parts of the pass under way
         self._parts: set[str] = set()  # every part of the streak
 
-    def joined(self, part: str, report: ModeReport, fresh: bool) -> ModeReport | None:
+    def joined(
+        self, part: str, report: ModeReport, fresh: bool, iterates: bool = False
+    ) -> ModeReport | None:
         """The report of a new pass for the judge; None: ``part`` goes on with the pass
-        under way. ``fresh``: no such pass since the last training pass, a new streak."""
+        under way. ``fresh``: no such pass since the last training pass, a new streak.
+        ``iterates``: the call feeds on the pass before it (``collect/pass_chain.py``,
+        a solver's next step), so even a part called again goes on with the pass."""
         streak = self._report
         if streak is None or fresh:
             self._report, self._in_pass, self._parts = report, {part}, {part}
@@ -599,7 +607,7 @@ class PartStreak:
         if part not in self._parts:
             self._parts.add(part)
             streak.total += report.total
-        if part in self._in_pass:
+        if part in self._in_pass and not iterates:
             self._in_pass = {part}
             return streak
         self._in_pass.add(part)

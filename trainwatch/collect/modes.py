@@ -449,6 +449,12 @@ class ModeWatch:
         if not names:
             return None
         whole = ran is not None and ran.training == training
+        if whole and training and part is not None and root is not None:
+            # A part run in training mode on its own, the model around it in eval
+            # (``model.eval()`` then ``model.cell.train()``): a chosen part, not the
+            # whole model left in training mode.
+            model = root.module if isinstance(root, DistributedDataParallel) else root
+            whole = model.training
         report = ModeReport(names, kinds, whole, len(listed))
         if not training and root is not None:
             if not whole:
