@@ -8,7 +8,9 @@ that grows them a little grows the gradients through the sequence by their
 power; and a classification loss's gradient on its logits is bounded (softmax
 minus a one-hot) whatever the target. There no outlier explains it: the
 updates blew the weights up, and clipping the gradients with a small
-``max_norm`` and a lower learning rate are the fixes.
+``max_norm`` and a lower learning rate are the fixes. A recurrent network
+trained with a regression loss has both causes open: which one a jump is, the
+course of its norms says (see trainwatch.rules.gradient_scale).
 
 The modules are read from the model when asked; the loss functions are those
 the loss audit (``collect/broadcast.py``) saw take the model's outputs in its
@@ -68,6 +70,12 @@ def recurrent_module(model: nn.Module | None) -> str | None:
     if model is None:
         return None
     return next(iter(recurrent_modules(model)), None)
+
+
+def regression_loss(losses: Collection[str]) -> str | None:
+    """The first regression loss among ``losses`` (by name), None where none was seen:
+    an outlier target or input can make its gradient as large as it likes."""
+    return min((loss for loss in losses if loss in REGRESSION_LOSSES), default=None)
 
 
 def explosion_kind(model: nn.Module | None, losses: Collection[str]) -> tuple[str, str] | None:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainwatch.collect.model_copies import ModelCopies
-from trainwatch.collect.model_kind import explosion_kind
+from trainwatch.collect.model_kind import explosion_kind, regression_loss
 from trainwatch.collect.tensors import local_part
 from trainwatch.layers import LayerMap
 
@@ -66,6 +66,11 @@ class HeldParameters:
         """Whether the model's gradients explode from its weights rather than from
         an outlier in the data: see trainwatch.collect.model_kind."""
         return explosion_kind(self._model(), self.losses())
+
+    def regression_loss(self) -> str | None:
+        """A regression loss the loss audit saw take the model's outputs, None where
+        it saw none (or did not run)."""
+        return regression_loss(self.losses())
 
     def all_zero_partners(
         self, owner: str, told: Collection[str], silent: Collection[str]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Iterable
 from itertools import repeat
 from operator import add, mul, sub
 from typing import Any
@@ -62,7 +63,9 @@ _OVERFLOW_HINT = (
     "a robust loss (huber_loss, smooth_l1_loss)"
 )
 # A model whose explosions come from its weights, not from an outlier in the data
-# (trainwatch.collect.model_kind): the cause, then the fix.
+# (trainwatch.collect.model_kind): the cause, then the fix. A recurrent one trained
+# with a regression loss only where the course of its norms says so (see
+# ``_one_batch_cause``).
 _FROM_THE_WEIGHTS = {
     RECURRENT: (
         "a recurrent network's gradients explode through its time steps: {name} "
@@ -78,6 +81,36 @@ _FROM_THE_WEIGHTS = {
         "outside the data's range. "
     ),
 }
+# A recurrent model trained with a regression loss whose norms were steady until
+# one step's jump: that batch, as in any regression. An LSTM forecaster fed one
+# stuck-sensor reading of 4000 in a standardised series jumps 2e3-2e5x, its loss
+# 1e7x, and is back to its usual norms the next step.
+_ONE_BATCH = (
+    "the gradient norms were steady until this step, and {loss} grows without bound "
+    "with a target's or input's distance from the data: one value far outside the "
+    "data's range in this batch (a stuck or corrupt sensor reading, a sentinel such as "
+    "-999, a unit mix-up) makes a jump this large in a recurrent model ({name}) as in "
+    "any other. Check the batch that caused it and drop or clamp such values{robust}"
+)
+_ROBUST = ", or use a robust loss (huber_loss, smooth_l1_loss)"
+_BOUNDED_LOSSES = frozenset({"huber_loss", "smooth_l1_loss"})
+_ONE_BATCH_CLIP = (
+    ", and clip gradients (torch.nn.utils.clip_grad_norm_) so that one batch cannot "
+    "throw the weights far"
+)
+_ONE_BATCH_CLIPS = (
+    "; the loop's clip_grad_norm_ bounds one batch's update only as far as its "
+    "max_norm is small (0.25 to 1.0)"
+)
+_ONE_BATCH_LET_THROUGH = (
+    "; the loop's clip_grad_norm_ let it through to the weights (max_norm {max_norm:g}): "
+    "give it a small max_norm (0.25 to 1.0)"
+)
+# Should the jumps go on, the other cause: the recurrent weights.
+_UNLESS_IT_GOES_ON = (
+    ". If the norms stay high over the next steps instead, {name}'s weights blew up "
+    "(it multiplies the signal by them at each time step): lower the learning rate{clip}."
+)
 _CLIP_SMALL = (
     "Clip gradients between backward and the update, torch.nn.utils.clip_grad_norm_("
     "model.parameters(), max_norm) with a small max_norm (0.25 to 1.0), and lower "
@@ -259,7 +292,14 @@ class _Sync:
 class ExplodingGradientRule(Rule):
     id = "exploding_gradient"
     config: ExplodingGradientConfig
-    _NOT_STATE = Rule._NOT_STATE | {"_warm", "_runaways", "_waiting", "_sync", "_last_jump"}
+    _NOT_STATE = Rule._NOT_STATE | {
+        "_warm",
+        "_runaways",
+        "_waiting",
+        "_sync",
+        "_last_jump",
+        "_one_batch",
+    }
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
@@ -278,6 +318,9 @@ class ExplodingGradientRule(Rule):
         self._waiting: _Waiting | None = None
         self._sync: _Sync | None = None
         self._last_jump: int | None = None
+        # The latest step whose jump was told as one batch's outlier (a recurrent
+        # regression): a jump held back that went on is the weights' after all.
+        self._one_batch: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         self._write_back()
@@ -317,9 +360,11 @@ class ExplodingGradientRule(Rule):
         if overflow is not None and overflow.cause == NORM_OVERFLOW:
             # Off the usual step (its norms are not finite): no layer's history
             # moves, as for any spike. A jump held back went on to this.
+            self._write_back()  # the hint reads the histories
+            alert = self._overflow_alert(record, overflow)
             waiting, self._waiting = self._waiting, None
-            held_back = waiting.alerts if waiting is not None else []
-            return [*held_back, self._overflow_alert(record, overflow)]
+            held_back = self._went_on_hints(waiting) if waiting is not None else []
+            return [*held_back, alert]
         self._write_back()  # the per-layer look reads every history, writes the step's
         alerts = self._evaluate_each_layer(record)
         if alerts or self._waiting is not None:
@@ -369,8 +414,12 @@ class ExplodingGradientRule(Rule):
             look = waiting.look
             copy = look.synced() if went_on and look is not None else None
             if copy is None:
-                alerts = [*waiting.alerts, *alerts]
-                if len(alerts) > len(waiting.alerts):
+                if went_on or alerts or not self._finite(record, waiting):
+                    held_back = self._went_on_hints(waiting)
+                else:
+                    held_back = waiting.alerts
+                alerts = [*held_back, *alerts]
+                if len(alerts) > len(held_back):
                     self._last_jump = record.step
                 return alerts
             self._sync = _Sync(waiting.step, copy)
@@ -417,6 +466,17 @@ class ExplodingGradientRule(Rule):
                     return True
         return False
 
+    def _went_on_hints(self, waiting: _Waiting) -> list[Alert]:
+        """The alerts held back, for a jump that went on at the next step: one told as
+        a single batch's outlier is the recurrent weights blowing up after all."""
+        if self._one_batch != waiting.step:
+            return waiting.alerts
+        self._one_batch = None
+        return [
+            dataclasses.replace(alert, hint=self._exploding_hint(alert.data.get("kind") == _BURST))
+            for alert in waiting.alerts
+        ]
+
     @staticmethod
     def _finite(record: StepRecord, waiting: _Waiting) -> bool:
         """No layer that jumped went non-finite a step later: a NaN after a jump is
@@ -451,13 +511,16 @@ class ExplodingGradientRule(Rule):
                 "of this batch's gradient"
             )
             data["clipped_to_zero"] = True
-        return self.alert(record.step, report.module, message, self._overflow_hint(), data)
+        hint = self._overflow_hint(record)
+        return self.alert(record.step, report.module, message, hint, data)
 
-    def _overflow_hint(self) -> str:
+    def _overflow_hint(self, record: StepRecord) -> str:
         """An outlier in the data, or weights blown up: a recurrent model, or one
-        trained with a classification loss, has no outlier to blame."""
+        trained with a classification loss, has no outlier to blame, unless a
+        regression loss trains the recurrent one and its norms were steady until
+        now."""
         found = self.held.explosion_kind() if self.held is not None else None
-        if found is None:
+        if found is None or self._one_batch_cause(record.layer_norms, record.step):
             return _OVERFLOW_HINT
         kind, name = found
         return _FROM_THE_WEIGHTS[kind].format(name=name or "the model") + (
@@ -702,7 +765,63 @@ class ExplodingGradientRule(Rule):
                 f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
                 f"{what}{others}"
             )
-        return [self.alert(record.step, layer, message, self._exploding_hint(burst), data)]
+        cause = self._one_batch_cause(data["layers"], record.step)
+        if cause is None:
+            hint = self._exploding_hint(burst)
+        else:
+            self._one_batch = record.step
+            hint = self._one_batch_hint(*cause, burst)
+        return [self.alert(record.step, layer, message, hint, data)]
+
+    def _one_batch_cause(self, layers: Iterable[str], step: int) -> tuple[str, str] | None:
+        """A recurrent model trained with a regression loss whose jump at ``step``
+        came, as far as is known now, from that step's batch alone: its recurrent
+        module and the loss, else None.
+
+        Known now: no jump at the step before (held back or told: a run of jumps is
+        the weights blowing up), and each layer that jumped had its last few steps
+        within its usual moves of its typical norm (norms climbing into the jump, as
+        an RNN's at a learning rate too high does through its warm-up, are the
+        weights too). A jump that goes on at the next step is known only then: a
+        held-back one is told with the weights' advice, a told one says what the
+        jumps going on would mean. The loss value says nothing either way: an
+        outlier batch's and blown-up weights' both jump about 1e7x.
+        """
+        found = self.held.explosion_kind() if self.held is not None else None
+        if found is None or found[0] != RECURRENT:
+            return None
+        loss = self.held.regression_loss() if self.held is not None else None
+        if loss is None:
+            return None
+        last = self._last_jump
+        if self._waiting is not None or (last is not None and step - last <= 1):
+            return None
+        histories = self._history
+        for layer in layers:
+            history = histories.get(layer)
+            if history is not None and history.count:
+                if history.recent - history.mean > max(_RISEN, history.spread):
+                    return None
+        return found[1] or "the model", loss
+
+    def _one_batch_hint(self, name: str, loss: str, burst: bool) -> str:
+        """The outlier in one batch first, then what the jumps going on would mean."""
+        robust = "" if loss in _BOUNDED_LOSSES else _ROBUST
+        cause = _ONE_BATCH.format(loss=loss, name=name, robust=robust)
+        if not self.loop_clips:
+            return (
+                cause
+                + _ONE_BATCH_CLIP
+                + _UNLESS_IT_GOES_ON.format(
+                    name=name, clip=" and clip with a small max_norm (0.25 to 1.0)"
+                )
+            )
+        max_norm = _clip_bound(self.held) if burst else None
+        if max_norm is not None:
+            clip = _ONE_BATCH_LET_THROUGH.format(max_norm=max_norm)
+        else:
+            clip = _ONE_BATCH_CLIPS
+        return cause + clip + _UNLESS_IT_GOES_ON.format(name=name, clip="")
 
     def _past_the_clip(
         self, rows: list[Any], typical_median: float, enormous: float, total: float | None
