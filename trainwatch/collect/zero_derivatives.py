@@ -18,11 +18,18 @@ The same look tells which of those parameters the model returns as they are
 with no node of the pass's graph for backward to enter by, and its exactly
 zero gradient is the loss sending that output nothing (a KL term weighed by
 0 while it is annealed in), not a layer cut inside the model.
+
+The same graph tells a group of layers not fed from one whose own units are dead:
+an exactly zero gradient from the first step in every layer of a group, while
+the model around it learns, reaches the group already zero where some path from
+the output gets to it past no activation (a branch multiplied by zero, an expert
+given an empty capacity buffer), and may be made zero by its own activations
+where every path passes one (a ReLU stuck at 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +50,32 @@ ZERO_DERIVATIVE = {
     "SignBackward0": "torch.sign",
     "SgnBackward0": "torch.sgn",
 }
+# Autograd's nodes for activations whose derivative is exactly zero where a unit is
+# dead or saturated: a layer reached only through them may be dead on its own.
+UNIT_ACTIVATIONS = frozenset(
+    {
+        "ReluBackward0",
+        "ThresholdBackward0",
+        "HardtanhBackward0",  # relu6, hardtanh
+        "ClampBackward0",
+        "ClampBackward1",
+        "ClampMinBackward0",
+        "ClampMinBackward1",
+        "ClampMaxBackward0",
+        "ClampMaxBackward1",
+        "GeluBackward0",
+        "SiluBackward0",
+        "MishBackward0",
+        "HardswishBackward0",
+        "HardsigmoidBackward0",
+        "SigmoidBackward0",
+        "TanhBackward0",
+        "EluBackward0",  # elu, selu, celu
+        "SoftplusBackward0",
+        "LeakyReluBackward0",
+        "LogSigmoidBackward0",
+    }
+)
 
 
 def zero_derivative_ops(
@@ -75,6 +108,35 @@ def zero_derivative_ops(
     if not found and any(isinstance(node, BackwardCFunction) for node in order):
         return None
     return found
+
+
+def reached_past_the_units(roots: Sequence[Any], params: Collection[torch.Tensor]) -> bool | None:
+    """Whether some path from ``roots`` reaches one of ``params`` without passing an
+    activation (``UNIT_ACTIVATIONS``), an op with a zero derivative or an autograd
+    Function (whose insides the graph does not show). Where one does, the exactly
+    zero gradient of a group of layers all silent was zero before it reached them
+    (their output multiplied by zero, an expert given an empty buffer and a zero
+    combine weight), not made zero by their own dead units. None: the graph is too
+    large to walk."""
+    order = postorder(roots)
+    if order is None:
+        return None
+    wanted = {id(p) for p in params}
+    passes: dict[int, bool] = {}  # the node lets a gradient through, whatever its value
+    free: dict[int, bool] = {}  # reaches one of ``params`` through passing nodes only
+    for node in order:  # children first
+        name = type(node).__name__
+        passes[id(node)] = not (
+            name in ZERO_DERIVATIVE
+            or name in UNIT_ACTIVATIONS
+            or isinstance(node, BackwardCFunction)
+        )
+        variable = getattr(node, "variable", None)  # an AccumulateGrad's parameter
+        free[id(node)] = (isinstance(variable, torch.Tensor) and id(variable) in wanted) or any(
+            child is not None and free[id(child)] and passes[id(child)]
+            for child, _ in node.next_functions
+        )
+    return any(free[id(root)] and passes[id(root)] for root in roots)
 
 
 class ZeroDerivativeLook:
@@ -161,6 +223,19 @@ class ZeroDerivativeLook:
         if order is None or any(id(getattr(n, "variable", None)) in targets for n in order):
             return []
         return sorted(positions)
+
+    def reached_past_the_units(self, names: Collection[str]) -> bool | None:
+        """Whether the latest pass's output reaches one of the parameters ``names``
+        by a path free of activations and ops with a zero derivative
+        (``reached_past_the_units``); None where there is no graph to look at."""
+        roots, layers = self._roots, self._layers()
+        if not roots or layers is None:
+            return None
+        params = [p for p in layers.parameters() if layers.info(p).name in names]
+        try:
+            return reached_past_the_units(roots, params)
+        except Exception:  # a graph that cannot be walked claims nothing
+            return None
 
     def detach(self) -> None:
         self.wanted = False

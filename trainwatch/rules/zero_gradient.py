@@ -271,7 +271,17 @@ _NO_SIGNAL_HINT = (
 
 
 class _Streak:
-    __slots__ = ("start", "count", "kind", "reported", "called", "skipped", "excused", "gradless")
+    __slots__ = (
+        "start",
+        "count",
+        "kind",
+        "reported",
+        "called",
+        "skipped",
+        "excused",
+        "gradless",
+        "unfed",
+    )
 
     def __init__(self, start: int, kind: str) -> None:
         self.start = start
@@ -286,6 +296,9 @@ class _Streak:
         self.excused = 0
         # Its layer was seen running with gradients off inside the training pass.
         self.gradless = False
+        # An exactly zero streak from the first step, judged once at ``patience``:
+        # whether its layer was not fed (see ZeroGradientRule._unfed); None: not yet.
+        self.unfed: bool | None = None
 
 
 class ZeroGradientRule(Rule):
@@ -330,6 +343,8 @@ class ZeroGradientRule(Rule):
                 streak.excused = 0
             if not hasattr(streak, "gradless"):
                 streak.gradless = False
+            if not hasattr(streak, "unfed"):
+                streak.unfed = None
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -413,6 +428,7 @@ class ZeroGradientRule(Rule):
         gradless = record.called_gradless
         held_by = record.calls_held_by
         ran: frozenset[str] | None = None  # modules that ran (asked for on this path only)
+        unfed: dict[str, bool] = {}  # per silent group, whether it was fed (see _unfed)
         for info, kind in silent:
             streak = self._streaks.get(info.name)
             if streak is None or streak.kind == _JOINED:  # (a joined one: silent again)
@@ -492,6 +508,20 @@ class ZeroGradientRule(Rule):
                 # whole batch (torchvision's mode="batch") gets exact zeros on some
                 # steps, several in a row by chance. A layer dying for good (its
                 # units dead, dead_units' finding too) stays zero.
+                needed = max(needed, _USED_BEFORE)
+            elif (
+                kind == "zero"
+                and not at_once
+                and streak.count >= needed
+                and self._unfed(info, streak, record, silent, unfed)
+            ):
+                # From the first step, with no step before to show it trained: a
+                # group of layers whose every gradient is exactly zero while the
+                # model around it learns, reached from the output past no
+                # activation of its own (a branch stochastic depth dropped at the
+                # first steps, an expert the router gave an empty buffer). Dead
+                # units, an op with a zero derivative, an all-zero partner weight
+                # are told at the usual patience.
                 needed = max(needed, _USED_BEFORE)
             if (
                 kind == "none"
@@ -698,6 +728,51 @@ class ZeroGradientRule(Rule):
         if self.zero_look is not None:
             self._keep_graphs()
         return alerts
+
+    def _unfed(
+        self,
+        info: ParamInfo,
+        streak: _Streak,
+        record: StepRecord,
+        silent: list[tuple[ParamInfo, str]],
+        judged: dict[str, bool],
+    ) -> bool:
+        """Whether an exactly zero streak from the first step, due now, is that of a
+        layer not fed on those steps: judged once per streak, as it falls due (the
+        healthy step never comes here), per silent group once a step (``judged``).
+
+        The group is the largest module around the layer none of whose parameters
+        got a non-zero gradient, below a model that learns. It was not fed where
+        the latest pass's output reaches one of its parameters by a path through
+        no activation and no op with a zero derivative: the gradient was zero
+        before it reached the group (its output multiplied by zero, an empty
+        capacity buffer with a zero combine weight). A group reached only through
+        its activations may have dead units (a ReLU stuck at 0 from a large
+        negative bias), and one holding an all-zero weight its gradient passes
+        through (LoRA's A and B both zero) is held at zero: both told as usual,
+        and so is a step where some output of the model got no gradient from the
+        loss (a task weighted by zero for now: its own finding)."""
+        if streak.unfed is not None:
+            return streak.unfed
+        streak.unfed = False
+        look = self.zero_look
+        if look is None or record.sharded or record.silent_outputs:
+            return False  # (an output the loss sends nothing is told as such, at once)
+        learning = {i.owner for i, norm in zip(record.present, record.param_norms) if norm != 0.0}
+        group = _silent_group(info.owner, learning)
+        if group is None:
+            return False
+        if group not in judged:
+            inside = [
+                i
+                for i, kind in silent
+                if kind == "zero" and (i.owner == group or i.owner.startswith(group + "."))
+            ]
+            judged[group] = not any(
+                self._all_zero_partners(owner, params) for owner, params in by_owner(inside).items()
+            ) and bool(look.reached_past_the_units({i.name for i in inside}))
+        streak.unfed = judged[group]
+        return streak.unfed
 
     def _keep_graphs(self) -> None:
         """The model's latest pass's graph is kept while some zero streak is not yet
@@ -1031,6 +1106,23 @@ def _siblings_ran(owner: str, ran: frozenset[str]) -> list[str]:
         if found:
             return sorted(found)
         name = parent
+
+
+def _silent_group(owner: str, learning: set[str]) -> str | None:
+    """The largest module around ``owner`` (itself included) that holds no module of
+    ``learning`` (those with a non-zero gradient), short of the model itself; None
+    where ``owner`` is the model, or learns, or nothing learns."""
+    if not owner or not learning or _holds(owner, learning):
+        return None
+    group = owner
+    while (parent := group.rpartition(".")[0]) and not _holds(parent, learning):
+        group = parent
+    return group
+
+
+def _holds(module: str, owners: set[str]) -> bool:
+    prefix = module + "."
+    return any(o == module or o.startswith(prefix) for o in owners)
 
 
 def _held_by_a_container(info: ParamInfo, record: StepRecord) -> bool:
