@@ -326,6 +326,11 @@ class StepRecord:
     # the optimizer steps while the model is not called at all (no forward pass
     # between two of its steps); None on every other step.
     not_called_since: int | None = None
+    # With every one of the optimizer's parameters missing and no backward anywhere
+    # since its last step: a batch skipped before its backward (Lightning's
+    # training_step returning None), which says nothing of any layer. A class
+    # attribute, not a field: set on that path only, the usual record never builds it.
+    skipped_batch = False
     # Layers never called in a forward pass since watching began (filled only
     # when parameters are missing): defined-but-unused, not cut off.
     never_called: frozenset[str] = frozenset()

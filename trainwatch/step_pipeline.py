@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from trainwatch import clip_hook, registry
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.backwards_anywhere import BackwardsAnywhere
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.between_backwards import IDLE_STEPS as WIPES_IDLE_STEPS
 from trainwatch.collect.between_backwards import WipedSteps
@@ -130,6 +131,7 @@ _PARTS = (
     "stall",
     "idle",
     "unwatched",
+    "_backwards_anywhere",
 )
 
 
@@ -292,6 +294,9 @@ class StepPipeline:
         # gradient at all (see _not_called); and who is told when that holds at two
         # of its steps in a row with no pass between them (``trainwatch run``).
         self._not_called_at: dict[int, tuple[int, int]] = {}
+        # Whether any backward ran in the process after such a step (a skipped
+        # batch has none): armed only then.
+        self._backwards_anywhere = BackwardsAnywhere()
         self.on_not_called: Callable[[int], None] | None = None
         self._small_norms = SmallGradientNorms()
         # Always there (what backward reached: manual steps, a late loss); it
@@ -633,6 +638,26 @@ class StepPipeline:
         if step_calls.following and not self.passes.listens(step_calls):
             self.passes.subscribe("step calls", step_calls)
 
+    def _skipped_batch(self, index: int, now: int, closure: bool) -> bool:
+        """The optimizer steps with no gradient on any of its parameters: was this a
+        batch skipped before its backward (Lightning's ``training_step`` returning
+        None, a loss found NaN and left without ``backward()``)? Only with no
+        backward since its last step: none reached the model, no loss was handed
+        over, and none ran anywhere in the process (``BackwardsAnywhere``, armed at
+        such a step for the next: a model replaced after the optimizer was built,
+        or one cut off whole while another model's backward runs, is no skip).
+        Where no look covered the time since its last step (the first such step),
+        a closure step is one: the closure is the step's forward and backward
+        (Lightning's automatic optimization), and it ran none; else the step counts
+        as before."""
+        tracker = self.tracker
+        if tracker.backward_seen or not tracker.enabled or self.loss is not None:
+            return False
+        seen = self._backwards_anywhere.look(index, now)
+        if seen is None:
+            return closure or self.in_closure_step()
+        return not seen
+
     def _not_called(self, index: int | None, now: int, passes: int, record: StepRecord) -> None:
         """The optimizer steps with no gradient on any of its parameters: noted, with the
         passes of the model counted so far. At its next step, the same again with no
@@ -863,7 +888,7 @@ class StepPipeline:
         """
         if self.probe is not None:
             self.probe.bad_backward_passes.clear()
-        pending = self.gather(index, now)
+        pending = self.gather(index, now, closure=True)
         self.name_closure_accumulation(pending)
         self.tracker.closure_step_over()
         return pending
@@ -1203,7 +1228,12 @@ class StepPipeline:
             pending.padded_labels = pending.frame.add(figures)
 
     def gather(
-        self, index: int | None, now: int, attach: bool = False, again: bool = False
+        self,
+        index: int | None,
+        now: int,
+        attach: bool = False,
+        again: bool = False,
+        closure: bool = False,
     ) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
 
@@ -1211,6 +1241,7 @@ class StepPipeline:
         already counted). ``now``: the monitor's step count. ``attach``: an
         optimizer being attached, not a step. ``again``: the step was gathered
         already (its gradients were reset since): no pass of it is missing.
+        ``closure``: a step with a closure, gathered after ``step()`` returned.
         """
         if LOSS_MODES:  # a sampled step: a list read, no call on the others
             self._end_loss_modes()
@@ -1296,7 +1327,13 @@ class StepPipeline:
                 self._guarded(
                     "updates outside .grad", self._updated_without_grad, record, params, now
                 )
-            if not grads and passes and not attach:
+            if not grads and index is not None and not attach:
+                # No gradient at all: a batch skipped before its backward?
+                record.skipped_batch = (
+                    self._guarded("skipped batches", self._skipped_batch, index, now, closure)
+                    is True
+                )
+            if not grads and passes and not attach and not record.skipped_batch:
                 # No gradient at all: was the model called since this optimizer's last step?
                 self._guarded("model not called", self._not_called, index, now, passes, record)
             if self._wiped_away and index is not None and not record.rewritten_since_backward:
@@ -1321,7 +1358,13 @@ class StepPipeline:
             wiped = record.rewritten_since_backward and record.gradients_reset_after_backward()
             # (Not at a first boundary without gradients: those the loop's own update
             # moves are known at the next, and only the others are followed.)
-            if step_calls is not None and not attach and not wiped and not record.weights_unseen:
+            if (
+                step_calls is not None
+                and not attach
+                and not wiped
+                and not record.weights_unseen
+                and not record.skipped_batch  # no layer went without a gradient: none ran
+            ):
                 self._guarded("step calls", self._follow_calls, index, record)
         elif step_calls is not None and self._missing_before.get(index) is not _NONE_MISSING:
             self._missing_before[index] = _NONE_MISSING

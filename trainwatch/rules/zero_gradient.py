@@ -399,6 +399,10 @@ class ZeroGradientRule(Rule):
             ]
         if not silent and not self._streaks:
             return []  # the healthy step: every gradient there and non-zero
+        if record.skipped_batch:
+            # No backward since the optimizer's last step: a batch skipped before
+            # its backward says nothing of any layer. No streak moves, none starts.
+            return []
         if record.missing and not at_once:
             # Under DDP (at_once) a parameter without a gradient fails the next
             # iteration whatever the reason: told as before.
