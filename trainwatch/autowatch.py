@@ -574,6 +574,11 @@ class AutoWatch:
             weakref.WeakKeyDictionary()
         )
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        # The Lightning Trainer each LightningModule's monitor last met (see
+        # _date_by_trainer).
+        self._fitted_by: weakref.WeakKeyDictionary[Monitor, weakref.ref[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         # Monitors of a model called through its parts (see _holder_called_through),
         # and the scans for such a model that found none.
         self._through_parts: weakref.WeakSet[Monitor] = weakref.WeakSet()
@@ -1294,6 +1299,7 @@ class AutoWatch:
                     resumed = _steps_before(monitor.model)
                     if resumed:
                         monitor.load_state_dict({"step": resumed})
+                self._date_by_trainer(monitor)
                 monitor.add_optimizer(optimizer)
                 stepping = self._closure_stepping
                 if stepping is not None and stepping() is optimizer:
@@ -1306,6 +1312,22 @@ class AutoWatch:
             self._hook_forwards()  # its model has yet to be found
         else:
             self._pending.discard(optimizer)
+
+    def _date_by_trainer(self, monitor: Monitor) -> None:
+        """A LightningModule fitted by a Trainer other than the one before (a second
+        stage's ``L.Trainer``): its steps are that Trainer's ``global_step`` from now
+        on, counted from its start, as the callback's are. Asked as an optimizer
+        joins (each fit builds its own), never per step."""
+        trainer = getattr(monitor.model, "_trainer", None)
+        if trainer is None:
+            return
+        seen = self._fitted_by.get(monitor)
+        if seen is not None and seen() is trainer:
+            return
+        self._fitted_by[monitor] = weakref.ref(trainer)
+        step = getattr(trainer, "global_step", None)
+        if seen is not None and isinstance(step, int) and step != monitor.step_count:
+            monitor.load_state_dict({"step": step})
 
     def _unowned(self, optimizer: Optimizer) -> list[torch.Tensor]:
         """The optimizer's parameters that no monitor watches."""

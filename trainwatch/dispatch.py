@@ -45,6 +45,35 @@ class Dispatcher:
         self.rank: int | None = None
         # The watched model's name, as other monitors' knock-on alerts name it.
         self.model: str | None = None
+        # While a tuner's trial steps run (see set_aside): what they set aside.
+        self._aside: _SetAside | None = None
+
+    def set_aside(self) -> None:
+        """Until :meth:`take_back`, what is published goes nowhere: no sink, no
+        observer, no halt, no NaN/Inf origin told to the other monitors, and the
+        tallies (which rules read as "already reported") are the while's own.
+
+        For a tuner's trial steps (trainwatch/tuner_trials.py), whose updates are
+        undone after. Swapped, not asked per step: the usual step pays nothing.
+        """
+        if self._aside is None:
+            self._aside = _SetAside(
+                self.sinks, self.tallies, self.reported, self.held, self.halt_on
+            )
+            self.sinks, self.tallies, self.reported = [], {}, set()
+            self.held, self.halt_on = None, frozenset()
+
+    def take_back(self) -> None:
+        """The sinks, tallies and halts as they were at :meth:`set_aside`; an internal
+        error met meanwhile is reported now (its component stays off)."""
+        aside, self._aside = self._aside, None
+        if aside is None:
+            return
+        self.sinks, self.tallies, self.reported = aside.sinks, aside.tallies, aside.reported
+        self.held, self.halt_on = aside.held, aside.halt_on
+        for component, exc, step in aside.failures:
+            self._internal_reported.discard(component)
+            self.internal_error(component, exc, step)
 
     def publish(self, alerts: Sequence[Alert], *, may_halt: bool = True) -> None:
         """Hand a step's alerts to every sink; then halt if a new one is in halt_on.
@@ -62,7 +91,11 @@ class Dispatcher:
                 self.tallies[alert.key] = AlertTally(alert, 1, alert.step)
                 self.reported.add(alert.rule)
                 heard.append((alert, 1))
-                if alert.rule.startswith("nonfinite") and alert.severity != "info":
+                if (
+                    alert.rule.startswith("nonfinite")
+                    and alert.severity != "info"
+                    and self._aside is None
+                ):
                     self._origin_told(alert)
                 if halt is None and alert.rule in self.halt_on and alert.severity != "info":
                     # An info line is no fault (a knock-on of an origin told
@@ -101,6 +134,8 @@ class Dispatcher:
         for alert, count in heard:
             if count > 1:
                 self._each_sink("repeat", lambda sink, a=alert, c=count: sink.repeat(a, c))
+        if self._aside is not None:
+            return  # a tuner's trial: no part of the run the observers count
         for alert, count in heard:
             for observer in OBSERVERS:
                 observer.heard(self, alert, count > 1)
@@ -157,6 +192,9 @@ class Dispatcher:
         if component in self._internal_reported:
             return
         self._internal_reported.add(component)
+        if self._aside is not None:
+            self._aside.failures.append((component, exc, step))  # told once taken back
+            return
         alert = Alert(
             rule="internal_error",
             severity="warning",
@@ -188,6 +226,24 @@ class Dispatcher:
             except Exception as exc:
                 self.sinks.remove(sink)
                 self.internal_error(f"{sink.name} sink ({what})", exc, step=-1)
+
+
+class _SetAside:
+    """What a dispatcher holds while a tuner's trial runs (see ``Dispatcher.set_aside``)."""
+
+    __slots__ = ("sinks", "tallies", "reported", "held", "halt_on", "failures")
+
+    def __init__(
+        self,
+        sinks: list[Sink],
+        tallies: dict[tuple[str, str | None], AlertTally],
+        reported: set[str],
+        held: Alert | None,
+        halt_on: frozenset[str],
+    ) -> None:
+        self.sinks, self.tallies, self.reported = sinks, tallies, reported
+        self.held, self.halt_on = held, halt_on
+        self.failures: list[tuple[str, BaseException, int]] = []
 
 
 def _with_rank(alert: Alert, rank: int) -> Alert:

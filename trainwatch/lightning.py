@@ -303,6 +303,12 @@ class TrainWatchCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks before on_fit_start on most strategies.
         if self._monitor is not None and not self._monitor.closed:
+            if self._monitor.in_trial:
+                # A tuner loading back the checkpoint it saved before its trial steps
+                # (a LearningRateFinder run inside the fit): the monitor goes back to
+                # where they began, and their findings, which went nowhere, with it.
+                _quietly(self._monitor.end_trial)
+                return
             self._apply_state(state_dict)
         else:
             self._restored = dict(state_dict)

@@ -50,6 +50,7 @@ from trainwatch.rules.rule_set import RuleSet
 from trainwatch.setup_audit import SetupAudit, build_audit
 from trainwatch.sinks import ConsoleSink, MemorySink, Sink
 from trainwatch.step_pipeline import PendingStep, StepPipeline
+from trainwatch.tuner_trials import tuner_trial_running
 from trainwatch.unwatched_catch import UnwatchedOptimizerCatch
 from trainwatch.weak import weak_callback, weak_getter
 
@@ -137,6 +138,8 @@ class Monitor:
         # a clip after that gathering (Lightning clips after its hook) keeps it.
         self._gathered_at_pass: dict[int, int] = {}
         self._in_flight: PendingStep | None = None  # lagged readback: read at the next step
+        # While a tuner's trial steps run: the state they began from (see begin_trial).
+        self._trial: tuple[dict[str, Any], int] | None = None
         self._guard = Guard(weak_callback(self._internal_error))
         self._disabled = self._guard.disabled
         self._rules = RuleSet(rules, self._guard)
@@ -315,6 +318,10 @@ class Monitor:
         self._optimizers.append(optimizer)
         self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
+        if self._trial is None and tuner_trial_running():
+            # First watched at a tuner's trial step (`trainwatch run` finds the model
+            # at its first call, inside a learning-rate range test run before fit).
+            self.begin_trial()
 
     def _release_dropped_optimizers(self) -> None:
         """A new optimizer comes: those the script no longer holds (built anew every
@@ -428,6 +435,7 @@ class Monitor:
         """Remove every hook, flush the sinks and print the summary; idempotent."""
         if self.closed:
             return
+        self._drop_trial()  # closed inside a trial (it failed): the run's own sinks
         try:
             self._land_in_flight(may_halt=False)  # closing never raises a halt
             for alerts in findings_at_close(self._pipeline, self._rules, self._guard, self._step):
@@ -630,6 +638,10 @@ class Monitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Carry on from ``state_dict()``: steps continue, old findings are not re-reported."""
+        if self._trial is not None:
+            # The tuner's checkpoint, loaded back as its trial ends (the Lightning
+            # callback's state in it): end_trial goes back to where the trial began.
+            return
         self._step = int(state.get("step", self._step))
         self._pipeline.judge.first_step = self._step
         if self._pipeline.stall is not None:
@@ -640,6 +652,51 @@ class Monitor:
         for rule in self._rules:
             if rule.id in saved:
                 self._guarded(rule.component, rule.load_state_dict, saved[rule.id])
+
+    # -- a tuner's trial steps (trainwatch/tuner_trials.py) ---------------------
+    @property
+    def in_trial(self) -> bool:
+        """Whether the steps now are a tuner's trials, set aside (see ``begin_trial``)."""
+        return self._trial is not None
+
+    def begin_trial(self) -> None:
+        """The steps from now to :meth:`end_trial` are a tuner's trials (Lightning's
+        learning-rate range test, its batch-size search), which the tuner undoes
+        after: they are not judged. Their alerts go nowhere and halt nothing; what
+        the rules learn from them, the step count and the findings are put back as
+        they were at :meth:`end_trial`. Their hooks run as on any step (the usual
+        step pays nothing for this)."""
+        if self._trial is not None or self.closed:
+            return
+        self._trial = (self.state_dict(), self._steps_here)
+        self._dispatcher.set_aside()
+        self._guarded("step collector", self._pipeline.trial_begins)
+
+    def end_trial(self) -> None:
+        """The tuner has loaded its checkpoint back: the monitor is where the trial
+        began, and the fit's next step begins a phase (warm-ups, gradient history,
+        the setup audit and the first steps' audits start over), as training that
+        started over with the same optimizer does."""
+        trial = self._drop_trial()
+        if trial is None:
+            return
+        state, self._steps_here = trial
+        self.load_state_dict(state)
+        PROCESS_STEPS.now = self._step
+        self._guarded("step collector", self._pipeline.trial_over)
+
+    def _drop_trial(self) -> tuple[dict[str, Any], int] | None:
+        """The trial's last step landed (set aside) and the dispatcher taken back."""
+        if self._trial is None:
+            return None
+        try:
+            self._land_in_flight(may_halt=False)
+            self._pending.clear()  # a step gathered that never came (a failed trial)
+            self._held_early.clear()
+        finally:
+            trial, self._trial = self._trial, None
+            self._dispatcher.take_back()
+        return trial
 
     # -- step lifecycle ------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
@@ -684,7 +741,11 @@ class Monitor:
 
     def _watch_loads(self, optimizer: Optimizer, index: int) -> None:
         """Its ``load_state_dict`` seen: a state loaded back to an earlier one says
-        training started over with it (see trainwatch.collect.optimizer_restarts)."""
+        training started over with it (see trainwatch.collect.optimizer_restarts).
+        Its ``state_dict`` seen: a tuner saving it begins its trial steps."""
+        self._handles.add(
+            optimizer.register_state_dict_pre_hook(WeakHook(self, "_before_optimizer_save"))
+        )
         self._handles.add(
             optimizer.register_load_state_dict_pre_hook(
                 WeakHook(self, "_before_optimizer_load", index)
@@ -696,11 +757,18 @@ class Monitor:
             )
         )
 
+    def _before_optimizer_save(self, optimizer: Optimizer) -> None:
+        if not self.closed and self._trial is None and tuner_trial_running():
+            self.begin_trial()  # the tuner's checkpoint, saved before its trials
+
     def _before_optimizer_load(self, index: int, optimizer: Optimizer, state: Any) -> None:
         if not self.closed:
             self._guarded("optimizer restarts", self._pipeline.restarts.loading, index, optimizer)
 
     def _after_optimizer_load(self, index: int, optimizer: Optimizer) -> None:
+        if self._trial is not None:
+            self.end_trial()  # the tuner's checkpoint loaded back: its trials undone
+            return
         if not self.closed:
             self._guarded("optimizer restarts", self._pipeline.optimizer_loaded, index)
 

@@ -86,7 +86,7 @@ from trainwatch.record import (
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.rules.zero_gradient import ZeroGradientRule
-from trainwatch.setup_audit import table_content
+from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
 from trainwatch.weak import weak_callback, weak_getter
@@ -270,6 +270,7 @@ class StepPipeline:
         self._audits_setup = "trainable_parameters" in self._rule_ids
         self.setup = SetupWatch()
         self._table_shown: str | None = None  # the last setup table shown, as table_content
+        self._setup_before_trial: tuple[SetupAudit | None, str | None] = (None, None)
         # The model's passes, seen from its outermost call only (a compile
         # wrapper watched in its place stands for it).
         self.passes = ModelPasses(on_error)
@@ -1886,6 +1887,23 @@ class StepPipeline:
         info = self.layers.info
         self.restarted.update(info(p).owner for p in self.optimizer_params(index))
         self.restarted_optimizers.add(index)
+
+    def trial_begins(self) -> None:
+        """A tuner's trial steps begin (see trainwatch/tuner_trials.py): the setup
+        audit and the table shown, as they stand, for ``trial_over``."""
+        self._setup_before_trial = (self.setup.latest, self._table_shown)
+
+    def trial_over(self) -> None:
+        """A tuner's trial steps ended, undone: the fit's next step begins a phase
+        for every optimizer, as after a restart, so no warm-up or gradient history
+        carries the trials' divergence over; and the setup is audited again there,
+        its table shown (unless shown before them) as if the trials' audits, which
+        went nowhere, never were."""
+        for index in range(len(self._optimizers)):
+            self.restart_optimizer(index)
+        before, self._setup_before_trial = self._setup_before_trial, (None, None)
+        self.setup.latest, self._table_shown = before
+        self.setup.due = True
 
     def _new_phase(self, now: int) -> None:
         """A new phase of training (a new optimizer, a part of the model replaced,

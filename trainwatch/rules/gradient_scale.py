@@ -328,6 +328,10 @@ class ExplodingGradientRule(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._warm = {}
+        # A loaded state goes on from its own step, not from the one before the
+        # load: a jump held back then (a tuner's trial step, loaded back over),
+        # a sync or a run of jumps found then continue nothing.
+        self._waiting, self._sync, self._last_jump = None, None, None
         super().load_state_dict(state)
         for history in self._history.values():
             if not hasattr(history, "recent"):  # saved before the short-term average existed

@@ -63,11 +63,15 @@ def _finite(value: float) -> bool:
 
 
 def _mark_after_exploding(record: StepRecord, reported: Collection[str]) -> None:
-    """Reports made after exploding_gradient fired: where that led, most likely."""
+    """Reports made after exploding_gradient fired: where that led, most likely.
+
+    Not a NaN/Inf already in the model's input (cause "input"): no update grew
+    the batch, so the data hint stands however the gradients went before.
+    """
     if "exploding_gradient" not in reported:
         return
     for report in (record.nonfinite_forward, record.nonfinite_backward, record.nonfinite_loss):
-        if report is not None:
+        if report is not None and report.cause != "input":
             report.after_exploding = True
 
 
