@@ -12,7 +12,11 @@ join the step's single readback.
   gradients with dropout/batch norm in training mode is published at once,
   from the end of that pass (an evaluation needs no optimizer step after it);
   a pass with gradients in eval mode is remembered, and counted as a training
-  step only when backward runs through its output.
+  step only when backward runs through its output; with the model itself in
+  eval mode, only when the step's update uses what that backward wrote, not
+  where the gradients were wiped before the next backward in training mode
+  or never written to ``.grad`` (an EWC Fisher estimate, a saliency map:
+  ``collect/eval_gradients.py``).
   Dropout and batch norm called as functions (``F.dropout(x, p,
   training=self.training)``) are found by a sampled look at the calls of a
   no-grad pass made in training mode (``collect/functional_modes.py``);
@@ -38,11 +42,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from trainwatch.collect.activations import FIELDS, TARGET, ActivationSampler, RowKey
 from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.broadcast_eval import EvaluationAudit
 from trainwatch.collect.calls import CallTracker
+from trainwatch.collect.eval_gradients import EvalModeGradients, hook_backward, joined
 from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, pass_shapes
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
@@ -50,13 +56,12 @@ from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.pass_chain import PassChain
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
-from trainwatch.collect.tensors import floating_tensors
 from trainwatch.collect.weights_moved import weights_fingerprint
 from trainwatch.compiled import is_wrapper, unwrap, user_name
 from trainwatch.config import Config
 from trainwatch.frame import Slot, StepFrame
 from trainwatch.guard import Guard
-from trainwatch.hooks import WeakHook, hook_pass_tensor
+from trainwatch.hooks import WeakHook
 from trainwatch.process_steps import ANY_OPTIMIZER_STEPS, PROCESS_STEPS
 from trainwatch.record import ModeReport, StepRecord
 from trainwatch.rules import rules_needing
@@ -96,6 +101,10 @@ class BehaviourWatch:
         # still frozen: (the finding, the process's optimizer steps and steps then).
         self._frozen_seen: tuple[StepRecord, tuple[int, int]] | None = None
         self.train_in_eval: ModeReport | None = None
+        # Eval-mode backward passes whose gradients no update was seen to use yet
+        # (see attach_passes); their report is in train_in_eval until taken back.
+        self.eval_gradients = EvalModeGradients(self) if self.check_train_step else None
+        self._eval_backward_ends = WeakHook(self, "eval_backward_ends")
         evals = config.eval_in_train_mode
         self.functional = (
             FunctionalLook(evals.functional_passes, evals.functional_every, on_error)
@@ -171,6 +180,8 @@ class BehaviourWatch:
         """The model's passes, which this subscribes to (the evaluation check
         also looks for parts of the model called on their own)."""
         self.passes = passes
+        if self.eval_gradients is not None:
+            self.eval_gradients.passes = passes
         model = self._model()
         if self.check_eval_pass and self.modes is not None and model is not None:
             mc_dropout = self._config.eval_in_train_mode.mc_dropout
@@ -187,27 +198,46 @@ class BehaviourWatch:
                 self.lone_parts.follow()
 
     def backward_seen(self, report: ModeReport, grad: torch.Tensor) -> None:
-        """Backward ran through an eval-mode pass: it was a training step.
+        """Backward ran through a pass with mode-dependent modules in eval mode.
 
-        Passes of two parts called on their own (a CLIP model's two towers, both
-        left in eval) each bring their modules: the step's report names them all.
+        With the pass's root in training mode (norms or a part put in eval) it is
+        a training step. With the root in eval mode too, it is one only if an
+        update uses its gradients: held (``EvalModeGradients``), its report
+        standing from the backward's end until a backward in training mode
+        finds those gradients gone.
         """
-        found = self.train_in_eval
-        if found is None:
-            self.train_in_eval = report
-            return
-        new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in found.modules]
-        if new:
-            self.train_in_eval = ModeReport(
-                found.modules + [m for m, _ in new],
-                found.kinds + [k for _, k in new],
-                found.whole_model and report.whole_model,
-                found.total + report.total,
-                found.in_frozen_parts
-                + [m for m in report.in_frozen_parts if m not in found.in_frozen_parts],
-                parts_in_eval=found.parts_in_eval
-                + [p for p in report.parts_in_eval if p not in found.parts_in_eval],
-            )
+        gradients = self.eval_gradients
+        model = self._model() if report.whole_model else None
+        if gradients is not None and model is not None:
+            first = gradients.backward_starts(report, self._step_of(), self.train_in_eval, model)
+            if first:
+                Variable._execution_engine.queue_callback(self._eval_backward_ends)
+            if first is not None:
+                return
+        self.training_backward_starts()
+        self.train_in_eval = joined(self.train_in_eval, report)
+
+    def eval_backward_ends(self) -> None:
+        """An eval-mode backward ended: its report stands where it wrote ``.grad``."""
+        gradients = self.eval_gradients
+        if gradients is not None and gradients.in_backward:
+            report = gradients.backward_ends()
+            if report is not None:
+                self.train_in_eval = joined(self.train_in_eval, report)
+
+    def training_backward_starts(self, grad: torch.Tensor | None = None) -> None:
+        """A backward in training mode begins: eval-mode gradients held are added
+        onto (they go into its update), or were wiped or never written (their
+        report is taken back). A step boundary since they ran took their report."""
+        gradients = self.eval_gradients
+        if gradients is None or not gradients.held or gradients.in_this_backward():
+            return  # (in the eval-mode backward itself: its gradients go in too)
+        current = gradients.step == self._step_of()
+        prior = gradients.prior
+        applied = current and gradients.applied()
+        gradients.release()
+        if current and not applied:
+            self.train_in_eval = prior
 
     def fail(self, exc: BaseException) -> None:
         self._on_error("behaviour checks", exc)
@@ -311,14 +341,14 @@ class BehaviourWatch:
                     passes.training_pass((ANY_OPTIMIZER_STEPS.count, self._step_of()))
                 if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
                     self._frozen_in_training(modes)
-                if self.check_train_step and self.train_in_eval is None and modes.listed:
+                if (
+                    self.check_train_step
+                    and (self.train_in_eval is None or self.eval_gradients.held)
+                    and modes.listed
+                ):
                     report = modes.in_mode(False, part=part)
                     if report is not None:
-                        for tensor in floating_tensors(output):
-                            # Not on a leaf (a returned parameter): the hook would stay on it.
-                            if tensor.requires_grad and tensor.grad_fn is not None:
-                                hook_pass_tensor(tensor, WeakHook(self, "backward_seen", report))
-                                break
+                        hook_backward(output, WeakHook(self, "backward_seen", report))
             elif self.check_eval_pass:
                 self._nograd_modes(model, modes, part, args, kwargs, output)
         if self.broadcast is not None:
@@ -594,6 +624,8 @@ class BehaviourWatch:
         record.activations = ActivationSampler.unpack(token.names, token.stats.values())
 
     def detach(self) -> None:
+        if self.eval_gradients is not None:
+            self.eval_gradients.release()
         if self._holds_steps:
             self._holds_steps = False
             ANY_OPTIMIZER_STEPS.release()
