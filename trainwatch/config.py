@@ -112,8 +112,9 @@ class ConstantOutputConfig(RuleConfig):
     first_steps: int = field(default=5, metadata=_range(0))
     rows: int = field(default=16, metadata=_range(2))
     # Constant: the across-batch spread fell below ``ratio`` times its
-    # reference (the model's output: the loss target's spread; a hidden
-    # module: its own largest spread, with its input still varying), in
+    # reference (the model's output: the loss target's spread; without one,
+    # and a hidden module: the largest spread it held over ``patience`` checks
+    # in a row, with its input still varying as much relative to it), in
     # ``patience`` consecutive checks. A collapsed regression still varies by
     # 0.1-2% of its targets' spread, so zero is no test.
     ratio: float = field(default=0.05, metadata=_range(0.0, 1.0))

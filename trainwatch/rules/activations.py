@@ -21,14 +21,33 @@ _INPUT_CONSTANT = 1e-8
 
 
 class _State:
-    __slots__ = ("max_spread", "max_ratio", "start", "count", "reported")
+    __slots__ = ("max_spread", "max_ratio", "held", "recent", "start", "count", "reported")
 
     def __init__(self) -> None:
         self.max_spread = 0.0
         self.max_ratio = 0.0
+        self.held = 0.0  # the largest spread held over ``patience`` checks in a row
+        self.recent: list[float] = []  # the spreads of the last ``patience`` checks
         self.start = -1
         self.count = 0
         self.reported = False
+
+    def hold(self, spread: float, patience: int) -> None:
+        """Count ``spread`` towards the level the output held.
+
+        A reference is held for ``patience`` checks in a row, as a collapse is:
+        one pass's spread is no level an output falls from. The check made on the
+        initial weights, before the loop's first clip rescaled them (a WGAN
+        critic's ``clamp_``), or a discriminator's one pass on real data between
+        passes on its generator's narrow fakes, would otherwise stand as the
+        reference for good.
+        """
+        recent = self.recent
+        recent.append(spread)
+        if len(recent) > patience:
+            del recent[0]
+        if len(recent) == patience:
+            self.held = max(self.held, min(recent))
 
     def due(self, bad: bool, step: int, patience: int) -> bool:
         """Count a streak of bad checks; True once, when it reaches ``patience``."""
@@ -52,12 +71,13 @@ class ConstantOutputRule(Rule):
 
     - the model's output (module ``""``): below ``ratio`` of the loss
       target's spread across the batch (measured during the broadcast audit;
-      without it, of the output's own largest spread), and shrunk to at most
-      half its own largest spread (an untrained model's small but growing
-      output is not a collapse). An output that does not vary at all while
-      its input does is reported from the first check.
-    - a hidden module: below ``ratio`` of its own largest spread, while its
-      input still varies as much relative to its output as it did, so the
+      without it, judged against its own history as a hidden module is), and
+      shrunk to at most half its own largest spread (an untrained model's
+      small but growing output is not a collapse). An output that does not
+      vary at all while its input does is reported from the first check.
+    - a hidden module: below ``ratio`` of the largest spread it held over
+      ``patience`` checks in a row, while its input still varies as much
+      relative to its output (its gain, on the same pass) as it did, so the
       module where the variation dies is named, not every module after it. A
       module that never varied (a positional table read for the input's
       length, a zero-initialised branch) is structural, not a collapse.
@@ -89,21 +109,29 @@ class ConstantOutputRule(Rule):
         rounding = spread <= _EXACT * max(stats.out_rms or 0.0, 1e-30)
         if not rounding:
             state.max_spread = max(state.max_spread, spread)
+        varies = 0.0 if rounding else spread
+        # Judged against the levels of the checks before this one, then this one joins them.
+        held, max_ratio = state.held, state.max_ratio
+        state.hold(varies, self.config.patience)
+        state.max_ratio = max(max_ratio, gain)
         ratio = self.config.ratio
         if _model_output(stats):
             if rounding:
                 return True
             if step < self.config.warmup:
                 return False
-            reference = self._target if self._target else state.max_spread
-            return spread <= ratio * reference and spread <= 0.5 * state.max_spread
-        constant = (
-            state.max_spread > 0.0
-            and spread <= ratio * state.max_spread
-            and gain <= ratio * state.max_ratio
-        )
-        state.max_ratio = max(state.max_ratio, gain)
-        return constant
+            if self._target:
+                return spread <= ratio * self._target and spread <= 0.5 * state.max_spread
+            # Against its own history, as a hidden module: a model whose passes see
+            # inputs of very different spreads (a discriminator on real data, then on
+            # its generator's narrow fakes) varies less on the narrower input, by as
+            # much as the input does.
+            return (
+                spread <= ratio * held
+                and spread <= 0.5 * state.max_spread
+                and gain <= ratio * max_ratio
+            )
+        return state.max_spread > 0.0 and varies <= ratio * held and gain <= ratio * max_ratio
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.same_weights:
@@ -153,10 +181,8 @@ class ConstantOutputRule(Rule):
             versus = (
                 f" ({spread / self._target:.2%} of the loss target's spread, {self._target:.3g})"
             )
-        elif state.max_spread > 0.0:
-            versus = (
-                f" ({spread / state.max_spread:.2%} of its largest spread, {state.max_spread:.3g})"
-            )
+        elif state.held > 0.0:
+            versus = f" ({spread / state.held:.2%} of the spread it held, {state.held:.3g})"
         else:
             versus = ""
         if model_output:
@@ -191,6 +217,7 @@ class ConstantOutputRule(Rule):
                 "spread": spread,
                 "input_spread": in_spread,
                 "largest_spread": state.max_spread,
+                "held_spread": state.held,
                 "target_spread": self._target if model_output else None,
                 "output": stats.output,
                 "value": stats.out_mean,
