@@ -55,6 +55,7 @@ from trainwatch.collect.norm_overflow import norm_overflow
 from trainwatch.collect.optimizer_restarts import OptimizerRestarts
 from trainwatch.collect.output_layer import OutputLayerLook
 from trainwatch.collect.padded_labels import PaddingLook
+from trainwatch.collect.parameter_reads import ParameterReads
 from trainwatch.collect.part_copies import PartCopies
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.small_norms import SmallGradientNorms
@@ -123,6 +124,7 @@ _PARTS = (
     "_calls",
     "_step_calls",
     "_zero_look",
+    "_reads",
     "_output_look",
     "_compile_warning",
     "probe",
@@ -346,11 +348,16 @@ class StepPipeline:
         # The latest pass's graph, kept only while zero_gradient asks (a zero streak
         # not yet told): the op with a zero derivative behind it is named.
         self._zero_look: ZeroDerivativeLook | None = None
+        # Which of the model's own parameters a pass reads, only while zero_gradient
+        # asks (one without a gradient from the first step: read or not yet used).
+        self._reads: ParameterReads | None = None
         if "zero_gradient" in self._rule_ids:
             self._zero_look = ZeroDerivativeLook(self.passes, weak_getter(self, "layers", None))
+            self._reads = ParameterReads(self.passes, weak_getter(self, "layers", None))
             for rule in rules:
                 if isinstance(rule, ZeroGradientRule):
                     rule.zero_look = self._zero_look  # looked at only as an alert is built
+                    rule.reads = self._reads  # asked off the healthy step only
         self._missing_before: dict[int | None, frozenset[str]] = {}
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:

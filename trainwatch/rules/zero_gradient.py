@@ -6,6 +6,7 @@ from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.parameter_reads import ParameterReads
 from trainwatch.collect.weights_at_alert import BOTH_ZERO, FROZEN, LR_ZERO, NO_OPTIMIZER
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.config import ZeroGradientConfig
@@ -54,6 +55,14 @@ _HINTS = {
         "loss, router noise or capacity limits), or a member of the container that "
         "forward() never calls (an off-by-one slice of a ModuleList). Under DDP it "
         "needs find_unused_parameters=True."
+    ),
+    "never_read": (
+        "no forward pass with gradients read this parameter: a learned token or "
+        "embedding defined in __init__ and left out of forward(), or one its module's "
+        "code reads on rare steps only (classifier-free guidance's null embedding with "
+        "a drop probability none of these steps drew). Use it in forward(), or delete "
+        "it (or freeze it and leave it out of the optimizer). Under DDP it needs "
+        "find_unused_parameters=True."
     ),
     "output_without_signal": (
         "the loss sends that output nothing: a task whose loss weight is 0 for now "
@@ -308,6 +317,9 @@ class ZeroGradientRule(Rule):
     # The latest pass's graph, kept while a zero streak is not yet told and looked
     # at as its alert is built (an op with a zero derivative); set by the pipeline.
     zero_look: ZeroDerivativeLook | None = None
+    # Which of the model's own parameters its passes read, asked while such a
+    # parameter has had no gradient yet (a null embedding not used yet); set by the pipeline.
+    reads: ParameterReads | None = None
 
     def __init__(self, config: ZeroGradientConfig) -> None:
         super().__init__(config)
@@ -331,8 +343,12 @@ class ZeroGradientRule(Rule):
         # Modules whose warning is never withdrawn: told of otherwise too (an
         # exactly zero gradient), or withdrawn once already.
         self._settled: set[str] = set()
+        # A model's own parameters a pass with gradients read on a step they got no
+        # gradient: cut off (a .detach()), not used on some steps only.
+        self._read_cut: set[str] = set()
 
-    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen", "zero_look"}  # ids: this process's only
+    # ids and collectors: this process's only
+    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen", "zero_look", "reads"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -345,6 +361,8 @@ class ZeroGradientRule(Rule):
                 streak.gradless = False
             if not hasattr(streak, "unfed"):
                 streak.unfed = None
+        if not hasattr(self, "_read_cut"):
+            self._read_cut = set()
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.source not in ("optimizer", "manual"):
@@ -420,6 +438,11 @@ class ZeroGradientRule(Rule):
         if record.moved_without_grad:
             silent = self._left_out_of_update(record, silent)
         silent_names = {info.name for info, _ in silent}
+        reads = self.reads
+        if reads is not None and reads.watching:
+            # Read by a pass of this step, yet no gradient: cut off inside the model.
+            self._read_cut.update(reads.take() & silent_names)
+        unread: set[str] = set()  # the model's own parameters whose reads are followed
         joined: set[str] = set()  # modules whose told parameters have joined long enough
         for info in record.present:
             if info.name not in silent_names:
@@ -500,6 +523,20 @@ class ZeroGradientRule(Rule):
                 # null embedding, a learned token) that trained before: read on
                 # some steps only, as no call shows (its module runs every step).
                 needed = max(needed, _USED_BEFORE)
+            elif (
+                kind == "none"
+                and not at_once
+                and info.name not in self._read_cut
+                and _held_by_a_container(info, record)
+            ):
+                # The same, with no gradient yet: the null embedding's first
+                # unconditional batch may come at step 5 or 30. Its passes are
+                # watched for reads of it: one read on a step it got no gradient
+                # (a .detach()) is told at the usual patience, one no pass reads
+                # (a token defined and forgotten) after these steps.
+                needed = max(needed, _USED_BEFORE)
+                if not streak.reported:
+                    unread.add(info.name)
             elif kind == "zero" and info.table:
                 # An embedding table whose batch looked up only its padding row
                 # (padding_idx gets no gradient) or rows the loss masked out: a
@@ -551,6 +588,8 @@ class ZeroGradientRule(Rule):
 
         alerts = self._withdrawn(record, joined) if joined else []
         if not due:
+            if reads is not None:
+                reads.want(unread)
             if self.zero_look is not None:
                 self._keep_graphs()  # (after the streaks above: a new one, one ended)
             return alerts  # the usual step with a streak: no further call
@@ -625,6 +664,20 @@ class ZeroGradientRule(Rule):
                     f"{short_names(params)} got no gradient"
                 )
                 hint = _HINTS["not_run"]
+            elif (
+                kind == "none"
+                and reads is not None
+                and all(p.name not in self._read_cut and reads.watched(p.name) for p in params)
+            ):
+                # A model's own parameter no watched pass read (only those are watched).
+                data["cause"] = "never_read"
+                data["passes_watched"] = min(reads.watched(p.name) for p in params)
+                message += (
+                    f", and none of the {data['passes_watched']} forward passes with gradients "
+                    f"watched since step {since + 1} read "
+                    f"{'them' if len(params) > 1 else 'it'}"
+                )
+                hint = _HINTS["never_read"]
             elif kind == "none" and all(s.gradless for s in streaks):
                 data["cause"] = "gradients_off"
                 message += ", its layer having run with gradients off inside the training pass"
@@ -729,6 +782,8 @@ class ZeroGradientRule(Rule):
             else:
                 self._never_withdrawn(owner)
             alerts.append(self.alert(since, owner, message, hint, data, severity=severity))
+        if reads is not None:
+            reads.want(unread)  # (after the alerts: they say how many passes were watched)
         if self.zero_look is not None:
             self._keep_graphs()
         return alerts
@@ -952,6 +1007,8 @@ class ZeroGradientRule(Rule):
         whole model, after ``patience`` such steps."""
         for info in record.missing:
             self._streaks.pop(info.name, None)
+        if self.reads is not None:
+            self.reads.want(())
         since = record.not_called_since
         assert since is not None
         steps = record.step - since + 1
