@@ -49,7 +49,7 @@ from trainwatch.collect.broadcast import BroadcastAudit
 from trainwatch.collect.broadcast_eval import EvaluationAudit
 from trainwatch.collect.calls import CallTracker
 from trainwatch.collect.eval_gradients import EvalModeGradients, hook_backward, joined
-from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, pass_shapes
+from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, batch_rows, pass_shapes
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
 from trainwatch.collect.modes import ModeWatch
@@ -337,8 +337,8 @@ class BehaviourWatch:
             # Gradients asked once: a training pass's checks, or an evaluation's.
             if grad:
                 passes = self.eval_passes
-                if passes.in_a_row or not passes.trained:  # else it has nothing to do
-                    passes.training_pass((ANY_OPTIMIZER_STEPS.count, self._step_of()))
+                if passes.attentive:  # else it has nothing to do (no no-grad pass near)
+                    self._training_pass(passes, args, kwargs)
                 if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
                     self._frozen_in_training(modes)
                 if (
@@ -383,7 +383,15 @@ class BehaviourWatch:
             if iterates:
                 report = None  # one solve of the model, already judged at its first pass
         if report is not None:
-            self._judge_nograd_pass(model, report)
+            self._judge_nograd_pass(model, report, batch_rows(args, kwargs))
+
+    def _training_pass(self, passes: EvalPassJudge, args: Any, kwargs: Any) -> None:
+        """A pass with gradients near no-grad passes: the judge learns where it sits,
+        its batch size, and whether it takes what the last no-grad pass made or took
+        (that pass fed it: part of the step)."""
+        fed = bool(passes.in_a_row) and self._pass_chain.taken_by(args, kwargs)
+        steps = (ANY_OPTIMIZER_STEPS.count, self._step_of())
+        passes.training_pass(steps, fed, batch_rows(args, kwargs))
 
     def _evaluation_ends(self, module: nn.Module, output: Any, grad: bool) -> None:
         """A pass without gradients or in eval mode ended: an evaluation's, perhaps."""
@@ -409,9 +417,12 @@ class BehaviourWatch:
         self._last_nograd, self._nograd_run = now, run
         return self._model_passes > run
 
-    def _judge_nograd_pass(self, model: nn.Module | None, report: ModeReport) -> None:
+    def _judge_nograd_pass(
+        self, model: nn.Module | None, report: ModeReport, rows: int | None = None
+    ) -> None:
         """A pass without gradients ran modules in training mode: an evaluation, or
-        part of training? The judge tells, now or at a step boundary."""
+        part of training? The judge tells, now or at a step boundary. ``rows``: the
+        pass's batch size."""
         step = self._step_of()
         if not self.eval_passes.trained:
             # No steps of its own (an EMA copy): the step the training is in.
@@ -432,6 +443,7 @@ class BehaviourWatch:
             clock,
             stepped_between=between and self.optimized(),
             steps=(marks[0], PROCESS_STEPS.now),
+            rows=rows,
         )
         for due in told:
             self._publish(due)

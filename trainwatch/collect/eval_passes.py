@@ -28,6 +28,17 @@ batch norm in training mode there. So:
 Calls that feed on the pass before them (a fixed-point solver's twenty
 ``z = cell(z, u)``, ``collect/pass_chain.py``) come to the judge as one pass.
 
+A no-grad pass whose tensors the next training pass takes (its input, or its
+output: diffusion self-conditioning's first estimate, drawn on a random half
+of the steps; a solve's fixed point) fed that pass: part of the step, let go
+whether or not it recurs (:meth:`EvalPassJudge.training_pass`). A run that
+recurs is still an evaluation where it sits after the optimizer step: it
+comes before each step's training passes only once the model has stepped, on
+a batch of a size none of the step's training passes takes (full-batch
+training validated every epoch without ``model.eval()``;
+:meth:`EvalPassJudge._after_the_step`). Where the runs sit is followed only
+around them: a loop that makes no no-grad pass asks one attribute a step.
+
 Whatever is still held when the monitor closes is reported then. One or two
 passes before the model's first training pass are a check of the model just
 built (``assert model(torch.zeros(2, 10)).shape == ...`` under ``no_grad``),
@@ -161,6 +172,15 @@ def pass_shapes(args: Any, output: Any) -> tuple[tuple[int, ...] | None, tuple[i
     return shown, tuple(outputs[0].shape) if outputs else None
 
 
+def batch_rows(args: Any, kwargs: Any) -> int | None:
+    """The batch size of a pass: its first input tensor's first dimension (None: no
+    tensor, or a 0-d one). What tells a validation set's batch from the step's."""
+    first = next(tensor_leaves(args), None) or next(tensor_leaves(kwargs), None)
+    if first is None or not first[1].dim():
+        return None
+    return int(first[1].shape[0])
+
+
 def generator_sample(report: ModeReport) -> bool:
     """Samples drawn from a generator, as a GAN's progress samples are: batch norm
     alone in training mode (DCGAN samples with batch statistics; dropout left on
@@ -235,6 +255,25 @@ class EvalPassJudge:
         # The run under way went on across a step of the process: no short run
         # within one step, one every step may run (see _may_recur).
         self._run_spans = False
+        # Where this step's runs sit (see _after_the_step). The behaviour checks
+        # hand every training pass over while ``attentive``: before the model's
+        # first one, during a run, and through each step that made a run or
+        # followed one; a loop that makes no no-grad pass hands over none.
+        self.attentive = True
+        self._watched_step = True  # attentive since this step began: its order is known
+        self._step_had_run = False  # a no-grad pass came in this step
+        self._step_trained = False  # a training pass of this step came
+        self._step_rows: set[int] = set()  # the batch sizes of this step's training passes
+        self._leading = False  # the run under way came before this step's training passes
+        self._lead_rows: int | None = None  # and the batch size of its first pass
+        self._after_step = False  # such a run ended at this step's first training pass
+        self._run_after = 0  # the longest run of this step after its training passes
+        # Batch sizes of the no-grad passes in the model's first step (up to its
+        # first step boundary after a training pass): what the loop does in its
+        # own iteration, before any optimizer step of the model.
+        self._first_rows: set[int] = set()
+        self._in_first_step = True
+        self._last_record: StepRecord | None = None  # the last no-grad pass's
 
     def nograd_pass(
         self,
@@ -243,6 +282,7 @@ class EvalPassJudge:
         clock: int | None = None,
         stepped_between: bool = False,
         steps: tuple[int, int] | None = None,
+        rows: int | None = None,
     ) -> list[StepRecord]:
         """A no-grad pass with mode-dependent modules in training mode.
 
@@ -255,8 +295,14 @@ class EvalPassJudge:
         such passes are held apart (:meth:`_before_training`): its optimizer may
         never step. ``steps``: every optimizer step of the process, watched or
         not, and the step the process's training is in (what a model trained
-        alone and then used frozen is told by, :meth:`_frozen_use`).
+        alone and then used frozen is told by, :meth:`_frozen_use`). ``rows``: the
+        batch size of the pass's first input tensor (None: unknown), what tells
+        other data from the step's own (:meth:`_after_the_step`).
         """
+        self.attentive = self._step_had_run = True
+        self._last_record = record
+        if self._in_first_step and rows is not None:
+            self._first_rows.add(rows)
         if stepped_between and self.in_a_row and not self.trained:
             return self._before_training(record, weights, clock)
         if stepped_between and self.in_a_row:
@@ -273,6 +319,8 @@ class EvalPassJudge:
             self._follows_training = self.trained
             self._run_stepped = 0
             self._run_spans = False
+            self._leading = self._watched_step and not self._step_trained
+            self._lead_rows = rows
         elif optimizer_steps is not None and optimizer_steps != self._optimizer_steps:
             self._run_stepped += 1
             self._run_spans = True
@@ -479,11 +527,29 @@ class EvalPassJudge:
         """A run of no-grad passes ended: a short one may be part of every step."""
         if self.in_a_row <= SHORT_RUN:
             self._run_now = max(self._run_now, self.in_a_row)
+            if not self._leading:
+                self._run_after = max(self._run_after, self.in_a_row)
 
-    def training_pass(self, steps: tuple[int, int] | None = None) -> None:
+    def training_pass(
+        self, steps: tuple[int, int] | None = None, fed: bool = False, rows: int | None = None
+    ) -> None:
         """``steps``: every optimizer step of the process and the model's own step
-        count now (kept from the first: whether it trains alone)."""
+        count now (kept from the first: whether it trains alone). ``fed``: the pass
+        takes a tensor of the last no-grad pass (``PassChain.taken_by``): that pass
+        made its input (self-conditioning's first estimate, a solve's fixed point)
+        and was part of this step, whether or not it recurs: let go, and no part
+        of the run for the judge. ``rows``: the batch size of its first input."""
+        if fed and self.in_a_row:
+            self._let_go_feeding()
         self._run_ends()
+        if self._leading:
+            # The first training pass of a step whose start was watched, after a
+            # run that came before it: told apart at the step boundary.
+            self._leading = False
+            self._after_step = self.in_a_row > 0
+        self._step_trained = True
+        if rows is not None:
+            self._step_rows.add(rows)
         if not self.trained:
             self._trained_from = steps
             if self.in_a_row <= SHAPE_CHECK:
@@ -495,6 +561,18 @@ class EvalPassJudge:
                 self._held = []
         self.in_a_row = 0
         self.trained = True
+        self.attentive = self._watched_step or self._step_had_run
+
+    def _let_go_feeding(self) -> None:
+        """The last no-grad pass fed the training pass now: no evaluation, and no
+        part of the run before it (a validation pass before it is still one)."""
+        record = self._last_record
+        if self._held and self._held[-1] is record:
+            self._held.pop()
+        use = self._use
+        if use is not None and use.passes and use.passes[-1][0] is record:
+            use.passes.pop()
+        self.in_a_row -= 1
 
     def found_part_of_a_model(self) -> None:
         """The model is a part of a bigger one, first called now, before any step
@@ -507,22 +585,27 @@ class EvalPassJudge:
             self._held = []
 
     def step_boundary(self) -> list[StepRecord]:
+        if not self.attentive:
+            # No no-grad pass in this step nor in the one before, none under way
+            # and none held: nothing to judge (a healthy step asks this alone).
+            return []
         if 0 < self.in_a_row <= SHORT_RUN and self._follows_training:
             # A short run after this step's training passes: one of this step,
             # as one before them is (the next step's first training pass must
             # not count it again).
             self._run_ends()
             self.in_a_row = 0
+        told = self._after_the_step()
         run, before = self._run_now, self._run_before
         if not run:
             self._run_before = self._recurring = 0
             # The held pass did not come back this step: an evaluation.
-            return self._due() if self._held else []
+            return told + self._due() if self._held else told
         self._run_now, self._run_before = 0, run
         if self._recurring and run > self._recurring:
             # Longer than the run every step has: those beyond it (a
             # validation pass next to the step's own) are an evaluation.
-            return self._due()
+            return told + self._due()
         if before and abs(run - before) <= RUN_SLACK:
             # Short runs of about the same length at two steps in a row: part of
             # training, up to the longer of them.
@@ -532,8 +615,47 @@ class EvalPassJudge:
             # A run of another length than the step's before (a baseline
             # evaluation of three batches, then one pseudo-label pass a step):
             # the one before did not recur.
-            return self._due()
-        return []
+            return told + self._due()
+        return told
+
+    def _after_the_step(self) -> list[StepRecord]:
+        """The step's no-grad run, if it sat after the optimizer step: told.
+
+        A loop's order shows in the model's first step: what it runs there, before
+        any optimizer step of its own, is its iteration's work (pseudo-labels,
+        label guesses, rollouts, a solve before the training pass). A run of
+        another batch size, coming only once the model has stepped, before each
+        step's training passes, came after the step before: full-batch training
+        validated every epoch, ``model.eval()`` forgotten. It recurs, but it is
+        an evaluation, told with the step of its first pass still held (the
+        step it followed). Other data tells it: its batch size is that of none of
+        the step's training passes nor of the model's first step's no-grad
+        passes (a shape check's batch is no such pass), and the training pass
+        after it took none of its tensors (it fed nothing, see ``fed``). Pseudo-
+        labels switched on after a warm-up share the batch size of a training
+        pass of theirs (the strong view's).
+
+        Ends the step's bookkeeping of where its runs sat.
+        """
+        rows = self._lead_rows
+        after = (
+            self._after_step
+            and rows is not None
+            and rows not in self._step_rows
+            and rows not in self._first_rows
+        )
+        if self.trained:
+            self._in_first_step = False
+        self._watched_step = not self.trained or self.in_a_row > 0 or self._step_had_run
+        self.attentive = self._watched_step
+        self._step_had_run = self._step_trained = self._after_step = self._leading = False
+        self._step_rows = set()
+        run_after, self._run_after = self._run_after, 0
+        if not after:
+            return []
+        # Told, and no run of every step: its length leaves the runs judged.
+        self._run_now = run_after
+        return self._due()
 
     def _due(self) -> list[StepRecord]:
         if not self.trained:

@@ -23,6 +23,13 @@ The whole solve counts as one pass, held and judged like any short run:
 recurring at every step, it is training; run once now and then (a forgotten
 ``model.eval()`` around a solve or a decoding), it is an evaluation.
 
+A pass with gradients that takes the last no-grad pass's tensors was fed by
+it (:meth:`PassChain.taken_by`): diffusion self-conditioning's first estimate,
+made under ``no_grad`` on a random half of the steps, goes into the training
+pass on the same noisy input; a solve's fixed point goes into the cell's one
+pass with gradients beside the same injection. Such a pass is part of the
+training step whether or not it recurs; a validation pass hands nothing on.
+
 The tensors are held weakly: a pass's output freed by the next step keeps
 no memory alive here, and a new tensor at its address is no match.
 """
@@ -64,7 +71,32 @@ class PassChain:
         self._output_shape = tuple(outputs[0].shape) if outputs else None
         return fed
 
+    def taken_by(self, args: Any, kwargs: Any) -> bool:
+        """Whether a pass with gradients takes a tensor of the last no-grad pass: one
+        it took (the same object), or its output, the same object or a view of it
+        (``.detach()``: the same memory, while the output lives)."""
+        for tensor in _tensors(args) + _tensors(kwargs):
+            if _held(self._inputs, tensor) or _held(self._outputs, tensor):
+                return True
+            for ref in self._outputs.values():
+                output = ref()
+                if output is not None and _same_memory(output, tensor):
+                    return True
+        return False
+
 
 def _held(refs: dict[int, weakref.ref[torch.Tensor]], tensor: torch.Tensor) -> bool:
     ref = refs.get(id(tensor))
     return ref is not None and ref() is tensor
+
+
+def _same_memory(output: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """``tensor`` is ``output`` seen again (a ``.detach()``): the same memory and shape.
+    Tensors with no plain memory (sparse, meta, fake) are never the same."""
+    if output.shape != tensor.shape:
+        return False
+    try:
+        start = output.data_ptr()
+        return start != 0 and start == tensor.data_ptr()
+    except RuntimeError:
+        return False
