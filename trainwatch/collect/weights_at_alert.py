@@ -139,6 +139,16 @@ class HeldParameters:
                 beside.add(info.owner)
         return beside
 
+    def layer_order(self) -> list[str] | None:
+        """The model's layers in the order it registered them (as named_modules()
+        gives them), None where the model is not known.
+
+        The stand-in for their order in the forward pass, which nothing keeps:
+        a model's layers are as a rule registered in the order it calls them, so
+        a later one lies nearer the output, and the loss."""
+        layers = self._layers()
+        return layers.layers if layers is not None else None
+
     def _why_still(self, param: torch.Tensor) -> str | None:
         if not param.requires_grad:
             return FROZEN

@@ -21,7 +21,13 @@ action; such a jump is held back a step and dropped once it passed, while one
 that goes on is told, dated at the step it began.
 Vanishing compares each layer with the other layers of the same step, for
 several steps in a row: a layer that is merely small (a rarely used
-embedding) is still within a few orders of magnitude of the rest.
+embedding) is still within a few orders of magnitude of the rest. A vanishing
+gradient dies on its way back from the loss, so a layer is told only where a
+layer nearer the loss (later in the model's order) still gets a gradient of
+the usual size: one at the output end with none such is converged, not
+starved (a normalising flow's last batch-norm layer, whose closed-form optimum
+leaves it a gradient of ~1e-6 by design; a regression's output offset at the
+data's mean).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from trainwatch.collect.model_kind import RECURRENT
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
 from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.config import ExplodingGradientConfig, VanishingGradientConfig
+from trainwatch.layers import EXTERNAL
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule
 
@@ -933,6 +940,8 @@ class VanishingGradientRule(Rule):
             for layer in low
             if self._lengths[layer] >= self.config.patience and layer not in self._reported
         ]
+        if due:
+            due = self._short_of_the_loss(due, low, finite)
         if not due:
             return []
         self._reported.update(due)
@@ -956,3 +965,24 @@ class VanishingGradientRule(Rule):
                 },
             )
         ]
+
+    def _short_of_the_loss(
+        self, due: list[str], low: dict[str, float], norms: dict[str, float]
+    ) -> list[str]:
+        """The layers of ``due`` that a layer nearer the loss outgrows: one later in
+        the model's order whose norm is not low.
+
+        Where every layer nearer the loss is low too, or there is none, nothing
+        died on the way back: the layer sits at the output end at its optimum (a
+        flow's last batch-norm layer, an output offset), and stays untold while
+        so; it is told once a layer after it is back to the usual size. The
+        model's order is its registration order (see
+        ``HeldParameters.layer_order``), else the step's own order of its layers.
+        A layer whose place is not known (outside the model) is told as before.
+        Taken only when a streak is due: never on the usual step.
+        """
+        order = self.held.layer_order() if self.held is not None else None
+        place = {layer: i for i, layer in enumerate(norms if order is None else order)}
+        place.pop(EXTERNAL, None)
+        nearest = max((place[k] for k in norms if k not in low and k in place), default=-1)
+        return [layer for layer in due if layer not in place or place[layer] < nearest]
