@@ -3,8 +3,9 @@
 A standard deviation over the batch of every module's output costs 1.5-2.6x
 a training step (measured on CPU), so it is taken only on sampled steps (the first
 few, then every N), on the forward passes with gradients of those steps, on
-at most ``rows`` rows of the batch and at most ``_MAX_FEATURES`` positions
-(a strided view): the cost per module is bounded whatever the layer's size.
+at most ``rows`` rows of the batch, evenly strided over it, and at most
+``_MAX_FEATURES`` positions (a strided view): the cost per module is bounded
+whatever the layer's size.
 On other passes no module is hooked at all: the hook is installed when a
 sampled pass begins and removed when it ends. The numbers stay on the
 device and join the step's single readback.
@@ -37,7 +38,12 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from trainwatch.collect import quiet
-from trainwatch.collect.tensors import is_checkable_float, tensor_leaves, version_of
+from trainwatch.collect.tensors import (
+    is_checkable_float,
+    spread_rows,
+    tensor_leaves,
+    version_of,
+)
 from trainwatch.compiled import compiling, transform_level, unwrap, user_name, wrapper_class
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
@@ -114,8 +120,9 @@ def _batched_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Up to ``rows`` rows, at most ``_MAX_FEATURES`` evenly strided positions, fp32."""
-    flat = tensor.detach()[:rows].reshape(min(rows, tensor.shape[0]), -1)
+    """Up to ``rows`` rows spread over the batch, at most ``_MAX_FEATURES`` evenly
+    strided positions, fp32."""
+    flat = spread_rows(tensor.detach(), rows).reshape(min(rows, tensor.shape[0]), -1)
     width = flat.shape[1]
     if width > _MAX_FEATURES:
         flat = flat[:, :: math.ceil(width / _MAX_FEATURES)]

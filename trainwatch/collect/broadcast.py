@@ -49,7 +49,7 @@ from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.model_kind import LOSSES
 from trainwatch.collect.op_trace import _user_line
-from trainwatch.collect.tensors import tensor_leaves
+from trainwatch.collect.tensors import spread_rows, tensor_leaves
 from trainwatch.record import BroadcastReport, LossInputReport
 from trainwatch.user_warnings import reattributed
 
@@ -744,7 +744,7 @@ class BroadcastAudit:
         n = target.shape[0] if target.dim() > 0 else 0
         if n < 2 or n != self._batch or not target.is_floating_point():
             return
-        rows = target.detach()[:16].reshape(min(n, 16), -1).float()
+        rows = spread_rows(target.detach(), 16).reshape(min(n, 16), -1).float()
         self.target_spread = (rows - rows.mean(dim=0)).square().mean(dim=0).sqrt().mean()
 
     def _axes_given_to(self, tensor: torch.Tensor) -> frozenset[int]:

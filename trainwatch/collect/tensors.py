@@ -249,3 +249,17 @@ def finite_or_mask(tensor: torch.Tensor) -> bool:
 def is_weight(tensor: torch.Tensor) -> bool:
     """A leaf autograd trains (a parameter): written by an optimizer, never a mask."""
     return tensor.requires_grad and tensor.is_leaf
+
+
+def spread_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Up to ``rows`` rows evenly strided over the batch (a view).
+
+    Not the first rows: a batch in order (a full-batch fit on ``linspace``
+    inputs, a time series, data sorted by a column) holds neighbours there,
+    whose outputs vary little even where the model follows its input well.
+    """
+    n = tensor.shape[0]
+    if n <= rows:
+        return tensor
+    stride = n // rows
+    return tensor[: stride * rows : stride]

@@ -267,7 +267,8 @@ class DeadUnitsRule(Rule):
             state = self._states.get(stats.module)
             if state is None:
                 state = self._states[stats.module] = _State()
-            if not state.due(dead >= self.config.threshold, record.step, self.config.patience):
+            found = dead >= self.config.threshold and not _sparse_code(zero, dead, self.config.rows)
+            if not state.due(found, record.step, self.config.patience):
                 continue
             alerts.append(
                 self.alert(
@@ -289,3 +290,25 @@ class DeadUnitsRule(Rule):
                 )
             )
         return alerts
+
+
+# Sampled rows a live unit fires in, on average, below which the zeros are a
+# sparse code's: each live unit active in about one row of the sample.
+_ROWS_PER_LIVE_UNIT = 1.5
+
+
+def _sparse_code(zero: float, dead: float, rows: int) -> bool:
+    """Whether the units that fired did so in about one sampled row each.
+
+    A code sparser than one active unit in a hundred per sample shows few
+    units in a sample of rows (16 by default): nearly every unit is then zero
+    in every row, as in a dead layer. What differs is how often the units that
+    did fire fired: a dead layer's survivors fire for most samples, a sparse
+    code's units each for the odd one. Active entries over live units, times
+    the rows, is that average. ``rows`` is the rows asked for: a smaller batch
+    sampled whole makes the average look larger, so the layer is judged as before.
+    """
+    live = 1.0 - dead
+    if live <= 0.0 or rows < 2:
+        return False
+    return (1.0 - zero) * rows / live < _ROWS_PER_LIVE_UNIT
