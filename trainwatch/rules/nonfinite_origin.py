@@ -156,17 +156,23 @@ class NonfiniteJudge:
                 record, window, values.get("sums"), modules, reported, info, not bad_grads
             )
             skipped = values.get("skipped") or window.skipped_host
-            if record.step > self.first_step and not any(skipped):
-                # The fewest passes of the recent clean steps: a step the scaler
-                # skipped only adds passes. The first step's may all be the
-                # scaler's warm-up (an overflow inside the model leaves its flag
-                # clear). Steps not judged since the last one had a single pass.
+            # A pass is skipped when no step applies its gradient: a GradScaler or
+            # the loop's own guard drops it and steps (if at all) on finite ones.
+            # A step applying non-finite gradients applied the non-finite passes
+            # before it too, summed into them (gradient accumulation while a NaN
+            # persists in the weights): every pass is its own, none skipped.
+            applied = bool(bad_grads)
+            if record.step > self.first_step and (applied or not any(skipped)):
+                # The fewest passes of the recent steps that skipped none: a step
+                # the scaler skipped only adds passes. The first step's may all be
+                # the scaler's warm-up (an overflow inside the model leaves its
+                # flag clear). Steps not judged since the last one had a single pass.
                 single = [1] if record.step - 1 > self._judged_step else []
                 recent = [*self._recent_passes, *single, len(skipped) + 1]
                 self._recent_passes = recent[-8:]
                 self.passes_per_step = min(self._recent_passes)
             self._judged_step = record.step
-            record.skipped_backward_passes = self.trailing_skips(skipped)
+            record.skipped_backward_passes = 0 if applied else self.trailing_skips(skipped)
             if record.skipped_backward_passes and record.step > self.first_step:
                 # Skips before the first update are the scaler's warm-up: not handed over.
                 record.amp = AmpReport(record.skipped_backward_passes, self.passes_per_step)
