@@ -160,6 +160,8 @@ class BroadcastConfig(RuleConfig):
     # A shape bug is there from the first step: audit this many steps, then the
     # check costs nothing; again when a new phase of training begins (a new
     # optimizer, a part of the model replaced, parameters frozen or unfrozen).
+    # A layer first given a gradient on a step not audited (a rare task's head)
+    # has its loss audited at its next step with a gradient (not with 0).
     audit_steps: int = field(default=3, metadata=_range(0))
     # The first this many evaluation passes of the run, and again of each new
     # phase (and, under ``trainwatch run``, of a dataset first evaluated later: a

@@ -48,6 +48,7 @@ from trainwatch.collect.idle_optimizer import (
     fresh_gradients,
     gradients_seen,
 )
+from trainwatch.collect.joined_layers import JoinedLayers
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
@@ -400,6 +401,14 @@ class StepPipeline:
         first = config.broadcast.recheck_from
         self._sample_at = first - 1 if self._audits and first > 0 else _NEVER
         self._audit_at = self._sample_at
+        # Layers whose first gradient comes on a step the audit did not watch (a
+        # rare task's head, an auxiliary loss switched on): their loss is audited
+        # when they get a gradient again. Asked only when a new set of parameters
+        # gets gradients.
+        self._joins: JoinedLayers | None = None
+        if self._audits and config.broadcast.audit_steps > 0:
+            self._joins = JoinedLayers()
+            self._small_norms.on_new_layout = weak_callback(self._new_layout)
         # Which parameters no optimizer holds: not_optimized's, and the mode checks'
         # (a part never frozen but held by none and given no gradient is frozen).
         self._reads_membership = self._checks_not_optimized or (
@@ -1561,7 +1570,7 @@ class StepPipeline:
                 "behaviour checks", self.behaviour.gather, record, frame
             )
             if now >= self._audit_at:
-                self._guarded("broadcast audit", self._rearm_audit, now)
+                self._guarded("broadcast audit", self._rearm_audit, now, record)
         if isinstance(self.loss, torch.Tensor):
             pending.loss = frame.add(self.loss.reshape(-1)[:1])
         elif self.loss is not None:
@@ -1920,9 +1929,10 @@ class StepPipeline:
             self._phase_began = True
             self._audit_at = min(self._audit_at, now)
 
-    def _rearm_audit(self, now: int) -> None:
+    def _rearm_audit(self, now: int, record: StepRecord) -> None:
         """Arm the broadcast audit for the steps after this one: ``audit_steps`` of
-        a new phase, or one sampled step (a loss changed with no other sign)."""
+        a new phase, one sampled step (a loss changed with no other sign), or the
+        next while layers that joined the loss unaudited wait for their next gradient."""
         behaviour = self.behaviour
         section = self.config.broadcast
         if self._phase_began:
@@ -1934,6 +1944,25 @@ class StepPipeline:
                 step = self._sample_at + 1
                 self._sample_at += min(step, section.recheck_every)
         self._audit_at = self._sample_at
+        joins = self._joins
+        if joins is not None and joins.waiting and joins.keep_armed(record.present, now):
+            behaviour.rearm_audit(1, phase=False)
+            self._audit_at = now  # asked again at the next boundary
+
+    def _new_layout(self, present: list[ParamInfo]) -> None:
+        """Gradients reached a new set of parameters (told before the step's audit
+        ends): a layer joining the loss on a step the audit did not watch has the
+        audit armed from the next step, until it gets a gradient again."""
+        joins = self._joins
+        if joins is None:
+            return
+        audit = self.behaviour.broadcast
+        audited = audit is not None and audit.live
+        if self._guarded("broadcast audit", joins.new_layout, present, audited):
+            self._audit_at = 0  # at this boundary: whatever step it is
+        if joins.exhausted:
+            self._joins = None
+            self._small_norms.on_new_layout = None
 
     def listen_for_targets(self, look: ClassTargetLook) -> None:
         """Only the passes of sampled steps reach the look: others pay nothing for it."""

@@ -27,7 +27,9 @@ join the step's single readback.
   (``collect/broadcast_eval.py``), handed over from the end of a pass only
   when gradients are off or the model is in eval mode. Both are re-armed
   (``rearm_audit``) when the pipeline sees a new phase of training begin,
-  and the training audit for one step at sparse sampled steps; the evaluation
+  and the training audit for one step at sparse sampled steps, and step by
+  step while a layer that joined the loss unaudited waits for its next
+  gradient (``collect/joined_layers.py``); the evaluation
   audit also when ``trainwatch run`` sees a dataset first evaluated
   (``rearm_evaluations``); between them no pass calls the audit.
 - Activations: sampled statistics (``collect/activations.py``).

@@ -23,9 +23,11 @@ something else: a ``(N, 1)`` prediction against ``(N,)`` labels inside the
 model's ``forward`` is the same bug. After the audit the mode is not entered
 again until the audit is re-armed (``rearm``): for as many steps again when a
 new phase of training begins (the monitor sees a new optimizer, a part of the
-model replaced, parameters frozen or unfrozen), and for one step at sparse
-sampled steps, for a loss changed with no such sign. In between the check
-costs nothing. The first evaluation passes of the run, whenever they come
+model replaced, parameters frozen or unfrozen), for one step at sparse
+sampled steps, for a loss changed with no such sign, and from the step after a
+layer got its first gradient unaudited until it gets one again
+(``collect/joined_layers.py``: a rare task's head, an auxiliary loss switched
+on). In between the check costs nothing. The first evaluation passes of the run, whenever they come
 (and of each new phase), are followed by an audit of their own with this
 judge (``collect/broadcast_eval.py``). On the same training steps a loss function
 that takes logits is looked at for a softmax's or sigmoid's output as its input

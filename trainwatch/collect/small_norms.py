@@ -30,7 +30,7 @@ parameters they belong to, so the caller reorders its parameter list instead
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate, groupby, starmap
 from operator import attrgetter, itemgetter
 
@@ -184,6 +184,10 @@ class SmallGradientNorms:
 
     def __init__(self) -> None:
         self._layouts: dict[tuple[int, ...], GradientLayout] = {}
+        # Told the ``present`` of each layout not kept (a new set of parameters
+        # with gradients: perhaps a layer's first), so a step of a kept one pays
+        # nothing for it.
+        self.on_new_layout: Callable[[Sequence[ParamInfo]], None] | None = None
 
     def norms(
         self,
@@ -204,6 +208,8 @@ class SmallGradientNorms:
                 layouts.clear()
             made = NormPlan(grads)
             layout = layouts[key] = GradientLayout(present, None if made.identity else made)
+            if self.on_new_layout is not None:
+                self.on_new_layout(present)
         plan = layout.plan
         if plan is not None:
             try:
