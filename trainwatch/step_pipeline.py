@@ -1231,6 +1231,9 @@ class StepPipeline:
         audit = self.behaviour.broadcast if self.behaviour is not None else None
         if audit is not None:
             self._guarded("broadcast audit", audit.stop)
+        target = self.behaviour.output_target if self.behaviour is not None else None
+        if target is not None:
+            self._guarded("output target look", target.pause)
 
     def _take_padding(
         self, look: ClassTargetLook, record: StepRecord, pending: PendingStep

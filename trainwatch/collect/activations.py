@@ -31,7 +31,7 @@ import math
 import weakref
 from itertools import compress
 from operator import attrgetter, itemgetter, ne
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ from trainwatch.compiled import compiling, transform_level, unwrap, user_name, w
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ActivationStats
 
+if TYPE_CHECKING:
+    from trainwatch.collect.output_target import OutputTargetLook
+
 _MAX_FEATURES = 1024
 _MAX_LEAVES = 8  # output tensors measured per module
 # Modules measured per sampled pass past the first steps, besides the model's output.
@@ -60,6 +63,8 @@ FIELDS = ("out_spread", "in_spread", "out_rms", "out_mean", "zero_fraction", "de
 
 # The pseudo-module name under which the loss target's spread is handed over.
 TARGET = "<loss target>"
+# And the spread of the target of the sampled model output, on its own pass.
+PASS_TARGET = "<pass target>"
 
 # Modules whose output is exactly zero where a unit is inactive.
 RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Threshold)
@@ -313,6 +318,8 @@ class ActivationSampler:
         self._on_error = on_error
         self.handles = HookGroup()
         self._plans: dict[tuple[Any, ...], _ReducePlan] = {}
+        # What the loss compares the measured model output with (set by the owner).
+        self.target_look: OutputTargetLook | None = None
         self._names: list[str] = []
         self._relu: list[bool] = []
         self.attach(model)
@@ -389,6 +396,8 @@ class ActivationSampler:
         self.active = False
         self._unhook()
         self._reset()
+        if self.target_look is not None:
+            self.target_look.take()  # nothing of this step is handed over
         self._on_error("activation sampler", exc)
 
     def _reset(self) -> None:
@@ -400,6 +409,9 @@ class ActivationSampler:
         # had: a container that returns its child's tensor is not measured
         # twice; one changed in place since is.
         self.outputs: dict[int, _Measured] = {}
+        # The model's primary output measured in this pass, until its pass ends: the
+        # loss's target for it is looked at (``collect/output_target.py``).
+        self.model_output: torch.Tensor | None = None
 
     def after_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if index in self._done or not torch.is_grad_enabled():
@@ -430,6 +442,7 @@ class ActivationSampler:
                 # Already measured, unchanged: a container passing a child's output on.
                 if index == 0 and is_primary and spread:
                     self._adopt_as_model_output(seen.slot, path, inp)
+                    self.model_output = out
                 continue
             if spread and in_spread is None:
                 if seen is not None and out is inp:
@@ -440,6 +453,8 @@ class ActivationSampler:
                     if in_spread is None:
                         in_spread = self._pending.add(_rows(inp, self.rows))
             self._measure(index, path, is_primary, out, in_spread if spread else None, zeros)
+            if index == 0 and is_primary and spread:
+                self.model_output = out
 
     def _measured_spread(self, tensor: torch.Tensor | None) -> int | None:
         """The spread already taken of ``tensor`` as an earlier module's output, unchanged
@@ -493,7 +508,23 @@ class ActivationSampler:
         )
         stats = self._pending.reduce()
         self._reset()
+        if self.target_look is not None and stats is not None:
+            stats = self._with_pass_target(self.target_look, keys, stats)
         return keys, stats
+
+    @staticmethod
+    def _with_pass_target(
+        look: OutputTargetLook, keys: list[RowKey], stats: torch.Tensor
+    ) -> torch.Tensor:
+        """The rows, and the spread of the model output's loss target on its pass as one
+        more (NaN where no loss op named one)."""
+        target = look.take()
+        if target is None:
+            return stats
+        keys.append(RowKey(PASS_TARGET, "", True))
+        row = stats.new_full((1, len(FIELDS)), _NAN)
+        row[0, 0] = target.to(row.device) if isinstance(target, torch.Tensor) else target
+        return torch.cat([stats, row])
 
     @staticmethod
     def unpack(keys: list[RowKey], values: list[float]) -> list[ActivationStats]:

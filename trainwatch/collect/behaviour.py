@@ -32,7 +32,9 @@ join the step's single readback.
   gradient (``collect/joined_layers.py``); the evaluation
   audit also when ``trainwatch run`` sees a dataset first evaluated
   (``rearm_evaluations``); between them no pass calls the audit.
-- Activations: sampled statistics (``collect/activations.py``).
+- Activations: sampled statistics (``collect/activations.py``), and what the
+  loss compares the sampled model output with on its pass
+  (``collect/output_target.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, batch_rows
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
 from trainwatch.collect.modes import ModeWatch
+from trainwatch.collect.output_target import OutputTargetLook
 from trainwatch.collect.pass_chain import PassChain
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.structure import StructureWatch
@@ -177,6 +180,14 @@ class BehaviourWatch:
             if spread or zeros
             else None
         )
+        # What the loss asks of the sampled model output on its pass (constant_output's),
+        # from the step the rule judges a relative collapse of that output on.
+        self.output_target = (
+            OutputTargetLook(config.constant_output.rows, on_error) if spread else None
+        )
+        self._targets_from = config.constant_output.warmup
+        if self.sampler is not None:
+            self.sampler.target_look = self.output_target
 
     def attach_passes(self, passes: ModelPasses) -> None:
         """The model's passes, which this subscribes to (the evaluation check
@@ -294,7 +305,12 @@ class BehaviourWatch:
             step = self._step_of()
             if step != self._due_step:  # decided once a step, not at every pass
                 self._due_step, self._due_now = step, self._due(step)
-            if self._due_now and torch.is_grad_enabled():
+            if not self._due_now:
+                sampler.active = False
+                return
+            if self.output_target is not None:
+                self.output_target.pause()  # the model's own ops are not the loss
+            if torch.is_grad_enabled():
                 sampler.start_pass(
                     True, not is_wrapper(module), every_module=self._first_steps(step)
                 )
@@ -325,6 +341,9 @@ class BehaviourWatch:
         sampler = self.sampler
         if sampler is not None and (sampler.active or sampler.handles or sampler.outputs):
             sampler.end_pass(module, args, output)
+            measured, sampler.model_output = sampler.model_output, None
+            if grad and self.output_target is not None and self._due_step >= self._targets_from:
+                self.output_target.pass_ends(measured)
         modes = self.modes
         if modes is not None:
             if part is None:
@@ -655,6 +674,8 @@ class BehaviourWatch:
             self.evaluations.detach()
         if self.sampler is not None:
             self.sampler.detach()
+        if self.output_target is not None:
+            self.output_target.detach()
         self._structure.detach()
 
 

@@ -400,8 +400,9 @@ def _stack_is_ours_to_use() -> bool:
     default-device context (which restores the stack itself) and another
     model's audit (which pops itself only from the top, as ours does) may be
     below: an actor's and a critic's audits are both live in the same span,
-    and so may the sampled look at class targets and zero_gradient's look at the
-    parameters a pass reads, which pop themselves the same way.
+    and so may the sampled looks at class targets and at the model output's
+    target, and zero_gradient's look at the parameters a pass reads, which pop
+    themselves the same way.
     """
     if torch._C._len_torch_function_stack() == 0:
         return True
@@ -411,10 +412,11 @@ def _stack_is_ours_to_use() -> bool:
     except ImportError:  # pragma: no cover - other torch versions
         return False
     from trainwatch.collect.class_targets import _TargetMode  # imports this module
+    from trainwatch.collect.output_target import _OutputTargetMode  # imports this module
     from trainwatch.collect.parameter_reads import _ReadMode
 
     return all(
-        isinstance(m, (DeviceContext, _AuditMode, _TargetMode, _ReadMode))
+        isinstance(m, (DeviceContext, _AuditMode, _TargetMode, _OutputTargetMode, _ReadMode))
         for m in _get_current_function_mode_stack()
     )
 

@@ -58,6 +58,9 @@ def _allowed_below() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - other torch versions
         pass
     allowed.append(_AuditMode)
+    from trainwatch.collect.output_target import _OutputTargetMode  # imports broadcast
+
+    allowed.append(_OutputTargetMode)
     return tuple(allowed)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from trainwatch.alert import Alert
-from trainwatch.collect.activations import TARGET
+from trainwatch.collect.activations import PASS_TARGET, TARGET
 from trainwatch.config import ConstantOutputConfig, DeadUnitsConfig
 from trainwatch.record import ActivationStats, StepRecord
 from trainwatch.rules.base import Rule
@@ -75,6 +75,10 @@ class ConstantOutputRule(Rule):
       shrunk to at most half its own largest spread (an untrained model's
       small but growing output is not a collapse). An output that does not
       vary at all while its input does is reported from the first check.
+      On a pass whose loss asks no more variation of it than it has (a
+      target the same for every row: a PINN's boundary points, all held to
+      0; ``collect/output_target.py``) it is no collapse, unless it does not
+      vary at all.
     - a hidden module: below ``ratio`` of the largest spread it held over
       ``patience`` checks in a row, while its input still varies as much
       relative to its output (its gain, on the same pass) as it did, so the
@@ -99,7 +103,9 @@ class ConstantOutputRule(Rule):
         self._states: dict[tuple[str, str], _State] = {}
         self._target: float | None = None
 
-    def _constant(self, stats: ActivationStats, state: _State, step: int) -> bool:
+    def _constant(
+        self, stats: ActivationStats, state: _State, step: int, pass_target: float | None
+    ) -> bool:
         spread, in_spread = stats.out_spread, stats.in_spread
         assert spread is not None and in_spread is not None
         gain = spread / in_spread
@@ -118,6 +124,10 @@ class ConstantOutputRule(Rule):
         if _model_output(stats):
             if rounding:
                 return True
+            if pass_target is not None and spread >= ratio * pass_target:
+                # The loss asks no more variation of it on this pass: a boundary
+                # condition's points all held to one value (a target of spread 0).
+                return False
             if step < self.config.warmup:
                 return False
             if self._target:
@@ -140,8 +150,11 @@ class ConstantOutputRule(Rule):
             # check again, not a second one.
             return []
         alerts = []
+        pass_target = _pass_target(record.activations)
         for stats in record.activations:
             spread, in_spread = stats.out_spread, stats.in_spread
+            if stats.module == PASS_TARGET:
+                continue
             if stats.module == TARGET:
                 if spread is not None and math.isfinite(spread) and spread > 0.0:
                     self._target = max(self._target or 0.0, spread)
@@ -167,7 +180,9 @@ class ConstantOutputRule(Rule):
                 # output a zero gate silenced is still judged.
                 continue
             # A constant input explains a constant output.
-            bad = in_spread > _INPUT_CONSTANT and self._constant(stats, state, record.step)
+            bad = in_spread > _INPUT_CONSTANT and self._constant(
+                stats, state, record.step, pass_target
+            )
             if state.due(bad, record.step, self.config.patience):
                 alerts.append(self._alert(record, stats, state))
         return alerts
@@ -232,6 +247,19 @@ def _holds_weights(module: str, layers: dict[str, float]) -> bool:
     that got a gradient). Asked only for an output exactly zero everywhere."""
     prefix = module + "."
     return module in layers or any(name.startswith(prefix) for name in layers)
+
+
+def _pass_target(activations: list[ActivationStats]) -> float | None:
+    """The spread of the model output's loss target on the sampled pass, or None.
+
+    Among the step's last two rows (the run's loss target may follow it) when
+    the loss's ops named one.
+    """
+    for stats in activations[-2:]:
+        if stats.module == PASS_TARGET:
+            spread = stats.out_spread
+            return spread if spread is not None and math.isfinite(spread) else None
+    return None
 
 
 def _model_output(stats: ActivationStats) -> bool:
