@@ -59,8 +59,9 @@ def _allowed_below() -> tuple[type, ...]:
         pass
     allowed.append(_AuditMode)
     from trainwatch.collect.output_target import _OutputTargetMode  # imports broadcast
+    from trainwatch.collect.parameter_reads import _ReadMode
 
-    allowed.append(_OutputTargetMode)
+    allowed += [_OutputTargetMode, _ReadMode]
     return tuple(allowed)
 
 
