@@ -9,6 +9,19 @@ random draw, imbalanced classes included, since the draw follows the run's
 own class frequencies; sorted data holds one or two where the draw holds
 nearly all.
 
+Training task by task (class-incremental continual learning: each task's
+few classes from a shuffled loader of its own) also gives batches of few of
+the run's classes, by design. What tells it from sorted data is how the
+classes change. A task's batches draw from one set of at least two classes
+for a long stretch, about as a random draw from that set would, and the set
+changes at a few boundaries: a phase. Sorted data's class drifts on through
+the epoch: a stretch of its batches holds one class, or takes in new
+classes with every batch, and no two of its batches share two classes (only
+a batch across the boundary of two classes' blocks holds both). Where the
+window holds phases, their batches are compared with a draw from their own
+phase, and batches cut off by the window at its ends are left out; a window
+without a phase is compared with the run's targets, as before.
+
 Where the training loader is visible, its sampler says the same ahead of
 the evidence: a sequential sampler alone is one ``info`` line (data may be
 stored shuffled); with the targets' deficit, or with no targets to look at,
@@ -19,7 +32,7 @@ contiguous stream, read in order by design) ends the check, silently.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import repeat
+from itertools import combinations, repeat
 from operator import add, itemgetter
 
 from trainwatch.alert import Alert
@@ -35,6 +48,9 @@ _HINT = (
 _MIN_CLASSES = 3
 # Fewer targets than this per batch cannot show a deficit (a batch of one holds one class).
 _MIN_TARGETS = 4
+# A phase (one task's classes) holds at least this share of the classes that
+# random draws from the phase's own targets would hold.
+_PHASE_COVERED = 0.6
 
 
 class UnshuffledDataRule(Rule):
@@ -47,7 +63,8 @@ class UnshuffledDataRule(Rule):
     def __init__(self, config: object) -> None:
         super().__init__(config)  # type: ignore[arg-type]
         self.pooled: list[float] = []  # the run's targets per class, over sampled batches
-        self.recent: list[list[float]] = []  # (targets, distinct classes) per sampled batch
+        # (targets, distinct classes, counts) per sampled batch
+        self.recent: list[tuple[float, float, list[float]]] = []
         self.batches = 0
         self.order: str | None = None  # how the training loader reads in order, when it does
         self.done = False  # one finding per run
@@ -108,24 +125,9 @@ class UnshuffledDataRule(Rule):
             self.recent = []
         self.pooled = list(map(add, self.pooled, counts))
         # Counts are whole and never negative: the classes held are those not at zero.
-        self.recent.append([sum(counts), float(len(counts) - counts.count(0.0))])
+        self.recent.append((sum(counts), float(len(counts) - counts.count(0.0)), counts))
         del self.recent[: max(0, len(self.recent) - self.config.window)]  # type: ignore[attr-defined]
         self.batches += 1
-
-    def _expected_distinct(self, sizes: list[float]) -> float:
-        """Distinct classes in a batch of each of ``sizes`` targets drawn at random from
-        the run's targets, on average over the batches.
-
-        Batches are mostly one size: each size is worked out once, over the
-        classes in one C loop, since this runs at every sampled step.
-        """
-        total = sum(self.pooled)
-        missed = [1.0 - c / total for c in self.pooled if c > 0]  # P(not this class), one draw
-        classes = len(missed)
-        expected = 0.0
-        for size, batches in Counter(sizes).items():
-            expected += batches * (classes - sum(map(pow, missed, repeat(size))))
-        return expected / len(sizes)
 
     def _deficit(self, step: int) -> Alert | None:
         config = self.config
@@ -139,9 +141,17 @@ class UnshuffledDataRule(Rule):
         if sum(sizes) < _MIN_TARGETS * len(recent):
             return None
         held = sum(map(itemgetter(1), recent)) / len(recent)
-        expected = self._expected_distinct(sizes)
+        expected = expected_distinct(self.pooled, sizes) / len(recent)
         if held > config.ratio * expected:  # type: ignore[attr-defined]
             return None
+        judged = len(recent)
+        # Few of the run's classes a batch: told only where the batches are
+        # no phases of a run trained task by task (asked on a deficit only).
+        phased = against_phases(recent, self.pooled)
+        if phased is not None:
+            held, expected, judged = phased
+            if held > config.ratio * expected:  # type: ignore[attr-defined]
+                return None
         where = (
             f"; the training DataLoader reads in order through {self.order}"
             if self.order is not None
@@ -150,7 +160,7 @@ class UnshuffledDataRule(Rule):
         return self.alert(
             step,
             None,
-            f"the last {len(recent)} sampled batches held {held:.1f} classes each on average "
+            f"the last {judged} sampled batches held {held:.1f} classes each on average "
             f"where batches drawn at random from this run's targets would hold {expected:.1f} "
             f"({classes} classes seen): the data arrives grouped by class{where}",
             _HINT,
@@ -158,7 +168,7 @@ class UnshuffledDataRule(Rule):
                 "classes_per_batch": round(held, 3),
                 "expected_classes_per_batch": round(expected, 3),
                 "classes_seen": classes,
-                "sampled_batches": len(recent),
+                "sampled_batches": judged,
                 "sampler": self.order,
             },
         )
@@ -172,3 +182,100 @@ class UnshuffledDataRule(Rule):
             {"sampler": self.order, "sampled_batches": self.batches},
             severity=severity,
         )
+
+
+def expected_distinct(pool: list[float], sizes: list[float]) -> float:
+    """Distinct classes in batches of ``sizes`` targets each, drawn at random from the
+    targets counted per class in ``pool``: the sum over the batches.
+
+    Batches are mostly one size: each size is worked out once, over the
+    classes in one C loop, since this runs at every sampled step.
+    """
+    total = sum(pool)
+    missed = [1.0 - c / total for c in pool if c > 0]  # P(not this class), one draw
+    classes = len(missed)
+    expected = 0.0
+    for size, batches in Counter(sizes).items():
+        expected += batches * (classes - sum(map(pow, missed, repeat(size))))
+    return expected
+
+
+def stretches(recent: list[tuple[float, float, list[float]]]) -> list[list[int]]:
+    """The batches (by index) cut into stretches: a batch continues the stretch when
+    its targets fall mostly in classes the stretch has held so far and it holds
+    more than half the classes a random draw from the stretch's targets would;
+    any other starts the next.
+
+    A run trained task by task gives one stretch a task, whether the next
+    task brings new classes or narrows to a few of the old ones; sorted data
+    gives stretches of one class, or of one batch where each brings new
+    classes.
+    """
+    found: list[list[int]] = []
+    pool: list[float] = []
+    for index, (size, held, batch) in enumerate(recent):
+        if found and len(batch) == len(pool):
+            inside = sum(n for n, seen in zip(batch, pool) if seen)
+            if 2 * inside > size and 2 * held > expected_distinct(pool, [size]):
+                found[-1].append(index)
+                pool = list(map(add, pool, batch))
+                continue
+        found.append([index])
+        pool = list(batch)
+    return found
+
+
+def _classes_held(counts: list[float]) -> set[int]:
+    return {index for index, n in enumerate(counts) if n}
+
+
+def _pooled(batches: list[tuple[float, float, list[float]]]) -> list[float]:
+    return [sum(column) for column in zip(*(batch[2] for batch in batches))]
+
+
+def is_phase(batches: list[tuple[float, float, list[float]]]) -> bool:
+    """Whether ``batches`` (one stretch) draw from one set of classes, as a task's do.
+
+    Two of them hold two classes or more in common, which data sorted by
+    class never gives within an epoch (a batch holds two classes only
+    across the boundary of their blocks, which no other batch reaches), and
+    they hold about as many classes as random draws from the stretch's own
+    targets would, not far fewer.
+    """
+    if len(batches) < 2:
+        return False
+    held = [_classes_held(batch[2]) for batch in batches]
+    if not any(len(a & b) >= 2 for a, b in combinations(held, 2)):
+        return False
+    expected = expected_distinct(_pooled(batches), [batch[0] for batch in batches])
+    return sum(batch[1] for batch in batches) >= _PHASE_COVERED * expected
+
+
+def against_phases(
+    recent: list[tuple[float, float, list[float]]], run: list[float]
+) -> tuple[float, float, int] | None:
+    """Classes held per batch, what random draws would hold (a phase's batches
+    drawn from the phase's own targets, the others from the run's), and the
+    batches judged; None where the window holds no phase.
+
+    A run trained task by task holds few of the run's classes a batch, but
+    about all of its task's: each task's batches make a phase
+    (:func:`is_phase`). The stretches before the window's first phase and
+    after its last are left out: their own phases are cut off by the window
+    (the end of an earlier task, the first batches of the next, too few yet
+    to tell). Sorted data makes no phase: its batches stay compared with the run.
+    """
+    cut = [[recent[i] for i in stretch] for stretch in stretches(recent)]
+    phases = [is_phase(batches) for batches in cut]
+    if not any(phases):
+        return None
+    first = phases.index(True)
+    last = len(phases) - phases[::-1].index(True)
+    held = expected = 0.0
+    judged = 0
+    for batches, phase in zip(cut[first:last], phases[first:last]):
+        sizes = [batch[0] for batch in batches]
+        expected += expected_distinct(_pooled(batches) if phase else run, sizes)
+        held += sum(batch[1] for batch in batches)
+        judged += len(batches)
+    return held / judged, expected / judged, judged
