@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainwatch.collect.broadcast import _AuditMode, _call
+from trainwatch.collect.broadcast import _call, _stack_is_ours_to_use
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.padded_labels import PaddingLook
@@ -46,35 +46,6 @@ _COUNTED_ON_HOST = 4096
 # _SLOWEST times the configured cadence; a class loss seen brings it back.
 _MISSES = 4
 _SLOWEST = 16
-
-
-def _allowed_below() -> tuple[type, ...]:
-    """Modes ours may sit above and still pop itself from the top later."""
-    allowed: list[type] = [_TargetMode]
-    try:
-        from torch.utils._device import DeviceContext
-
-        allowed.append(DeviceContext)
-    except ImportError:  # pragma: no cover - other torch versions
-        pass
-    allowed.append(_AuditMode)
-    from trainwatch.collect.output_target import _OutputTargetMode  # imports broadcast
-    from trainwatch.collect.parameter_reads import _ReadMode
-
-    allowed += [_OutputTargetMode, _ReadMode]
-    return tuple(allowed)
-
-
-def _stack_is_ours_to_use() -> bool:
-    """A mode the user entered around the pass would be popped in our place: skip then."""
-    if torch._C._len_torch_function_stack() == 0:
-        return True
-    try:
-        from torch.overrides import _get_current_function_mode_stack
-    except ImportError:  # pragma: no cover - other torch versions
-        return False
-    allowed = _allowed_below()
-    return all(isinstance(m, allowed) for m in _get_current_function_mode_stack())
 
 
 def per_position(logits: Any, target: Any, batch: int | None) -> bool:
