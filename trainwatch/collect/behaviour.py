@@ -361,7 +361,7 @@ class BehaviourWatch:
                 if passes.attentive:  # else it has nothing to do (no no-grad pass near)
                     self._training_pass(passes, args, kwargs)
                 if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
-                    self._frozen_in_training(modes)
+                    self._frozen_in_training(modes, "" if part is None else part[0])
                 if (
                     self.check_train_step
                     and (self.train_in_eval is None or self.eval_gradients.held)
@@ -371,6 +371,11 @@ class BehaviourWatch:
                     if report is not None:
                         hook_backward(output, WeakHook(self, "backward_seen", report))
             elif self.check_eval_pass:
+                if part is not None and modes.in_frozen and part[1].training:
+                    # A part's own pass without gradients, in training mode (a
+                    # teacher training_step calls): frozen parts in it run beside
+                    # the training. One in eval mode (an EMA copy evaluated) does not.
+                    modes.part_called(part[0])
                 self._nograd_modes(model, modes, part, args, kwargs, output)
         if self.broadcast is not None:
             self.broadcast.pass_ends(output, grad, None if part is None else part[0])
@@ -469,12 +474,13 @@ class BehaviourWatch:
         for due in told:
             self._publish(due)
 
-    def _frozen_in_training(self, modes: ModeWatch) -> None:
+    def _frozen_in_training(self, modes: ModeWatch, within: str) -> None:
         """A training pass ran a large frozen part in training mode: told once a run,
         dated at the pass that found it, once a training pass of a later step finds
         it frozen still. A part frozen only around another optimizer's step
         (Lightning's ``toggle_optimizer`` freezes a GAN's generator for the
-        discriminator's) trains on its own step's pass: no frozen part."""
+        discriminator's) trains on its own step's pass: no frozen part.
+        ``within``: the part the pass was of ("" for the whole model)."""
         seen = self._frozen_seen
         if seen is not None:
             record, steps = seen
@@ -487,7 +493,7 @@ class BehaviourWatch:
                 self._frozen_seen = None
                 self._publish(record)
             return
-        report = modes.frozen_in_training(self.calls)
+        report = modes.frozen_in_training(self.calls, within)
         if report is None:
             return
         report.during_training = True
@@ -518,7 +524,7 @@ class BehaviourWatch:
         """The model's part ``name`` was called on its own, outside the model's passes,
         where the call tracker could not see it (see ``ModeWatch.part_called``)."""
         if self.modes is not None:
-            self.modes.part_called(name)
+            self.modes.part_called(name, now=False)
 
     def held_by_none(self, params: list[nn.Parameter]) -> None:
         """The model's parameters no watched optimizer holds (the membership changed):

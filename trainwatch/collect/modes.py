@@ -118,9 +118,10 @@ class ModeWatch:
         # The listed modules inside a large frozen part of a model that trains
         # (a teacher, a backbone): read on training passes (see frozen_parts).
         self.in_frozen: list[Listed] = []
-        # The flags of ``in_frozen`` and the call tracker's count when those in
-        # training mode were last found not running (see frozen_in_training).
-        self._not_running: tuple[tuple[bool, ...], int] | None = None
+        # The flags of ``in_frozen``, the call tracker's count and the training
+        # pass's root when those in training mode were last found not running
+        # (see frozen_in_training).
+        self._not_running: tuple[tuple[bool, ...], int, str] | None = None
         # The large frozen parts of a model that trains, by name, where they hold
         # listed modules (none where the whole model is frozen: no part of it
         # trains around them).
@@ -214,7 +215,9 @@ class ModeWatch:
             if self.in_frozen:
                 self.frozen_parts = parts
 
-    def frozen_in_training(self, calls: CallTracker | None = None) -> ModeReport | None:
+    def frozen_in_training(
+        self, calls: CallTracker | None = None, within: str = ""
+    ) -> ModeReport | None:
         """Listed modules of a large frozen part in training mode (None: none is).
 
         ``calls``: which modules ran. A frozen part never called (an EMA copy
@@ -222,6 +225,14 @@ class ModeWatch:
         rest of the model, whatever its mode: it is left out once the tracker
         saw the module holding it called and not it, unless it was seen called
         on its own (:meth:`part_called`: a teacher the loop calls itself).
+
+        ``within``: the part whose training pass asks ("" for the whole
+        model's). A frozen part outside it is a pass of its own, never run by
+        this one: it runs beside the training only if it was seen called on its
+        own in training mode (:meth:`part_called`). That the tracker saw it
+        called says nothing of its mode then: an EMA copy the loop evaluates as
+        ``model.eval(); model.ema(x); model.train()`` ran, in eval mode, and
+        its dropout, in training mode again, runs for nothing.
 
         Cheap on the usual step: the list is empty unless a part is frozen, and
         then its flags are read in C loops; a part found not running is asked
@@ -236,7 +247,8 @@ class ModeWatch:
             return None  # a module gone: the next rebuild lists what is there
         if True not in flags:
             return None
-        if calls is not None and (flags, calls.seen_count) == self._not_running:
+        seen_count = calls.seen_count if calls is not None else 0
+        if (flags, seen_count, within) == self._not_running:
             return None
         found = [item for item in listed if (module := item.ref()) is not None and module.training]
         if not found:
@@ -256,17 +268,16 @@ class ModeWatch:
             ]
             if not found:
                 return None
-        if calls is not None:
-            alone = self._called_alone
-            found = [
-                item
-                for item in found
-                if calls.ran(item.name) is not False
-                or any(_inside(item.name, part) for part in alone)
-            ]
-            if not found:
-                self._not_running = (flags, calls.seen_count)
-                return None
+        alone = self._called_alone
+        found = [
+            item
+            for item in found
+            if any(_inside(item.name, part) for part in alone)
+            or (_inside(item.name, within) and (calls is None or calls.ran(item.name) is not False))
+        ]
+        if not found:
+            self._not_running = (flags, seen_count, within)
+            return None
         return ModeReport(
             [item.name for item in found],
             [item.label for item in found],
@@ -282,20 +293,38 @@ class ModeWatch:
             ],
         )
 
-    def part_called(self, name: str) -> bool:
+    def part_called(self, name: str, now: bool = True) -> bool:
         """A part of the model (``name``) was called on its own, outside the model's
-        passes: ``model.teacher(x)`` under ``no_grad`` in the loop, ``self.teacher(x)``
-        in a LightningModule's ``training_step``. The large frozen parts it holds or
-        lies in run, though the call tracker, which sees the model's passes only,
-        cannot tell: :meth:`frozen_in_training` is told. Returns whether it lies
-        in one (a teacher, a frozen backbone: no evaluation of the model's).
+        passes, while the model trains: ``model.teacher(x)`` under ``no_grad`` in the
+        loop, ``self.teacher(x)`` in a LightningModule's ``training_step``. The large
+        frozen parts it holds or lies in run, though the call tracker, which sees
+        the model's passes only, cannot tell: :meth:`frozen_in_training` is told.
+        Returns whether it lies in one (a teacher, a frozen backbone: no
+        evaluation of the model's).
+
+        ``now``: told as the call starts, the part's modes those it runs in: kept
+        only if dropout or batch norm in it is in training mode. An EMA copy
+        evaluated in eval mode (Lightning enters its validation's ``no_grad``
+        before ``model.eval()``) runs nothing in training mode, whatever mode
+        ``model.train()`` puts it back in after. False: told later (a part
+        watched as a model of its own until the model was found), kept whatever
+        its mode.
         """
-        if name not in self._called_alone:
+        if name not in self._called_alone and (not now or self._in_training_under(name)):
             # Kept whatever is frozen now: a part found frozen later (held by no
             # optimizer, known once one attaches) ran all the same.
             self._called_alone.add(name)
             self._not_running = None  # asked again at the next training pass
         return any(_inside(name, part) for part in self.frozen_parts)
+
+    def _in_training_under(self, name: str) -> bool:
+        """Whether a listed module in the part ``name`` is in training mode now (all
+        listed, not only those of frozen parts: a part is found frozen later when no
+        optimizer holds it)."""
+        return any(
+            _inside(item.name, name) and (module := item.ref()) is not None and module.training
+            for item in self.listed
+        )
 
     def still_frozen(self, names: list[str]) -> bool:
         """Whether the parts around these listed modules train no parameter now."""
