@@ -86,10 +86,12 @@ def withdrawals(told: Iterable[Told]) -> dict[tuple[Any, str, str | None], int]:
     then undone) says so in an alert of its own carrying ``data["withdraws"]``.
     """
     found: dict[tuple[Any, str, str | None], int] = {}
-    for alert, _ in told:
+    for alert, last_step in told:
         if alert.data.get("withdraws"):
+            # The latest time it was taken back: a finding told again after one
+            # withdrawal (a second stall) may be withdrawn again.
             key = _told_of(alert)
-            found[key] = max(found.get(key, alert.step), alert.step)
+            found[key] = max(found.get(key, last_step), last_step)
     return found
 
 

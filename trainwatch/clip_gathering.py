@@ -106,6 +106,7 @@ class ClipGathering:
         self.reset_after_clip.discard(index)
         params = self._pipeline.optimizer_params(index)
         if self._pipeline.tracker.rewritten_since_backward(params):
+            self._pipeline.hand_loss_again(self._pending.get(index))
             self._pending[index] = self._pipeline.gather(index, step, again=True)
 
     def keep_over_closure(self, index: int, step: int) -> None:

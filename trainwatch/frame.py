@@ -69,6 +69,12 @@ class StepFrame:
         self._devices.add(flat.device)
         return Slot(self, len(self._pieces) - 1)
 
+    def piece(self, slot: Slot) -> torch.Tensor | None:
+        """The tensor ``slot`` reads back, while this frame is not read yet (None after)."""
+        if slot.frame is not self or self._lists is not None or self._host is not None:
+            return None
+        return self._pieces[slot.index]
+
     def wants_lag(self, mode: str) -> bool:
         """``auto`` lags on CUDA, where a sync stalls the queue, and reads at once elsewhere."""
         if mode == "sync" or not self._pieces:

@@ -271,6 +271,10 @@ class StallReport:
     # Each param group's learning rate before any scheduler (its ``initial_lr``, else
     # its ``lr``): what a schedule decayed from.
     initial_learning_rates: list[float] = field(default_factory=list)
+    # The learning rates of those groups holding a weight of the model itself (an
+    # optimizer may hold another model's too: a head called apart from the backbone
+    # ``trainwatch run`` watches as a model of its own).
+    model_learning_rates: list[float] = field(default_factory=list)
     # not_optimized has told that no optimizer updates any of the trainable weights,
     # or the model, without an optimizer, copies one an optimizer trains (a target).
     left_out_told: bool = False

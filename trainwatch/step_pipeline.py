@@ -814,7 +814,7 @@ class StepPipeline:
             return
         before, pending.weights_before = pending.weights_before, None
         pending.stall_due = False
-        pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
+        report = pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
         # A param group holding no trainable parameter (a finished phase's optimizer
         # over a model frozen since) updates nothing: its rate says nothing of a stall.
         groups = [
@@ -824,14 +824,21 @@ class StepPipeline:
             if isinstance(group.get("lr"), (int, float))
             and any(p.requires_grad for p in group["params"])
         ]
-        pending.record.stall.learning_rates = [float(group["lr"]) for group in groups]
-        pending.record.stall.initial_learning_rates = [
+        report.learning_rates = [float(group["lr"]) for group in groups]
+        report.initial_learning_rates = [
             float(group["initial_lr"])
             if isinstance(group.get("initial_lr"), (int, float))
             else float(group["lr"])
             for group in groups
         ]
-        pending.record.stall.left_out_told = self._left_out_told() or self._a_target()
+        # Those holding the model's own weights: all of them at 0 while another
+        # group trains (the head beside a backbone watched as a model of its own)
+        # is a freeze by learning rate. A C loop over a group until its first own.
+        own = self.layers.known().__contains__
+        report.model_learning_rates = [
+            float(group["lr"]) for group in groups if any(map(own, map(id, group["params"])))
+        ]
+        report.left_out_told = self._left_out_told() or self._a_target()
 
     def _read_rates(self, record: StepRecord, stepping: int | None, step: int) -> None:
         """Every watched optimizer's learning rates, one sampled step in ten: a
@@ -1587,6 +1594,18 @@ class StepPipeline:
                 pending.late_loss = (late_step, value)
             self.late_loss = None
         return pending
+
+    def hand_loss_again(self, pending: PendingStep | None) -> None:
+        """The loss ``pending`` took as it was gathered, handed over again for the
+        gathering that replaces it (the step's gradients were reset since the clip
+        it was gathered before): without it that step, and stalled_training's
+        look at the loss, would go without the loss the loop handed over."""
+        if pending is None or self.loss is not None:
+            return
+        if pending.loss is not None:
+            self.loss = pending.frame.piece(pending.loss)
+        else:
+            self.loss = pending.record.loss
 
     def evaluate(self, pending: PendingStep, steps_end_at_backward: bool = False) -> list[Alert]:
         """The step read back, as a record, judged by the rules (and the numbers to the sinks)."""

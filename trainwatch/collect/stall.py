@@ -2,14 +2,17 @@
 
 A forward pass with gradients of a training phase's first step leaves a few
 rows of its inputs behind (at most ``rows``, cloned once): the first pass of
-the last module to run. The last module, not the first: a loop that calls
-the model's parts (``self.head(self.encoder(x))``) runs a frozen encoder
-first, whose output nothing trains, and the part the loss comes out of
-last. Its first pass: a step with a closure (LBFGS) updates the weights
-between its evaluations. A pass through a module with no trainable
-parameter is never kept (re-run on its own inputs it cannot move), and one
+each module the step ran. The model called whole runs one; a loop that calls
+the model's parts (``self.head(self.encoder(x))``) runs each, and each is
+measured: the model moved as far as the part that moved most, so a part
+that trains shows the model training while another part stands still (a
+head whose gradients a bug wipes, a backbone frozen on purpose). Its first
+pass: a step with a closure (LBFGS) updates the weights between its
+evaluations. A pass through a module with no trainable parameter is never
+kept (re-run on its own inputs it cannot move: a frozen encoder), and one
 whose module got no gradient while the step's weights did (cut off by a
-stray ``detach()``) is dropped: the phase is not measured.
+stray ``detach()``) is left out; the last one so cut off leaves the phase
+unmeasured.
 
 Nothing is re-run inside a pass: between a forward and its backward the
 graph holds the weights it saw, and a re-run that writes into one (an
@@ -172,12 +175,9 @@ class FirstBatchProbe:
         self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         # monitor.step() comes after the update: the weights at the boundary before a re-run.
         self._weights_at_boundary: list[torch.Tensor] | None = None
-        self._module: weakref.ref[nn.Module] | None = None
-        self._args: Any = None
-        self._kwargs: Any = None
-        self._reference: torch.Tensor | None = None
-        self._spread = 0.0
-        self._stats: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        # The passes measured: the model's, or each part's where the loop calls
+        # the parts (the last to run first).
+        self._parts: list[_Part] = []
         # Kept between reports while the parameters stay as they were: the
         # per-layer sums of the update ratios, and the trainable counts.
         self._sums: tuple[list[str], tuple[int, ...], tuple[LayerSums, list[str]]] | None = None
@@ -244,8 +244,7 @@ class FirstBatchProbe:
 
     def _forget(self) -> None:
         """The phase's batch, its candidates and every copy of the weights, dropped."""
-        self._module = self._args = self._kwargs = self._reference = None
-        self._stats = []
+        self._parts = []
         self._candidates = []
         self._first_weights = {}
         self._missed = self._ready = False
@@ -430,17 +429,22 @@ class FirstBatchProbe:
 
     def _take_reference(self, params: Sequence[torch.Tensor]) -> None:
         """At the first step's boundary (its backward over): its candidate passes run,
-        the last first, each with the weights it saw; the first whose output can
-        be measured is the phase's batch (a constant output or a failed run: the
-        one before). Unless that module got no gradient while ``params`` (the
-        step's weights) did: its output, cut off from the loss, cannot tell
-        whether training changes anything, and the phase is not measured. None
+        the last first, each with the weights it saw; each whose output can be
+        measured (not constant, not failed) is one of the phase's batches. The
+        model called whole gives one; a loop calling the parts
+        (``self.head(self.backbone(x))``) gives each part's, so that a part
+        training while another does not (a head whose gradients a bug wipes)
+        still shows the model moving. Unless the last one measured got no
+        gradient while ``params`` (the step's weights) did: its output, cut off
+        from the loss, cannot tell whether training changes anything, and the
+        phase is not measured; an earlier part cut off so is left out. None
         measured while a model wrote into its weights when re-run: the sampled
         steps report without the output's move."""
         candidates, self._candidates = self._candidates, []
         held, self._first_weights = self._first_weights, {}
         missed, self._missed = self._missed, False
         wrote = False
+        parts: list[_Part] = []
         for ref, rows, named, stats in reversed(candidates):
             module = ref()
             if module is None:
@@ -463,13 +467,12 @@ class FirstBatchProbe:
                 and _any_grad(params)
                 and not _any_grad(filter(_REQUIRES_GRAD, module.parameters()))
             ):
-                return
-            self._module = ref
-            self._args, self._kwargs, self._stats = rows, named, stats
-            self._reference, self._spread = output, spread
-            self._ready = True
-            return
-        self._ready = wrote
+                if not parts:
+                    return
+                continue
+            parts.append(_Part(ref, rows, named, stats, output, spread))
+        self._parts = parts
+        self._ready = bool(parts) or wrote
 
     def _writes(self, module: nn.Module) -> bool:
         """Whether ``module`` holds a weight a re-run wrote into (usually none)."""
@@ -483,15 +486,21 @@ class FirstBatchProbe:
         )
 
     def _change(self) -> float | None:
-        reference = self._reference
-        module = self._module() if self._module is not None else None
-        if reference is None or module is None or self._writes(module):
+        """The largest move of a measured pass's output over its spread (None: none
+        measured now): the model moves as far as its part that moved most."""
+        moves = [move for part in self._parts if (move := self._moved(part)) is not None]
+        return max(moves) if moves else None
+
+    def _moved(self, part: _Part) -> float | None:
+        module = part.module()
+        if module is None or self._writes(module):
             return None
-        output, written = self._run(module, self._args, self._kwargs, self._stats, None)
+        output, written = self._run(module, part.args, part.kwargs, part.stats, None)
+        reference = part.reference
         if written or output is None or output.shape != reference.shape:
             return None
         moved = float((output - reference).pow(2).mean().sqrt())
-        return moved / self._spread if math.isfinite(moved) else None
+        return moved / part.spread if math.isfinite(moved) else None
 
     def _run(
         self,
@@ -590,6 +599,29 @@ class FirstBatchProbe:
             weight = originals.get(id(tensor), tensor)
             self._written[id(weight)] = weakref.ref(weight)
         return True
+
+
+class _Part:
+    """One pass measured: its module (held weakly), its first rows, its norm
+    layers' running statistics then, its output on them and that output's spread."""
+
+    __slots__ = ("module", "args", "kwargs", "stats", "reference", "spread")
+
+    def __init__(
+        self,
+        module: weakref.ref[nn.Module],
+        args: Any,
+        kwargs: Any,
+        stats: list[tuple[dict[str, Any], str, torch.Tensor]],
+        reference: torch.Tensor,
+        spread: float,
+    ) -> None:
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self.stats = stats
+        self.reference = reference
+        self.spread = spread
 
 
 def _tensors(tables: list[dict[str, Any]]) -> list[torch.Tensor]:

@@ -18,6 +18,14 @@ optimizer whose every param group sits at a millionth of its own peak while
 it keeps stepping has collapsed, which no schedule meant to train does for
 long (cosine to 0 spends 6.4e-4 of its decay there, OneCycleLR ends at 4e-6
 of its peak).
+
+A model whose own param groups all sit at exactly 0 while another group of
+its optimizers trains (a backbone frozen by its learning rate beside the head
+it feeds, watched as a model of its own) is frozen on purpose, as with
+``requires_grad=False``: no stall. Every learning rate exactly 0 is told, as
+what it is (the steps train nothing), and a stall told stands only while it
+lasts: once the model moves again (a hold at lr 0 over, a schedule restarted)
+a note withdraws it, as frozen_in_optimizer's ``unfrozen`` does a freeze's.
 """
 
 from __future__ import annotations
@@ -46,6 +54,19 @@ _STOPPED_HINT = (
     "sched.step() is called and the learning rate the optimizer holds now; with that "
     "as intended, the gradients themselves vanished. Healthy updates move weights by "
     "about 1e-3 of their norm."
+)
+_ZERO_HINT = (
+    "every learning rate is exactly 0, so every update is zero and these steps train "
+    "nothing. Usual causes: a warm-up that starts at 0 (LambdaLR(lambda e: e / warmup), "
+    "whose first epoch or step runs at lr 0), a schedule returning 0 for a stretch, or "
+    "lr=0 set in the optimizer. Start the warm-up above 0 ((e + 1) / warmup); a hold at "
+    "0 that is meant (Adam's second moments gathered first) costs its steps only, and "
+    "this warning is withdrawn once a learning rate rises and the model moves."
+)
+_RESUMED_HINT = (
+    "nothing to do: the stall told earlier was a stretch (a learning rate held at 0, a "
+    "schedule that restarted) and training moves the model again; the steps before "
+    "trained nothing."
 )
 _COLLAPSED_HINT = (
     "the learning rate fell to nothing while the optimizer keeps stepping: usually a "
@@ -79,6 +100,12 @@ _COLLAPSED = 1e-6
 # (its last 64 steps of 100,000), a per-epoch schedule stepped every batch the
 # rest of the run.
 _COLLAPSED_SHARE = 1e-2
+# A stall told is withdrawn once the model moves again by this many times the
+# bounds it was told under: its output on the first batch by 100 * min_change
+# (1e-3; a fine-tune at lr 1e-6 moves 3e-3), its weights by 100 *
+# min_update_ratio a step (1e-6; that fine-tune's 5.7e-6). Far enough above
+# the bounds that a run hovering there is not told and withdrawn in turn.
+_RESUMED = 100.0
 
 
 class StalledTrainingRule(Rule):
@@ -100,6 +127,15 @@ class StalledTrainingRule(Rule):
         # Each optimizer's learning rates as the looks saw them (by index): kept
         # across phases, as an optimizer's schedule goes on through them.
         self._rates: dict[int, _Rates] = {}
+        # The looks finding every learning rate exactly 0: since which step (-1:
+        # not now), and the latest such stretch over ([from, to]; empty: none).
+        self._zero_since = -1
+        self._zero_was: list[int] = []
+        # The findings told that stand (each criterion; a collapse by optimizer,
+        # "collapsed <index>"), across phases: withdrawn together once the model
+        # moves again, then the rule is armed again.
+        self._standing: set[str] = set()
+        self._told_at = 0  # the step the first of them was told
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.optimizer_rates is None:
@@ -107,11 +143,24 @@ class StalledTrainingRule(Rule):
         return self._with_rates(record)  # one sampled step in ten
 
     def _with_rates(self, record: StepRecord) -> list[Alert]:
+        looked = record.optimizer_rates or []
+        self._note_zero(record.step, looked)
         alerts = self._stalled(record)  # (a new phase starts there)
-        collapsed = self._collapsed(record.step, record.optimizer_rates or [])
+        collapsed = self._collapsed(record.step, looked)
         if collapsed:
             self._fired = True  # what the re-runs would tell later, told now
+            self._tell([f"collapsed {alert.data['optimizer']}" for alert in collapsed], record)
         return alerts + collapsed
+
+    def _note_zero(self, step: int, looked: list[LearningRates]) -> None:
+        """Since when every learning rate the looks read is exactly 0."""
+        rates = [rate for look in looked for rate in look.rates]
+        if rates and not any(rates):
+            if self._zero_since < 0:
+                self._zero_since = step
+        elif self._zero_since >= 0:
+            self._zero_was = [self._zero_since, step]
+            self._zero_since = -1
 
     def _collapsed(self, step: int, looked: list[LearningRates]) -> list[Alert]:
         """The optimizers whose learning rates collapsed, each told once a collapse."""
@@ -138,8 +187,12 @@ class StalledTrainingRule(Rule):
         if norm is not None and math.isfinite(norm) and norm > self._peak_norm:
             self._peak_norm = norm
         report = record.stall
-        if report is None or self._fired:
+        if report is None:
             return []
+        # A stall told that the model moved out of since: withdrawn.
+        alerts = self._moves_again(record, report) if self._standing else []
+        if self._fired:
+            return alerts
         config = self.config
         stopped = self._stopped
         stopped.note(record, report, config, self._latest_losses)
@@ -147,11 +200,12 @@ class StalledTrainingRule(Rule):
             [self._peak_rate, *report.learning_rates, *report.initial_learning_rates]
         )
         if report.steps < config.warmup or report.left_out_told:
-            return []  # (left out of every optimizer: not_optimized's finding, told)
+            return alerts  # (left out of every optimizer: not_optimized's finding, told)
         still = report.change is not None and report.change < config.min_change
-        if still and self._loss_flat(self._first_losses):
+        if still and not _frozen_by_rate(report) and self._loss_flat(self._first_losses):
             self._fired = True
-            return [self._alert(record.step, report)]
+            self._tell(["output_change"], record)
+            return [*alerts, self._alert(record.step, report)]
         # The loss from when the updates stopped: the steps before may have trained.
         if (
             stopped.long_enough(report.steps)
@@ -160,8 +214,44 @@ class StalledTrainingRule(Rule):
             and self._loss_flat(stopped.losses)
         ):
             self._fired = True
-            return [self._stopped_alert(record.step, report)]
-        return []
+            self._tell(["updates_stopped"], record)
+            return [*alerts, self._stopped_alert(record.step, report)]
+        return alerts
+
+    def _tell(self, findings: list[str], record: StepRecord) -> None:
+        """``findings`` told at ``record``'s step: they stand until the model moves."""
+        if not self._standing:
+            self._told_at = record.step
+        self._standing.update(findings)
+
+    def _moves_again(self, record: StepRecord, report: StallReport) -> list[Alert]:
+        """The findings standing that the model's moves now undo, dropped; once none
+        stands, the note withdrawing them (and the rule armed again). The output on
+        the first batch moved :data:`_RESUMED` times ``min_change``, or the weights
+        :data:`_RESUMED` times ``min_update_ratio`` in a step (for a collapse, its
+        optimizer's rates back above the bound too)."""
+        config = self.config
+        change = report.change
+        ratios = report.update_ratios
+        norm = record.total_norm
+        updates = max(ratios.values()) if ratios and (norm is None or math.isfinite(norm)) else 0.0
+        moved = change is not None and change >= _RESUMED * config.min_change
+        updated = updates >= _RESUMED * config.min_update_ratio
+        for finding in list(self._standing):
+            if finding == "output_change":
+                undone = moved
+            elif finding == "updates_stopped":
+                undone = updated
+            else:  # "collapsed <index>"
+                rates = self._rates.get(int(finding.rpartition(" ")[2]))
+                undone = updated and (rates is None or rates.since < 0)
+            if undone:
+                self._standing.discard(finding)
+        if self._standing:
+            return []
+        self._fired = False
+        self._stopped = _Stopped()
+        return [self._resumed_alert(record.step, report, updates)]
 
     def _rate_fell(self, report: StallReport) -> bool:
         """Whether the learning rate can have stopped the updates: every group's now
@@ -226,11 +316,17 @@ class StalledTrainingRule(Rule):
             typical = None
             update = "; no trainable weight moved"
         lrs = sorted(set(report.learning_rates))
-        rates = f"; lr {', '.join(f'{lr:.1e}' for lr in lrs)}" if lrs else ""
+        zero = bool(lrs) and not any(lrs)
+        if zero:
+            cause, rates = f"{self._zero_text(report)}, so ", ""
+        else:
+            cause = ""
+            rates = f"; lr {', '.join(f'{lr:.1e}' for lr in lrs)}" if lrs else ""
         message = (
-            f"training changes nothing: after {report.steps} steps the output on the first "
-            f"batch moved {report.change:.1e} of its spread (below {self.config.min_change:g}), "
-            f"{self._loss_text(self._first_losses)}; {audit}{update}{rates}"
+            f"training changes nothing: {cause}after {report.steps} steps the output on the "
+            f"first batch moved {report.change:.1e} of its spread (below "
+            f"{self.config.min_change:g}), {self._loss_text(self._first_losses)}; "
+            f"{audit}{update}{rates}"
         )
         data = {
             "criterion": "output_change",
@@ -244,7 +340,52 @@ class StalledTrainingRule(Rule):
             "update_ratios": dict(ratios),
             "learning_rates": lrs,
         }
-        return self.alert(step, "", message, _HINT, data)
+        if zero:
+            data["cause"] = "learning_rate_zero"
+            data["zero_since"] = self._zero_since if self._zero_since >= 0 else None
+        return self.alert(step, "", message, _ZERO_HINT if zero else _HINT, data)
+
+    def _zero_text(self, report: StallReport) -> str:
+        """Every learning rate exactly 0: since when, and who holds it there."""
+        since = f" since step {self._zero_since}" if self._zero_since >= 0 else ""
+        initial = sorted({lr for lr in report.initial_learning_rates if lr > 0.0})
+        if initial:
+            source = f"held there by its scheduler (initial lr {_rates(initial)})"
+        else:
+            source = "as set in the optimizer's param groups"
+        return f"every learning rate has been exactly 0{since}, {source}"
+
+    def _resumed_alert(self, step: int, report: StallReport, updates: float) -> Alert:
+        """The model moves again: the stall told earlier withdrawn."""
+        moved = []
+        if report.change is not None:
+            moved.append(f"its output on the first batch moved {report.change:.1e} of its spread")
+        if updates > 0.0:
+            moved.append(f"its weights {updates:.1e} of their norm in a step")
+        lrs = sorted(set(report.learning_rates))
+        rates = f" (lr {_rates(lrs)} now" if lrs else ""
+        # Every rate held at 0 over the step the stall was told: the stretch it was.
+        was = self._zero_was if self._zero_was and self._zero_was[1] > self._told_at else []
+        if rates and was:
+            rates += f"; every learning rate was exactly 0 from step {was[0]} to step {was[1]}"
+        rates += ")" if rates else ""
+        message = (
+            f"training moves the model again by step {step}: "
+            f"{' and '.join(moved) or 'it moved'}{rates}, so the stall told at step "
+            f"{self._told_at} no longer stands"
+        )
+        data = {
+            "kind": "resumed",
+            "finding": "resumed",
+            "withdraws": True,  # the warning no longer stands (--fail-on)
+            "told_at": self._told_at,
+            "change": report.change,
+            "update_ratio_max": updates,
+            "learning_rates": lrs,
+        }
+        if was:
+            data["zero_from"], data["zero_to"] = was
+        return self.alert(step, "", message, _RESUMED_HINT, data, severity="info")
 
     def _collapsed_alert(self, step: int, look: LearningRates, rates: _Rates) -> Alert:
         name = f"optimizer {look.optimizer} ({look.optimizer_class})"
@@ -280,7 +421,8 @@ class StalledTrainingRule(Rule):
         top = max(ratios, key=ratios.__getitem__)
         lrs = sorted(set(report.learning_rates))
         if lrs and not any(lrs):
-            rates = "; every learning rate is 0"
+            since = f" since step {self._zero_since}" if self._zero_since >= 0 else ""
+            rates = f"; every learning rate is 0{since}"
         elif lrs:
             rates = f"; lr {_rates(stopped.first_rates)} at step {stopped.since_step}"
             rates += f", {_rates(lrs)} now"
@@ -423,6 +565,14 @@ class _Rates:
             return False
         self.told = True
         return True
+
+
+def _frozen_by_rate(report: StallReport) -> bool:
+    """Whether every param group holding the model's own weights sits at exactly 0
+    while another group trains: a part frozen by its learning rate on purpose (the
+    backbone of a fine-tune beside its head), as with ``requires_grad=False``."""
+    own = report.model_learning_rates
+    return bool(own) and not any(own) and any(report.learning_rates)
 
 
 def _audit(report: StallReport) -> str:
