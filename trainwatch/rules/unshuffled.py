@@ -22,6 +22,16 @@ window holds phases, their batches are compared with a draw from their own
 phase, and batches cut off by the window at its ends are left out; a window
 without a phase is compared with the run's targets, as before.
 
+A P x K identity sampler (re-identification, metric learning: P classes a
+batch, exactly K samples of each, new classes every batch) gives few classes
+a batch by design too, and its composition shows in the targets alone:
+every batch holds each of its classes exactly K >= 2 times (those cut short
+at an epoch's end aside), and its labels lie scattered. Data sorted by
+label whose blocks happen to fill batches evenly gives the same counts, but
+each batch then holds a run of neighbouring labels, and the runs of two
+batches are the same or apart. Such a window ends the check, silently, as
+the visible loader's own sampler does.
+
 Where the training loader is visible, its sampler says the same ahead of
 the evidence: a sequential sampler alone is one ``info`` line (data may be
 stored shuffled); with the targets' deficit, or with no targets to look at,
@@ -143,6 +153,11 @@ class UnshuffledDataRule(Rule):
         held = sum(map(itemgetter(1), recent)) / len(recent)
         expected = expected_distinct(self.pooled, sizes) / len(recent)
         if held > config.ratio * expected:  # type: ignore[attr-defined]
+            return None
+        if identity_batches(recent):
+            # P identities of K samples each, drawn anew every batch (re-ID,
+            # metric learning): few classes a batch is the sampler's design.
+            self.done = True
             return None
         judged = len(recent)
         # Few of the run's classes a batch: told only where the batches are
@@ -279,3 +294,45 @@ def against_phases(
         held += sum(batch[1] for batch in batches)
         judged += len(batches)
     return held / judged, expected / judged, judged
+
+
+def identity_batches(recent: list[tuple[float, float, list[float]]]) -> bool:
+    """Whether ``recent`` batches come from a P x K identity sampler: most hold
+    P >= 2 classes with exactly K >= 2 targets each (K the same throughout),
+    any other is a batch cut short at an epoch's end (fewer targets, none of
+    its classes more than K times); and those full batches' labels lie
+    scattered.
+
+    Data sorted by label whose blocks of K fill batches evenly gives the same
+    counts; what tells it apart is where its labels lie: every batch holds a
+    run of neighbouring labels (none between its lowest and highest missing),
+    and two batches' runs are the same (the next epoch's) or apart.
+    Identities drawn at random scatter. Neighbouring labels, not neighbours
+    among the classes seen so far: the few sampled batches of a first window
+    have seen too few classes for that, and random pairs of identities are
+    often neighbours among them.
+    """
+    per_class = max(max(batch[2]) for batch in recent)
+    if per_class < 2:
+        return False
+    # No count is above per_class: a batch holds exactly per_class of each of
+    # its classes where its size is that many times the classes it holds.
+    full: list[tuple[float, float, list[float]]] = []
+    cut: list[tuple[float, float, list[float]]] = []
+    for batch in recent:
+        size, held, _ = batch
+        (full if held >= 2 and size == held * per_class else cut).append(batch)
+    if len(full) < 2 or len(cut) >= len(full):
+        return False
+    largest = max(batch[0] for batch in full)
+    if any(batch[0] >= largest for batch in cut):
+        return False  # a batch of another make, not one cut short
+    spans = []
+    for _, held, counts in full:
+        classes = [index for index, n in enumerate(counts) if n]
+        low, high = classes[0], classes[-1]
+        if high - low + 1 != held:
+            return True  # a label between them is not in this batch
+        spans.append((low, high))
+    # Every batch a run of neighbouring classes: sorted data unless two runs overlap.
+    return any(a != b and a[0] <= b[1] and b[0] <= a[1] for a, b in combinations(spans, 2))
