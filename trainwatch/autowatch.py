@@ -74,9 +74,18 @@ _NOTHING_WATCHED = (
     "autograd.grad, and applied by hand are watched with tw.watch(model) and "
     "monitor.step() after each update)"
 )
+# Said instead where optimizers stepped nonetheless, over parameters of no model watched.
+_STEPPED_UNWATCHED = (
+    "trainwatch: no training step watched: {which} stepped {steps} {times}, but over "
+    "parameters of no model found training"
+)
 # Steps of an optimizer whose parameters no model of ours holds after which its
 # model is looked for by its parameters (one called only inside torch.func).
 _PENDING_STEPS = 2
+# Steps of an optimizer over no model of ours, past its first, after which a model
+# found holding an optimizer that has not stepped meanwhile is looked at for being
+# the one it should train (see AutoWatch._unpair_idle).
+_IDLE_PAIRING_STEPS = 1
 # Steps of a model's optimizer, stepping while the model is no longer called,
 # through which the model replacing it is looked for (the forward hooks kept on).
 _REPLACEMENT_WAIT = 50
@@ -546,6 +555,8 @@ class AutoWatch:
         self._handled: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._pending_steps: dict[int, int] = {}  # by id(optimizer): its steps while pending
+        # Steps of optimizers while pending, by their class: those no model watched took.
+        self._unwatched_steps: Counter[str] = Counter()
         self._first_step_searches = 0  # heap searches made at an optimizer's first step
         # Pending optimizers whose first-step search was left out: their model is
         # looked for by its parameters if its next call has not found it.
@@ -574,6 +585,9 @@ class AutoWatch:
             weakref.WeakKeyDictionary()
         )
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        # Optimizers a search paired with a model, found never stepping while another
+        # steps in their place (see _unpair_idle): no later search pairs them again.
+        self._idle_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         # The Lightning Trainer each LightningModule's monitor last met (see
         # _date_by_trainer).
         self._fitted_by: weakref.WeakKeyDictionary[Monitor, weakref.ref[Any]] = (
@@ -839,12 +853,45 @@ class AutoWatch:
             self._tell_alike()
             shown, raw = self.summary(), self.summary(labelled=False)
             if not shown.steps and not self._scripts_own.steps:
-                shown.idle = self._children.note(self.script) or _NOTHING_WATCHED
+                shown.idle = self._children.note(self.script) or self._nothing_watched()
             self._each_sink(
                 "close", lambda s: s.close(shown if isinstance(s, ConsoleSink) else raw)
             )
         finally:
             termination.release(self)
+
+    def _nothing_watched(self) -> str:
+        """The closing line of a run that watched no step. Where optimizers stepped over
+        parameters of no model found training (a model replaced after its optimizer
+        was built, and not taken for its replacement), it says so, and names the
+        models that ran paired with optimizers that never stepped, rather than that
+        nothing stepped."""
+        if not self._unwatched_steps:
+            return _NOTHING_WATCHED
+        kinds = ", ".join(sorted(self._unwatched_steps))
+        steps = sum(self._unwatched_steps.values())
+        which = (
+            f"the {kinds} optimizer" if len(self._unwatched_steps) == 1 else f"optimizers ({kinds})"
+        )
+        line = _STEPPED_UNWATCHED.format(
+            which=which, steps=steps, times="time" if steps == 1 else "times"
+        )
+        # Models that ran, paired with optimizers none of which stepped.
+        idle = [
+            m.model_name
+            for m in self.monitors
+            if m.passes_seen and m.optimizers and not m.step_count
+        ]
+        if idle:
+            return (
+                f"{line}; {', '.join(map(str, idle))} ran, but no optimizer holding "
+                f"{'its' if len(idle) == 1 else 'their'} parameters stepped: was the model "
+                "replaced after its optimizer was built?"
+            )
+        return (
+            f"{line} (was the model replaced after its optimizer was built, or are the "
+            "parameters held by no module?)"
+        )
 
     @property
     def steps(self) -> int:
@@ -1239,7 +1286,7 @@ class AutoWatch:
                     self._take_over(optimizer)
                 if optimizer in self._pending:
                     self._still_pending(optimizer)
-                    self._note_closure_step(optimizer, args, kwargs)
+                    self._pending_step_begins(optimizer, args, kwargs)
             return None
         self._handled.add(optimizer)
         if optimizer in self._met_at_call:
@@ -1253,12 +1300,14 @@ class AutoWatch:
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
         if optimizer in self._pending:
-            self._note_closure_step(optimizer, args, kwargs)
+            self._pending_step_begins(optimizer, args, kwargs)
         return None
 
-    def _note_closure_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """A pending optimizer's step begins: with a closure, its model may be found
+    def _pending_step_begins(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """A pending optimizer's step begins: counted (a run that watched no step says
+        that optimizers stepped nonetheless); with a closure, its model may be found
         inside it, and then joins this step under way (``_attach``)."""
+        self._unwatched_steps[type(optimizer).__name__] += 1
         closure = args[1] if len(args) > 1 else (kwargs or {}).get("closure")
         self._closure_stepping = weakref.ref(optimizer) if closure is not None else None
 
@@ -1393,6 +1442,12 @@ class AutoWatch:
         """
         steps = self._pending_steps.get(id(optimizer), 0) + 1
         self._pending_steps[id(optimizer)] = steps
+        if steps == _IDLE_PAIRING_STEPS:
+            try:
+                # Its steps so far: those counted while pending, and its first.
+                self._unpair_idle(optimizer, steps + 1)
+            except Exception as exc:
+                self._internal.internal_error("trainwatch run: replaced model", exc, self.steps)
         if steps != _PENDING_STEPS:
             return
         try:
@@ -1506,6 +1561,8 @@ class AutoWatch:
             if found is None:
                 found = _optimizers_over(list(monitor.model.parameters()))
             for optimizer in found:
+                if optimizer in self._idle_optimizers:
+                    continue
                 self._handled.add(optimizer)
                 self._attach(optimizer)
         except Exception as exc:
@@ -1620,6 +1677,14 @@ class AutoWatch:
         if id(monitor) not in self._not_called:
             self._not_called[id(monitor)] = (weakref.ref(monitor), monitor.passes_seen, since)
         self._hook_forwards()
+        try:
+            # The model the loop trains instead may be found already, paired with
+            # an optimizer that is not the loop's (an unpickled checkpoint's); its
+            # steps go on from this one's (counted as it ends).
+            for optimizer in monitor.optimizers:
+                self._unpair_idle(optimizer, monitor.step_count + 1, stale=monitor)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: replaced model", exc, self.steps)
 
     def _awaiting_replacement(self) -> bool:
         """Whether a model no longer called still waits for the one replacing it; one
@@ -1699,6 +1764,56 @@ class AutoWatch:
         replaced = self._stale_pending(params)
         if replaced is not None:
             self._tell_replaced(monitor, replaced)
+
+    def _unpair_idle(self, stepping: Optimizer, steps: int, stale: Monitor | None = None) -> None:
+        """``stepping`` steps parameters no model trained now holds: those of no model
+        of ours (it is pending), or of ``stale``'s, a model no longer called. A model
+        of ours that backward passes reach, paired by a search with optimizers none
+        of which has stepped, whose parameters ``stepping``'s match (see _fits) and
+        none of them with a gradient, is trained by no optimizer: those it was paired
+        with hold its parameters but are not the loop's. So goes a resume from a
+        checkpoint of whole objects (``{"model": model, "optimizer": opt}``) that
+        takes ``model = ck["model"]`` after the optimizer was built over another
+        model: the unpickled optimizer, alive in ``ck``, holds exactly the loaded
+        model's parameters and never steps; the one that steps holds the other
+        model's. The model is watched anew without them, trained by hand, its step
+        count at ``steps`` (one a backward); its next step tells the replacement
+        (see _look_for_replaced), as for a model no optimizer ever held.
+
+        A model called only where the forward hooks do not look (a ``torch.func``
+        transform, a compiled graph) may be the one ``stepping`` trains: then none
+        is unpaired.
+        """
+        if self._transformed_calls or self._compiled_calls:
+            return
+        held = _module_parameters(_parameters_of(stepping))
+        if any(p.grad is not None for p in held):
+            return
+        if any(registry.owner_of(p) not in (None, stale) for p in held):
+            return
+        for monitor in list(self.monitors):
+            if monitor is stale or monitor.closed or monitor.step_count or not monitor.optimizers:
+                continue
+            params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
+            if not any(p.grad is not None for p in params) or not _fits(held, params):
+                continue
+            for optimizer in monitor.optimizers:
+                self._idle_optimizers.add(optimizer)
+                self._handled.discard(optimizer)  # one that steps after all joins then
+            self._rewatch(monitor, steps)
+            return
+
+    def _rewatch(self, monitor: Monitor, steps: int) -> None:
+        """The monitor's model watched anew, under its name, its step count at ``steps``
+        (its own monitor closes, no step watched: its optimizers go with it)."""
+        model, name = monitor.model, monitor.model_name
+        self._give_way(monitor, keep_optimizers=False)
+        if name is not None:
+            self._names.discard(name)
+        found = len(self.monitors)
+        self._discover(model, called=False)
+        for new in self.monitors[found:]:
+            new.load_state_dict({"step": steps})
 
     def _stale_pending(self, params: list[torch.Tensor]) -> ReplacedModel | None:
         """An optimizer that has stepped twice over module parameters that match
