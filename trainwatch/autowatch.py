@@ -53,6 +53,7 @@ from trainwatch.dispatch import Dispatcher
 from trainwatch.errors import TrainingHealthError
 from trainwatch.held import held_only_by
 from trainwatch.late_models import NoGradLookout
+from trainwatch.layers import EXTERNAL
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.patches import MethodPatch
@@ -909,8 +910,11 @@ class AutoWatch:
         """Every model's alerts in one summary; names carry the model when there are several."""
         several = labelled and len(self.views) > 1
         norms: dict[str, float] = {}
+        watched = _watched_parameters(self.monitors) if several else set()
         for view, monitor in zip(self.views, self.monitors):
             for layer, value in monitor.grad_norms().items():
+                if layer == EXTERNAL and _outside_watched(monitor, watched):
+                    continue  # the other models' norms, told under their own names
                 norms[self._label(view.model_name, layer) if several else layer] = value
         tallies = []
         for (model, _), tally in self._tallies.items():
@@ -1874,3 +1878,24 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def _watched_parameters(monitors: Sequence[Monitor]) -> set[int]:
+    """The ids of the parameters of every model the run watches."""
+    return {id(param) for monitor in monitors for param in monitor.model.parameters()}
+
+
+def _outside_watched(monitor: Monitor, watched: set[int]) -> bool:
+    """Whether every parameter of ``monitor``'s optimizers outside its model belongs to
+    another model the run watches (an EMA target kept in the online network's
+    optimizer sees the online network there): its ``<outside the model>`` norm
+    is theirs."""
+    own = {id(param) for param in monitor.model.parameters()}
+    outside = [
+        id(param)
+        for optimizer in monitor.optimizers
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if id(param) not in own
+    ]
+    return bool(outside) and all(key in watched for key in outside)

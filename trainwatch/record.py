@@ -16,6 +16,17 @@ from trainwatch.layers import ParamInfo
 from trainwatch.process_steps import OriginTold
 
 
+@dataclass(frozen=True)
+class CopiedFrom:
+    """What a target network copies: a model an optimizer trains, or a part of this
+    model, by ``name``; and where it copies only some of it (BYOL's target: the
+    online network less its predictor), the largest modules it copies, by their
+    names in that model (or in this one, for a part)."""
+
+    name: str
+    parts: tuple[str, ...] = ()
+
+
 @dataclass
 class NonfiniteReport:
     """Where a NaN/Inf was born, with module names resolved."""
@@ -197,6 +208,10 @@ class SetupCheck:
     trainable: int
     unheld: int  # trainable elements no watched optimizer holds
     trainable_owners: list[str] = field(default_factory=list)
+    # Where none of the model's parameters is trainable: the trainable elements the
+    # watched optimizers hold all the same, outside the model (another model's:
+    # under trainwatch run each model's monitor sees a shared optimizer whole).
+    trained_outside: int = 0
     # First step after the audit: the trainable parameters the step should
     # have used, when a backward ran and none of them got a gradient.
     unreached: list[ParamInfo] = field(default_factory=list)
@@ -435,8 +450,8 @@ class StepRecord:
     # added onto used gradients, confirmed at this one (None: this one).
     accumulated_since: int | None = None
     # A model no optimizer holds, with accumulated or never-reset gradients: the
-    # model an optimizer trains that it is a copy of (its target network), by name.
-    copy_of: str | None = None
+    # model an optimizer trains that it is a copy of (its target network).
+    copy_of: CopiedFrom | None = None
     # With copy_of naming a part of this model: the part that copies it (a target
     # network held inside the model), whose parameters are ``accumulated``.
     copy_part: str | None = None

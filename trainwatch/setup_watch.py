@@ -67,6 +67,9 @@ class SetupWatch:
         record.setup = SetupCheck(
             revision, len(optimizers), audit.trainable, audit.unheld, list(owners)
         )
+        if not audit.trainable:
+            # A frozen EMA target in the optimizer beside the online network it follows.
+            record.setup.trained_outside = sum(row.trainable for row in audit.optimizers)
         if unsynced is not None:
             names, gap, every = unsynced
             record.setup.unsynced = names

@@ -79,6 +79,7 @@ from trainwatch.record import (
     AmpReport,
     BetweenBackwardsRecord,
     ClassTargets,
+    CopiedFrom,
     FrozenOutput,
     LearningRates,
     NonfiniteReport,
@@ -327,7 +328,7 @@ class StepPipeline:
         self._hand_updates = HandUpdates()
         # The model an optimizer trains that this one copies (see _copied_model).
         self._copy_looked = False
-        self._copy_of: str | None = None
+        self._copy_of: CopiedFrom | None = None
         self._copy_told = False
         # Parts of the model that copy another part, and those told as targets.
         self._part_copies = PartCopies()
@@ -1070,7 +1071,7 @@ class StepPipeline:
             self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
         return left
 
-    def _copied_model(self) -> str | None:
+    def _copied_model(self) -> CopiedFrom | None:
         """The model an optimizer trains that this one is a copy of, looked for once
         (a finding is due: never on the healthy step)."""
         if not self._copy_looked:

@@ -21,6 +21,10 @@ Several models may match by shape (clipped double-Q: two critics of one
 architecture, each with its own target): the copy is then told as the copy of
 the one nearest by weights. A target starts as an exact copy of its own model
 and follows it by Polyak averaging or periodic syncs, so it stays nearest it.
+
+Where no model matches in full, a copy of a run of one's parameters lying near
+them (BYOL's target: the online network's backbone and projector, less its
+predictor; see :mod:`trainwatch.collect.copied_runs`) is its target too.
 """
 
 from __future__ import annotations
@@ -30,25 +34,49 @@ from typing import Any
 from torch import nn
 
 from trainwatch import registry
+from trainwatch.collect.copied_runs import (
+    Named,
+    copied_runs,
+    covered_parts,
+    named_parameters,
+    nearest_run,
+)
 from trainwatch.collect.model_copies import is_copy, sample_weights, weight_distance
-from trainwatch.compiled import unwrap
+from trainwatch.compiled import unwrap, user_name
+from trainwatch.record import CopiedFrom
 
 
-def copied_model(root: nn.Module) -> str | None:
-    """The name of an open monitor's model, stepped by an optimizer, whose parameters
-    match ``root``'s shape for shape and in order, the nearest by weights where
-    several do (None: no such model)."""
+def copied_model(root: nn.Module) -> CopiedFrom | None:
+    """The open monitor's model, stepped by an optimizer, whose parameters match
+    ``root``'s shape for shape and in order, the nearest by weights where several
+    do; failing that, the one a run of whose parameters ``root`` copies, with the
+    parts it copies (None: no such model)."""
     own = list(root.parameters())
     if not own:
         return None
-    matches = [
-        owner
-        for owner in registry.owners()
-        if owner.optimizers and is_copy(own, list(owner.model.parameters()))
-    ]
-    if not matches:
+    trained = [owner for owner in registry.owners() if owner.optimizers]
+    matches = [owner for owner in trained if is_copy(own, list(owner.model.parameters()))]
+    if matches:
+        return CopiedFrom(_name(matches[0] if len(matches) == 1 else _nearest(own, matches)))
+    return _copied_part(named_parameters(root), trained)
+
+
+def _copied_part(own: Named, trained: list[Any]) -> CopiedFrom | None:
+    """The model a run of whose parameters ``own`` copies, the nearest where several
+    do, named with the parts it copies."""
+    best = None
+    for owner in trained:
+        run = nearest_run(copied_runs(own, named_parameters(owner.model)))
+        if run is not None and (best is None or run.far < best[1].far):
+            best = (owner, run)
+    if best is None:
         return None
-    owner = matches[0] if len(matches) == 1 else _nearest(own, matches)
+    owner, run = best
+    modules = {user_name(name): module for name, module in owner.model.named_modules()}
+    return CopiedFrom(_name(owner), covered_parts(modules, run.params))
+
+
+def _name(owner: Any) -> str:
     return owner.model_name or type(unwrap(owner.model)).__name__
 
 

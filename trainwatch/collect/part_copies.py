@@ -21,6 +21,15 @@ for a new one (``fc.weight = nn.Parameter(pretrained)`` after the optimizer was
 built, ``remove_parametrizations()`` mid-run) beside a bias an optimizer still
 holds, or a parameter of the model itself.
 
+A part that copies only some of the trained parts (BYOL's target: a copy of
+the online backbone and projector, less the predictor, in a module of its own
+or in an ``nn.Sequential`` of the copies) matches no part in full: where no part
+matches so, a run of the parameters an optimizer holds that it matches by names
+or by shapes in order (see :mod:`trainwatch.collect.copied_runs`) is judged as
+such a part, where it lies near the run at once (decided then: no part far from
+a run of another's shapes, a new head of an embedding's, waits a boundary),
+unless the run is another layer of the same stack.
+
 Looked at only at a boundary where parameters no optimizer holds got gradients
 (never on the healthy step); each part is decided once.
 """
@@ -34,13 +43,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainwatch.collect.copied_runs import copied_runs, covered_parts, holder, named_parameters
 from trainwatch.collect.model_copies import WITHIN_NORM, is_copy, sample_weights, weight_distance
 from trainwatch.compiled import user_name
+from trainwatch.record import CopiedFrom
 
-# A part's verdict: (its name, the name of the part it copies), or None where it
-# copies nothing; ``_UNKNOWN`` (told apart by identity) where not decided yet.
-Verdict = tuple[str, str] | None
-_UNKNOWN: Verdict = ("", "")
+# A part's verdict: (its name, what it copies), or None where it copies nothing;
+# ``_UNKNOWN`` (told apart by identity) where not decided yet.
+Verdict = tuple[str, CopiedFrom] | None
+_UNKNOWN: Verdict = ("", CopiedFrom(""))
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class PartCopy:
     parameters that got gradients, first seen with them at step ``since``."""
 
     name: str
-    of: str
+    of: CopiedFrom
     params: list[torch.Tensor]
     since: int
 
@@ -61,7 +72,7 @@ class _Doubt:
 
     since: int
     weights: torch.Tensor
-    far: dict[str, float]
+    far: dict[CopiedFrom, float]
 
 
 class PartCopies:
@@ -72,7 +83,7 @@ class PartCopies:
         # and the copy its part is (None: a part that copies nothing).
         self._verdicts: dict[int, tuple[weakref.ref[torch.Tensor], Verdict]] = {}
         # By copy: the step its gradients were first seen.
-        self._since: dict[tuple[str, str], int] = {}
+        self._since: dict[tuple[str, CopiedFrom], int] = {}
         # Parts in doubt until the next boundary, by name.
         self._doubts: dict[str, _Doubt] = {}
 
@@ -91,7 +102,7 @@ class PartCopies:
         if any(self._verdict(p) is _UNKNOWN for p in trained):
             self._decide(step, root, {id(p) for p in unheld}, trained)
         left: list[torch.Tensor] = []
-        copies: dict[tuple[str, str], list[torch.Tensor]] = {}
+        copies: dict[tuple[str, CopiedFrom], list[torch.Tensor]] = {}
         for param in trained:
             verdict = self._verdict(param)
             if verdict is None:
@@ -150,7 +161,7 @@ class PartCopies:
         """The part this one copies, None, or not known yet (in doubt)."""
         place = _place_in_stack(name)
         originals = {
-            other: module
+            CopiedFrom(other): list(module.parameters())
             for other, module in modules.items()
             if type(module) is type(part)
             and module is not part
@@ -159,17 +170,16 @@ class PartCopies:
             and is_copy(params, list(module.parameters()))
         }
         if not originals:
-            return None
+            return _copied_run(name, part, place, modules, unheld)
         weights = sample_weights(params)
         far = {
-            other: weight_distance(weights, sample_weights(module.parameters()))
-            for other, module in originals.items()
+            other: weight_distance(weights, sample_weights(run)) for other, run in originals.items()
         }
         doubt = self._doubts.pop(name, None)
         if doubt is not None:
             return _moved_towards(name, doubt, weights, far)
         nearest = min(far, key=far.__getitem__)
-        norm = float(torch.linalg.vector_norm(sample_weights(originals[nearest].parameters())))
+        norm = float(torch.linalg.vector_norm(sample_weights(originals[nearest])))
         if far[nearest] <= WITHIN_NORM * norm:
             return (name, nearest)
         self._doubts[name] = _Doubt(step, weights, far)
@@ -188,6 +198,26 @@ def _unheld_parts(
         if params and all(id(p) in unheld for p in params):
             taken.append(name)
             yield name, module
+
+
+def _copied_run(
+    name: str, part: nn.Module, place: str, modules: dict[str, nn.Module], unheld: set[int]
+) -> Verdict:
+    """What ``part`` copies of the parameters an optimizer holds, by the parts it
+    covers (``online.backbone`` and ``online.projector``), the nearest run where
+    several lie near; none that is another layer of ``part``'s stack. Decided at
+    once: a run far from the part is none it copies (a new head of an
+    embedding's shape)."""
+    held = [(key, p) for key, p in named_parameters(modules[""]) if id(p) not in unheld]
+    found = []
+    for run in copied_runs(named_parameters(part), held):
+        parts = covered_parts(modules, run.params)
+        if parts and all(_place_in_stack(covered) != place for covered in parts):
+            found.append((run.far, parts))
+    if not found:
+        return None
+    parts = min(found)[1]
+    return (name, CopiedFrom(holder(parts), parts))
 
 
 def _place_in_stack(name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from trainwatch.alert import Alert
 from trainwatch.record import CancelledReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.target_copies import copied_model, copy_data, listed_parts
 
 _HINT = (
     "call optimizer.zero_grad() (or model.zero_grad()) once per step, before "
@@ -173,10 +174,12 @@ class AccumulatedGradientRule(Rule):
         hand (a Polyak or synced target network), receives gradients: no missing
         reset, but a target computed with gradients, which reach what fed it too."""
         step = record.step if record.accumulated_since is None else record.accumulated_since
+        copied = record.copy_of
+        assert copied is not None
         return self.alert(
             step,
             None,
-            f"backward writes gradients into this model, the copy of {record.copy_of} "
+            f"backward writes gradients into this model, the copy of {copied_model(copied)} "
             "that no optimizer holds and the loop updates by hand (a target network), in "
             f"{len(record.accumulated)} parameters ({short_names(record.accumulated, 3)}), "
             "where they pile up unreset: its output is used with gradients, most likely "
@@ -190,7 +193,7 @@ class AccumulatedGradientRule(Rule):
                 "method": record.accumulation_method,
                 "optimizer": record.optimizer,
                 "kind": "target_receives_gradients",
-                "copy_of": record.copy_of,
+                **copy_data(copied),
             },
         )
 
@@ -199,7 +202,9 @@ class AccumulatedGradientRule(Rule):
         a LightningModule beside its Q-network) and that no optimizer holds receives
         gradients: a target computed with gradients, not a part left out of the
         optimizer."""
-        part, copied = record.copy_part, record.copy_of
+        part, of = record.copy_part, record.copy_of
+        assert of is not None
+        copied = listed_parts(of.parts) if of.parts else of.name
         count = len(record.accumulated)
         return self.alert(
             record.step,
@@ -217,6 +222,6 @@ class AccumulatedGradientRule(Rule):
                 "optimizer": record.optimizer,
                 "kind": "target_receives_gradients",
                 "copy": part,
-                "copy_of": copied,
+                **copy_data(of),
             },
         )

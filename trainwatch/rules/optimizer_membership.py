@@ -11,6 +11,7 @@ from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import EXTERNAL, ParamInfo
 from trainwatch.record import StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
+from trainwatch.rules.target_copies import copied_model, copy_data
 from trainwatch.rules.trainable_parameters import common_module
 
 _FROZEN_HINT_END = (
@@ -570,10 +571,12 @@ class NotOptimizedRule(_ReportOnce):
     ) -> Alert:
         """A copy of a trained model that nothing updates gets gradients: a frozen
         target or reference whose output is used with gradients."""
+        copied = record.copy_of
+        assert copied is not None
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",
-            f"{short_names(params)} of this model, the copy of {record.copy_of} that no "
+            f"{short_names(params)} of this model, the copy of {copied_model(copied)} that no "
             "optimizer holds and nothing updates, hold gradients that are never reset, "
             f"while other models' optimizers took {record.idle_steps} steps: backward "
             "reaches it, most likely through a target or reference computed without "
@@ -586,7 +589,7 @@ class NotOptimizedRule(_ReportOnce):
                 "parameters": [p.name for p in params],
                 "steps_elsewhere": record.idle_steps,
                 "kind": "target_receives_gradients",
-                "copy_of": record.copy_of,
+                **copy_data(copied),
             },
         )
 

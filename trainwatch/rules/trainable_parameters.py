@@ -39,7 +39,11 @@ class TrainableParametersRule(Rule):
         if check.outside_grad:
             return [self._outside_grad(step, check)]
         alerts = []
-        unheld = bool(check.optimizers) and check.trainable == check.unheld
+        # A frozen model whose optimizer trains another (an EMA target put in the
+        # online network's optimizer) is no setup that can change nothing.
+        unheld = (
+            bool(check.optimizers) and check.trainable == check.unheld and not check.trained_outside
+        )
         if record.source == "setup" and unheld:
             alerts.append(self._unheld(record.step, check))
         if check.unsynced:
