@@ -205,6 +205,9 @@ class Monitor:
             registry.release(self)
             raise
         self._attaching = False
+        if not self._optimizers:
+            # Hand-written updates: where the weights stand before the first one.
+            self._guarded("hand-written updates", self._pipeline.start_zeroed_updates)
         if self._pipeline.setup.due and self._optimizers and not _any_lazy(model):
             # (A lazy module's parameters have no size before its first call:
             # the audit waits for the first step.)
@@ -830,7 +833,9 @@ class Monitor:
 
     def _manual_step(self) -> None:
         step = self._advance()
-        pending = self._pipeline.gather(None, self._step)
+        pending = self._pipeline.gather(
+            None, self._step, at_backward_end=self.steps_end_at_backward
+        )
         self._pipeline.applied(
             step, pending, self._pipeline.layers.parameters(), False, self.steps_end_at_backward
         )

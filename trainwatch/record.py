@@ -571,3 +571,23 @@ class BetweenBackwardsRecord(StepRecord):
 
     wiped: WipedReport | None = None
     cancelled: CancelledReport | None = None
+
+
+@dataclass
+class ZeroedUpdateReport:
+    """Hand-written updates in a row (no optimizer) that wrote the weights and left
+    them exactly as they were: the gradients they applied were zeroed before them."""
+
+    since: int  # the step of the first of those updates
+    updates: int
+    # Found between backward ends (``trainwatch run``), not at ``monitor.step()``.
+    at_backward_end: bool
+    parameters: list[str]  # the trainable parameters' names
+
+
+@dataclass(slots=True)
+class HandUpdateRecord(StepRecord):
+    """Not a step's record: a finding about the hand-written updates between step
+    boundaries without an optimizer (``source`` "hand_update")."""
+
+    zeroed: ZeroedUpdateReport | None = None

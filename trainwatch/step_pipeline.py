@@ -67,6 +67,7 @@ from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.unwatched_updates import UnwatchedUpdates
 from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
+from trainwatch.collect.zeroed_updates import ZeroedUpdates
 from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
@@ -81,6 +82,7 @@ from trainwatch.record import (
     ClassTargets,
     CopiedFrom,
     FrozenOutput,
+    HandUpdateRecord,
     LearningRates,
     NonfiniteReport,
     ReplacedModel,
@@ -335,6 +337,12 @@ class StepPipeline:
         self._part_copies_told: set[str] = set()
         self._frozen_moves = FrozenMoves()
         self._gradless_updates = GradlessUpdates()
+        # Without an optimizer: hand-written updates that applied gradients zeroed
+        # before them (zero_gradient's reset_before_step), looked at on the first
+        # boundaries (None: that rule is off).
+        self.zeroed_updates: ZeroedUpdates | None = None
+        if "zero_gradient" in self._rule_ids:
+            self.zeroed_updates = ZeroedUpdates(config.zero_gradient.patience)
         # Names found for frozen parameters outside the model, by their placeholder.
         self._outside_names: dict[str, str] = {}
         self.structure = StructureWatch()
@@ -764,6 +772,30 @@ class StepPipeline:
         record.wiped = found
         self._dispatcher.publish(self.rules.evaluate(record))
 
+    def _look_at_update(self, step: int, at_backward_end: bool, record: StepRecord) -> None:
+        """Whether the hand-written updates keep writing the weights without moving
+        them, their gradients zeroed before them: told (zero_gradient,
+        ``reset_before_step``) once that held for ``patience`` updates in a row."""
+        look = self.zeroed_updates
+        assert look is not None
+        weights, names = self._hand_updates.watched(self.layers)
+        found = look.look(step, weights, at_backward_end, record.rewritten, names)
+        if not look.looking:
+            self.zeroed_updates = None  # told, or the loop's updates seen: no more looks
+        if found is None:
+            return
+        told = HandUpdateRecord(step=found.since, source="hand_update")
+        known = self.layers.known()
+        told.present = [known[id(p)] for p in weights if p.requires_grad and id(p) in known]
+        told.zeroed = found
+        self._dispatcher.publish(self.rules.evaluate(told))
+
+    def start_zeroed_updates(self) -> None:
+        """Watching begins without an optimizer: the weights as they are, for the
+        first boundary to compare with."""
+        if self.zeroed_updates is not None:
+            self.zeroed_updates.start(self._hand_updates.watched(self.layers)[0])
+
     def _judge_cancels(
         self, index: int, now: int, params: list[torch.Tensor], frame: StepFrame
     ) -> None:
@@ -815,7 +847,10 @@ class StepPipeline:
             return
         before, pending.weights_before = pending.weights_before, None
         pending.stall_due = False
-        report = pending.record.stall = self.stall.report(step, pending.params, before, self.layers)
+        report = self.stall.report(step, pending.params, before, self.layers)
+        if report is None:
+            return  # no update since the weights were copied: measured at a later boundary
+        pending.record.stall = report
         # A param group holding no trainable parameter (a finished phase's optimizer
         # over a model frozen since) updates nothing: its rate says nothing of a stall.
         groups = [
@@ -1262,6 +1297,7 @@ class StepPipeline:
         attach: bool = False,
         again: bool = False,
         closure: bool = False,
+        at_backward_end: bool = False,
     ) -> PendingStep:
         """What the step about to apply its gradients needs read back, launched now.
 
@@ -1270,6 +1306,8 @@ class StepPipeline:
         optimizer being attached, not a step. ``again``: the step was gathered
         already (its gradients were reset since): no pass of it is missing.
         ``closure``: a step with a closure, gathered after ``step()`` returned.
+        ``at_backward_end``: without an optimizer, the step boundary is where
+        backward ended (``trainwatch run``), before the loop's update.
         """
         if LOSS_MODES:  # a sampled step: a list read, no call on the others
             self._end_loss_modes()
@@ -1339,6 +1377,12 @@ class StepPipeline:
             record.rewritten = frozenset(
                 known[id(p)].name for p in self.tracker.rewritten() if id(p) in known
             )
+            if self.zeroed_updates is not None and (record.rewritten or at_backward_end):
+                # Gradients zeroed before monitor.step(), or trainwatch run's boundary:
+                # did the update since the last one apply zeros? (the first boundaries)
+                self._guarded(
+                    "hand-written updates", self._look_at_update, now - 1, at_backward_end, record
+                )
         step_calls = self._step_calls
         if step_calls is not None and step_calls.following:
             record.calls_followed = step_calls.followed

@@ -40,6 +40,14 @@ update (for a step with a closure, as ``step(closure)`` begins: it is
 gathered only once it returned, its update made), which gives each layer's
 update-to-weight ratio ``||dW|| / ||W||`` after it: about 1e-3 in healthy
 runs, orders of magnitude less when the learning rate is effectively zero.
+Without an optimizer a step boundary is no proof of an update: under
+``trainwatch run`` each backward's end is one, so a hand-written loop with
+micro-batches has boundaries with no update between them, and a sampled step
+landing there finds every weight as it was. Where nothing was written into
+the weights since they were copied (version counters and storages as they
+were) and none moved while the output did move since the phase began, the
+re-run waits for the next boundary, at most ``WAIT_AT_MOST`` of them (see
+:meth:`FirstBatchProbe._waits_for_update`).
 One step in ``RATE_EVERY`` is sampled as well, for the optimizers' learning
 rates alone: a rate that collapsed shows there long before the re-runs see
 the updates stop.
@@ -100,6 +108,10 @@ _consume = deque(maxlen=0).extend  # runs a C loop (a ``map``) for its effects
 # Steps between two looks at the learning rates: a look reads every param
 # group's ``lr`` in Python, which a healthy step must not pay for.
 RATE_EVERY = 10
+# Step boundaries a re-run waits at most, without an optimizer, for an update
+# between two of them: a hand-written accumulation of more micro-batches than
+# this is rare; a phase whose wait found none waits no more.
+WAIT_AT_MOST = 64
 
 
 class FirstBatchProbe:
@@ -173,11 +185,17 @@ class FirstBatchProbe:
         # The weights as a step with a closure began (its step, its parameters,
         # their copies): that step is gathered after its update.
         self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
-        # monitor.step() comes after the update: the weights at the boundary before a re-run.
+        # monitor.step() comes after the update: the weights at the boundary before a re-run,
+        # and where they stood then (version counters, storages).
         self._weights_at_boundary: list[torch.Tensor] | None = None
         # The passes measured: the model's, or each part's where the loop calls
         # the parts (the last to run first).
         self._parts: list[_Part] = []
+        self._marks: tuple[list[int], list[int]] | None = None
+        # Boundaries the re-run has waited so far for an update between two of them,
+        # and whether it still may in this phase (see _waits_for_update).
+        self._waited = 0
+        self._may_wait = True
         # Kept between reports while the parameters stay as they were: the
         # per-layer sums of the update ratios, and the trainable counts.
         self._sums: tuple[list[str], tuple[int, ...], tuple[LayerSums, list[str]]] | None = None
@@ -218,6 +236,7 @@ class FirstBatchProbe:
         self.settled = False
         self.first_step_open = True
         self._since = None
+        self._may_wait = True
         self._forget()
         if not self._passes.listens(self):
             self._passes.subscribe("stalled training", self, starts=False)
@@ -248,7 +267,8 @@ class FirstBatchProbe:
         self._candidates = []
         self._first_weights = {}
         self._missed = self._ready = False
-        self._weights_at_boundary = self._held = None
+        self._weights_at_boundary = self._held = self._marks = None
+        self._waited = 0
 
     def _settle(self) -> None:
         """The first step's passes are over: the passes that follow cost nothing."""
@@ -300,6 +320,7 @@ class FirstBatchProbe:
         manual = record.source == "manual"
         if manual and step == self.due - 1 and ready:
             self._weights_at_boundary = _copies(params)
+            self._marks = _marks(params)
         if step != self.due:
             return False, None
         if not ready:
@@ -322,20 +343,66 @@ class FirstBatchProbe:
         params: Sequence[torch.Tensor],
         before: list[torch.Tensor] | None,
         layers: LayerMap,
-    ) -> StallReport:
-        """The output's move on the first batch and each layer's update ratio, after the update."""
-        self.passed(step)
+    ) -> StallReport | None:
+        """The output's move on the first batch and each layer's update ratio, after the
+        update; None where no update came since the weights were copied (the re-run
+        waits for the next boundary)."""
         self._held = None
         ratios = self._ratios(params, before, layers)
+        change = self._change()
+        if self._waits_for_update(step, params, before, ratios, change):
+            return None
+        self.passed(step)
         trainable, total, where = self._trainable(layers)
         return StallReport(
             steps=step - self._phase_start + 1,
-            change=self._change(),
+            change=change,
             update_ratios=ratios,
             trainable=trainable,
             total=total,
             trainable_in=where,
         )
+
+    def _waits_for_update(
+        self,
+        step: int,
+        params: Sequence[torch.Tensor],
+        before: list[torch.Tensor] | None,
+        ratios: dict[str, float],
+        change: float | None,
+    ) -> bool:
+        """Whether the re-run waits for the next boundary: without an optimizer, no
+        weight was written since ``before`` was copied (version counters and storages
+        as they were then) and none moved (every ratio exactly 0), while the output
+        moved since the phase began (``change`` above 0, or not measured: updates do
+        come). That boundary had no update (a micro-batch of a hand-written
+        accumulation, each backward's end a step under ``trainwatch run``):
+        ``||dW|| = 0`` there says nothing of the updates. A model whose output never
+        moved (nobody updates it) and an update that wrote the weights and moved none
+        (zeroed gradients, a learning rate of 0) are measured as they are. After
+        ``WAIT_AT_MOST`` boundaries without an update the phase's re-runs wait no
+        more (updates through ``.data`` that stopped moving anything)."""
+        marks, self._marks = self._marks, None
+        if (
+            marks is None
+            or before is None
+            or not ratios
+            or any(ratios.values())
+            or (change is not None and not change > 0.0)
+        ):
+            self._waited = 0
+            return False
+        if not self._may_wait or _marks(params) != marks:
+            self._waited = 0
+            return False
+        self._waited += 1
+        if self._waited > WAIT_AT_MOST:
+            self._may_wait = False
+            self._waited = 0
+            return False
+        self._weights_at_boundary, self._marks = before, marks  # the weights still
+        self._schedule(step + 1)
+        return True
 
     def _ratios(
         self, params: Sequence[torch.Tensor], before: list[torch.Tensor] | None, layers: LayerMap
@@ -695,6 +762,11 @@ def _divided(
 def _any_grad(params: Any) -> bool:
     """Whether any of ``params`` holds a gradient."""
     return not all(map(is_, map(_GRAD, params), repeat(None)))
+
+
+def _marks(params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Where ``params`` stand: their version counters and storages (C loops)."""
+    return list(map(_VERSION, params)), list(map(_DATA_PTR, params))
 
 
 def _copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -68,6 +68,16 @@ _RESUMED_HINT = (
     "schedule that restarted) and training moves the model again; the steps before "
     "trained nothing."
 )
+# The stop's hint where no watched optimizer holds a learning rate (updates written by hand).
+_STOPPED_BY_HAND_HINT = (
+    "the updates stopped after the first steps while the gradients still push, and no "
+    "optimizer is watched: the hand-written update's learning rate fell to 0 (a "
+    "schedule of its own decayed in the wrong unit or reaching 0 long before the run "
+    "ends), or the update no longer applies the gradients (zeroed before it, or a "
+    "condition that skips it). Check the rate the loop applies now and where it zeroes "
+    "the gradients (after the update); healthy updates move weights by about 1e-3 of "
+    "their norm."
+)
 _COLLAPSED_HINT = (
     "the learning rate fell to nothing while the optimizer keeps stepping: usually a "
     "scheduler meant per epoch stepped every batch (StepLR's step_size, ExponentialLR's "
@@ -465,7 +475,8 @@ class StalledTrainingRule(Rule):
             "learning_rates": lrs,
             "learning_rates_then": sorted(set(stopped.first_rates)),
         }
-        return self.alert(step, "", message, _STOPPED_HINT, data)
+        hint = _STOPPED_HINT if lrs else _STOPPED_BY_HAND_HINT
+        return self.alert(step, "", message, hint, data)
 
 
 class _Stopped:

@@ -11,7 +11,7 @@ from trainwatch.collect.weights_at_alert import BOTH_ZERO, FROZEN, LR_ZERO, NO_O
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.config import ZeroGradientConfig
 from trainwatch.layers import ParamInfo
-from trainwatch.record import BetweenBackwardsRecord, StepRecord
+from trainwatch.record import BetweenBackwardsRecord, HandUpdateRecord, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.rnn_directions import unused_directions
 from trainwatch.rules.trainable_parameters import common_module
@@ -214,6 +214,13 @@ _RESET_HINT = (
     "backward (or right after optimizer.step()); with gradient accumulation, after "
     "the step."
 )
+_RESET_BY_HAND_HINT = (
+    "the gradients are zeroed (model.zero_grad(set_to_none=False), p.grad.zero_()) "
+    "between loss.backward() and the hand-written update (p -= lr * p.grad), wiping "
+    "the gradients backward just made: every update applies zeros and the model does "
+    "not learn. Zero the gradients after the update (or before backward), not between "
+    "them. (An update whose learning rate is 0 leaves the weights the same way.)"
+)
 _WIPED_HINT = (
     "zero_grad() sits inside the gradient-accumulation loop, so each micro-batch wipes "
     "the gradients the earlier ones left. Move optimizer.zero_grad() to right after "
@@ -368,6 +375,8 @@ class ZeroGradientRule(Rule):
         if record.source not in ("optimizer", "manual"):
             if record.source == "between_backwards":
                 return self._reset_between_backwards(record)  # type: ignore[arg-type]
+            if record.source == "hand_update":
+                return self._reset_before_update(record)  # type: ignore[arg-type]
             return []
         # Under DDP the next iteration fails when a layer of the optimizer's is
         # never called: that is worth saying at once, not after `patience`.
@@ -995,6 +1004,50 @@ class ZeroGradientRule(Rule):
                     "since_step": since,
                     "steps": count,
                     "optimizer": record.optimizer,
+                },
+            )
+        ]
+
+    def _reset_before_update(self, record: HandUpdateRecord) -> list[Alert]:
+        """Found by the step pipeline without an optimizer, once, after ``patience``
+        hand-written updates in a row that wrote the weights and moved none."""
+        found = record.zeroed
+        if found is None:
+            return []
+        params = record.present
+        names = found.parameters
+        module = common_module([info.owner for info in params]) if params else ""
+        self._never_withdrawn(module)
+        count = found.updates
+        updates = f"{count} consecutive update{'s' if count != 1 else ''} since step {found.since}"
+        if found.at_backward_end:
+            what = (
+                f"each hand-written update wrote the weights of all {len(names)} trainable "
+                f"parameters and left them exactly as they were, in {updates}: the gradients "
+                "it applied were zero, zero_grad() sitting between backward and the update"
+            )
+        else:
+            what = (
+                f"the gradients of all {len(names)} trainable parameters were zeroed in place "
+                f"after backward and before the hand-written update, in {updates}: each "
+                "update wrote the weights and left them exactly as they were, zero_grad() "
+                "sitting between backward and the update"
+            )
+        return [
+            self.alert(
+                found.since,
+                module,
+                what,
+                _RESET_BY_HAND_HINT,
+                {
+                    "kind": "reset_before_step",
+                    "cause": "zeroed_in_place",
+                    "parameters": names[:50],
+                    "count": len(names),
+                    "since_step": found.since,
+                    "steps": count,
+                    "optimizer": None,
+                    "update": "hand_written",
                 },
             )
         ]
