@@ -832,25 +832,39 @@ class Monitor:
         return self._pipeline.gather_closure_step(index, step)
 
     def _manual_step(self) -> None:
-        step = self._advance()
+        # The step just ended is gathered before the look turns to the next one:
+        # its loss's function mode comes off and its class targets are taken
+        # while the look still listens to it.
+        step = self._advance(listen=False)
         pending = self._pipeline.gather(
             None, self._step, at_backward_end=self.steps_end_at_backward
         )
+        self._listen_for_targets()
         self._pipeline.applied(
             step, pending, self._pipeline.layers.parameters(), False, self.steps_end_at_backward
         )
         self._finish(step, pending)
 
-    def _advance(self) -> int:
-        """Count the step first, so a failure or a halt later cannot lose it."""
+    def _advance(self, listen: bool = True) -> int:
+        """Count the step first, so a failure or a halt later cannot lose it.
+
+        ``listen``: the class target look turns to the next step now (an
+        optimizer's step, gathered before it was applied); ``_manual_step``
+        gathers first and turns it after."""
         self._step += 1
         self._steps_here += 1
         PROCESS_STEPS.taken += 1
         PROCESS_STEPS.now = self._step
+        if listen:  # _listen_for_targets, written out: this runs at every step
+            look = self._pipeline.class_targets
+            if look is not None and (self._step % look.every == 0) != look.listening:
+                self._guarded("class target look", self._pipeline.listen_for_targets, look)
+        return self._step - 1
+
+    def _listen_for_targets(self) -> None:
         look = self._pipeline.class_targets
         if look is not None and (self._step % look.every == 0) != look.listening:
             self._guarded("class target look", self._pipeline.listen_for_targets, look)
-        return self._step - 1
 
     def _finish(self, step: int, pending: PendingStep | None) -> None:
         sync = self.halt_sync
