@@ -247,6 +247,11 @@ class Monitor:
     def model_name(self, name: str) -> None:
         self._dispatcher.model = name
 
+    def model_holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the watched model's own parameters (not one its
+        optimizers hold outside it)."""
+        return param in self._pipeline.layers
+
     @property
     def scaler(self) -> Any:
         """The torch.amp.GradScaler whose loss scale the AMP check reads (None: not visible)."""
@@ -319,6 +324,7 @@ class Monitor:
         )
         self._guarded("optimizer restarts", self._watch_loads, optimizer, index)
         self._optimizers.append(optimizer)
+        registry.changed()  # which monitor tells a parameter held outside its model
         self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
         if self._trial is None and tuner_trial_running():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch import clip_hook, registry
+from trainwatch import clip_hook
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.backwards_anywhere import BackwardsAnywhere
@@ -75,6 +75,7 @@ from trainwatch.frame import Slot, StepFrame
 from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
 from trainwatch.layers import EXTERNAL, LayerMap, ParamInfo, names_outside
+from trainwatch.outside_owners import tells_loose, told_elsewhere, watched_by_another
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import (
     AmpReport,
@@ -94,7 +95,7 @@ from trainwatch.rules.zero_gradient import ZeroGradientRule
 from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
-from trainwatch.weak import weak_callback, weak_getter
+from trainwatch.weak import weak_callback, weak_getter, weak_method
 from trainwatch.whole_layers import WholeLayerNorms
 
 # An optimizer's step whose every parameter had a gradient.
@@ -306,6 +307,9 @@ class StepPipeline:
         self._backwards_anywhere = BackwardsAnywhere()
         self.on_not_called: Callable[[int], None] | None = None
         self._small_norms = SmallGradientNorms()
+        # Each layer's norm told once: parameters outside the model that another
+        # monitor tells are left out of this one's (asked per new set of them).
+        self._small_norms.told_elsewhere = weak_method(self._outside_told_elsewhere, frozenset())
         # Always there (what backward reached: manual steps, a late loss); it
         # checks for stale gradients only for accumulated_gradient.
         self.tracker = GradResetTracker(on_error, "accumulation_tracker" in needs)
@@ -1849,8 +1853,8 @@ class StepPipeline:
         other's parameters in the shared optimizer. One no such monitor watches
         (a loss module's parameter beside the model's under ``tw.watch``, a bare
         tensor) is judged by one monitor of those holding the optimizer (see
-        :meth:`_tells_loose`), and named once, by the module holding it or by its
-        place in the optimizer: its placeholder counter says nothing.
+        trainwatch.outside_owners), and named once, by the module holding it or by
+        its place in the optimizer: its placeholder counter says nothing.
         """
         optimizer = self._optimizers[index]
         frozen = (p for p in params if not p.requires_grad)  # in the order of record.frozen
@@ -1860,12 +1864,11 @@ class StepPipeline:
         for info, param in zip(record.frozen, frozen):
             if info.owner != EXTERNAL:
                 continue
-            owner = registry.owner_of(param)
-            if owner is not None and _holds(owner, optimizer):
+            if watched_by_another(param, optimizer):
                 told[info.name] = None
                 continue
             if loose_ours is None:
-                loose_ours = self._tells_loose(optimizer)
+                loose_ours = tells_loose(self.layers, optimizer)
             if not loose_ours:
                 told[info.name] = None
             elif info.name in self._outside_names:
@@ -1879,22 +1882,19 @@ class StepPipeline:
                 told[name] = self._outside_names[name] = named
         record.frozen_outside = told
 
-    def _tells_loose(self, optimizer: Optimizer) -> bool:
-        """Whether this monitor judges the optimizer's tensors no monitor watches.
-
-        Every monitor holding the optimizer sees them (``trainwatch run`` watching
-        a model and its loss module, one optimizer over both, and a bare tensor
-        beside them): the one whose model holds the first parameter of the
-        optimizer that some such monitor watches tells them, once.
-        """
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param in self.layers:
-                    return True
-                owner = registry.owner_of(param)
-                if owner is not None and _holds(owner, optimizer):
-                    return False
-        return True
+    def _outside_told_elsewhere(self, index: int | None) -> frozenset[str]:
+        """The names of optimizer ``index``'s parameters outside the model whose
+        gradient norms another monitor tells (see trainwatch.outside_owners): a head
+        ``trainwatch run`` watches as a model of its own, beside this model in one
+        optimizer, is that monitor's layer, not this one's ``<outside the model>``.
+        Asked as a new set of parameters with gradients is met, and once who
+        watches what changed."""
+        if index is None or index >= len(self._optimizers):
+            return frozenset()
+        found = self._guarded(
+            "outside parameters", told_elsewhere, self.layers, self._optimizers[index]
+        )
+        return found if found is not None else frozenset()
 
     def _unoptimized_params(self) -> list[nn.Parameter]:
         # What membership depends on, in C loops: each group's list of
@@ -2046,11 +2046,6 @@ def _group_rate(group: dict[str, Any]) -> float:
     which a GPU would have to be waited on to read)."""
     rate = group.get("lr")
     return float(rate) if isinstance(rate, (int, float)) else math.nan
-
-
-def _holds(monitor: Any, optimizer: Optimizer) -> bool:
-    """Whether an open monitor watches ``optimizer`` (its steps are its to judge)."""
-    return any(opt is optimizer for opt in monitor.optimizers)
 
 
 def _place_in(optimizer: Optimizer, param: torch.Tensor) -> str:

@@ -24,6 +24,18 @@ def weak_callback(method: Any) -> Callable[..., None]:
     return call
 
 
+def weak_method(method: Any, default: Any) -> Callable[..., Any]:
+    """A bound method that does not keep its object alive and returns its answer;
+    ``default`` once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def ask(*args: Any) -> Any:
+        target = ref()
+        return default if target is None else target(*args)
+
+    return ask
+
+
 def weak_getter(target: Any, name: str, default: Any) -> Callable[[], Any]:
     """Reads an attribute of an object without keeping the object alive."""
     ref = weakref.ref(target)

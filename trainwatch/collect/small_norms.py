@@ -25,6 +25,12 @@ The norms come back in the plan's order, not the input's: a reordering op
 would cost as much as a group saves, and every reader pairs norms with the
 parameters they belong to, so the caller reorders its parameter list instead
 (:attr:`NormPlan.order`, computed once per layout of the step's gradients).
+
+The per-layer norms leave out the parameters outside the model that another
+monitor tells (a head watched as a model of its own, one optimizer over both:
+see trainwatch.outside_owners): a layout holding parameters outside the model
+is a :class:`SharedGradientLayout`, which asks once, and again only when who
+watches what changed. A layout of the model's own parameters asks nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ from operator import attrgetter, itemgetter
 
 import torch
 
+from trainwatch import registry
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.collect.tensors import set_grad_enabled
 from trainwatch.layers import ParamInfo
 from trainwatch.record import StepRecord
 
 _LAYER_INDEX = attrgetter("layer_index")
+_IN_MODEL = attrgetter("in_model")
 _RUN = itemgetter(1)  # one of groupby's runs
 
 # A gradient up to this many elements is stacked with those of its shape.
@@ -146,22 +154,75 @@ class GradientLayout:
         return found if found is not None else layer_norms(self.present, norms, layers)
 
 
+class SharedGradientLayout(GradientLayout):
+    """A layout holding parameters outside the model, some of which another monitor
+    may tell: those are left out of the per-layer norms and the total.
+
+    Which ones is asked of ``told_elsewhere`` (the optimizer's index -> their
+    names) as the sums are first built, and again once ``registry.changes``
+    moved (a monitor opened or closed, an optimizer added to one) or the layer
+    map was rebuilt: a compare a step, on such steps only.
+    """
+
+    __slots__ = ("_optimizer", "_told_elsewhere", "_changes", "_kept")
+
+    def __init__(
+        self,
+        present: list[ParamInfo],
+        plan: NormPlan | None,
+        optimizer: int | None,
+        told_elsewhere: Callable[[int | None], frozenset[str]],
+    ) -> None:
+        super().__init__(present, plan)
+        self._optimizer = optimizer
+        self._told_elsewhere = told_elsewhere
+        self._changes = -1
+        self._kept: list[int] | None = None  # positions of those told here (None: all)
+
+    def layer_norms(
+        self, norms: Sequence[float], layers: Sequence[str]
+    ) -> tuple[dict[str, float], float]:
+        sums = self._sums
+        if sums is None or sums.layers is not layers or self._changes != registry.changes:
+            self._changes = registry.changes
+            elsewhere = self._told_elsewhere(self._optimizer)
+            present = self.present
+            kept = [
+                i for i, info in enumerate(present) if info.in_model or info.name not in elsewhere
+            ]
+            self._kept = kept if len(kept) < len(present) else None
+            sums = self._sums = LayerSums(present, layers, self._kept)
+        found = sums.of(norms)
+        if found is not None:
+            return found
+        # Non-finite norms: the general way, over those told here.
+        kept = self._kept
+        if kept is None or len(norms) != len(self.present):
+            return layer_norms(self.present, norms, layers)
+        return layer_norms([self.present[i] for i in kept], [norms[i] for i in kept], layers)
+
+
 class LayerSums:
     """Per-layer norms of one layout in C loops: its norms put in layer order by one
     ``itemgetter``, each layer a slice of that, each slice one ``math.hypot``.
 
     A healthy step's per-layer sums then cost no Python per layer. Non-finite
     norms go the general way (``hypot`` calls a NaN beside an Inf infinite).
+    ``kept``: the positions summed (None: all); the others belong to no layer
+    this monitor tells.
     """
 
-    __slots__ = ("layers", "_order", "_slices", "_names")
+    __slots__ = ("layers", "_count", "_order", "_slices", "_names")
 
-    def __init__(self, present: Sequence[ParamInfo], layers: Sequence[str]) -> None:
+    def __init__(
+        self, present: Sequence[ParamInfo], layers: Sequence[str], kept: list[int] | None = None
+    ) -> None:
         # Built in C loops too (once per layout, at any depth): the positions
         # sorted by layer, then one slice per run of a layer's positions.
         self.layers = layers
+        self._count = len(present)
         indices = list(map(_LAYER_INDEX, present))
-        order = sorted(range(len(indices)), key=indices.__getitem__)
+        order = sorted(range(len(indices)) if kept is None else kept, key=indices.__getitem__)
         ordered = list(map(indices.__getitem__, order))
         ends = list(accumulate(map(len, map(list, map(_RUN, groupby(ordered))))))
         self._order = order
@@ -169,7 +230,7 @@ class LayerSums:
         self._names = list(map(layers.__getitem__, dict.fromkeys(ordered)))
 
     def of(self, norms: Sequence[float]) -> tuple[dict[str, float], float] | None:
-        if len(norms) != len(self._order) or not norms:
+        if len(norms) != self._count or not norms:
             return None
         ordered = tuple(map(norms.__getitem__, self._order))
         total = math.hypot(*ordered)
@@ -188,6 +249,9 @@ class SmallGradientNorms:
         # with gradients: perhaps a layer's first), so a step of a kept one pays
         # nothing for it.
         self.on_new_layout: Callable[[Sequence[ParamInfo]], None] | None = None
+        # The names of an optimizer's parameters outside the model that another
+        # monitor tells (see SharedGradientLayout); None: none is ever left out.
+        self.told_elsewhere: Callable[[int | None], frozenset[str]] | None = None
 
     def norms(
         self,
@@ -207,7 +271,13 @@ class SmallGradientNorms:
             if len(layouts) >= _KEPT:
                 layouts.clear()
             made = NormPlan(grads)
-            layout = layouts[key] = GradientLayout(present, None if made.identity else made)
+            plan = None if made.identity else made
+            told_elsewhere = self.told_elsewhere
+            if told_elsewhere is not None and not all(map(_IN_MODEL, present)):
+                layout = SharedGradientLayout(present, plan, record.optimizer, told_elsewhere)
+            else:
+                layout = GradientLayout(present, plan)
+            layouts[key] = layout
             if self.on_new_layout is not None:
                 self.on_new_layout(present)
         plan = layout.plan

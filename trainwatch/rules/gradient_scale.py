@@ -746,7 +746,10 @@ class ExplodingGradientRule(Rule):
                 history.recent += fast * (log_norm - history.recent)
         if not spikes:
             return []
-        spikes.sort(key=lambda row: (-row[0], -row[2]))
+        # Jumps first, the model's own layers before the parameters its optimizer
+        # holds outside it (a head no monitor watches, lumped as one layer): those
+        # are told among the layers, never in place of the model's own.
+        spikes.sort(key=lambda row: (row[0] <= 0.0, row[1] == EXTERNAL, -row[0], -row[2]))
         ratio, layer, norm, typical = spikes[0]
         if typical is not None and ratio > 0.0:
             what = f"{ratio:.3g}x its recent typical norm {typical:.3g}"
@@ -945,7 +948,8 @@ class VanishingGradientRule(Rule):
         if not due:
             return []
         self._reported.update(due)
-        worst = min(due, key=lambda layer: low[layer])
+        # The model's own layers before the parameters outside it (as exploding's).
+        worst = min(due, key=lambda layer: (layer == EXTERNAL, low[layer]))
         since = min(self._streaks[layer] for layer in due)
         others = f" ({len(due) - 1} other layers too)" if len(due) > 1 else ""
         return [
