@@ -28,6 +28,7 @@ from trainwatch import clip_hook
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.backwards_anywhere import BackwardsAnywhere
+from trainwatch.collect.batch_norm_batches import BatchNormBatches
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
 from trainwatch.collect.between_backwards import IDLE_STEPS as WIPES_IDLE_STEPS
 from trainwatch.collect.between_backwards import WipedSteps
@@ -472,6 +473,14 @@ class StepPipeline:
         self.on_unwatched: Callable[[int], None] | None = None
         if self._checks_not_optimized and self.probe is not None:
             self.unwatched = UnwatchedUpdates(self.passes)
+        # Each step's batch through the model's batch norm in training mode, where it
+        # has one: an exploding gradient on a batch far smaller than the usual one
+        # (the epoch's last, drop_last=False) is that batch's, told so.
+        self.batch_norm_batches: BatchNormBatches | None = None
+        if "exploding_gradient" in self._rule_ids:
+            self.batch_norm_batches = BatchNormBatches(step_count)
+            held.small_batch = self.batch_norm_batches.small_at
+            self._follow_batch_norm()
         # Per optimizer of the model's, the model's steps when it was first seen not
         # stepping; one that never stepped while others of the model did is told once.
         self._attached_at: dict[int, int] = {}
@@ -1937,6 +1946,19 @@ class StepPipeline:
         self._claim(fresh)
         if self.probe is not None:
             self.probe.find_device(self._root)
+        if self.batch_norm_batches is not None:
+            self._follow_batch_norm()  # the layer may be another one now
+
+    def _follow_batch_norm(self) -> None:
+        """Hear the model's passes for their batch sizes while it holds batch norm."""
+        look = self.batch_norm_batches
+        if look is None:
+            return
+        holds, listens = look.find(self._root), self.passes.listens(look)
+        if holds and not listens:
+            self.passes.subscribe("batch norm batches", look, starts=False)
+        elif listens and not holds:
+            self.passes.unsubscribe(look)
 
     def _state_empty(self, index: int, now: int) -> None:
         """The optimizer's state is empty at step ``now``'s boundary: a restart when

@@ -61,6 +61,10 @@ class HeldParameters:
         # latest clip_grad_norm_ (set by its clip gathering; None: no clip seen).
         self.losses: Callable[[], Collection[str]] = tuple
         self.clip_max_norm: Callable[[], Any] = _none
+        # A step's batch through batch norm in training mode, where much smaller than
+        # the usual one: (its size, the usual size, the layer), else None (set by
+        # the pipeline where the model has batch norm: see collect.batch_norm_batches).
+        self.small_batch: Callable[[int], tuple[int, int, str] | None] = _none_at
 
     def explosion_kind(self) -> tuple[str, str] | None:
         """Whether the model's gradients explode from its weights rather than from
@@ -161,6 +165,10 @@ class HeldParameters:
         if not rates:
             return NO_OPTIMIZER
         return LR_ZERO if all(rate == 0.0 for rate in rates) else None
+
+
+def _none_at(step: int) -> None:
+    return None
 
 
 def _none() -> None:

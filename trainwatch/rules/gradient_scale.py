@@ -133,6 +133,18 @@ _LET_THROUGH = (
     "The loop's clip_grad_norm_ let it through to the weights (max_norm {max_norm:g}): "
     "give it a small max_norm (0.25 to 1.0) and lower the learning rate"
 )
+# The jump came at a step whose batch through batch norm (in training mode) was far
+# smaller than the usual one: the epoch's remainder a DataLoader with drop_last=False
+# ends on. Batch norm normalises it by its own few samples' mean and variance.
+_SMALL_BATCH = "small_batch"
+_SMALL_BATCH_HINT = (
+    "this step's batch held {rows} sample{s} against the usual {usual}, and {layer} "
+    "(batch norm, in training mode) normalised it by those few samples' own mean and "
+    "variance, which are mostly noise: the gradients jump with them. "
+    "A DataLoader with drop_last=False ends each epoch on such a remainder of the "
+    "dataset: pass drop_last=True to the training DataLoader (or pick a batch size "
+    "that divides the dataset); the learning rate is not the cause."
+)
 _VANISHING_HINT = (
     "the signal dies on its way back to this layer: saturating activations "
     "(sigmoid/tanh) in a deep stack, a bad initialisation, or a very small "
@@ -779,8 +791,17 @@ class ExplodingGradientRule(Rule):
                 f"gradient norm of {layer or 'the root module'} jumped to {norm:.3g}, "
                 f"{what}{others}"
             )
-        cause = self._one_batch_cause(data["layers"], record.step)
-        if cause is None:
+        small = self.held.small_batch(record.step) if self.held is not None else None
+        cause = self._one_batch_cause(data["layers"], record.step) if small is None else None
+        if small is not None:
+            rows, usual, norm_layer = small
+            message += f"; this step's batch held {rows} samples, the usual {usual}"
+            data.update(cause=_SMALL_BATCH, batch_size=rows, usual_batch_size=usual)
+            data["batch_norm"] = norm_layer
+            hint = _SMALL_BATCH_HINT.format(
+                rows=rows, s="" if rows == 1 else "s", usual=usual, layer=norm_layer or "the model"
+            )
+        elif cause is None:
             hint = self._exploding_hint(burst)
         else:
             self._one_batch = record.step
