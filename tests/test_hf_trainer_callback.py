@@ -286,11 +286,12 @@ def test_evaluation_during_training_is_silent(tmp_path):
 
 @pytest.mark.parametrize("second_frozen", [True, False], ids=["both_frozen", "second_clean"])
 def test_one_callback_across_two_trainings_tells_each_its_own(tmp_path, second_frozen):
-    """Each ``train()`` is a run of its own: a fresh Monitor, its own summary and counts."""
+    """Each ``train()`` is a run of its own: a fresh Monitor, its own summary and counts
+    (in a shared log dir, the second model's under its name beside the first's)."""
     console = io.StringIO()
     watch = TrainWatchCallback(console=console, log_dir=tmp_path / "log")
     found = []
-    for frozen in (True, second_frozen):
+    for run, frozen in enumerate((True, second_frozen)):
         model = model_of("gpt2")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if frozen:
@@ -303,7 +304,8 @@ def test_one_callback_across_two_trainings_tells_each_its_own(tmp_path, second_f
             optimizers=(optimizer, None),
         ).train()
         counts = json.loads((tmp_path / "log" / "alert_counts.json").read_text())
-        found.append((_found(watch), [c["count"] for c in counts["counts"]]))
+        name = f"{type(model).__name__}#2" if run else None
+        found.append((_found(watch), [c["count"] for c in counts["counts"] if c["model"] == name]))
     own = [("frozen_in_optimizer", 0, "transformer.h.1.attn.c_attn")]
     assert found == [(own, [1]), (own, [1]) if second_frozen else ([], [])]
     assert console.getvalue().count("WARNING frozen_in_optimizer") == (2 if second_frozen else 1)

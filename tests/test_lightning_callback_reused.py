@@ -38,11 +38,18 @@ def _folds(tmp_path, frozen: set[int], *, shared: bool) -> list[dict]:
         start = len(console.getvalue())
         _fit(tmp_path, callback, BoringNet(freeze_fc1=fold in frozen))
         counts = json.loads((log_dir / "alert_counts.json").read_text())
+        # A shared log_dir keeps every fold's counts, each under its fold's model
+        # from the second fold on (the first fold's alone until then).
+        model = f"BoringNet#{fold + 1}" if shared and fold else None
         seen.append(
             {
                 "printed": console.getvalue()[start:],
                 "alerts": [(a.rule, a.module, a.step) for a in callback.alerts],
-                "counts": [(c["rule"], c["module"], c["count"]) for c in counts["counts"]],
+                "counts": [
+                    (c["rule"], c["module"], c["count"])
+                    for c in counts["counts"]
+                    if c["model"] == model
+                ],
                 "steps": counts["steps"],
             }
         )

@@ -54,6 +54,7 @@ from trainwatch.errors import TrainingHealthError
 from trainwatch.held import held_only_by
 from trainwatch.late_models import NoGradLookout
 from trainwatch.layers import EXTERNAL
+from trainwatch.model_names import class_name, unique_name
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.patches import MethodPatch
@@ -1173,7 +1174,7 @@ class AutoWatch:
         if not (self._awaited and self._awaited_over(params)):
             # (One built for it releases them at its first step: see _before_step.)
             self._release_dropped()
-        name = self._unique_name(type(unwrap(module)).__name__)  # not "OptimizedModule"
+        name = unique_name(class_name(module), self._names)  # not "OptimizedModule"
         view = _ModelView(self, name)
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         view.monitor = weakref.ref(monitor)
@@ -1271,14 +1272,6 @@ class AutoWatch:
             for optimizer in monitor.optimizers:
                 self._pending.add(optimizer)
         monitor.close()
-
-    def _unique_name(self, base: str) -> str:
-        name, n = base, 1
-        while name in self._names:
-            n += 1
-            name = f"{base}#{n}"
-        self._names.add(name)
-        return name
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         # No module runs during an optimizer step's start: repair the depth

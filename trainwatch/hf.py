@@ -122,7 +122,7 @@ class TrainWatchCallback(TrainerCallback):
                     config = dataclasses.replace(
                         config, tensorboard=dataclasses.replace(config.tensorboard, enabled=False)
                     )
-                sinks = default_sinks(log_dir, config, console=self.console)
+                sinks = default_sinks(log_dir, config, console=self.console, model=model)
             torch_optimizer = _unwrap(optimizer)
             # The halt is applied at the step's end, through the Trainer's own
             # control flow: the Monitor itself never raises inside optimizer.step.

@@ -163,7 +163,7 @@ class TrainWatchCallback(Callback):
         log_dir = self.log_dir if self.log_dir is not None else trainer.log_dir
         rank = trainer.global_rank
         try:
-            sinks = self._rank_zero_sinks(trainer, log_dir) if rank == 0 else []
+            sinks = self._rank_zero_sinks(trainer, log_dir, pl_module) if rank == 0 else []
             reporter = Reporter(rank, sinks)
             earlier = self._reporter if carry else None
             if earlier is not None:
@@ -198,13 +198,17 @@ class TrainWatchCallback(Callback):
         # What the run before left (a checkpoint's findings too) was told already.
         self._carried = _findings(reporter) if earlier is not None else None
 
-    def _rank_zero_sinks(self, trainer: pl.Trainer, log_dir: Any) -> list[Sink]:
+    def _rank_zero_sinks(
+        self, trainer: pl.Trainer, log_dir: Any, pl_module: pl.LightningModule
+    ) -> list[Sink]:
         """The default sinks; TensorBoard writes through the logger's writer when there is one."""
         writer = None
         if self.config.tensorboard.enabled:
             logger = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
             writer = logger.experiment if logger is not None else None
-        return default_sinks(log_dir, self.config, console=self.console, writer=writer)
+        return default_sinks(
+            log_dir, self.config, console=self.console, writer=writer, model=pl_module
+        )
 
     def _stop(self, *, gather: bool) -> None:
         monitor, reporter = self._monitor, self._reporter

@@ -226,7 +226,7 @@ def _table(report: Report) -> Table:
     if several_runs:
         table.add_column("run")
     if several_models:
-        table.add_column("model")
+        table.add_column("model", no_wrap=True)
     for name in ("rule", "module", "severity"):
         table.add_column(name, no_wrap=True)
     table.add_column("first step", justify="right")

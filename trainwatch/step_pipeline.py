@@ -1385,17 +1385,29 @@ class StepPipeline:
                 self.stall.restart(now)  # a new phase, compared from its own first batch
             self._new_phase(now)
         manual = index is None
-        if manual and self.tracker.track_reached:
-            known = self.layers.known()
-            record.rewritten = frozenset(
-                known[id(p)].name for p in self.tracker.rewritten() if id(p) in known
-            )
-            if self.zeroed_updates is not None and (record.rewritten or at_backward_end):
-                # Gradients zeroed before monitor.step(), or trainwatch run's boundary:
-                # did the update since the last one apply zeros? (the first boundaries)
-                self._guarded(
-                    "hand-written updates", self._look_at_update, now - 1, at_backward_end, record
+        if manual:
+            if self.tracker.track_reached:
+                known = self.layers.known()
+                record.rewritten = frozenset(
+                    known[id(p)].name for p in self.tracker.rewritten() if id(p) in known
                 )
+                if self.zeroed_updates is not None and (record.rewritten or at_backward_end):
+                    # Gradients zeroed before monitor.step(), or trainwatch run's boundary:
+                    # did the update since the last one apply zeros? (the first boundaries)
+                    self._guarded(
+                        "hand-written updates",
+                        self._look_at_update,
+                        now - 1,
+                        at_backward_end,
+                        record,
+                    )
+            behaviour = self.behaviour
+            gradients = behaviour.eval_gradients if behaviour is not None else None
+            if gradients is not None and gradients.in_backward:
+                # A step ended at a backward's end (trainwatch run's hand-written
+                # updates): what that backward's eval-mode passes found is this
+                # step's, though their own end callback comes after this one.
+                self._guarded("behaviour checks", behaviour.step_ends_in_backward)
         step_calls = self._step_calls
         if step_calls is not None and step_calls.following:
             record.calls_followed = step_calls.followed

@@ -73,7 +73,7 @@ def watch(
         sinks: list[Sink] = [store_relay.RankSender(link, console)]
     else:
         try:
-            sinks = default_sinks(log_dir, cfg, console=console)
+            sinks = default_sinks(log_dir, cfg, console=console, model=model)
         except OSError as exc:
             raise WatchError(f"log_dir: cannot write alerts into {str(log_dir)!r}: {exc}") from None
     try:

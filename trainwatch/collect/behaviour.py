@@ -238,6 +238,17 @@ class BehaviourWatch:
             if report is not None:
                 self.train_in_eval = joined(self.train_in_eval, report)
 
+    def step_ends_in_backward(self) -> None:
+        """A step boundary reached inside a backward's end (``trainwatch run`` ends a
+        hand-trained model's steps as its backward ends): an eval-mode backward of
+        it ends now, so that its report is this step's. Its own end, queued after
+        the boundary's, then finds it ended; left to it, the report would go to
+        the next step.
+        """
+        gradients = self.eval_gradients
+        if gradients is not None and gradients.in_this_backward():
+            self.eval_backward_ends()
+
     def training_backward_starts(self, grad: torch.Tensor | None = None) -> None:
         """A backward in training mode begins: eval-mode gradients held are added
         onto (they go into its update), or were wiped or never written (their

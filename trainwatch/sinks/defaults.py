@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+from torch import nn
+
 from trainwatch.config import Config
 from trainwatch.sinks.base import Sink, Summary
 from trainwatch.sinks.console import ConsoleSink
@@ -25,19 +27,23 @@ def default_sinks(
     *,
     console: bool | IO[str] = True,
     writer: Any = None,
+    model: nn.Module | None = None,
 ) -> list[Sink]:
     """alerts.jsonl and TensorBoard (when there is somewhere to write them), then the console.
 
     ``console``: True for stderr, False for none, or a text stream. ``writer``:
     an open ``SummaryWriter`` to write TensorBoard through (the Lightning
     logger's, which stays its owner); without one, TensorBoard gets its own
-    writer in ``log_dir``. Raises ``OSError`` when ``log_dir`` cannot be
-    written; the files opened by then are closed again.
+    writer in ``log_dir``. ``model``: the one model whose alerts they carry,
+    named in alerts.jsonl once another model writes there too (None: the
+    alerts name their models already, as ``trainwatch run``'s). Raises
+    ``OSError`` when ``log_dir`` cannot be written; the files opened by then
+    are closed again.
     """
     sinks: list[Sink] = []
     try:
         if log_dir is not None:
-            sinks.append(JsonlSink(Path(log_dir)))
+            sinks.append(JsonlSink(Path(log_dir), model))
         if config.tensorboard.enabled and (writer is not None or log_dir is not None):
             sinks.append(_tensorboard_sink(log_dir, config, writer))
     except BaseException:
