@@ -293,6 +293,9 @@ class StallReport:
     # not_optimized has told that no optimizer updates any of the trainable weights,
     # or the model, without an optimizer, copies one an optimizer trains (a target).
     left_out_told: bool = False
+    # The model's re-run was stopped before a change it could not put back (what
+    # the forward did): it is not re-run again, the output's move is left out.
+    rerun_stopped: str = ""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Re-running a pass module by module, once a cheap trigger said something is off.
 
 A replay must not change training: the global RNG (CPU and CUDA) is forked,
-buffers are swapped for copies, the real ``.grad`` is left alone, compiled
+buffers are swapped for copies, what the forward changes in the model's
+state is put back (``UndoneEffects``), the real ``.grad`` is left alone, compiled
 code runs eagerly so its modules are seen, and the module hooks that check
 every module exist only for the replay's duration. It never issues a
 collective: a DDP wrapper's ``.module`` is replayed, and models holding
@@ -36,6 +37,7 @@ from trainwatch.collect.op_trace import (
     _null,
     swapped_buffers,
 )
+from trainwatch.collect.rerun_effects import UndoneEffects
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
@@ -112,7 +114,8 @@ def unreplayed_origin(module: nn.Module, args: Any, kwargs: Any) -> NonfiniteFin
 
 
 class Replay:
-    """Re-running a pass must not change training: RNG forked, buffers swapped.
+    """Re-running a pass must not change training: RNG forked, buffers swapped, and
+    whatever else the forward changes in the model's state put back.
 
     ``rng``: the CPU generator's state as the pass began, set inside the fork,
     so the replay draws what the pass drew (its dropout masks).
@@ -128,6 +131,9 @@ class Replay:
         probe = self.probe
         self._stack = ExitStack()
         root = probe._modules[0]() if probe._modules else None
+        # Whatever the forward changes in the model's state (a momentum encoder,
+        # a queue, a memory) is put back, as if the replay never ran.
+        self._stack.enter_context(UndoneEffects(root.modules()) if root is not None else _null())
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         # The CUDA generators too: a replay's dropout must not move training's RNG.
         self._stack.enter_context(forked_rngs(devices=probe.cuda_devices()))

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
+from trainwatch.collect.rerun_effects import UndoneEffects
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
@@ -313,6 +314,7 @@ def _rerun(
         args, kwargs = detached_copies((args, kwargs))
     try:
         with (
+            UndoneEffects(module.modules()),
             swapped_buffers(module),
             forked_rngs(devices=sorted(set(devices))),
             torch.no_grad(),

@@ -28,11 +28,14 @@ with a closure) those copies were taken before it: as the pass ended, or as
 
 Every ``every`` steps the model is run on those rows again, in eval mode,
 without gradients and under the quiet marker (no other collector sees the
-pass), with the RNG forked and the buffers swapped for copies, so training
-goes on bit for bit as it would have. Batch-norm running statistics are the
-ones kept at the start of the phase: they move on every training pass
-whatever the learning rate, so only the weights can move the output. A model
-whose re-run wrote into a weight in place is not re-run again (see
+pass), with the RNG forked and the buffers swapped for copies, and whatever
+the forward changes in the model's state (MoCo's momentum update and queue,
+a memory appended to, a weight renormalised in place) put back as it was
+(:class:`UndoneEffects`), so training goes on bit for bit as it would have.
+Batch-norm running statistics are the ones kept at the start of the phase:
+they move on every training pass whatever the learning rate, so only the
+weights can move the output. A model whose re-run would leave a change that
+cannot be put back is stopped before it and not re-run again (see
 :meth:`FirstBatchProbe._run`).
 
 On the same sampled steps the weights are copied before the optimizer's
@@ -60,8 +63,8 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import ExitStack
-from itertools import chain, compress, filterfalse, groupby, repeat
-from operator import attrgetter, eq, is_, is_not, itemgetter, methodcaller, ne, not_, truediv
+from itertools import compress, filterfalse, groupby, repeat
+from operator import attrgetter, is_, itemgetter, methodcaller, truediv
 from typing import Any
 
 import torch
@@ -73,6 +76,7 @@ from trainwatch.collect.grads import layer_norms
 from trainwatch.collect.nonfinite_replay import replay_target
 from trainwatch.collect.op_trace import swapped_buffers
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.collect.rerun_effects import UndoneEffects
 from trainwatch.collect.small_norms import LayerSums
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
 from trainwatch.compiled import eager
@@ -83,17 +87,9 @@ from trainwatch.rng import forked_rngs
 
 _NORM_STATS = nn.modules.batchnorm._NormBase
 _TRAINING = attrgetter("training")
-_STATE = attrgetter("__dict__")  # a module's plain attributes, its mode among them
-# What registers a module's weights, buffers and parts: dicts a forward can change
-# in place (``setattr`` of an ``nn.Parameter`` adds one to ``_parameters``).
-_PARAMETERS = attrgetter("_parameters")
-_BUFFERS = attrgetter("_buffers")
-_MODULES = attrgetter("_modules")
+_PARAMETERS = attrgetter("_parameters")  # a module's weights, by name
 _VERSION = attrgetter("_version")  # a tensor's in-place write counter
 _DATA_PTR = methodcaller("data_ptr")
-_INFERENCE = methodcaller("is_inference")
-_CLEAR = methodcaller("clear")
-_PLAIN = {dict}
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _GRAD = attrgetter("grad")
 _NUMEL = methodcaller("numel")
@@ -175,13 +171,14 @@ class FirstBatchProbe:
         # A step boundary went by unsampled since the first step's passes: weights
         # not copied before it may have moved.
         self._missed = False
-        # The sampled steps report: a batch is kept, or the model writes into its
-        # weights when re-run and the output's move is left out (None).
+        # The sampled steps report: a batch is kept, or the model's re-run would
+        # leave a change that cannot be put back and the output's move is left
+        # out (None).
         self._ready = False
-        # Weights a re-run wrote into in place (by id, each held weakly): a model
-        # holding one is not re-run. Not a WeakSet: its membership test compares
-        # live tensors with ==, which for a tensor is elementwise and ambiguous.
-        self._written: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Models whose re-run would have left a change that cannot be put back (by
+        # id, each held weakly): not re-run again. Told once (``stopped``).
+        self._lasting: dict[int, weakref.ref[nn.Module]] = {}
+        self.stopped = ""
         # The weights as a step with a closure began (its step, its parameters,
         # their copies): that step is gathered after its update.
         self._held: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -354,6 +351,7 @@ class FirstBatchProbe:
             return None
         self.passed(step)
         trainable, total, where = self._trainable(layers)
+        stopped, self.stopped = self.stopped, ""
         return StallReport(
             steps=step - self._phase_start + 1,
             change=change,
@@ -361,6 +359,7 @@ class FirstBatchProbe:
             trainable=trainable,
             total=total,
             trainable_in=where,
+            rerun_stopped=stopped,
         )
 
     def _waits_for_update(
@@ -505,26 +504,26 @@ class FirstBatchProbe:
         gradient while ``params`` (the step's weights) did: its output, cut off
         from the loss, cannot tell whether training changes anything, and the
         phase is not measured; an earlier part cut off so is left out. None
-        measured while a model wrote into its weights when re-run: the sampled
-        steps report without the output's move."""
+        measured while a model's re-run would have left a change that cannot be
+        put back: the sampled steps report without the output's move."""
         candidates, self._candidates = self._candidates, []
         held, self._first_weights = self._first_weights, {}
         missed, self._missed = self._missed, False
-        wrote = False
+        lasting = False
         parts: list[_Part] = []
         for ref, rows, named, stats in reversed(candidates):
             module = ref()
             if module is None:
                 continue
-            if self._writes(module):
-                wrote = True
+            if self._left_lasting(module):
+                lasting = True
                 continue
             swap = _weights_seen(module, held, missed)
             if swap is None:
                 continue  # updated since its pass, its weights not copied before
-            output, written = self._run(module, rows, named, stats, swap)
-            wrote = wrote or written
-            if output is None or written:
+            output = self._run(module, rows, named, stats, swap)
+            if output is None:
+                lasting = lasting or self._left_lasting(module)
                 continue
             spread = float(output.std()) if output.numel() > 1 else 0.0
             if not math.isfinite(spread) or spread <= 0.0:
@@ -539,18 +538,16 @@ class FirstBatchProbe:
                 continue
             parts.append(_Part(ref, rows, named, stats, output, spread))
         self._parts = parts
-        self._ready = bool(parts) or wrote
+        self._ready = bool(parts) or lasting
 
-    def _writes(self, module: nn.Module) -> bool:
-        """Whether ``module`` holds a weight a re-run wrote into (usually none)."""
-        written = self._written
-        if not written:
+    def _left_lasting(self, module: nn.Module) -> bool:
+        """Whether a re-run of ``module`` was stopped before a change it could not
+        put back (usually none was)."""
+        lasting = self._lasting
+        if not lasting:
             return False
-        return any(
-            ref() is param
-            for param in module.parameters()
-            if (ref := written.get(id(param))) is not None
-        )
+        ref = lasting.get(id(module))
+        return ref is not None and ref() is module
 
     def _change(self) -> float | None:
         """The largest move of a measured pass's output over its spread (None: none
@@ -560,11 +557,11 @@ class FirstBatchProbe:
 
     def _moved(self, part: _Part) -> float | None:
         module = part.module()
-        if module is None or self._writes(module):
+        if module is None or self._left_lasting(module):
             return None
-        output, written = self._run(module, part.args, part.kwargs, part.stats, None)
+        output = self._run(module, part.args, part.kwargs, part.stats, None)
         reference = part.reference
-        if written or output is None or output.shape != reference.shape:
+        if output is None or output.shape != reference.shape:
             return None
         moved = float((output - reference).pow(2).mean().sqrt())
         return moved / part.spread if math.isfinite(moved) else None
@@ -576,48 +573,31 @@ class FirstBatchProbe:
         kwargs: Any,
         stats: list[tuple[dict[str, Any], str, torch.Tensor]],
         swap: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    ) -> tuple[torch.Tensor | None, bool]:
+    ) -> torch.Tensor | None:
         """Rows through ``module``, as training would never see it: its output (None
-        if it fails), and whether the call wrote into a weight in place.
+        if it fails).
 
         ``swap``: (weight, copy) pairs, each copy in its weight's place for the
         call wherever a module registers it (a tied weight in each).
 
-        A model that writes into a weight when run (``nn.Embedding(max_norm=...)``
-        renormalises the rows it looks up; an eval path doing what training
-        never does) is not re-run again: each re-run would change the user's
-        weights behind their back, so that training no longer goes on bit for
-        bit as without trainwatch, and a graph that saved the weight would
-        fail its backward. Its version counter moved while its storage stayed:
-        a write (cuDNN moving an RNN's weights into one flat buffer gives them
-        new storage, their values unchanged). The weight is remembered, the
-        user's own where a copy stood in, and no module holding it runs again.
+        A forward may change state as it runs, on every call: a momentum
+        encoder moved (``param_k.data = ...`` or in place), a queue of keys
+        written and its pointer moved, a memory appended to, a weight
+        renormalised (``nn.Embedding(max_norm=...)``), a counter, a
+        ``setattr`` of an ``nn.Parameter``. All of it is put back as it was
+        once the call returns (:class:`UndoneEffects`), the values written and
+        their version counters included, so training goes on bit for bit and
+        a graph that saved a weight still runs its backward. A change that
+        could not be put back is not made (the call is stopped before it):
+        that model is not re-run again.
         """
         subs = list(module.modules())
         modes = list(map(_TRAINING, subs))
-        # A forward may keep state in plain attributes (a call counter, an
-        # RNN's hidden state carried between batches) or register a weight
-        # (``setattr`` of an ``nn.Parameter``): every module's attributes and
-        # its weights', buffers' and parts' dicts are put back as they were, so
-        # the re-run leaves no trace the training sees. Saved and put back in C
-        # loops, whatever the depth.
-        states = list(map(_STATE, subs))
-        saved = list(map(dict.copy, states))
-        weights = list(map(_PARAMETERS, subs))
-        tables = [*weights, *map(_BUFFERS, subs), *map(_MODULES, subs)]
-        if not all(map(isinstance, tables, repeat(dict))):
-            # A TorchScript part: its tables are wrappers of C++ ones, which a
-            # Python forward cannot register into and which take no copy in
-            # place of a weight; its weights run as they are.
-            weights = [table for table in weights if isinstance(table, dict)]
-            tables = [table for table in tables if isinstance(table, dict)]
-        entries = list(map(dict.copy, tables))
-        watched: list[torch.Tensor] = []
-        versions: list[int] = []
-        pointers: list[int] = []
         devices = _cuda_devices(module)
+        effects = UndoneEffects(subs)
         try:
             with ExitStack() as stack:
+                stack.enter_context(effects)
                 stack.enter_context(swapped_buffers(module, subs))
                 stack.enter_context(forked_rngs(devices=devices))
                 stack.enter_context(torch.no_grad())
@@ -625,47 +605,24 @@ class FirstBatchProbe:
                 stack.enter_context(eager())
                 for buffers, name, kept in stats:
                     buffers[name] = kept.clone()  # the phase's running statistics
-                watched = _tensors(weights)
                 if swap:
-                    _swap_in(weights, swap)
-                    watched.extend(map(_SECOND, swap))
-                versions = list(map(_VERSION, watched))
-                pointers = list(map(_DATA_PTR, watched))
+                    weights = list(map(_PARAMETERS, subs))
+                    _swap_in([table for table in weights if isinstance(table, dict)], swap)
                 _consume(map(setattr, subs, repeat("training"), repeat(False)))
                 output = module(*detached_copies(args), **detached_copies(kwargs))
                 flat = [t.detach().float().reshape(-1) for t in floating_tensors(output)]
                 found = torch.cat(flat) if flat else None
         except Exception:
-            # A model that cannot run on a few of its own rows again (state kept
-            # between calls, a fixed batch size) is not measured; training is
-            # untouched either way.
+            # A model that cannot run on a few of its own rows again (a fixed
+            # batch size, a change it could not put back) is not measured;
+            # training is untouched either way.
             found = None
         finally:
-            _restore(states, saved, tables, entries)
             _consume(map(setattr, subs, repeat("training"), modes))
-        return found, self._wrote(watched, versions, pointers, swap)
-
-    def _wrote(
-        self,
-        watched: list[torch.Tensor],
-        versions: list[int],
-        pointers: list[int],
-        swap: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    ) -> bool:
-        """Whether a tensor of ``watched`` was written in place since ``versions`` and
-        ``pointers`` were read (compared in C); each one written is remembered."""
-        if not versions or list(map(_VERSION, watched)) == versions:
-            return False
-        moved = list(map(ne, map(_VERSION, watched), versions))
-        kept = list(map(eq, map(_DATA_PTR, watched), pointers))
-        written = [tensor for tensor, m, k in zip(watched, moved, kept) if m and k]
-        if not written:
-            return False
-        originals = {id(copy): weight for weight, copy in swap or ()}
-        for tensor in written:
-            weight = originals.get(id(tensor), tensor)
-            self._written[id(weight)] = weakref.ref(weight)
-        return True
+        if effects.lasting:
+            self._lasting[id(module)] = weakref.ref(module)
+            self.stopped = self.stopped or effects.lasting
+        return found
 
 
 class _Part:
@@ -691,15 +648,6 @@ class _Part:
         self.spread = spread
 
 
-def _tensors(tables: list[dict[str, Any]]) -> list[torch.Tensor]:
-    """The tensors ``tables`` (modules' ``_parameters``) hold that count their
-    writes (an inference tensor, a frozen part built under ``inference_mode``,
-    counts none), in C loops."""
-    values = list(chain.from_iterable(map(dict.values, tables)))
-    tensors = list(compress(values, map(is_not, values, repeat(None))))
-    return list(compress(tensors, map(not_, map(_INFERENCE, tensors))))
-
-
 def _swap_in(tables: list[dict[str, Any]], swap: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Each weight of ``swap`` replaced by its copy in every table that holds it."""
     copies = {id(weight): copy for weight, copy in swap}
@@ -723,29 +671,6 @@ def _weights_seen(
         return None
     held.update(zip(map(id, fresh), zip(fresh, _copies(fresh))))
     return list(map(held.__getitem__, map(id, params)))
-
-
-def _restore(
-    states: list[dict[str, Any]],
-    saved: list[dict[str, Any]],
-    tables: list[dict[str, Any]],
-    entries: list[dict[str, Any]],
-) -> None:
-    """Each module's attributes, and its weights', buffers' and parts' dicts, as
-    saved: what the re-run added goes, what it changed or removed comes back.
-    What it added is held until every module is restored, so nothing freed on
-    the way (a ``__del__``, a weakref callback) meets a module half restored."""
-    added = list(map(dict.copy, states))
-    added_entries = list(map(dict.copy, tables))
-    _consume(map(dict.clear, states))
-    _consume(map(dict.update, states, saved))
-    _consume(map(_CLEAR, tables))
-    if set(map(type, tables)) <= _PLAIN:
-        _consume(map(dict.update, tables, entries))
-    else:  # an OrderedDict among them: its own update keeps its order
-        for table, entry in zip(tables, entries):
-            table.update(entry)
-    del added, added_entries
 
 
 def _divided(

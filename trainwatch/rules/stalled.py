@@ -146,6 +146,7 @@ class StalledTrainingRule(Rule):
         # moves again, then the rule is armed again.
         self._standing: set[str] = set()
         self._told_at = 0  # the step the first of them was told
+        self._stopped_told = False  # the model's re-runs stopped: told once a run
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if record.optimizer_rates is None:
@@ -184,6 +185,13 @@ class StalledTrainingRule(Rule):
         return alerts
 
     def _stalled(self, record: StepRecord) -> list[Alert]:
+        report = record.stall
+        if report is None or not report.rerun_stopped or self._stopped_told:
+            return self._judged(record)
+        self._stopped_told = True
+        return [self._rerun_stopped_alert(record.step, report.rerun_stopped), *self._judged(record)]
+
+    def _judged(self, record: StepRecord) -> list[Alert]:
         if record.stall_phase != self._phase:
             self._restart(record.stall_phase)  # a new phase: its own first losses
         loss = record.loss if record.loss is not None else record.late_loss
@@ -396,6 +404,21 @@ class StalledTrainingRule(Rule):
         if was:
             data["zero_from"], data["zero_to"] = was
         return self.alert(step, "", message, _RESUMED_HINT, data, severity="info")
+
+    def _rerun_stopped_alert(self, step: int, what: str) -> Alert:
+        message = (
+            f"the model is no longer re-run on its first batch: its forward {what}, "
+            "which a re-run could not put back (the re-run was stopped before it); "
+            "its stalls are judged from the updates alone"
+        )
+        hint = (
+            "nothing to fix in training: trainwatch re-runs the model's forward on a few "
+            "rows now and then, and undoes what the forward changes in the model's state; "
+            "a change it cannot undo is not made, and that model is not re-run again"
+        )
+        return self.alert(
+            step, "", message, hint, {"kind": "rerun_stopped", "what": what}, severity="info"
+        )
 
     def _collapsed_alert(self, step: int, look: LearningRates, rates: _Rates) -> Alert:
         name = f"optimizer {look.optimizer} ({look.optimizer_class})"
