@@ -344,6 +344,18 @@ class StepRecord:
     param_norms: list[float] = field(default_factory=list)
     # Trainable parameters the step should have used but whose .grad is None.
     missing: list[ParamInfo] = field(default_factory=list)
+    # Parameters whose gradient the step's latest backward made and the loop set
+    # to None before the step, while others of the optimizer kept theirs: a layer
+    # kept out of some updates on purpose (SwAV's prototypes for the first
+    # iterations, DINO's last layer in the first epoch), not one backward never
+    # reached. Left out of ``missing``; found where that backward's gradients were
+    # noted (collect.dropped_gradients), never on the usual step.
+    dropped: tuple[ParamInfo, ...] = ()
+    # Parameters whose gradient that backward made and the loop set to None,
+    # replaced or wrote in place since (zeroed, or clipped one by one), while
+    # others' stayed as it left them: looked at over the first steps and while
+    # zero_gradient asks (collect.dropped_gradients), never on the usual step.
+    rewritten_after_backward: frozenset[str] = frozenset()
     # With every one of the optimizer's parameters missing: the step since which
     # the optimizer steps while the model is not called at all (no forward pass
     # between two of its steps); None on every other step.

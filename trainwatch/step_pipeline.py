@@ -35,6 +35,7 @@ from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.copies import copied_model
+from trainwatch.collect.dropped_gradients import LeavingsNotes, dropped_to_none, rewritten_since
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.gradless_updates import GradlessUpdates
 from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
@@ -131,6 +132,7 @@ _PARTS = (
     "_step_calls",
     "_zero_look",
     "_reads",
+    "_leavings",
     "_output_look",
     "_compile_warning",
     "probe",
@@ -366,6 +368,9 @@ class StepPipeline:
         # Which of the model's own parameters a pass reads, only while zero_gradient
         # asks (one without a gradient from the first step: read or not yet used).
         self._reads: ParameterReads | None = None
+        # Has the tracker note what each backward leaves over the first steps and
+        # while zero_gradient asks: a gradient the loop drops after backward.
+        self._leavings = LeavingsNotes(self.tracker)
         if "zero_gradient" in self._rule_ids:
             self._zero_look = ZeroDerivativeLook(self.passes, weak_getter(self, "layers", None))
             self._reads = ParameterReads(self.passes, weak_getter(self, "layers", None))
@@ -373,6 +378,7 @@ class StepPipeline:
                 if isinstance(rule, ZeroGradientRule):
                     rule.zero_look = self._zero_look  # looked at only as an alert is built
                     rule.reads = self._reads  # asked off the healthy step only
+                    rule.leavings = self._leavings  # asked off the healthy step only
         self._missing_before: dict[int | None, frozenset[str]] = {}
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:
@@ -640,6 +646,29 @@ class StepPipeline:
             self._guarded("parameter check", self._check_parameters, pending, params)
         if pending.stall_due:
             self._guarded("stalled training", self._measure_stall, step, pending)
+
+    def _take_dropped(self, record: StepRecord, params: list[torch.Tensor]) -> None:
+        """Gradients the step's latest backward made that the loop dropped before the
+        step, while it kept others (SwAV's prototypes, DINO's last layer, kept out
+        of the first updates): set to None, they leave ``missing`` for ``dropped``;
+        written since, they are noted (``rewritten_after_backward``), and an exactly
+        zero one among them is zeroed by the loop (zero_gradient asks, reading the
+        norms). Every gradient the step's backward left rewritten is no such drop."""
+        left = self.tracker.left
+        if not left:
+            return
+        if record.missing:
+            dropped = dropped_to_none(params, left)
+            if dropped:
+                info = self.layers.info
+                record.dropped = tuple(map(info, dropped))
+                names = {d.name for d in record.dropped}
+                record.missing = [i for i in record.missing if i.name not in names]
+        if self._leavings.noting and not record.rewritten_since_backward:
+            info = self.layers.info
+            record.rewritten_after_backward = frozenset(
+                info(p).name for p in rewritten_since(params, left)
+            )
 
     def _follow_calls(self, index: int | None, record: StepRecord) -> None:
         """From the next pass on, see whether the layers without a gradient run at all.
@@ -1375,6 +1404,11 @@ class StepPipeline:
                 self._guarded(
                     "other optimizer's backward", self._judge_cancels, index, now, params, frame
                 )
+            if record.present and (record.missing or self._leavings.noting):
+                # Some gradient kept: did the loop drop the others backward made?
+                self._guarded("dropped gradients", self._take_dropped, record, params)
+            if self._leavings.noting:
+                self._leavings.step_gathered()
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)
             self.restarted.clear()

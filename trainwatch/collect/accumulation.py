@@ -943,9 +943,11 @@ class GradResetTracker:
             )
             self.closure_step_over()
             return
-        seen = self.backward_seen  # the arm is no step boundary: the loss stays this step's
+        # The arm is no step boundary: the loss stays this step's, and what this
+        # backward left stays noted for the step (a gradient the loop drops after it).
+        seen, left = self.backward_seen, self.left
         self.arm(closure.params, whole=closure.whole)
-        self.backward_seen = seen
+        self.backward_seen, self.left = seen, left
         closure.weights = list(map(_VERSION, closure.params))
 
     def closure_step_over(self) -> None:
@@ -1015,6 +1017,12 @@ class GradResetTracker:
         self.left = dict(
             zip(compress(map(id, params), held), zip(map(id, kept), map(_VERSION, kept)))
         )
+
+    def note_asked(self) -> None:
+        """As a backward ends, for a look that asks for a while (collect.dropped_gradients,
+        through ``on_backward_end``): what it left, noted on the usual step too."""
+        if self.enabled and not self.track_reached:
+            self.note_left()
 
     # -- step boundary ---------------------------------------------------
     def rewritten_since_backward(self, params: Sequence[torch.Tensor]) -> bool:

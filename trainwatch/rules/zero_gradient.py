@@ -6,6 +6,7 @@ from operator import attrgetter
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.dropped_gradients import LeavingsNotes
 from trainwatch.collect.parameter_reads import ParameterReads
 from trainwatch.collect.weights_at_alert import BOTH_ZERO, FROZEN, LR_ZERO, NO_OPTIMIZER
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
@@ -122,6 +123,21 @@ def _reset_by_hand(record: StepRecord) -> frozenset[str]:
         if norm != 0.0 and info.name in rewritten:
             return frozenset()
     return rewritten
+
+
+def _zeroed_by_the_loop(record: StepRecord) -> tuple[ParamInfo, ...]:
+    """The parameters whose gradient is exactly zero that the step's latest backward
+    left a gradient on, written in place or replaced by the loop since, while
+    others kept what it left: zeroed by the loop (a layer kept out of some
+    updates), not a gradient backward made zero. Known while the tracker notes
+    what backward leaves (``rewritten_after_backward``); a write through ``.data``
+    moves no version counter, and is not seen."""
+    rewritten = record.rewritten_after_backward
+    return tuple(
+        info
+        for info, norm in zip(record.present, record.param_norms)
+        if norm == 0.0 and info.name in rewritten
+    )
 
 
 def _learning_layers(record: StepRecord) -> set[str]:
@@ -327,6 +343,10 @@ class ZeroGradientRule(Rule):
     # Which of the model's own parameters its passes read, asked while such a
     # parameter has had no gradient yet (a null embedding not used yet); set by the pipeline.
     reads: ParameterReads | None = None
+    # Has what each backward leaves noted for a few steps, asked where a gradient is
+    # missing, exactly zero or dropped (one the loop drops after backward); set by
+    # the pipeline.
+    leavings: LeavingsNotes | None = None
 
     def __init__(self, config: ZeroGradientConfig) -> None:
         super().__init__(config)
@@ -355,7 +375,7 @@ class ZeroGradientRule(Rule):
         self._read_cut: set[str] = set()
 
     # ids and collectors: this process's only
-    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen", "zero_look", "reads"}
+    _NOT_STATE = Rule._NOT_STATE | {"_layouts_seen", "zero_look", "reads", "leavings"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -416,6 +436,7 @@ class ZeroGradientRule(Rule):
         if 0.0 in record.param_norms and not record.sharded:  # a zero shard says nothing
             reset = _reset_by_hand(record) if record.rewritten else frozenset()
             shift_free = _shift_free_biases(record)
+            zeroed = record.rewritten_after_backward  # (see _zeroed_by_the_loop)
             silent += [
                 (info, "zero")
                 for info, norm in zip(record.present, record.param_norms)
@@ -423,13 +444,25 @@ class ZeroGradientRule(Rule):
                 and info.in_model
                 and info.name not in reset
                 and info.name not in shift_free
+                and info.name not in zeroed
             ]
         if not silent and not self._streaks:
             return []  # the healthy step: every gradient there and non-zero
+        # Gradients backward made that the loop dropped before the step, keeping
+        # others: set to None (the pipeline took them out of ``missing``) or zeroed.
+        dropped = record.dropped
+        if record.rewritten_after_backward and not record.sharded:
+            dropped += _zeroed_by_the_loop(record)
         if record.skipped_batch:
             # No backward since the optimizer's last step: a batch skipped before
             # its backward says nothing of any layer. No streak moves, none starts.
             return []
+        if dropped and self._streaks:
+            # Backward reached them; the loop dropped what it made (SwAV's
+            # prototypes, DINO's last layer, kept out of the first updates): no
+            # cut, no branch skipped. A streak of theirs ends, told of nothing.
+            for info in dropped:
+                self._streaks.pop(info.name, None)
         if record.missing and not at_once:
             # Under DDP (at_once) a parameter without a gradient fails the next
             # iteration whatever the reason: told as before.
@@ -444,6 +477,8 @@ class ZeroGradientRule(Rule):
         if record.not_called_since is not None:
             # No pass of the model between its optimizer's steps: says nothing of any layer.
             return self._not_called(record)
+        if self.leavings is not None:
+            self._note_leavings(silent, dropped)
         if record.moved_without_grad:
             silent = self._left_out_of_update(record, silent)
         silent_names = {info.name for info, _ in silent}
@@ -850,6 +885,20 @@ class ZeroGradientRule(Rule):
             any(s.kind == "zero" and not s.reported for s in self._streaks.values())
         )
 
+    def _note_leavings(
+        self, silent: list[tuple[ParamInfo, str]], dropped: tuple[ParamInfo, ...]
+    ) -> None:
+        """What the next steps' backward passes leave is noted while some parameter
+        has no gradient or an exactly zero one, not yet told, or had its gradient
+        dropped by the loop: a drop after backward (``p.grad = None``,
+        ``p.grad.zero_()``) is told from a cut or a dead layer by it."""
+        streaks = self._streaks
+        assert self.leavings is not None
+        if dropped or any(
+            info.name not in streaks or not streaks[info.name].reported for info, _ in silent
+        ):
+            self.leavings.note_next()
+
     def _zero_ops(self, due: list[ParamInfo]) -> dict[str, list[str]] | None:
         """Per layer of ``due``, the ops with a zero derivative on every path from
         the latest pass's output to its parameters whose gradient is exactly zero;
@@ -983,7 +1032,7 @@ class ZeroGradientRule(Rule):
         self._resets[record.optimizer] = (since, count, told or due)
         if not due:
             return []
-        params = record.present or record.missing
+        params = [*record.present, *record.dropped] if record.present else record.missing
         names = [info.name for info in params]
         module = common_module([info.owner for info in params])
         self._never_withdrawn(module)
