@@ -38,7 +38,7 @@ from trainwatch.collect.copies import copied_model
 from trainwatch.collect.dropped_gradients import LeavingsNotes, dropped_to_none, rewritten_since
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.gradless_updates import GradlessUpdates
-from trainwatch.collect.grads import gradient_norms, layer_norms, norms_with_weights
+from trainwatch.collect.grads import gradient_norms, layer_norms, weight_norms
 from trainwatch.collect.hand_updates import HandUpdates
 from trainwatch.collect.idle_optimizer import LOOK_AHEAD as IDLE_LOOK_AHEAD
 from trainwatch.collect.idle_optimizer import PATIENCE as IDLE_PATIENCE
@@ -1356,7 +1356,7 @@ class StepPipeline:
         if self.structure.changed():
             self.rebuild_layers()
         params = self.layers.parameters() if index is None else self.optimizer_params(index)
-        record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+        record, grads = read_gradients(params, index, self.layers, self.tracker)
         if index is not None and not attach:
             optimizer = self._optimizers[index]
             record.same_weights = self._moved_none
@@ -1386,7 +1386,7 @@ class StepPipeline:
             # name them (and see whether any optimizer still holds the old ones).
             self.rebuild_layers()
             params = self.layers.parameters() if index is None else self.optimizer_params(index)
-            record, grads = read_gradients(params, index, self.layers, self.tracker.reached)
+            record, grads = read_gradients(params, index, self.layers, self.tracker)
         pending = _new_pending_step(record)
         pending.params = params
         frame = pending.frame
@@ -1610,13 +1610,11 @@ class StepPipeline:
             # inside torch for each (tens of microseconds a step).
             if not all(map(_IS_TENSOR, entering)):
                 entering = list(filter(_IS_TENSOR, entering))
+        norms = self._small_norms.norms(record, grads, entering) if grads else None
         if manual and self._check_accumulation and self.tracker.enabled:
             # No optimizer marks the update: the weights' norms show whether one ran.
             weights, names = self._hand_updates.watched(self.layers)
-            norms, weight_norms = norms_with_weights(grads, weights, entering)
-            pending.weights = (names, frame.add(weight_norms))
-        else:
-            norms = self._small_norms.norms(record, grads, entering) if grads else None
+            pending.weights = (names, frame.add(weight_norms(weights)))
         listed = self._locate_if_off(norms, entering)
         if listed and probe is not None and 0.0 in listed:
             own = listed[: len(listed) - len(entering)]  # the parameters' norms

@@ -193,6 +193,25 @@ _NONE_MOVED: frozenset[int] = frozenset()
 _NOTHING_LEFT: dict[int, tuple[int, int]] = {}
 
 
+class _Gone:
+    pass
+
+
+# A weak reference whose object is gone: what a snapshot holds for a parameter
+# that had no gradient when it was taken (no gradient of it can be that one).
+_NO_GRADIENT = weakref.ref(_Gone())
+
+# What backward reached since the last step boundary, in a loop without an
+# optimizer: nothing yet (arm's snapshot taken, the states' notes not written).
+_NOTHING_REACHED = ()
+
+
+class _VersionsBeforeClip(list):
+    """A snapshot's versions taken where backward ended (``trainwatch run`` without an
+    optimizer): the loop may still clip the gradients in place before it uses
+    them, so a gradient written in place since is not taken for reset."""
+
+
 def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool:
     """Every gradient of the snapshot was reset (set to None, replaced or zeroed in
     place), told in C loops; False where any may not have been."""
@@ -204,6 +223,8 @@ def _all_reset(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) -> bool
         return False  # some set to None, some not: one by one
     if not any(map(is_, map(weakref.ref.__call__, refs), now)):
         return True  # every one a new tensor
+    if type(versions) is _VersionsBeforeClip:
+        return False  # written in place: perhaps only clipped
     return not any(map(eq, map(_VERSION, now), versions))  # zeroed in place
 
 
@@ -284,6 +305,13 @@ class GradResetTracker:
         # (a weak reference: a dropped output frees its graph, and the table).
         self._hooked_output: weakref.ref[OrderedDict[int, Any]] | None = None
         self._impls: list[int] | None = None  # the parameters' C++ tensors at the last arm
+        # The same for loops without an optimizer (``track_reached``), and what
+        # backward reached since their last step boundary, kept as taken in C
+        # loops while the states' own notes (``seen``, ``end_version``) wait:
+        # _NOTHING_REACHED, or the parameters, whether each held a gradient as the
+        # backward ended and its version; None: the states' notes are written.
+        self._reach_impls: list[int] | None = None
+        self._reach: tuple = _NOTHING_REACHED
         # Armed where backward ended (trainwatch run's hand-written updates): the
         # loop may still clip the gradients in place before it uses them, so a
         # moved version counter alone does not say they were reset.
@@ -397,6 +425,8 @@ class GradResetTracker:
             self._fallback = None
         self._fallback_param = None
         self._states.clear()
+        self._reach = _NOTHING_REACHED  # lets the parameters go
+        self._reach_impls = None
 
     def fail(self, exc: BaseException) -> None:
         self.enabled = False
@@ -620,6 +650,8 @@ class GradResetTracker:
             self._stale = []
             return
         if snapshot is not None:
+            if self.track_reached:
+                self._write_reach()
             self._unpack_snapshot()
         moved = _NONE_MOVED
         first = PROCESS_STEPS.taken == self._moves.first_taken
@@ -893,12 +925,25 @@ class GradResetTracker:
                         if self._perturbed:
                             self._perturbed_ended()
                 return
+            if self._snapshot_reset and self._reach is _NOTHING_REACHED:
+                # The usual step's only backward, its gradients all found reset as it
+                # began: what it reached is every gradient held now, noted in C loops.
+                params = list(map(_PARAM, self._states.values()))
+                grads = list(map(_GRAD, params))
+                self._reach = (
+                    params,
+                    list(map(is_not, grads, repeat(None))),
+                    list(map(getattr, grads, repeat("_version"), repeat(-1))),
+                )
+                return
+            self._write_reach()
             stale = {id(state) for state in self._stale}
             for state in self._states.values():
                 grad = state.param.grad
                 if grad is None:
                     continue
-                if state.armed and not state.reset:
+                # (Found all reset as the step's first backward began: none untouched.)
+                if state.armed and not state.reset and not self._snapshot_reset:
                     same = (state.grad_ref is not None and state.grad_ref() is grad) or (
                         state.grad_key is not None and state.grad_key == (id(grad), grad._cdata)
                     )
@@ -1092,6 +1137,18 @@ class GradResetTracker:
         Without an optimizer, ``p.grad.zero_()`` may come before ``monitor.step()``:
         an all-zero gradient that was rewritten is a reset, not a dead signal.
         """
+        reach = self._reach
+        if reach is _NOTHING_REACHED:
+            return []
+        if reach is not None:
+            # The usual step, told in C loops: every gradient reset to None since,
+            # or each as its backward left it.
+            now = list(map(_GRAD, reach[0]))
+            if all(map(is_, now, repeat(None))):
+                return []
+            if list(map(getattr, now, repeat("_version"), repeat(-1))) == reach[2]:
+                return []
+            self._write_reach()
         found = []
         for state in self._states.values():
             if state.seen:
@@ -1132,8 +1189,36 @@ class GradResetTracker:
         if added:
             self._learn()
 
+    def _write_reach(self) -> None:
+        """What backward reached, kept as taken (``_reach``), written into the states."""
+        reach, self._reach = self._reach, None
+        if reach is None:
+            return
+        states = self._states
+        if reach is _NOTHING_REACHED:
+            for state in states.values():
+                state.seen = False
+            return
+        for param, held, version in zip(*reach):
+            state = states.get(id(param))
+            if state is not None:
+                state.seen = held
+                if held:
+                    state.end_version = version
+
+    def all_reached(self, params: Sequence[torch.Tensor]) -> bool:
+        """Backward reached every one of ``params`` since the last step boundary, told
+        in C loops where the usual step kept what it reached (False where it did not
+        say: ``reached``, one by one, tells)."""
+        reach = self._reach
+        if not reach:  # None, or nothing reached
+            return False
+        return all(reach[1]) and all(map(self._states.__contains__, map(id, params)))
+
     def reached(self, param: torch.Tensor) -> bool:
         """Backward accumulated into this parameter since the last step boundary."""
+        if self._reach is not None:
+            self._write_reach()
         state = self._states.get(id(param))
         return state is not None and state.seen
 
@@ -1167,6 +1252,29 @@ class GradResetTracker:
                 self._snapshot = (params, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
                 return
             self._impls = impls
+        if self.track_reached and not whole:
+            # A loop without an optimizer, every parameter stepped by hand: the usual
+            # step (every gradient a plain tensor, or none held, no parameter swapped)
+            # is kept as one snapshot too, and nothing reached yet.
+            grads = list(map(_GRAD, params))
+            impls = list(map(_CDATA, params))
+            if impls == self._reach_impls and not swap:
+                if all_plain(grads):
+                    refs = list(map(weakref.ref, grads))
+                    versions = list(map(_VERSION, grads))
+                    if writes_may_follow:
+                        versions = _VersionsBeforeClip(versions)
+                    self._snapshot = (params, refs, versions)
+                    self._reach = _NOTHING_REACHED
+                    return
+                if all(map(is_, grads, repeat(None))):
+                    count = len(grads)
+                    self._snapshot = (params, [_NO_GRADIENT] * count, [-1] * count)
+                    self._reach = _NOTHING_REACHED
+                    return
+            self._reach_impls = impls
+            self._write_reach()  # states other than these keep what they noted
+            self._reach = None  # the loop below notes these
         self._snapshot = None
         states = self._states
         for param in params:

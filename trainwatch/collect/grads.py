@@ -84,29 +84,21 @@ def layer_norms(
     return per_layer, total
 
 
-def norms_with_weights(
-    grads: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    entering: Sequence[torch.Tensor] = (),
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The gradients' L2 norms (None without gradients) and the weights' own norms,
-    from the same batched kernel.
+def weight_norms(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The weights' own L2 norms as fp32, one 1-D tensor in input order.
 
-    ``entering``: the gradients that entered the model, whose norms follow the
-    gradients' (beside gradients only: they are read with them).
-
-    Under ``no_grad`` the weights are read as they are: a detach per weight
-    would be one more op per parameter.
+    A loop without an optimizer shows its hand-written update through them
+    (see ``HandUpdates``). Taken beside the gradients' norms, which go through
+    the gradient layouts (``SmallGradientNorms``) as an optimizer's step's do,
+    so that the rules read per-layer sums in C loops there too. The usual
+    model's weights (plain strided tensors on one device) are told in C loops;
+    under ``no_grad`` they are read as they are: a detach per weight would be
+    one more op per parameter.
     """
-    if grads and entering:
-        grads = [*grads, *entering]
-    strided = torch.strided
-    dense = [g if g.layout == strided and not g.requires_grad else _dense(g) for g in grads]
-    plain = [w if w.layout == strided else _dense(w) for w in weights]
+    if not weights:
+        return torch.zeros(0)
     with torch.no_grad():
-        if len({t.device for t in [*dense, *plain]}) == 1:
-            both = torch.stack(_foreach_norm_fp32([*dense, *plain]))
-            count = len(dense)
-            return (both[:count] if count else None), both[count:]
-        # Several devices (model parallel): grouped per device, in order.
-        return (gradient_norms(grads) if grads else None), gradient_norms(plain)
+        if set(map(_LAYOUT, weights)) == _STRIDED and len(set(map(_DEVICE, weights))) == 1:
+            return torch.stack(_foreach_norm_fp32(list(weights)))
+        plain = [w if w.layout == torch.strided else _dense(w) for w in weights]
+        return gradient_norms(plain)

@@ -15,7 +15,7 @@ again while the gradients still held the used values.
 
 A hand-written update through ``p.data`` does not bump the parameter's version
 counter, so the change is seen in the values: one norm per weight, taken in
-the same batched kernel as the gradient norms and read back with them. Only
+one batched kernel beside the gradient norms and read back with them. Only
 this path pays for it; with an optimizer, its step hooks mark the update.
 
 The same norms show a model nobody updates at all: under ``trainwatch run`` a

@@ -8,9 +8,10 @@ work per parameter; anything else is read one parameter at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter, is_
+from typing import Protocol
 
 import torch
 
@@ -22,17 +23,27 @@ _GRAD = attrgetter("grad")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 
 
+class Reach(Protocol):
+    """What backward reached since the last step boundary (``GradResetTracker``)."""
+
+    def reached(self, param: torch.Tensor) -> bool: ...
+
+    def all_reached(self, params: Sequence[torch.Tensor]) -> bool: ...
+
+
 def read_gradients(
     params: Sequence[torch.Tensor],
     optimizer: int | None,
     layers: LayerMap,
-    reached: Callable[[torch.Tensor], bool],
+    tracker: Reach,
 ) -> tuple[StepRecord, list[torch.Tensor]]:
     """A new record of the step and the present parameters' gradients, in its order.
 
     ``optimizer`` None: a step without an optimizer (``monitor.step()``), where
     frozen parameters are only counted, and a gradient reset before the step
-    still counts as present when backward ``reached`` it.
+    still counts as present when backward reached it (the ``tracker`` tells, for
+    every one at once where it can: a loop that resets its gradients to None
+    before ``monitor.step()`` reads none, in C loops too).
     """
     manual = optimizer is None
     record = new_step_record(-1)
@@ -47,6 +58,13 @@ def read_gradients(
         if not any(map(is_, present, repeat(None))):
             record.present = present
             return record, grads
+    elif (
+        manual
+        and all(map(is_, grads, repeat(None)))
+        and all(map(_REQUIRES_GRAD, params))
+        and tracker.all_reached(params)
+    ):
+        return record, []  # every gradient reset to None after backward reached it
     info = layers.info
     present = record.present
     grads = []
@@ -64,7 +82,7 @@ def read_gradients(
                 record.frozen_count += 1
             else:
                 record.frozen.append(info(param))
-        elif not (manual and reached(param)):
+        elif not (manual and tracker.reached(param)):
             record.missing.append(info(param))
     return record, grads
 
