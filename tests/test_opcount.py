@@ -124,8 +124,10 @@ def test_the_mode_check_of_every_pass_does_not_grow_with_the_dropouts():
 # per-parameter Python added about 2,000 before they went into C loops. The
 # re-run's write guard (a dispatch mode that puts back what the forward writes
 # into the model's state) looks up each op of the forward it re-runs, about 12
-# bytecodes an op: 3,600 more a re-run at depth 64, 892 above depth 4 in all.
-WINDOW_GROWTH = 900
+# bytecodes an op: 3,600 more a re-run at depth 64, 891 above depth 4 in all.
+# The bound leaves room for less than one such loop more (the control below
+# crosses it at about 1,320).
+WINDOW_GROWTH = 1000
 
 
 @pytest.fixture(scope="module")
