@@ -173,5 +173,6 @@ def _all_zero(gradients: list[torch.Tensor | None]) -> bool:
     if not held or any(g.layout != torch.strided for g in held):
         return False
     with torch.no_grad():
-        highs = [local_part(g.detach()).abs().amax() for g in held if g.numel()]
-        return not highs or not any(torch.stack(highs).tolist())
+        # The largest magnitude of each, in one batched kernel (a NaN stays a NaN).
+        local = [local_part(g.detach()) for g in held]
+        return not any(torch.stack(torch._foreach_norm(local, float("inf"))).tolist())
