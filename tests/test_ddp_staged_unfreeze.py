@@ -83,7 +83,7 @@ def test_ddp_built_over_every_parameter_that_trains_stays_silent(cases, case):
 def test_lightning_base_finetuning_unfreezing_under_the_ddp_strategy_is_told(tmp_path):
     """Lightning's BaseFinetuning freezes in setup(), before the DDP strategy wraps
     the model, and unfreezes at an epoch's start: the same bug, told by the callback."""
-    run(str(SCRIPTS / "ddp_lightning_finetune.py"), str(tmp_path))
+    run(str(SCRIPTS / "ddp_lightning_finetune.py"), str(tmp_path), out=tmp_path)
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert max(abs(a - b) for a, b in zip(zero["weight"], one["weight"])) > 1e-5
     for record in (zero, one):

@@ -18,7 +18,7 @@ from tests.ranks import SCRIPTS, records, run
 def test_a_halt_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path, check_every, stops_at):
     """Rank 1's NaN at step 5; with a check every 4 steps, the rank that fired keeps
     stepping to the next check (step 7) so that both stop there."""
-    run(str(SCRIPTS / "ddp_halt.py"), str(tmp_path), str(check_every))
+    run(str(SCRIPTS / "ddp_halt.py"), str(tmp_path), str(check_every), out=tmp_path)
     zero, one = records(tmp_path)
     assert zero["stopped_at"] == one["stopped_at"] == stops_at
     for rank in (zero, one):
@@ -46,7 +46,7 @@ def test_a_halt_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path, check_ev
 
 @pytest.mark.slow
 def test_a_halt_under_lightning_ddp_stops_both_ranks_after_rank_zero_wrote_it(tmp_path):
-    run(str(SCRIPTS / "ddp_fit.py"), str(tmp_path), "halt")
+    run(str(SCRIPTS / "ddp_fit.py"), str(tmp_path), "halt", out=tmp_path)
     zero, one = records(tmp_path)
     for rank in (zero, one):
         raised = rank["raised"]
@@ -66,7 +66,7 @@ def test_the_halt_check_returns_or_raises_only_once_gloos_workers_dropped_its_te
     """A worker still holding a check's tensor when the script ends asks for the GIL
     while the interpreter finalizes, and the process aborts ("terminate called
     without an active exception"). After every check, clean or halting, none is held."""
-    run(str(SCRIPTS / "halt_sync_let_go.py"), str(tmp_path))
+    run(str(SCRIPTS / "halt_sync_let_go.py"), str(tmp_path), out=tmp_path)
     for found in records(tmp_path):
         assert found["still_held"] == [0] * 60
         assert found["halts"] == [{"step": s, "at": s, "rank": 1} for s in range(9, 60, 10)]

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 
 def _train(out: Path, mode: str) -> list[dict]:
-    run(*TORCHRUN, str(SCRIPTS / "hf_ddp_train.py"), str(out), mode, cwd=out)
+    run(*TORCHRUN, str(SCRIPTS / "hf_ddp_train.py"), str(out), mode, out=out, cwd=out)
     return records(out)
 
 
