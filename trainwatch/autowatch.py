@@ -57,6 +57,7 @@ from trainwatch.layers import EXTERNAL
 from trainwatch.model_names import class_name, unique_name
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.overwrite_conversion import conversion_between, overwrite_mode
 from trainwatch.patches import MethodPatch
 from trainwatch.record import ReplacedModel
 from trainwatch.relay import RelaySink
@@ -433,6 +434,15 @@ def _optimizers_over(params: list[torch.Tensor]) -> list[Optimizer]:
         if issubclass(type(obj), Optimizer)
         and _holds_any(obj, wanted)
         and takes_step_hooks(inner_optimizer(obj))
+    ]
+
+
+def _live_optimizers() -> list[Optimizer]:
+    """The live optimizers whose steps the hooks see (one scan of live objects)."""
+    return [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), Optimizer) and takes_step_hooks(inner_optimizer(obj))
     ]
 
 
@@ -1205,6 +1215,11 @@ class AutoWatch:
             self._find_optimizers(monitor, scanned)
         if not monitor.optimizers and (self._not_called or self._stale_optimizers):
             self._continue_steps(monitor)
+        if not monitor.optimizers and overwrite_mode():
+            try:
+                self._find_converted_from(monitor)
+            except Exception as exc:  # the model is watched as before
+                self._internal.internal_error("trainwatch run: converted model", exc, self.steps)
         for name in called_alone:
             monitor.part_called_alone(name)
         if part is not None:
@@ -1837,10 +1852,43 @@ class AutoWatch:
                 continue
             holder = _module_holding(held)
             stale = type(holder).__name__ if holder is not None else None
-            replaced = ReplacedModel(type(optimizer).__name__, stale)
+            conversion = (
+                conversion_between(held, params) if holder is None and overwrite_mode() else None
+            )
+            replaced = ReplacedModel(type(optimizer).__name__, stale, conversion=conversion)
             self._stale_optimizers[optimizer] = replaced
             return replaced
         return None
+
+    def _find_converted_from(self, monitor: Monitor) -> None:
+        """A model found without an optimizer while conversions put new Parameter
+        objects in modules: an optimizer built before its ``.to()`` or ``.double()``
+        holds its parameters from before it, which no module holds any more (see
+        trainwatch.overwrite_conversion). Looked for now (one scan of live objects,
+        made in overwrite mode only), before that optimizer's first step, so the
+        model's first step tells it (see _look_for_replaced), as ``tw.watch`` does.
+        A model replaced by a copy or a new instance is told as before, once its
+        optimizer has stepped (see _stale_pending)."""
+        params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
+        if not params:
+            return
+        for optimizer in _live_optimizers():
+            if optimizer in self._stale_optimizers:
+                continue
+            held = _module_parameters(_parameters_of(optimizer))
+            if (
+                not _fits(held, params)
+                or any(p.grad is not None for p in held)
+                or any(registry.owner_of(p) is not None for p in held)
+            ):
+                continue
+            conversion = conversion_between(held, params)
+            if conversion is None or _module_holding(held) is not None:
+                continue
+            self._stale_optimizers[optimizer] = ReplacedModel(
+                type(optimizer).__name__, None, conversion=conversion
+            )
+            return
 
     def _tell_replaced(self, monitor: Monitor, replaced: ReplacedModel) -> None:
         self._replaced_looks[monitor] = _REPLACED_LOOKS  # told: no more looks

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainwatch.fresh import fresh_maker
 from trainwatch.layers import ParamInfo
+from trainwatch.overwrite_conversion import Conversion
 from trainwatch.process_steps import OriginTold
 
 
@@ -315,7 +316,8 @@ class LearningRates:
 class ReplacedModel:
     """What trains a model that no optimizer holds, replaced after its optimizer was
     built: the optimizer stepping the parameters of the module it replaced, a
-    module no longer called (``trainwatch run`` finds both)."""
+    module no longer called (``trainwatch run`` finds both), or of the model
+    itself from before a conversion in overwrite mode."""
 
     optimizer_class: str
     # The module whose parameters that optimizer steps: its class (None: no module
@@ -326,6 +328,11 @@ class ReplacedModel:
     # The stale model's step at which its optimizer first stepped without it
     # being called (None: it was never called at all).
     since: int | None = None
+    # Not replaced but converted in overwrite mode (``.to()``, ``.double()`` with
+    # ``set_overwrite_module_params_on_conversion(True)``): the optimizer holds
+    # the model's own parameters from before the conversion (see
+    # trainwatch.overwrite_conversion). None: a replacement.
+    conversion: Conversion | None = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
 from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import EXTERNAL, ParamInfo
-from trainwatch.record import StepRecord
+from trainwatch.record import ReplacedModel, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.target_copies import copied_model, copy_data
 from trainwatch.rules.trainable_parameters import common_module
@@ -400,6 +400,8 @@ class NotOptimizedRule(_ReportOnce):
         owners = sorted({p.owner for p in params})
         for owner in owners:  # the per-module finding is this one
             self._reported.add((None, owner))
+        if replaced.conversion is not None:
+            return [self._converted(record, replaced, params, owners)]
         old = replaced.stale_class
         if old is None:
             old, when = "a model no module holds any more", "freed since"
@@ -433,6 +435,39 @@ class NotOptimizedRule(_ReportOnce):
                 },
             )
         ]
+
+    def _converted(
+        self,
+        record: StepRecord,
+        replaced: ReplacedModel,
+        params: list[ParamInfo],
+        owners: list[str],
+    ) -> Alert:
+        """The model was converted in overwrite mode after its optimizer was built: the
+        optimizer holds the model's own parameters from before the conversion."""
+        conversion = replaced.conversion
+        assert conversion is not None
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            f"{len(params)} parameters of this model ({short_names(params)}) receive "
+            "gradients but no optimizer holds them, so they are never updated: the model "
+            f"was converted (from {conversion.source} to {conversion.target}) while "
+            "torch.__future__.set_overwrite_module_params_on_conversion(True) replaces its "
+            f"parameters with new ones, and the {replaced.optimizer_class} optimizer, built "
+            "before the conversion, holds the parameters from before it",
+            "build the optimizer after the model's last .to()/.double()/.half()/.cuda(), "
+            "from its parameters then, or turn overwrite mode off "
+            "(torch.__future__.set_overwrite_module_params_on_conversion(False)): a "
+            "conversion then keeps each Parameter object, and the optimizer's hold on it.",
+            {
+                "parameters": [p.name for p in params],
+                "kind": "converted_in_overwrite_mode",
+                "optimizer_class": replaced.optimizer_class,
+                "converted_from": conversion.source,
+                "converted_to": conversion.target,
+            },
+        )
 
     def _idle(self, record: StepRecord) -> list[Alert]:
         """Never updated while other models train: one alert, for the whole model."""
