@@ -41,6 +41,7 @@ from trainwatch.alert import Alert, standing_worst
 from trainwatch.callers import called_from
 from trainwatch.child_processes import ChildProcesses
 from trainwatch.collect import quiet
+from trainwatch.collect.loose_training import FrozenModelLooks
 from trainwatch.compiled import (
     CompiledHookWarning,
     compiling,
@@ -59,7 +60,7 @@ from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
 from trainwatch.overwrite_conversion import conversion_between, overwrite_mode
 from trainwatch.patches import MethodPatch
-from trainwatch.record import ReplacedModel
+from trainwatch.record import LooseTraining, ReplacedModel
 from trainwatch.relay import RelaySink
 from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Sink, StepNumbers, Summary
@@ -597,6 +598,9 @@ class AutoWatch:
             weakref.WeakKeyDictionary()
         )
         self._searched: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        # Models frozen whole, looked at for what an optimizer of tensors no module
+        # holds trains instead (see _still_pending).
+        self._frozen_looks = FrozenModelLooks()
         # Optimizers a search paired with a model, found never stepping while another
         # steps in their place (see _unpair_idle): no later search pairs them again.
         self._idle_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -1450,7 +1454,8 @@ class AutoWatch:
         so is the model of an optimizer whose first-step search was left out
         (:data:`_SEARCHES_AT_FIRST_STEP`) when its next call has not found it
         (a meta-model only ever updated, never called, in Reptile).
-        An optimizer none of whose tensors any module holds is told then.
+        An optimizer none of whose tensors any module holds is told then, or the
+        model frozen whole it was meant to train (see FrozenModelLooks).
         """
         steps = self._pending_steps.get(id(optimizer), 0) + 1
         self._pending_steps[id(optimizer)] = steps
@@ -1460,14 +1465,25 @@ class AutoWatch:
                 self._unpair_idle(optimizer, steps + 1)
             except Exception as exc:
                 self._internal.internal_error("trainwatch run: replaced model", exc, self.steps)
+            try:
+                owned = any(registry.owner_of(p) is not None for p in _parameters_of(optimizer))
+                stepping = any(m.optimizers or m.step_count for m in registry.owners())
+                if optimizer in self._pending and not owned and not stepping:
+                    # A model frozen whole it may have been meant to train: its
+                    # layers looked at over this step (told at the next, below).
+                    self._frozen_looks.arm(optimizer, self.monitors)
+            except Exception as exc:
+                self._internal.internal_error("trainwatch run: frozen model", exc, self.steps)
         if steps != _PENDING_STEPS:
             return
         try:
+            # The frozen models looked at over the last step: their hooks come off now.
+            frozen = self._frozen_looks.verdicts(optimizer)
             if self._transformed_calls or self._compiled_calls or optimizer in self._unsearched:
                 self._discover_by_parameters(optimizer, steps)
             # Else its model is yet to run (a later phase's): the forward hooks find it.
             if optimizer in self._pending:
-                self._tell_if_held_by_no_module(optimizer, steps - 1)
+                self._tell_if_held_by_no_module(optimizer, steps - 1, frozen)
         except Exception as exc:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
 
@@ -1484,7 +1500,9 @@ class AutoWatch:
             monitor.load_state_dict({"step": steps})
         self._attach(optimizer)
 
-    def _tell_if_held_by_no_module(self, optimizer: Optimizer, step: int) -> None:
+    def _tell_if_held_by_no_module(
+        self, optimizer: Optimizer, step: int, frozen: Sequence[tuple[Monitor, LooseTraining]] = ()
+    ) -> None:
         """One ``info`` line for an optimizer whose tensors no module holds, in a run
         that watches nothing stepping: the ensemble of ``torch.func.stack_module_state``
         (stacked copies of the weights, stepped under ``functional_call`` and
@@ -1506,6 +1524,12 @@ class AutoWatch:
             return
         if _modules_holding(params):
             return  # its model has yet to run: the forward hooks will find it
+        for monitor, loose in frozen:
+            # A model frozen whole by mistake (see FrozenModelLooks): these tensors
+            # are all that trains.
+            monitor.tell_loose_training(loose, monitor.step_count)
+        if frozen:
+            return
         kind = type(optimizer).__name__
         count = len(params)
         tensors = f"{count} tensor{'s' if count != 1 else ''}"

@@ -43,7 +43,7 @@ from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
 from trainwatch.raised import note_raise
-from trainwatch.record import ReplacedModel
+from trainwatch.record import LooseTraining, ReplacedModel
 from trainwatch.released import live, release_dropped
 from trainwatch.rules import build_rules
 from trainwatch.rules.rule_set import RuleSet
@@ -511,6 +511,15 @@ class Monitor:
         the same cause (its weights never updated, its training stalled) are not."""
         self._ensure_open()
         alerts = self._guarded("step collector", self._pipeline.replaced_alerts, replaced)
+        if alerts:
+            self._dispatcher.publish(alerts, may_halt=False)
+
+    def tell_loose_training(self, loose: LooseTraining, step: int) -> None:
+        """This model (frozen whole, no optimizer holding it) is what an optimizer of
+        tensors outside it was meant to train (``trainwatch run``): told as
+        ``trainable_parameters``, dated at ``step``."""
+        self._ensure_open()
+        alerts = self._guarded("setup audit", self._pipeline.loose_training_alerts, loose, step)
         if alerts:
             self._dispatcher.publish(alerts, may_halt=False)
 

@@ -201,6 +201,17 @@ class FrozenOutput:
 
 
 @dataclass
+class LooseTraining:
+    """What the optimizers train where no layer of the model trains: the root's own
+    parameters and tensors held by no module, which feed none of its layers."""
+
+    names: list[str]  # the root's own parameters among them
+    outside: int  # tensors held by no module
+    elements: int  # elements of all of them
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # of those outside
+
+
+@dataclass
 class SetupCheck:
     """What the trainable-parameter audit hands its rule (counts in parameter elements)."""
 
@@ -237,6 +248,9 @@ class SetupCheck:
     # A pass's output came straight from layers whose every weight is frozen (a
     # head frozen by mistake, or a deliberately fixed one): told as a note.
     frozen_output: FrozenOutput | None = None
+    # First step after the audit: no layer of the model trains, and the optimizers
+    # train only tensors outside the layers, which fed none of them on that step.
+    loose: LooseTraining | None = None
 
 
 @dataclass

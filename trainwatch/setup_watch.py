@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from trainwatch.collect.loose_training import LayersFedLook, loose_training
 from trainwatch.ddp_sync import SyncGap, parameter_names, sync_gaps
 from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import ParamInfo
@@ -49,6 +50,9 @@ class SetupWatch:
         # Frozen layers a pass's output came from before the audit they belong to
         # was made (the model's first pass, ahead of its first step boundary).
         self.frozen_output: FrozenOutput | None = None
+        # Where no layer of the model trains and the optimizers train only tensors
+        # outside them: the frozen layers' calls until the step after the audit ends.
+        self._loose_look: LayersFedLook | None = None
 
     def audit(
         self, step: int, root: nn.Module, optimizers: Sequence[Optimizer]
@@ -70,6 +74,15 @@ class SetupWatch:
         if not audit.trainable:
             # A frozen EMA target in the optimizer beside the online network it follows.
             record.setup.trained_outside = sum(row.trainable for row in audit.optimizers)
+        if self._loose_look is not None:
+            self._loose_look.detach()
+            self._loose_look = None
+        if optimizers:
+            # Whether all the optimizers train lies outside the model's frozen layers
+            # (a walk that stops at the first trainable layer).
+            loose = loose_training(root, optimizers)
+            if loose is not None:
+                self._loose_look = LayersFedLook(root, loose)
         if unsynced is not None:
             names, gap, every = unsynced
             record.setup.unsynced = names
@@ -169,6 +182,25 @@ class SetupWatch:
         only by comparing two boundaries: the first waits for the next, and the
         check keeps its step.
         """
+        look = self._loose_look
+        if look is not None and self.latest is not None:
+            if not look.ran:
+                # Made at this boundary (Lightning's first audit): the layers are
+                # looked at over the next step, and this check waits for it.
+                return
+            self._loose_look = None
+            loose = look.verdict()
+            if loose is not None:
+                record.setup = SetupCheck(
+                    self.latest.revision,
+                    optimizers,
+                    self.latest.trainable,
+                    self.latest.unheld,
+                    loose=loose,
+                    since=self.latest.step,
+                )
+                self.reach_due.discard(index)
+                return
         if record.weights_unseen and self._reach_since is None:
             self._reach_since = step
             return

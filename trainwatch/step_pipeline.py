@@ -87,8 +87,10 @@ from trainwatch.record import (
     FrozenOutput,
     HandUpdateRecord,
     LearningRates,
+    LooseTraining,
     NonfiniteReport,
     ReplacedModel,
+    SetupCheck,
     StepRecord,
 )
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
@@ -1060,6 +1062,13 @@ class StepPipeline:
         record.not_optimized = [self.layers.info(p) for p in self._trainable()]
         record.idle_steps = max(passes, 1)
         record.idle_since = self._step_count() - 1 if taken else None
+        return self.rules.evaluate(record)
+
+    def loose_training_alerts(self, loose: LooseTraining, step: int) -> list[Alert]:
+        """Nothing of the model trains, and an optimizer no model holds trains only
+        tensors outside it (seen by ``trainwatch run``), told as the setup audit would."""
+        record = StepRecord(step=step, source="setup")
+        record.setup = SetupCheck(0, 0, 0, 0, loose=loose, since=step)
         return self.rules.evaluate(record)
 
     def replaced_alerts(self, replaced: ReplacedModel) -> list[Alert]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainwatch.alert import Alert
-from trainwatch.record import FrozenOutput, SetupCheck, StepRecord
+from trainwatch.record import FrozenOutput, LooseTraining, SetupCheck, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 
 
@@ -38,6 +38,8 @@ class TrainableParametersRule(Rule):
             return [self._unreached(step, check)]
         if check.outside_grad:
             return [self._outside_grad(step, check)]
+        if check.loose is not None:
+            return [self._loose(step, check.loose)]
         alerts = []
         # A frozen model whose optimizer trains another (an EMA target put in the
         # online network's optimizer) is no setup that can change nothing.
@@ -90,6 +92,42 @@ class TrainableParametersRule(Rule):
                 "trainable": check.trainable,
                 "optimizers": check.optimizers,
                 "modules": check.trainable_owners,
+            },
+        )
+
+    def _loose(self, step: int, loose: LooseTraining) -> Alert:
+        """Nothing of the model trains: the optimizer's steps move a temperature or a weight."""
+        elements = f"{loose.elements:,} element{'s' if loose.elements != 1 else ''}"
+        what = []
+        if loose.names:
+            what.append(f"the model's own {_listed(loose.names)}")
+        if loose.outside:
+            many = "s" if loose.outside != 1 else ""
+            shapes = ", ".join(str(tuple(shape)) for shape in loose.shapes[:4])
+            what.append(f"{loose.outside} tensor{many} outside it (shape{many} {shapes})")
+        layers = "no layer of the model has" if loose.names else "the model has no"
+        return self.alert(
+            step,
+            "",
+            f"{layers} trainable parameter (requires_grad=False on every one), and the "
+            f"optimizer holds only {' and '.join(what)}, {elements} in all, which fed none "
+            "of the model's layers on the first step: its steps change nothing of the model",
+            (
+                "no layer of the model has a trainable parameter and the optimizer holds "
+                "only tensors outside its layers"
+                if loose.names
+                else "the model has no trainable parameter and the optimizer holds only "
+                "tensors outside it"
+            )
+            + ": a freeze meant for part of the model (the backbone) caught all "
+            "of it (for p in model.parameters() where model.backbone.parameters() was "
+            "meant). Unfreeze what should train and build the optimizer after. Fine for "
+            "a fixed model on purpose: run it in eval mode or under torch.no_grad().",
+            {
+                "finding": "only tensors outside the model train",
+                "parameters": loose.names,
+                "outside": loose.outside,
+                "trainable": loose.elements,
             },
         )
 
