@@ -7,7 +7,7 @@ record.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -433,6 +433,12 @@ class StepRecord:
     # parameters was set to None or written since that backward ended, before
     # this step (zero_grad() between backward and step, or a clip in place).
     rewritten_since_backward: bool = False
+    # The step's last backward was looked at as it ended (exploding_gradient asks,
+    # after a jump; see collect.backward_end_norms), and, where the loop wrote into
+    # some gradient since (Langevin noise added to .grad), each layer's norm as that
+    # backward left it. Never on the usual step.
+    backward_end_seen: bool = False
+    backward_layer_norms: Mapping[str, float] | None = None
     # Every gradient of the step exactly zero, and so was the gradient that entered
     # the model's output: the loss sent nothing (a margin loss every sample
     # satisfies), which says nothing of any layer.

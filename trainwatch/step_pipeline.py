@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from trainwatch import clip_hook
 from trainwatch.alert import Alert
 from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.backward_end_norms import BackwardEndNorms
 from trainwatch.collect.backwards_anywhere import BackwardsAnywhere
 from trainwatch.collect.batch_norm_batches import BatchNormBatches
 from trainwatch.collect.behaviour import BehaviourToken, BehaviourWatch
@@ -93,6 +94,7 @@ from trainwatch.record import (
     SetupCheck,
     StepRecord,
 )
+from trainwatch.rules.gradient_scale import ExplodingGradientRule
 from trainwatch.rules.nonfinite_origin import NonfiniteJudge, knock_on
 from trainwatch.rules.rule_set import RuleSet
 from trainwatch.rules.zero_gradient import ZeroGradientRule
@@ -135,6 +137,7 @@ _PARTS = (
     "_zero_look",
     "_reads",
     "_leavings",
+    "_backward_norms",
     "_output_look",
     "_compile_warning",
     "probe",
@@ -381,6 +384,13 @@ class StepPipeline:
                     rule.zero_look = self._zero_look  # looked at only as an alert is built
                     rule.reads = self._reads  # asked off the healthy step only
                     rule.leavings = self._leavings  # asked off the healthy step only
+        # The gradients' norms as backward left them, taken at its end while
+        # exploding_gradient asks (after a jump): a loop that writes into them
+        # before the step (Langevin noise) is judged by what backward made.
+        self._backward_norms = BackwardEndNorms(self.tracker)
+        for rule in rules:
+            if isinstance(rule, ExplodingGradientRule):
+                rule.backward_norms = self._backward_norms  # asked off the healthy step only
         self._missing_before: dict[int | None, frozenset[str]] = {}
         self.probe: NonfiniteProbe | None = None
         if "nonfinite_probe" in needs:
@@ -671,6 +681,19 @@ class StepPipeline:
             record.rewritten_after_backward = frozenset(
                 info(p).name for p in rewritten_since(params, left)
             )
+
+    def _take_backward_norms(self, pending: PendingStep, params: list[torch.Tensor]) -> None:
+        """The norms the step's last backward left, read back with the step where the
+        loop wrote into some gradient since (see trainwatch.collect.backward_end_norms);
+        not under an enabled GradScaler (backward left them scaled)."""
+        record = pending.record
+        record.backward_end_seen, record.backward_layer_norms = self._backward_norms.read_with_step(
+            params,
+            pending.frame,
+            self.layers.info,
+            self.layers.layers,
+            scaled=getattr(self.scaler, "_enabled", False),
+        )
 
     def _follow_calls(self, index: int | None, record: StepRecord) -> None:
         """From the next pass on, see whether the layers without a gradient run at all.
@@ -1418,6 +1441,8 @@ class StepPipeline:
                 self._guarded("dropped gradients", self._take_dropped, record, params)
             if self._leavings.noting:
                 self._leavings.step_gathered()
+            if self._backward_norms.looking:
+                self._guarded("norms at backward's end", self._take_backward_norms, pending, params)
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)
             self.restarted.clear()

@@ -1063,6 +1063,10 @@ class GradResetTracker:
             zip(compress(map(id, params), held), zip(map(id, kept), map(_VERSION, kept)))
         )
 
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter followed, in the order attached (C loops)."""
+        return list(map(_PARAM, self._states.values()))
+
     def note_asked(self) -> None:
         """As a backward ends, for a look that asks for a while (collect.dropped_gradients,
         through ``on_backward_end``): what it left, noted on the usual step too."""

@@ -35,12 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from copy import copy as shallow_copy
 from itertools import repeat
 from operator import add, mul, sub
 from typing import Any
 
 from trainwatch.alert import Alert
+from trainwatch.collect.backward_end_norms import BackwardEndNorms
 from trainwatch.collect.model_copies import CopiesLook, SyncedCopy
 from trainwatch.collect.model_kind import RECURRENT
 from trainwatch.collect.nonfinite_locate import NORM_OVERFLOW
@@ -280,7 +282,7 @@ class _Waiting:
     ``passing``: a jump small enough to be a heavy tail, dropped if it passed.
     """
 
-    __slots__ = ("step", "optimizer", "alerts", "look", "passing")
+    __slots__ = ("step", "optimizer", "alerts", "look", "passing", "unlooked")
 
     def __init__(
         self,
@@ -289,12 +291,16 @@ class _Waiting:
         alerts: list[Alert],
         look: CopiesLook | None,
         passing: bool,
+        unlooked: bool = False,
     ) -> None:
         self.step = step
         self.optimizer = optimizer
         self.alerts = alerts
         self.look = look
         self.passing = passing
+        # The look at backward's end was asked at the jump (see ExplodingGradientRule.
+        # _as_backward_left): a next step read before it began is held one more.
+        self.unlooked = unlooked
 
 
 class _Sync:
@@ -318,7 +324,11 @@ class ExplodingGradientRule(Rule):
         "_sync",
         "_last_jump",
         "_one_batch",
+        "backward_norms",
     }
+    # Takes the gradients' norms at backward's end over the next steps, asked after a
+    # jump (the loop may write into them before the step); set by the pipeline.
+    backward_norms: BackwardEndNorms | None = None
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)
@@ -377,6 +387,9 @@ class ExplodingGradientRule(Rule):
             warm = self._warm.get(tuple(record.layer_norms))
             if warm is not None and self._moved_in_c(warm, record):
                 return []
+        backward = record.backward_layer_norms
+        if backward is not None:
+            record = self._as_backward_left(record, backward)
         if record.restarted_optimizers:
             self._started_over(record)
         overflow = record.nonfinite_backward
@@ -390,6 +403,13 @@ class ExplodingGradientRule(Rule):
             return [*held_back, alert]
         self._write_back()  # the per-layer look reads every history, writes the step's
         alerts = self._evaluate_each_layer(record)
+        if alerts and backward is not None:
+            alerts = [_as_backward_made(alert) for alert in alerts]
+        if alerts and not record.backward_end_seen and record.source == "optimizer":
+            # Did the loop write into the gradients after backward? Seen from the
+            # next steps on (see _as_backward_left).
+            if self.backward_norms is not None:
+                self.backward_norms.ask()
         if alerts or self._waiting is not None:
             alerts = self._unless_a_sync(record, alerts)
         touched = set(record.layer_norms).union(record.restarted_layers)
@@ -397,6 +417,37 @@ class ExplodingGradientRule(Rule):
         if not alerts and not record.restarted_layers and self._waiting is None:
             self._keep_warm(record)
         return alerts
+
+    def _as_backward_left(self, record: StepRecord, backward: Mapping[str, float]) -> StepRecord:
+        """The step as judged where the loop wrote into its gradients after backward
+        ended (``backward``: each layer's norm as backward left it; see
+        trainwatch.collect.backward_end_norms): each layer at the smaller of that norm
+        and the one the step applies.
+
+        Stochastic-gradient Langevin dynamics adds Gaussian noise to every gradient
+        once its burn-in is over: the norms the step applies jump 100x in one step
+        while backward's did not move, and neither a clip nor a lower learning rate
+        is the fix. Writes that lift a norm make no jump here, and one that backward
+        made is told as without them (a batch scaled 1e4x under the noise); writes
+        that lower a norm (a clip by hand, a GradScaler's unscale) leave the step's,
+        as before. The look goes on while the writes lift some layer's norm more than
+        sqrt(``factor``): a loop adding noise has every step judged so, one whose
+        writes barely move the norms stops being looked at.
+        """
+        norms: dict[str, float] = {}
+        far = math.sqrt(self.config.factor)
+        lifted = False
+        for layer, norm in record.layer_norms.items():
+            made = backward.get(layer)
+            if made is not None and 0.0 < made < norm < math.inf:
+                lifted = lifted or norm > far * made
+                norm = made
+            norms[layer] = norm
+        if lifted and self.backward_norms is not None:
+            self.backward_norms.ask()
+        judged = shallow_copy(record)  # the record is every rule's: not written
+        judged.layer_norms = norms
+        return judged
 
     def closing(self) -> list[Alert]:
         """A jump held back at the last step: no next step will say it passed or was
@@ -434,6 +485,15 @@ class ExplodingGradientRule(Rule):
             went_on = self._went_on(record, waiting.alerts)
             if waiting.passing and not (went_on or alerts) and self._finite(record, waiting):
                 return alerts  # passed: a heavy tail, not an explosion
+            if waiting.unlooked and not record.backward_end_seen:
+                # The look at backward's end, asked at the jump, began after this step's
+                # backward (the jump was read back a step late): held one step more, to
+                # see at a looked step whether the loop's own writes made it.
+                waiting.unlooked = False
+                if self._finite(record, waiting) and all(map(_passing, alerts)):
+                    waiting.alerts = [*waiting.alerts, *alerts]
+                    self._waiting = waiting
+                    return []
             look = waiting.look
             copy = look.synced() if went_on and look is not None else None
             if copy is None:
@@ -472,7 +532,13 @@ class ExplodingGradientRule(Rule):
         look = held.copies.look(step) if held is not None else None
         if look is None and not passing:
             return alerts
-        self._waiting = _Waiting(step, record.optimizer, alerts, look, passing)
+        unlooked = (
+            passing
+            and not record.backward_end_seen
+            and record.source == "optimizer"
+            and self.backward_norms is not None
+        )
+        self._waiting = _Waiting(step, record.optimizer, alerts, look, passing, unlooked)
         return []
 
     def _went_on(self, record: StepRecord, alerts: list[Alert]) -> bool:
@@ -894,6 +960,24 @@ class ExplodingGradientRule(Rule):
         if found is not None:
             return cause + (_CLIP_SMALLER if self.loop_clips else _CLIP_SMALL)
         return _EXPLODING_HINT_CLIPPED if self.loop_clips else _EXPLODING_HINT
+
+
+def _as_backward_made(alert: Alert) -> Alert:
+    """A jump judged by the norms backward made, the loop's own writes into the
+    gradients since left out: the message says so (the norms logged are the step's)."""
+    message = (
+        f"{alert.message}; norms as backward made them, before the loop's own writes "
+        "into the gradients"
+    )
+    return dataclasses.replace(
+        alert, message=message, data={**alert.data, "before_loop_writes": True}
+    )
+
+
+def _passing(alert: Alert) -> bool:
+    """A jump that may pass at the next step: below ``_PASSING_BELOW``, no burst."""
+    ratio = alert.data.get("ratio")
+    return ratio is not None and ratio < _PASSING_BELOW and alert.data.get("kind") != _BURST
 
 
 def _clip_bound(held: HeldParameters | None) -> float | None:
