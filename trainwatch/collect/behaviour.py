@@ -373,9 +373,16 @@ class BehaviourWatch:
                     self._training_pass(passes, args, kwargs)
                 if modes.in_frozen and not self._told_frozen and self.check_eval_pass:
                     self._frozen_in_training(modes, "" if part is None else part[0])
+                # Looked at again after a report of modules in frozen parts: a later
+                # pass of the step may train them, still in eval (a model frozen for
+                # another's backward, then updated without .train()).
                 if (
                     self.check_train_step
-                    and (self.train_in_eval is None or self.eval_gradients.held)
+                    and (
+                        self.train_in_eval is None
+                        or self.eval_gradients.held
+                        or self.train_in_eval.in_frozen_parts
+                    )
                     and modes.listed
                 ):
                     report = modes.in_mode(False, part=part)

@@ -51,19 +51,28 @@ def joined(found: ModeReport | None, report: ModeReport) -> ModeReport:
 
     Passes of two parts called on their own (a CLIP model's two towers, both
     left in eval) each bring their modules: the step's report names them all.
+
+    A module is in a frozen part for the step only where every pass that found it
+    found it so. A model frozen and put in eval for another's backward (a world
+    model's imagination pass training the policy, a GAN's discriminator for the
+    generator's update), then trained with ``.train()`` forgotten, trains in eval
+    mode at that step: the frozen pass before it does not make it an idiom.
     """
     if found is None:
         return report
     new = [(m, k) for m, k in zip(report.modules, report.kinds) if m not in found.modules]
-    if not new:
+    trained = [
+        m for m in found.in_frozen_parts if m not in report.in_frozen_parts and m in report.modules
+    ]
+    if not new and not trained:
         return found
     return ModeReport(
         found.modules + [m for m, _ in new],
         found.kinds + [k for _, k in new],
         found.whole_model and report.whole_model,
-        found.total + report.total,
-        found.in_frozen_parts
-        + [m for m in report.in_frozen_parts if m not in found.in_frozen_parts],
+        found.total + report.total if new else found.total,
+        [m for m in found.in_frozen_parts if m not in trained]
+        + [m for m in report.in_frozen_parts if m not in found.modules],
         parts_in_eval=found.parts_in_eval
         + [p for p in report.parts_in_eval if p not in found.parts_in_eval],
     )
