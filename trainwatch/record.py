@@ -117,6 +117,10 @@ class ModeReport:
     # Found on a training pass: a large frozen part (a teacher, a backbone) ran in
     # training mode while the rest of the model trains.
     during_training: bool = False
+    # A ``during_training`` report told earlier, its part training now (a freeze
+    # undone: a staged fine-tune, the backbone unfrozen after the head's warm-up):
+    # the finding no longer stands.
+    trains_now: bool = False
     # That part's parameters still require grad, but no watched optimizer holds
     # them and no step saw them with a gradient (a teacher never frozen).
     held_by_no_optimizer: bool = False

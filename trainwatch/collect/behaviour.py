@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -105,6 +105,9 @@ class BehaviourWatch:
         # That finding, held until a training pass of a later step finds the part
         # still frozen: (the finding, the process's optimizer steps and steps then).
         self._frozen_seen: tuple[StepRecord, tuple[int, int]] | None = None
+        # That finding once told, until its part trains (a staged fine-tune
+        # unfreezing its backbone): then withdrawn, once.
+        self._frozen_told: ModeReport | None = None
         self.train_in_eval: ModeReport | None = None
         # Eval-mode backward passes whose gradients no update was seen to use yet
         # (see attach_passes); their report is in train_in_eval until taken back.
@@ -509,6 +512,7 @@ class BehaviourWatch:
             elif (ANY_OPTIMIZER_STEPS.count, PROCESS_STEPS.taken) != steps:
                 self._told_frozen = True
                 self._frozen_seen = None
+                self._frozen_told = record.eval_in_train
                 self._publish(record)
             return
         report = modes.frozen_in_training(self.calls, within)
@@ -537,6 +541,23 @@ class BehaviourWatch:
         """Parameters were frozen or unfrozen: which parts are frozen, asked again."""
         if self.modes is not None:
             self.modes.find_frozen_parts()
+            if self._frozen_told is not None:
+                self._told_part_trains(self.modes)
+
+    def _told_part_trains(self, modes: ModeWatch) -> None:
+        """The frozen part told of as running in training mode trains now, all of
+        it (a staged fine-tune: the backbone unfrozen, or handed to an optimizer,
+        after the head's warm-up): its training mode is right from now on, and the
+        finding is withdrawn, once. Asked only where the freeze may have changed
+        (flags flipped, the optimizers' membership, gradients where none were
+        held): a part frozen for the whole run keeps its finding."""
+        told = self._frozen_told
+        if told is None or not modes.all_train(told.modules):
+            return
+        self._frozen_told = None
+        record = StepRecord(step=self._step_of(), source="forward")
+        record.eval_in_train = replace(told, trains_now=True)
+        self._publish(record)
 
     def part_called_alone(self, name: str) -> None:
         """The model's part ``name`` was called on its own, outside the model's passes,
@@ -549,6 +570,8 @@ class BehaviourWatch:
         those requiring grad and never given a gradient make frozen parts too."""
         if self.modes is not None:
             self.modes.held_by_none(params)
+            if self._frozen_told is not None:
+                self._told_part_trains(self.modes)
 
     def got_gradients(self, params: list[nn.Parameter]) -> None:
         """Parameters no optimizer holds had gradients at a step: none of them is idle.
@@ -564,6 +587,8 @@ class BehaviourWatch:
         seen = self._frozen_seen
         if seen is not None and not modes.still_frozen(seen[0].eval_in_train.modules):
             self._frozen_seen = None
+        if self._frozen_told is not None:
+            self._told_part_trains(modes)
 
     def _part_name(self, module: nn.Module) -> str | None:
         """The name in the model of a part called on its own (None: not one of its parts).

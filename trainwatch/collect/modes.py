@@ -332,6 +332,21 @@ class ModeWatch:
         idle = self.idle
         return root is not None and all(_in_frozen_part(root, name, idle) for name in names)
 
+    def all_train(self, names: list[str]) -> bool:
+        """Whether the part around each of these listed modules trains now (a
+        parameter of it requires grad and is not :attr:`idle`): a freeze undone
+        for all of them, not for some (gradual unfreezing, top layers first)."""
+        root = self._root()
+        if root is None:
+            return False
+        idle = self.idle
+        holders = [_holder(root, name) for name in names]
+        return all(
+            holder is not None
+            and any(p.requires_grad and id(p) not in idle for p in holder.parameters())
+            for holder in holders
+        )
+
     def held_by_none(self, params: Iterable[nn.Parameter]) -> None:
         """The model's parameters no watched optimizer holds, anew (the optimizers'
         membership changed: at an optimizer's attach, a param group added).

@@ -68,12 +68,18 @@ class EvalInTrainModeRule(Rule):
         self._told_step = -1
         self._told_modules: list[str] = []
         self._told_total = 0  # mode-dependent modules in what that pass ran
+        # The step a frozen part in training mode was told at (None: not told, or
+        # withdrawn since): only a finding told is withdrawn.
+        self._frozen_told_at: int | None = None
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         report = record.eval_in_train
         if report is None:
             return []
         if report.during_training:
+            if report.trains_now:
+                return self._frozen_part_trains(record.step, report)
+            self._frozen_told_at = record.step
             return [self._frozen_part(record.step, report)]
         if report.frozen_use:
             return [self._frozen_use(record.step, report)]
@@ -200,7 +206,9 @@ class EvalInTrainModeRule(Rule):
             f"mode: {call} (or override train() "
             f"to keep {them} there). Nothing to do if {'their' if many else 'its'} "
             "training-mode behaviour is the "
-            f"intent (batch-norm statistics adapting to new data).{freeze}",
+            f"intent (batch-norm statistics adapting to new data), or if the freeze is a "
+            f"warm-up undone later (a staged fine-tune): this note is withdrawn once "
+            f"{them} {'train' if many else 'trains'}.{freeze}",
             {
                 **_data(report),
                 "finding": "frozen part in training mode",
@@ -208,6 +216,42 @@ class EvalInTrainModeRule(Rule):
             },
         )
         return dataclasses.replace(alert, severity="info")
+
+    def _frozen_part_trains(self, step: int, report: ModeReport) -> list[Alert]:
+        """The frozen part told of trains now (a staged fine-tune: the backbone
+        unfrozen after the head's warm-up): training mode is right for it from
+        here on, and the note told earlier is withdrawn, at the module it named."""
+        told_at, self._frozen_told_at = self._frozen_told_at, None
+        if told_at is None:
+            return []
+        parts = report.frozen_parts
+        many = len(parts) > 1
+        named = _names(parts) if parts else "the frozen part"
+        how = "handed to an optimizer" if report.held_by_no_optimizer else "unfrozen"
+        return [
+            self.alert(
+                step,
+                report.modules[0],
+                f"{named}, told at step {told_at} as {'frozen parts' if many else 'a frozen part'} "
+                f"running in training mode, {'train' if many else 'trains'} from step {step} "
+                f"({how}: a staged fine-tune), so that note no longer stands",
+                _TRAINS_NOW_HINT,
+                {
+                    **_data(report),
+                    "kind": "unfrozen",
+                    "finding": "frozen part trains",
+                    "withdraws": True,  # the note no longer stands (the summaries mark it undone)
+                    "told_at": told_at,
+                },
+                severity="info",
+            )
+        ]
+
+
+_TRAINS_NOW_HINT = (
+    "nothing to do: a freeze for warm-up or fine-tuning, ended as planned; a part that "
+    "trains belongs in training mode, so no .eval() on it now"
+)
 
 
 class TrainInEvalModeRule(Rule):
