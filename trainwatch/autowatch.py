@@ -62,6 +62,7 @@ from trainwatch.overwrite_conversion import conversion_between, overwrite_mode
 from trainwatch.patches import MethodPatch
 from trainwatch.record import LooseTraining, ReplacedModel
 from trainwatch.relay import RelaySink
+from trainwatch.replaced_part import replaced_part
 from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.sinks import AlertTally, ConsoleSink, JsonlSink, Sink, StepNumbers, Summary
 from trainwatch.store_relay import RankZeroReceiver, StoreLink
@@ -1317,7 +1318,22 @@ class AutoWatch:
             self._internal.internal_error("trainwatch run: optimizer discovery", exc, self.steps)
         if optimizer in self._pending:
             self._pending_step_begins(optimizer, args, kwargs)
+            self._first_step_of_stale(optimizer)
         return None
+
+    def _first_step_of_stale(self, optimizer: Optimizer) -> None:
+        """A pending optimizer's first step, while models of ours train by hand: one
+        over module parameters that no module holds any more (a model or a head
+        replaced after it was built, the old one freed) can train no model found
+        later, so each hand-trained model is looked at now for being what replaced
+        them, and told at its own first step (see _look_for_replaced), not two of
+        the optimizer's steps later."""
+        try:
+            for monitor in list(self.monitors):
+                if monitor.step_count and not monitor.optimizers and not monitor.closed:
+                    self._look_for_replaced(monitor, first_step=optimizer)
+        except Exception as exc:
+            self._internal.internal_error("trainwatch run: replaced model", exc, self.steps)
 
     def _pending_step_begins(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """A pending optimizer's step begins: counted (a run that watched no step says
@@ -1760,7 +1776,7 @@ class AutoWatch:
         if any(_fits(_parameters_of(opt), params) for opt in list(self._stale_optimizers)):
             monitor.load_state_dict({"step": self.steps})  # replaced again
 
-    def _look_for_replaced(self, monitor: Monitor) -> None:
+    def _look_for_replaced(self, monitor: Monitor, first_step: Optimizer | None = None) -> None:
         """At a step of a hand-trained model (no optimizer holds it) whose parameters got
         gradients: an optimizer stepping parameters of the same shapes, none of which
         got a gradient, held by a model no longer called (or by a module never called)
@@ -1769,7 +1785,8 @@ class AutoWatch:
         (``not_optimized``), once; the old model's monitor, its model replaced, closes.
 
         Asked only while some optimizer steps parameters that no model trained now
-        holds, at the model's first :data:`_REPLACED_LOOKS` such steps.
+        holds, at the model's first :data:`_REPLACED_LOOKS` such steps; and at the
+        first step of such an optimizer (``first_step``), which is looked at alone.
         """
         looks = self._replaced_looks.get(monitor, 0)
         if looks >= _REPLACED_LOOKS or monitor.closed or monitor.optimizers:
@@ -1777,6 +1794,11 @@ class AutoWatch:
         self._replaced_looks[monitor] = looks + 1
         params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
         if not any(p.grad is not None for p in params):
+            return
+        if first_step is not None:
+            replaced = self._stale_pending(params, monitor, first_step)
+            if replaced is not None:
+                self._tell_replaced(monitor, replaced)
             return
         for stale, since in self._stale_monitors():
             if stale is monitor:
@@ -1797,7 +1819,7 @@ class AutoWatch:
             if _fits(held, params) and all(p.grad is None for p in held):
                 self._tell_replaced(monitor, told)  # the model replaced once more
                 return
-        replaced = self._stale_pending(params)
+        replaced = self._stale_pending(params, monitor)
         if replaced is not None:
             self._tell_replaced(monitor, replaced)
 
@@ -1851,35 +1873,51 @@ class AutoWatch:
         for new in self.monitors[found:]:
             new.load_state_dict({"step": steps})
 
-    def _stale_pending(self, params: list[torch.Tensor]) -> ReplacedModel | None:
+    def _stale_pending(
+        self, params: list[torch.Tensor], monitor: Monitor, first_step: Optimizer | None = None
+    ) -> ReplacedModel | None:
         """An optimizer that has stepped twice over module parameters that match
-        ``params`` (see _fits), that no model of ours holds, none with a gradient:
-        held by a module never called (the float model ``prepare_qat`` copied), or
-        by none any more (the model the optimizer was built over, its name bound to
-        a new instance loaded). Its bare tensors, never a module's, are left out
-        (a learned loss weight beside the model's parameters may well get
+        ``params``, the trainable ones of ``monitor``'s model (see _fits), or those
+        of one of its parts (a new head, see trainwatch.replaced_part), that no
+        model of ours holds, none with a gradient: held by a module never called
+        (the float model ``prepare_qat`` copied), or by none any more (the model
+        the optimizer was built over, its name bound to a new instance loaded; the
+        head it was built over, replaced). Its bare tensors, never a module's, are
+        left out (a learned loss weight beside the model's parameters may well get
         gradients): one stepping only those (SAC's temperature ``log_alpha``, its
         own Adam) replaced no model.
+        ``first_step``: that optimizer only, at its first step, taken only where no
+        module holds its parameters any more (one holding them may yet be called).
         A module called only where the forward hooks do not look (a ``torch.func``
         transform, a compiled graph) may train them: then none is."""
         if self._transformed_calls or self._compiled_calls:
             return None
-        for optimizer in list(self._pending):
-            if self._pending_steps.get(id(optimizer), 0) < 1:
+        looked = [first_step] if first_step is not None else list(self._pending)
+        for optimizer in looked:
+            if first_step is None and self._pending_steps.get(id(optimizer), 0) < 1:
                 continue
             held = _module_parameters(_parameters_of(optimizer))
-            if (
-                not _fits(held, params)
-                or any(p.grad is not None for p in held)
-                or any(registry.owner_of(p) is not None for p in held)
+            if any(p.grad is not None for p in held) or any(
+                registry.owner_of(p) is not None for p in held
             ):
                 continue
+            part = None
+            if not _fits(held, params):
+                part = replaced_part(held, unwrap(monitor.model))
+                if part is None:
+                    continue
             holder = _module_holding(held)
+            if holder is not None and first_step is not None:
+                continue
             stale = type(holder).__name__ if holder is not None else None
             conversion = (
-                conversion_between(held, params) if holder is None and overwrite_mode() else None
+                conversion_between(held, params)
+                if holder is None and part is None and overwrite_mode()
+                else None
             )
-            replaced = ReplacedModel(type(optimizer).__name__, stale, conversion=conversion)
+            replaced = ReplacedModel(
+                type(optimizer).__name__, stale, conversion=conversion, part=part
+            )
             self._stale_optimizers[optimizer] = replaced
             return replaced
         return None

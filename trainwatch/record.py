@@ -335,7 +335,8 @@ class ReplacedModel:
     """What trains a model that no optimizer holds, replaced after its optimizer was
     built: the optimizer stepping the parameters of the module it replaced, a
     module no longer called (``trainwatch run`` finds both), or of the model
-    itself from before a conversion in overwrite mode."""
+    itself from before a conversion in overwrite mode; or of a part of it replaced
+    since (a new head)."""
 
     optimizer_class: str
     # The module whose parameters that optimizer steps: its class (None: no module
@@ -351,6 +352,10 @@ class ReplacedModel:
     # the model's own parameters from before the conversion (see
     # trainwatch.overwrite_conversion). None: a replacement.
     conversion: Conversion | None = None
+    # Not the model replaced but a part of it (a new head): the name, in the model,
+    # of the module that replaced the one whose parameters the optimizer steps
+    # (see trainwatch.replaced_part). None: the whole model.
+    part: str | None = None
 
 
 @dataclass

@@ -402,6 +402,8 @@ class NotOptimizedRule(_ReportOnce):
             self._reported.add((None, owner))
         if replaced.conversion is not None:
             return [self._converted(record, replaced, params, owners)]
+        if replaced.part is not None:
+            return [self._part_replaced(record, replaced, params, owners)]
         old = replaced.stale_class
         if old is None:
             old, when = "a model no module holds any more", "freed since"
@@ -435,6 +437,47 @@ class NotOptimizedRule(_ReportOnce):
                 },
             )
         ]
+
+    def _part_replaced(
+        self,
+        record: StepRecord,
+        replaced: ReplacedModel,
+        params: list[ParamInfo],
+        owners: list[str],
+    ) -> Alert:
+        """A part of the model (a new head) replaced after the optimizer was built over
+        the old one: the optimizer holds no parameter of the model."""
+        part = replaced.part
+        assert part is not None
+        code = _module_in_code(part)
+        count = len(params)
+        many = count != 1
+        if replaced.stale_class is None:
+            old = "parameters that no module holds any more"
+        else:
+            old = f"the parameters of a {replaced.stale_class} never called while watched"
+        return self.alert(
+            record.step,
+            owners[0] if len(owners) == 1 else "",
+            f"{count} parameter{'s' if many else ''} of this model ({short_names(params)}) "
+            f"{'receive' if many else 'receives'} gradients but no optimizer holds "
+            f"{'them' if many else 'it'}, so {'they are' if many else 'it is'} never "
+            f"updated: the {replaced.optimizer_class} optimizer steps {old}, shaped like "
+            f"those of {part} but for their first dimension: {part} was replaced (a new "
+            "head) after the optimizer was built over the old one, whose parameters no "
+            "longer belong to the model, and nothing of the model trains",
+            f"build the optimizer after replacing the head: first set {code} (the new head), "
+            f"then the optimizer over {code}.parameters() (or over every parameter that "
+            "trains); an optimizer steps only the tensors it was built over, and a module "
+            "set in the old one's place brings new ones.",
+            {
+                "parameters": [p.name for p in params],
+                "kind": "replaced_module",
+                "replaced_module": part,
+                "optimizer_class": replaced.optimizer_class,
+                "stale_class": replaced.stale_class,
+            },
+        )
 
     def _converted(
         self,
