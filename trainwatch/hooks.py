@@ -14,7 +14,9 @@ callback) is a :class:`WeakHook`. It
   its job and passes through.
 
 A :class:`HookGroup` keeps every handle one collector registered, so it can
-take them all off at once, any number of times.
+take them all off at once, any number of times. Forward hooks on a module go
+through :func:`trainwatch.fast_paths.hook_module`, which keeps them out of the
+way of a transformer layer's eval-mode fast path.
 
 Hooks on the tensors a pass makes (its output, where backward enters the
 model) go with the pass's graph: :func:`hook_pass_tensor` adds them without
@@ -29,6 +31,7 @@ from collections import OrderedDict
 from typing import Any, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from trainwatch.compiled import compiling
 from trainwatch.errors import TrainingHealthError
@@ -107,6 +110,26 @@ def hook_pass_tensor(tensor: torch.Tensor, hook: Any) -> PlacedHook | None:
     key = next(_PASS_HOOK_KEYS)
     table[key] = hook
     return weakref.ref(table), key
+
+
+class KwargsHookHandle:
+    """Removes a global forward hook registered ``with_kwargs`` completely.
+
+    PyTorch's handle forgets the hook's entry in the global ``with_kwargs``
+    table, and one stale entry there makes ``torch.compile(module)`` warn
+    about global hooks at every call, long after trainwatch has closed.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+        table = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", None)
+        if table is not None:
+            table.pop(self.handle.id, None)
 
 
 class HookGroup(list):

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.broadcast import _stack_is_ours_to_use
+from trainwatch.collect.mode_stack import enter as enter_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.modes import Listed
 from trainwatch.compiled import user_name
@@ -199,7 +200,7 @@ class FunctionalLook:
             module_hooks.register_module_forward_hook(WeakHook(self, "leave"), always_call=True)
         )
         self._stack.append(id(model))
-        self._mode.__enter__()
+        enter_mode(self._mode)
         self._depth = torch._C._len_torch_function_stack()
         self.active = True
 

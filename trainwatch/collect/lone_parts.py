@@ -43,6 +43,7 @@ from trainwatch.collect import quiet
 from trainwatch.collect.eval_passes import EvalPassJudge
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.passes import ModelPasses
+from trainwatch.fast_paths import hook_module
 from trainwatch.hooks import WeakHook
 from trainwatch.late_models import NoGradLookout
 
@@ -158,7 +159,9 @@ class _Look:
         finally:
             # After the part's own hooks, if it was just followed: what its pass's
             # end runs (a re-run of the model by trainwatch) is not seen either.
-            self._paused = module.register_forward_hook(WeakHook(self, "resume"), always_call=True)
+            # A transformer layer called alone keeps its fast path (see fast_paths).
+            hook = WeakHook(self, "resume")
+            self._paused = hook_module(module, hook, in_layer=False, always_call=True)
 
     def end(self) -> None:
         self._open = False

@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.compiled import unwrap, user_name
+from trainwatch.fast_paths import hook_module, layer_members
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.layers import names_outside
 from trainwatch.preflight import LEARNED_SCALARS_MAX_ELEMENTS
@@ -116,8 +117,10 @@ class LayersFedLook:
         self.trained_pass = False  # a layer ran in training mode with gradients on
         self.fed = False  # a layer's output required grad: something feeds the model
         self._hooks = HookGroup()
+        members = layer_members(root)
         for module in frozen_layer_modules(root):
-            self._hooks.add(module.register_forward_hook(WeakHook(self, "_ran")))
+            hook = WeakHook(self, "_ran")
+            self._hooks.add(hook_module(module, hook, in_layer=id(module) in members))
         # Dropped without a verdict (its optimizer or monitor gone): the hooks go too.
         weakref.finalize(self, self._hooks.remove_all)
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from trainwatch.fast_paths import mode_entered, mode_left
+
 # Modes of trainwatch's asked to leave while another mode sat above them, and
 # those of them taken along since (their owners learn it at their next ask).
 _WANTS_OUT: list[Any] = []
@@ -44,8 +46,14 @@ def _take(modes: list[Any], mode: Any) -> bool:
 
 def enter_loss_mode(mode: Any) -> None:
     """Push ``mode``, one that follows a loss until the step boundary takes it off."""
-    mode.__enter__()
+    enter(mode)
     LOSS_MODES.append(mode)
+
+
+def enter(mode: Any) -> None:
+    """Push ``mode``, one of trainwatch's (its layers keep their fast paths: see fast_paths)."""
+    mode.__enter__()
+    mode_entered(mode)
 
 
 def leave(mode: Any) -> bool:
@@ -62,6 +70,7 @@ def leave(mode: Any) -> bool:
             _WANTS_OUT.append(mode)
         return False
     mode.__exit__(None, None, None)
+    mode_left(mode)
     _take(_WANTS_OUT, mode)
     _take(LOSS_MODES, mode)
     # Those of ours that wanted out and are on top now leave too.
@@ -70,6 +79,7 @@ def leave(mode: Any) -> bool:
         if top is None or not _take(_WANTS_OUT, top):
             break
         top.__exit__(None, None, None)
+        mode_left(top)
         _take(LOSS_MODES, top)
         _TAKEN.add(top)
     return True

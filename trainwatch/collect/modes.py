@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainwatch.compiled import user_name
+from trainwatch.fast_paths import hook_module, layer_members
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import ModeReport
 
@@ -410,12 +411,15 @@ class ModeWatch:
             return
         self._calls = []
         seen: set[int] = set()
+        root = self._root()
+        members = layer_members(root) if root is not None else set()
         for index, item in enumerate(self.listed):
             module = item.ref()
             if module is None or id(module) in seen:
                 continue
             seen.add(id(module))
-            self.learning.add(module.register_forward_pre_hook(WeakHook(self, "_called", index)))
+            hook = WeakHook(self, "_called", index)
+            self.learning.add(hook_module(module, hook, pre=True, in_layer=id(module) in members))
 
     def _called(self, index: int, module: nn.Module, args: Any) -> None:
         if index not in self._calls:

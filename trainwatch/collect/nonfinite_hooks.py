@@ -9,37 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch.nn.modules import module as module_globals
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
-from torch.utils.hooks import RemovableHandle
 
-from trainwatch.hooks import WeakHook
+from trainwatch.hooks import KwargsHookHandle, WeakHook
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
-
-
-class _KwargsHookHandle:
-    """Removes a global forward hook registered ``with_kwargs`` completely.
-
-    PyTorch's handle forgets the hook's entry in the global ``with_kwargs``
-    table, and one stale entry there makes ``torch.compile(module)`` warn
-    about global hooks at every call, long after trainwatch has closed.
-    """
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: RemovableHandle) -> None:
-        self.handle = handle
-
-    def remove(self) -> None:
-        self.handle.remove()
-        table = getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
-        if table is not None:
-            table.pop(self.handle.id, None)
 
 
 def register_global_hooks(probe: NonfiniteProbe) -> list[Any]:
@@ -54,7 +32,7 @@ def register_global_hooks(probe: NonfiniteProbe) -> list[Any]:
     after = WeakHook(probe, "module_ends")
     try:
         handle = register_module_forward_hook(after, with_kwargs=True, always_call=True)
-        handles.append(_KwargsHookHandle(handle))
+        handles.append(KwargsHookHandle(handle))
     except TypeError:  # torch < 2.6: global hooks see positional arguments only
         handles.append(register_module_forward_hook(after, always_call=True))
     return handles

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.compiled import is_wrapper, user_name
+from trainwatch.fast_paths import hook_module, layer_members
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.record import FrozenOutput
 
@@ -239,9 +240,11 @@ class OutputLayerLook:
         if not self._hooks:
             # On until the step is over: a loop calling the model's parts runs
             # some of them between its passes (blocks under a checkpoint).
+            root = self._root()
+            members = layer_members(root) if root is not None else set()
             for name, layer, tied in self._layers:
                 hook = WeakHook(self, "_layer_ran", name, tied)
-                self._hooks.add(layer.register_forward_hook(hook))
+                self._hooks.add(hook_module(layer, hook, in_layer=id(layer) in members))
 
     def _layer_ran(self, name: str, tied: bool, module: nn.Module, args: Any, output: Any) -> None:
         for _, tensor in tensor_leaves(output):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect.broadcast import _stack_is_ours_to_use
+from trainwatch.collect.mode_stack import enter as enter_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.compiled import compiling, is_wrapper
@@ -117,7 +118,7 @@ class ParameterReads:
         self._leave()  # (one left on the stack under another mode at the last pass's end)
         if self._on_stack or not _stack_is_ours_to_use():
             return  # a mode of the user's below would be popped in ours' place
-        self._mode.__enter__()
+        enter_mode(self._mode)
         self._on_stack = True
         self.recording = True
         for name in self._watched:

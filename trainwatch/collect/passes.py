@@ -33,6 +33,7 @@ from torch import nn
 from trainwatch.collect import quiet
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.errors import TrainingHealthError
+from trainwatch.fast_paths import forget_root, hook_module, layer_members, watch_root
 from trainwatch.hooks import WeakHook
 
 # Per-instance hook tables of nn.Module: the hooks themselves, and the tables
@@ -143,10 +144,17 @@ class ModelPasses:
         if any(ref() is module for ref, _, _ in self._hooked):
             return
         enter, leave = ("enter_nograd", "leave_nograd") if nograd_only else ("enter", "leave")
+        # A part inside a transformer layer of the model first hooked (its root)
+        # would take the layer off its fast path (see fast_paths).
+        root = self._hooked[0][0]() if self._hooked else None
+        in_layer = root is not None and id(module) in layer_members(root)
+        starts, ends = WeakHook(self, enter), WeakHook(self, leave)
         handles = [
-            module.register_forward_pre_hook(WeakHook(self, enter), with_kwargs=True),
-            module.register_forward_hook(WeakHook(self, leave), with_kwargs=True, always_call=True),
+            hook_module(module, starts, pre=True, in_layer=in_layer, with_kwargs=True),
+            hook_module(module, ends, in_layer=in_layer, with_kwargs=True, always_call=True),
         ]
+        if not nograd_only:
+            watch_root(module)
         cls = type(module) if _hide_hooks_of(type(module)) else None
         self._hooked.append((weakref.ref(module), handles, cls))
         self._hook_ids.add(id(module))
@@ -161,6 +169,7 @@ class ModelPasses:
                     handle.remove()
                 if cls is not None:
                     _release_class(cls)
+                forget_root(module)
                 self._hooked.remove(entry)
                 self._hook_ids.discard(id(module))
                 self._nograd_only.discard(id(module))
@@ -326,11 +335,14 @@ class ModelPasses:
         self._on_error(name, exc)
 
     def detach(self) -> None:
-        for _, handles, cls in self._hooked:
+        for ref, handles, cls in self._hooked:
             for handle in handles:
                 handle.remove()
             if cls is not None:
                 _release_class(cls)
+            module = ref()
+            if module is not None:
+                forget_root(module)
         self._hooked.clear()
         self._hook_ids.clear()
         self._nograd_only.clear()

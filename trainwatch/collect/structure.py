@@ -26,6 +26,11 @@ def _bump(*_: Any) -> None:
     _generation += 1
 
 
+def generation() -> int:
+    """A count that moves whenever a module or parameter is assigned while a monitor is open."""
+    return _generation
+
+
 class StructureWatch:
     def __init__(self) -> None:
         global _users
