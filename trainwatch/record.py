@@ -157,7 +157,8 @@ class BroadcastReport:
 class LossInputReport:
     """A loss function that takes logits given the output of a softmax or sigmoid."""
 
-    # "softmax_into_cross_entropy", "softmax_into_nll", "sigmoid_into_bce_with_logits".
+    # "softmax_into_cross_entropy", "softmax_into_nll", "sigmoid_into_bce_with_logits",
+    # "logits_into_nll" (raw scores where log-probabilities belong).
     kind: str
     loss: str  # the loss function, as torch names it ("cross_entropy")
     source: str | None = None
@@ -166,6 +167,10 @@ class LossInputReport:
     # The part of the model whose pass made them ("" for the model's own pass);
     # None where the loop applied the softmax.
     module: str | None = None
+    # logits_into_nll only: the largest input value measured, and the largest
+    # |logsumexp| of a row over the classes (log-probabilities: at most 0, and 0).
+    largest: float | None = None
+    logsumexp: float | None = None
 
 
 @dataclass

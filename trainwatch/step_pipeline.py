@@ -424,6 +424,7 @@ class StepPipeline:
             self.passes.subscribe("behaviour checks", self.behaviour)
             if self.behaviour.broadcast is not None:
                 held.losses = weak_getter(self.behaviour.broadcast, "losses", ())
+                held.unbounded_loss = weak_getter(self.behaviour.broadcast, "unbounded_nll", None)
         # When the broadcast audit is armed again (the step count at a boundary, the
         # one compare a healthy step makes for it): a new phase of training began
         # (``_new_phase``), or the step before a sampled one.

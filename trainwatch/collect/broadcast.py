@@ -31,7 +31,8 @@ on). In between the check costs nothing. The first evaluation passes of the run,
 (and of each new phase), are followed by an audit of their own with this
 judge (``collect/broadcast_eval.py``). On the same training steps a loss function
 that takes logits is looked at for a softmax's or sigmoid's output as its input
-(``collect/loss_input.py``, rule ``loss_input``).
+(``collect/loss_input.py``, rule ``loss_input``), and ``nll_loss`` for raw logits
+given where log-probabilities belong (``collect/log_probabilities.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.callers import called_from
 from trainwatch.collect import quiet
-from trainwatch.collect.loss_input import LOSS_INPUTS, probabilities_fed, squashing_node
+from trainwatch.collect.log_probabilities import PendingNll, log_probability_gap
+from trainwatch.collect.loss_input import (
+    LOSS_INPUTS,
+    made_by_log_softmax,
+    probabilities_fed,
+    squashing_node,
+)
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.model_kind import LOSSES
@@ -538,6 +545,12 @@ class BroadcastAudit:
         # Whether a loss function's input is looked at for probabilities (loss_input).
         self.judges_loss_inputs = loss_inputs
         self.loss_inputs: list[LossInputReport] = []
+        # nll_loss calls whose input is measured for log-probabilities, read at the
+        # step's end (a result negated later is a gather, not a loss).
+        self._nll = PendingNll()
+        # The source line of the first nll_loss found given raw logits (its loss falls
+        # without bound): what an exploding gradient's hint names as the cause.
+        self.unbounded_nll: str | None = None
         # The loss functions seen taking the model's outputs (or its labels), by
         # their torch names: what an explosion's hint says depends on them.
         self.losses: set[str] = set()
@@ -680,6 +693,25 @@ class BroadcastAudit:
 
     def take_loss_inputs(self) -> list[LossInputReport]:
         found, self.loss_inputs = self.loss_inputs, []
+        if self._nll.judgements:
+            measured = self._nll.take()
+            self._forget_nll()
+            for judgement, top, lse in measured:
+                if self.unbounded_nll is None:
+                    self.unbounded_nll = judgement.source or "?"
+                if len(found) >= _MAX_FINDINGS:
+                    break
+                found.append(
+                    LossInputReport(
+                        "logits_into_nll",
+                        "nll_loss",
+                        judgement.source,
+                        judgement.module is not None,
+                        judgement.module,
+                        largest=top,
+                        logsumexp=lse,
+                    )
+                )
         return found
 
     def take_target(self) -> torch.Tensor | None:
@@ -700,6 +732,7 @@ class BroadcastAudit:
         self._parts.clear()
         self._given.clear()
         self._squashed.clear()
+        self._forget_nll()
         _IN_PASS.discard(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -787,7 +820,7 @@ class BroadcastAudit:
         if name in LOSSES:
             self.losses.add(name)
         if name in LOSS_INPUTS and self.judges_loss_inputs:
-            self._judge_loss_input(name, args, kwargs, in_pass=False)
+            self._judge_loss_input(name, args, kwargs, out, in_pass=False)
         if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
         self._judge(name, operands[0], operands[1])
@@ -806,7 +839,7 @@ class BroadcastAudit:
         if name in LOSSES:
             self.losses.add(name)
         if name in LOSS_INPUTS and self.judges_loss_inputs:
-            self._judge_loss_input(name, args, kwargs, in_pass=True)
+            self._judge_loss_input(name, args, kwargs, out, in_pass=True)
         operands = [a for a in args if isinstance(a, torch.Tensor)]
         operands += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
@@ -843,12 +876,16 @@ class BroadcastAudit:
         )
 
     def _judge_loss_input(
-        self, name: str, args: Any, kwargs: dict[str, Any], in_pass: bool
+        self, name: str, args: Any, kwargs: dict[str, Any], out: Any, in_pass: bool
     ) -> None:
         """A loss taking logits given a softmax's output: a softmax the pass applied
         (its output, or ``in_pass``: a loss computed inside ``forward``) names the
-        model, or the part called on its own; one the loop applied names none."""
+        model, or the part called on its own; one the loop applied names none.
+        ``nll_loss`` given anything else with a graph is measured for raw logits."""
         found = probabilities_fed(name, args, kwargs)
+        if found is None and name == "nll_loss":
+            self._measure_nll_input(args, kwargs, out, in_pass)
+            return
         if found is None or len(self.loss_inputs) >= _MAX_FINDINGS:
             return
         kind, node = found
@@ -860,3 +897,34 @@ class BroadcastAudit:
         self.loss_inputs.append(
             LossInputReport(kind, name, _user_line(), module is not None, module)
         )
+
+    def _measure_nll_input(
+        self, args: Any, kwargs: dict[str, Any], out: Any, in_pass: bool
+    ) -> None:
+        """``nll_loss`` given what no log_softmax made: a few rows measured on the
+        device, read at the step's end (raw logits: values above 0, rows whose
+        logsumexp is far from 0). Without a graph nothing is told, as above."""
+        given = args[0] if args else kwargs.get("input")
+        if not isinstance(given, torch.Tensor) or given.grad_fn is None:
+            return
+        if made_by_log_softmax(given):
+            return
+        if len(self._nll.judgements) >= _MAX_FINDINGS:
+            return
+        gap = log_probability_gap(args, kwargs)
+        if gap is not None:
+            self._nll.add(gap, out, _user_line(), "" if in_pass else None)
+            # Until the step's end, each op is also looked at for negating the result
+            # (a gather): an attribute of this audit, so an audited step without
+            # nll_loss runs no more of it.
+            self.after_op = self._after_op_following_nll  # type: ignore[method-assign]
+
+    def _after_op_following_nll(
+        self, func: Any, args: Any, kwargs: dict[str, Any], out: Any
+    ) -> None:
+        self._nll.after_op(_op_name(func), args, out)
+        type(self).after_op(self, func, args, kwargs, out)
+
+    def _forget_nll(self) -> None:
+        self._nll.clear()
+        self.__dict__.pop("after_op", None)

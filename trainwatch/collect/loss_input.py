@@ -79,6 +79,38 @@ def squashing_node(tensor: torch.Tensor) -> Any:
     return None
 
 
+def made_by_log_softmax(tensor: torch.Tensor) -> bool:
+    """``tensor`` is a log_softmax's output, past casts and reshapes, or scaled by a
+    positive number (``log_softmax(x) / T``: a loss scaled by 1/T, no raw logits):
+    nothing for ``nll_loss``'s raw-logit check to measure."""
+    node = tensor.grad_fn
+    for _ in range(_MAX_HOPS):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "LogSoftmaxBackward0":
+            return True
+        if name not in _KEEPS_VALUES and not _positive_scale(node, name):
+            return False
+        if not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
+def _positive_scale(node: Any, name: str) -> bool:
+    """A multiplication or division of its first operand by a positive Python number."""
+    if name not in ("MulBackward0", "DivBackward0"):
+        return False
+    other = getattr(node, "_saved_other", None)
+    return (
+        isinstance(other, torch.Tensor)
+        and other.dim() == 0
+        and other.device.type == "cpu"
+        and float(other) > 0
+    )
+
+
 def probabilities_fed(name: str, args: Any, kwargs: dict[str, Any]) -> tuple[str, Any] | None:
     """For loss function ``name`` given a softmax's (sigmoid's) output as its input:
     the finding's kind and the node that squashed it. Without a graph (a loss under

@@ -61,6 +61,9 @@ class HeldParameters:
         # latest clip_grad_norm_ (set by its clip gathering; None: no clip seen).
         self.losses: Callable[[], Collection[str]] = tuple
         self.clip_max_norm: Callable[[], Any] = _none
+        # The source line of an nll_loss the loss audit found given raw logits (a loss
+        # unbounded below, whose fall grows weights and gradients), else None.
+        self.unbounded_loss: Callable[[], str | None] = _none
         # A step's batch through batch norm in training mode, where much smaller than
         # the usual one: (its size, the usual size, the layer), else None (set by
         # the pipeline where the model has batch norm: see collect.batch_norm_batches).

@@ -314,6 +314,16 @@ class _Sync:
         self.copy = copy
 
 
+# The loss is nll_loss on raw logits (loss_input told it): it falls without bound,
+# and the weights and gradients grow with it whatever the learning rate.
+_UNBOUNDED_NLL_HINT = (
+    "the loss is unbounded below: nll_loss at {source} is given raw logits (told by "
+    "loss_input), so it falls without bound and the weights and gradients grow with it; "
+    "apply F.log_softmax(x, dim=1) to its input or give the logits to F.cross_entropy. "
+    "Lowering the learning rate or clipping only slows the fall."
+)
+
+
 class ExplodingGradientRule(Rule):
     id = "exploding_gradient"
     config: ExplodingGradientConfig
@@ -329,6 +339,24 @@ class ExplodingGradientRule(Rule):
     # Takes the gradients' norms at backward's end over the next steps, asked after a
     # jump (the loop may write into them before the step); set by the pipeline.
     backward_norms: BackwardEndNorms | None = None
+
+    def alert(
+        self,
+        step: int,
+        module: str | None,
+        message: str,
+        hint: str,
+        data: dict[str, Any] | None = None,
+        *,
+        severity: str | None = None,
+    ) -> Alert:
+        """Any finding, its hint the loss's where the loss is unbounded below: the
+        learning rate, warm-up or a clip would only slow that run."""
+        source = self.held.unbounded_loss() if self.held is not None else None
+        if source is not None:
+            hint = _UNBOUNDED_NLL_HINT.format(source=source)
+            data = {**(data or {}), "cause": "logits_into_nll"}
+        return super().alert(step, module, message, hint, data, severity=severity)
 
     def __init__(self, config: ExplodingGradientConfig) -> None:
         super().__init__(config)

@@ -1,4 +1,5 @@
-"""A loss that takes logits given probabilities: ``softmax`` before ``CrossEntropyLoss``."""
+"""A loss given the wrong kind of scores: ``softmax`` before ``CrossEntropyLoss``, raw
+logits into ``nll_loss``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ _TOLD = {
         "log-probabilities: it takes -p[target], not -log p[target], a loss that "
         "barely rewards the right class",
         "use log_softmax instead of softmax before nll_loss, or give the logits to cross_entropy",
+    ),
+    "logits_into_nll": (
+        "raw logits, not log-probabilities ({measured})",
+        "log-probabilities (all at most 0, each row's logsumexp 0): it takes -x[target], "
+        "which falls without bound as the target's score grows, so the loss heads for -inf "
+        "(an exploding gradient on the way) and the model learns nothing useful",
+        "apply F.log_softmax(x, dim=1) to nll_loss's input (or end forward with it), or "
+        "give the logits to F.cross_entropy (nn.CrossEntropyLoss), which applies "
+        "log_softmax itself; lowering the learning rate only slows the fall",
     ),
     "sigmoid_into_bce_with_logits": (
         "the output of a sigmoid",
@@ -89,6 +99,8 @@ class LossInputRule(Rule):
 
     def _alert(self, step: int, found: LossInputReport) -> Alert:
         given, expects, hint = _TOLD[found.kind]
+        if found.kind == "logits_into_nll":
+            given = given.format(measured=_measured(found))
         where = " in the model's forward" if found.in_forward else ""
         at = f" at {found.source}" if found.source else ""
         loss = f"{found.loss} ({_CLASSES[found.loss]})"
@@ -98,6 +110,9 @@ class LossInputRule(Rule):
             "source": found.source,
             "in_forward": found.in_forward,
         }
+        if found.largest is not None:
+            data["largest"] = found.largest
+            data["logsumexp"] = found.logsumexp
         return self.alert(
             step,
             found.module,
@@ -105,3 +120,13 @@ class LossInputRule(Rule):
             hint.format(place="from forward" if found.in_forward else "before the loss"),
             data,
         )
+
+
+def _measured(found: LossInputReport) -> str:
+    """What the values showed: a value above 0, a row's logsumexp far from 0."""
+    told = []
+    if found.largest is not None and found.largest > 0:
+        told.append(f"values up to {found.largest:.3g}")
+    if found.logsumexp is not None:
+        told.append(f"a row whose logsumexp is {found.logsumexp:.3g} away from 0")
+    return " and ".join(told)
