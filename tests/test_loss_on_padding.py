@@ -75,7 +75,7 @@ def test_gpt2_trained_on_padding_labelled_with_eos_is_told_once_with_the_figures
     monitor = fit(gpt2(), lambda step: padded_batch(step, masked=False), steps=30)
     (alert,) = padding_alerts(monitor)
     assert alert.severity == "warning" and alert.module == ""
-    assert alert.step == 5  # the first sampled step, where it was seen
+    assert alert.step == 0  # the first step, where it was seen
     # lengths 12, 9, 6, 4 of 12: 17 of the 48 label positions are padding.
     assert alert.data["kind"] == "attention_mask"
     assert alert.data["padded_labels"] == 17 and alert.data["labelled"] == 48
@@ -253,7 +253,7 @@ def test_figures_read_back_with_the_step_for_a_large_batch():
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
     (alert,) = padding_alerts(fit(TinyLM(), batches))
-    assert alert.step == 5
+    assert alert.step == 0
     assert alert.data["padded_labels"] == 800 and alert.data["labelled"] == 4800
     assert alert.data["pad_value"] == 7 and alert.data["other_pad_value"] is None
 
@@ -389,7 +389,7 @@ def test_trainer_with_the_callback(tmp_path, masked):
         assert found == []
     else:
         (alert,) = found
-        assert alert.step == 5 and alert.data["kind"] == "attention_mask"
+        assert alert.step == 0 and alert.data["kind"] == "attention_mask"
         assert 0 < alert.data["padding_fraction"] < 1
 
 
@@ -412,14 +412,14 @@ def test_switched_off_it_attaches_nothing():
 
 def test_on_alone_it_keeps_its_own_cadence():
     torch.manual_seed(0)
-    monitor = fit(
-        gpt2(),
-        lambda step: padded_batch(step, masked=False),
-        unshuffled_data=False,
-        loss_on_padding={"every": 3},
-    )
+    full = (SEQ,) * BATCH
+
+    def batches(step):  # no padding before step 4: looked at on 0, 3, then 6
+        return padded_batch(step, masked=False, lengths=full if step < 4 else (12, 9, 6, 4))
+
+    monitor = fit(gpt2(), batches, unshuffled_data=False, loss_on_padding={"every": 3})
     (alert,) = padding_alerts(monitor)
-    assert alert.step == 3
+    assert alert.step == 6
 
 
 def test_rule_id_and_config():
@@ -457,4 +457,4 @@ def test_a_lightning_module_around_gpt2_names_the_part_called_with_the_labels(tm
     callback = TrainWatchCallback(console=io.StringIO())
     quiet_trainer(tmp_path, [callback], max_steps=8, limit_val_batches=0).fit(Module())
     (alert,) = [a for a in callback.alerts if a.rule == "loss_on_padding"]
-    assert alert.module == "model" and alert.step == 5
+    assert alert.module == "model" and alert.step == 0

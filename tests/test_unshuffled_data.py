@@ -154,6 +154,20 @@ def test_a_sequential_sampler_over_data_stored_shuffled_is_one_info_line():
     assert "SequentialSampler" in alert.message
 
 
+def test_a_sequential_sampler_over_two_classes_sorted_is_not_said_to_look_shuffled():
+    """Two classes seen are too few to judge the batches: no "look shuffled" after
+    16 sampled batches (a run trained task by task in class order is still in its
+    first task there); the sampler alone, as not judged, after 32."""
+    x, y = sorted_by_label()
+    two = y < 2
+    loader = DataLoader(TensorDataset(x[two], y[two]), batch_size=BATCH, shuffle=False)
+    monitor = fit({}, loader, mlp(), epochs=10)  # 160 steps: sampled at 0, 5, ... 155
+    (alert,) = found(monitor.alerts)
+    assert alert.severity == "info" and alert.step == 155
+    assert "not judged" in alert.message and "look shuffled" not in alert.message
+    assert alert.data["sampled_batches"] == 32
+
+
 def test_a_sequential_sampler_without_class_targets_to_check_is_one_info_line():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 12, generator=gen)
@@ -525,14 +539,14 @@ def test_only_sampled_steps_listen_for_class_targets_and_no_mode_is_left_behind(
     listening = []
     with tw.watch(model, opt, console=io.StringIO(), data=loader) as monitor:
         for step, (x, y) in enumerate(loader):
-            listening.append("class_targets" in monitor._pipeline.passes.listener_names())
+            listening.append("class target look" in monitor._pipeline.passes.listener_names())
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             assert torch._C._len_torch_function_stack() == 0
             if step == 11:
                 break
-    assert listening == [step in (5, 10) for step in range(12)]
+    assert listening == [step % 5 == 0 for step in range(12)]
 
 
 # -- a model that computes its own loss from labels (Hugging Face style) -------------------------

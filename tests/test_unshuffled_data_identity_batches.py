@@ -140,19 +140,19 @@ def test_p_by_k_batches_drawn_with_replacement_every_step_are_silent():
     assert found(fit_by_hand(x, y, batches, epochs=1).alerts) == []
 
 
-def test_the_same_identities_sorted_and_read_in_order_warn_at_step_20():
+def test_the_same_identities_sorted_and_read_in_order_warn_at_step_15():
     x, y = identities(60, per_identity=12)
     (alert,) = found(fit_by_hand(x, y, in_order(len(y), 32), epochs=2).alerts)
-    assert alert.severity == "warning" and alert.step == 20
+    assert alert.severity == "warning" and alert.step == 15
     assert alert.data["classes_per_batch"] < 4.0
 
 
-def test_sorted_blocks_of_exactly_k_read_in_order_warn_at_step_20():
+def test_sorted_blocks_of_exactly_k_read_in_order_warn_at_step_15():
     """K samples an identity, stored sorted: every batch holds exactly K of each of
     P identities, as a P x K batch does, but neighbouring ones in runs."""
     x, y = identities(160, per_identity=4)
     (alert,) = found(fit_by_hand(x, y, in_order(len(y), 32), epochs=2).alerts)
-    assert alert.severity == "warning" and alert.step == 20
+    assert alert.severity == "warning" and alert.step == 15
     assert alert.data["classes_per_batch"] == 8.0
 
 
@@ -228,7 +228,7 @@ def test_trainwatch_run_on_a_script_with_a_p_by_k_batch_sampler_class_is_silent(
 
 def test_trainwatch_run_on_the_same_script_reading_identities_in_order_warns(tmp_path):
     (alert,) = _run(tmp_path, "sorted")
-    assert alert["severity"] == "warning" and alert["step"] == 20
+    assert alert["severity"] == "warning" and alert["step"] == 15
 
 
 # -- Lightning ---------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_lightning_p_by_k_training_batches_are_silent(tmp_path, feed):
     assert found(_fit_lightning(tmp_path, feed).alerts) == []
 
 
-def test_lightning_the_same_identities_read_in_order_warn_at_step_20(tmp_path):
+def test_lightning_the_same_identities_read_in_order_warn_at_step_15(tmp_path):
     (alert,) = found(_fit_lightning(tmp_path, "sorted").alerts)
-    assert alert.severity == "warning" and alert.step == 20
+    assert alert.severity == "warning" and alert.step == 15
     assert "SequentialSampler" in alert.data["sampler"]

@@ -184,8 +184,8 @@ class LossInputConfig(RuleConfig):
 
 @dataclass
 class UnshuffledDataConfig(RuleConfig):
-    # The loss's class targets are counted on every ``every``-th step (one
-    # bincount joining the step's readback); other steps pay nothing. With
+    # The loss's class targets are counted at step 0 and every ``every``-th step
+    # after (one bincount joining the step's readback); other steps pay nothing. With
     # loss_on_padding on, the look comes at the more frequent of the two cadences.
     every: int = field(default=5, metadata=_range(1))
     # Sampled batches compared with the run's targets, and how many it takes.
@@ -200,10 +200,10 @@ class UnshuffledDataConfig(RuleConfig):
 
 @dataclass
 class LossOnPaddingConfig(RuleConfig):
-    # The labels a token loss receives are looked at on every ``every``-th step
-    # (the class target look's sampled steps: with unshuffled_data on, the more
-    # frequent of the two cadences), until the first padded batch says whether
-    # its labels are ignored; other steps pay nothing.
+    # The labels a token loss receives are looked at at step 0 and every
+    # ``every``-th step after (the class target look's sampled steps: with
+    # unshuffled_data on, the more frequent of the two cadences), until the first
+    # padded batch says whether its labels are ignored; other steps pay nothing.
     every: int = field(default=5, metadata=_range(1))
 
 

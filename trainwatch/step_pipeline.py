@@ -463,9 +463,13 @@ class StepPipeline:
                 on_error,
                 counts=counts,
                 padding=PaddingLook(weak_getter(self, "_root", None)) if padding else None,
+                audit=weak_getter(self.behaviour, "broadcast", None) if self._audits else None,
             )
-            # Listens to the passes of sampled steps only, from step ``every`` on:
-            # the first steps are the broadcast audit's.
+            # Listens to the passes of sampled steps only, this one first: a wrong
+            # target (padding counted, data sorted by label) is there from the first
+            # batch. On a step the broadcast audit follows too (the first steps, its
+            # rechecks) the look rides the audit's mode, so the loss is not seen twice.
+            self.listen_for_targets(self.class_targets)
         self.data_order: str | None = None
         self.own_batching: str | None = None
         # Whether training changes the output on the first batch: its own sampled steps.
@@ -2136,7 +2140,7 @@ class StepPipeline:
         """Only the passes of sampled steps reach the look: others pay nothing for it."""
         due = self._step_count() % look.every == 0 and not look.finished and not look.broken
         if due and not look.listening:
-            self.passes.subscribe("class_targets", look)
+            self.passes.subscribe("class target look", look)
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due

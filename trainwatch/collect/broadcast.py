@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -491,7 +491,12 @@ class _AuditMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = _call(func, args, kwargs)
         audit = self.audit()
-        if audit is not None and audit.live and not quiet.replaying():
+        if audit is None:
+            return out
+        rider = audit.rider
+        if rider is not None:
+            rider(func, args, kwargs)  # a look reading the same span (it catches its own errors)
+        if audit.live and not quiet.replaying():
             try:
                 if audit.inside:
                     audit.inside_op(func, args, kwargs, out)
@@ -557,6 +562,12 @@ class BroadcastAudit:
         # The softmax and sigmoid nodes that made a pass's outputs, by id, with the
         # part of the model that made them ("" the model): probabilities out of forward.
         self._squashed: dict[int, tuple[Any, str]] = {}
+        # A sampled look that reads the same span, from a pass's end to the step
+        # boundary (the class target look): while the audit's mode is on the stack it
+        # is handed each op the mode sees instead of pushing a mode of its own, so a
+        # step both audited and sampled dispatches every op of its loss through one
+        # mode, not two. Set and cleared by the look.
+        self.rider: Callable[[Any, Any, dict[str, Any]], None] | None = None
 
     # -- the span: from the model's output to the step boundary -------------
     def pass_starts(
@@ -717,6 +728,12 @@ class BroadcastAudit:
     def take_target(self) -> torch.Tensor | None:
         found, self.target_spread = self.target_spread, None
         return found
+
+    @property
+    def carries(self) -> bool:
+        """Its mode is on the stack and follows this span's loss: a look of the same
+        span may ride it (``rider``) instead of pushing a mode of its own."""
+        return self.live and self._depth is not None and not self.inside
 
     @property
     def finished(self) -> bool:

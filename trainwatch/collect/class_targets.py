@@ -4,13 +4,17 @@ Data sorted by label and read in order gives every batch one or two classes.
 Nothing in the model shows it; the targets handed to ``cross_entropy`` or
 ``nll_loss`` do. On a sampled training step a ``TorchFunctionMode`` is active
 from the end of the model's forward pass (with gradients on) to the step
-boundary, the span in which the loss is computed; the first such loss call
+boundary, the span in which the loss is computed (on a step the broadcast
+audit follows too, the look rides the audit's mode instead: one mode sees
+the loss, not two); the first such loss call
 with integer targets (or the ``labels`` a model that computes its own loss is
 called with) has its targets counted per class on the device
 (a ``bincount``, no host sync), and the counts join the step's one readback;
 a CPU batch of up to 4096 targets is counted on the host instead, with no
 op (each small op costs a launch). The monitor subscribes the look to the model's passes on sampled
-steps only, so other steps pay nothing for it. A class loss over tokens or pixels (a
+steps only (step 0 and every ``every``-th after it: a bug in the data or the
+loss is there from the first batch, and is told there), so other steps pay
+nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
 within each sample: nothing more to count. The same look measures the
 labels such a loss gives padding (:mod:`trainwatch.collect.padded_labels`)
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainwatch.collect.broadcast import _call, _stack_is_ours_to_use
+from trainwatch.collect.broadcast import BroadcastAudit, _call, _stack_is_ours_to_use
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.padded_labels import PaddingLook
@@ -116,12 +120,7 @@ class _TargetMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = _call(func, args, kwargs)  # a loss's own warnings still name the user's line
-        # The op's name first: most ops of the span are no class loss.
-        if getattr(func, "__name__", "") in _CLASS_LOSSES and not self.look.looked:
-            try:
-                self.look.loss_seen(args, kwargs)
-            except Exception as exc:  # never break the user's loss
-                self.look.fail(exc)
+        self.look.op_seen(func, args, kwargs)
         return out
 
 
@@ -138,6 +137,7 @@ class ClassTargetLook:
         *,
         counts: bool = True,
         padding: PaddingLook | None = None,
+        audit: Callable[[], BroadcastAudit | None] | None = None,
     ) -> None:
         self.every = every
         self._configured_every = every
@@ -148,6 +148,12 @@ class ClassTargetLook:
         self._on_error = on_error
         self._mode = _TargetMode(self)
         self._depth: int | None = None  # the mode stack's depth with ours on top
+        # The model's broadcast audit (a getter: the look does not keep it alive), and the
+        # one whose mode this span rides: on a step the audit follows, its mode is
+        # on the stack over the same span, and a second mode would see every op of
+        # the loss again.
+        self._audit = audit
+        self._riding: BroadcastAudit | None = None
         self.counts: torch.Tensor | list[float] | None = None
         self.batch: int | None = None  # the first dimension of the model's output
         # A class loss over tokens or pixels was seen: targets vary within each sample.
@@ -168,11 +174,13 @@ class ClassTargetLook:
 
     # -- the span: from a training pass's output to the step boundary --------
     def pass_starts(self, module: Any) -> None:
-        if self._depth is not None:
+        if self._depth is not None or self._riding is not None:
             self._stop()  # the model's own ops are not the loss
 
     def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if self.broken or self.finished or self._depth is not None or self.looked:
+        if self.broken or self.finished or self.looked:
+            return
+        if self._depth is not None or self._riding is not None:
             return
         if self._step_of() % self.every or not torch.is_grad_enabled():
             return
@@ -184,10 +192,26 @@ class ClassTargetLook:
             self._labels_seen(module, kwargs, labels, output)
             self._span_seen = True
             return
-        if _stack_is_ours_to_use():
+        # The audit's pass_ends ran before this one (it listened first): its mode
+        # is on the stack now if it follows this step's loss.
+        audit = self._audit() if self._audit is not None else None
+        if audit is not None and audit.carries and audit.rider is None:
+            audit.rider = self.op_seen
+            self._riding = audit
+            self._span_seen = True
+        elif _stack_is_ours_to_use():
             enter_loss_mode(self._mode)
             self._depth = torch._C._len_torch_function_stack()
             self._span_seen = True
+
+    def op_seen(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """An op of the span (seen by the look's own mode, or the audit's it rides)."""
+        # The op's name first: most ops of the span are no class loss.
+        if getattr(func, "__name__", "") in _CLASS_LOSSES and not self.looked:
+            try:
+                self.loss_seen(args, kwargs)
+            except Exception as exc:  # never break the user's loss
+                self.fail(exc)
 
     def _labels_seen(self, module: Any, kwargs: dict[str, Any], labels: Any, output: Any) -> None:
         logits = _logits_of(output)
@@ -262,6 +286,11 @@ class ClassTargetLook:
             self.every = min(self.every * 2, self._configured_every * _SLOWEST)
 
     def _stop(self) -> None:
+        riding = self._riding
+        if riding is not None:
+            self._riding = None
+            if riding.rider == self.op_seen:
+                riding.rider = None
         if self._depth is None:
             return
         if leave_mode(self._mode):
