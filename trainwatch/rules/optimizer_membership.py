@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainwatch.alert import Alert
@@ -26,6 +27,84 @@ _UNFROZEN_HINT_DISTRIBUTED = (
     "nothing to do for the freeze; under DDP, a DistributedDataParallel built while "
     "these were frozen does not sync their gradients (see trainable_parameters)"
 )
+
+
+_PART_HINT = (
+    "a fixed feature extractor (a frozen backbone, everything but the head) with the "
+    "optimizer built over model.parameters()? Harmless with SGD, Adam or AdamW, which "
+    "skip a parameter without a gradient (no momentum, no weight decay), unless the "
+    "loop applies weight decay to them itself; if the freeze is meant for the whole "
+    "run, build the optimizer from the parameters that train "
+    "([p for p in model.parameters() if p.requires_grad]), which says so. If they "
+    "should train again (a freeze for warm-up), the unfreeze is missing: set "
+    "requires_grad=True where they should train. " + _FROZEN_HINT_END
+)
+
+
+@dataclass
+class _Part:
+    """A frozen part told as one alert: the modules holding its parameters, the
+    largest frozen subtrees it is made of (``tops``, in the model's order), and the
+    rest of the module holding them all (``rest``: what it holds besides, as the
+    largest subtrees holding none of the part)."""
+
+    owners: list[str]
+    tops: list[str] = field(default_factory=list)
+    rest: list[str] = field(default_factory=list)
+
+
+def _prefixes(name: str) -> list[str]:
+    """The modules holding ``name``, outermost first, itself last (``""``: the root)."""
+    pieces = name.split(".") if name else []
+    return [".".join(pieces[:i]) for i in range(len(pieces) + 1)]
+
+
+def _holders(names: Iterable[str]) -> set[str]:
+    """Every module holding one of ``names``, the root left out, they included."""
+    return {holder for name in names for holder in _prefixes(name)[1:]}
+
+
+def _one_stretch(order: list[str], owners: list[str], beside: set[str]) -> bool:
+    """Whether the modules ``owners`` follow one another in the model's ``order`` with
+    no module ``beside`` (held by an optimizer, or training) between any two of them:
+    modules holding only parameters frozen and left out of every optimizer break
+    nothing."""
+    told = set(owners) - {EXTERNAL}
+    if not told <= set(order):
+        return False  # the model changed since its order was read
+    seen, broken = 0, False
+    for owner in order:
+        if owner in told:
+            if broken or owner in beside:  # frozen beside trainable ones of its own
+                return False
+            seen += 1
+            if seen == len(told):
+                return True
+        elif seen and owner in beside:
+            broken = True
+    return True
+
+
+def _rest(order: list[str], owners: list[str], module: str) -> list[str]:
+    """What ``module`` holds besides the part ``owners`` make, in the model's order:
+    the largest subtrees under it holding none of them (``fc`` for a torchvision
+    network frozen all but its head)."""
+    ends = {module, *_holders(owners)}
+    rest: list[str] = []
+    for owner in order:
+        inside = not module or owner == module or owner.startswith(module + ".")
+        if owner in owners or owner == EXTERNAL or not inside:
+            continue
+        below = _prefixes(owner)[len(_prefixes(module)) :]
+        top = next((name for name in below if name not in ends), owner) or "<model>"
+        if top not in rest:
+            rest.append(top)
+    return rest
+
+
+def _listed(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class _ReportOnce(Rule):
@@ -80,43 +159,55 @@ class FrozenInOptimizerRule(_ReportOnce):
         fresh = self.new_owners(record.optimizer, frozen)
         if not fresh:
             return alerts
-        for owners in self._frozen_parts(fresh):
+        for part in self._frozen_parts(fresh):
+            owners = part.owners
             if owners == [EXTERNAL]:
                 alerts.append(self._outside(record, fresh[EXTERNAL]))
             elif len(owners) == 1:
                 alerts.append(self._frozen_layer(record, owners[0], fresh[owners[0]]))
             else:
-                alerts.append(self._frozen_part(record, {o: fresh[o] for o in owners}))
+                alerts.append(self._frozen_part(record, part, {o: fresh[o] for o in owners}))
         return alerts
 
-    def _frozen_parts(self, fresh: dict[str, list[ParamInfo]]) -> list[list[str]]:
-        """The modules told now, grouped by the largest subtree of the model that
-        holds nothing else the optimizers hold or that trains: a backbone frozen
-        whole is one part, told once at the module holding it; frozen embeddings and
-        a frozen head with the encoder trained between them are two."""
+    def _frozen_parts(self, fresh: dict[str, list[ParamInfo]]) -> list[_Part]:
+        """The modules told now, grouped into frozen parts, each told as one alert.
+
+        A frozen subtree is the largest one holding nothing else the optimizers hold
+        or that trains: a backbone frozen whole is one, told at the module holding it
+        (``bert``). Where every module told makes one stretch of the model, its
+        frozen subtrees one after the other in the model's order with nothing held
+        or trained between them, the stretch is one part too, told at the module
+        holding it all: a torchvision network's stem and stages frozen while its
+        ``fc`` trains (the root), the embeddings and first encoder layers frozen for
+        fine-tuning (``bert``); one decision froze them, one fix covers them. Frozen
+        parts apart (embeddings and a head, the encoder trained between them; a LoRA
+        model's base layers between its adapters) stay one alert per subtree, and a
+        module frozen beside trainable parameters of its own is told alone."""
         owners = list(fresh)
         held = self.held
         if len(owners) < 2 or held is None:
-            return [[owner] for owner in owners]
+            return [_Part([owner]) for owner in owners]
         told = {p.name for owner, group in fresh.items() if owner != EXTERNAL for p in group}
         beside = held.owners_beside(told)
         if beside is None:
-            return [[owner] for owner in owners]
-        # A module is part of no frozen part where it or a module inside it is beside.
-        ends = {""} if beside else set()
-        for owner in beside:
-            pieces = owner.split(".") if owner else []
-            ends.update(".".join(pieces[:i]) for i in range(1, len(pieces) + 1))
-        parts: dict[str, list[str]] = {}
+            return [_Part([owner]) for owner in owners]
+        # A module is in no frozen subtree where it or a module inside it is beside.
+        ends = _holders(beside) | ({""} if beside else set())
+        tops: dict[str, list[str]] = {}  # each frozen subtree's modules told
         for owner in owners:
-            if owner == EXTERNAL:  # outside the model: a part of its own
-                parts[EXTERNAL] = [EXTERNAL]
+            if owner == EXTERNAL:
                 continue
-            pieces = owner.split(".") if owner else []
-            tops = (".".join(pieces[:i]) for i in range(len(pieces) + 1))
-            top = next((name for name in tops if name not in ends), owner)
-            parts.setdefault(top, []).append(owner)
-        return list(parts.values())
+            top = next((name for name in _prefixes(owner) if name not in ends), owner)
+            tops.setdefault(top, []).append(owner)
+        parts = [_Part(modules, [top]) for top, modules in tops.items()]
+        order = held.layer_order() if len(parts) > 1 else None
+        if order is not None and _one_stretch(order, owners, beside):
+            modules = [m for part in parts for m in part.owners]
+            subtrees = [top for part in parts for top in part.tops]
+            parts = [_Part(modules, subtrees, _rest(order, modules, common_module(subtrees)))]
+        if EXTERNAL in fresh:  # outside the model: a part of its own
+            parts.append(_Part([EXTERNAL]))
+        return parts
 
     def _frozen_layer(self, record: StepRecord, owner: str, params: list[ParamInfo]) -> Alert:
         """One module's frozen parameters, told alone: beside trainable ones of its
@@ -142,33 +233,43 @@ class FrozenInOptimizerRule(_ReportOnce):
             },
         )
 
-    def _frozen_part(self, record: StepRecord, part: dict[str, list[ParamInfo]]) -> Alert:
-        """A frozen subtree of modules (a backbone frozen whole while the optimizer was
-        built over ``model.parameters()``): one alert, at the module holding them all,
-        since one fix covers them all."""
+    def _frozen_part(
+        self, record: StepRecord, found: _Part, part: dict[str, list[ParamInfo]]
+    ) -> Alert:
+        """A frozen part of many modules (a backbone frozen whole, or everything but
+        the head, while the optimizer was built over ``model.parameters()``): one
+        alert, at the module holding them all, since one fix covers them all."""
         modules = list(part)
         module = common_module(modules)
         params = [p for group in part.values() for p in group]
-        self._parts[(record.optimizer, module)] = modules
-        since = min(self._first_seen.get((record.optimizer, m), record.step) for m in modules)
+        scope = record.optimizer
+        # A later freeze told at the same module is withdrawn with this one.
+        self._parts.setdefault((scope, module), []).extend(modules)
+        since = min(self._first_seen.get((scope, m), record.step) for m in modules)
         where = module or "the model"
+        if found.rest:
+            what = f"all of {where} but {_listed(found.rest)}"
+        else:
+            what = f"no parameter of {where} trains"
+        if len(found.tops) > 1:
+            tops = _listed([top or "<model>" for top in found.tops], 6)
+            held = f"in {len(found.tops)} parts ({tops}; {len(modules)} modules)"
+        else:
+            held = f"in {len(modules)} modules ({short_names(params)})"
         return self.alert(
             since,
             module,
-            f"{len(params)} parameters of {where}, in {len(modules)} modules "
-            f"({short_names(params)}), have requires_grad=False and sit in optimizer "
-            f"{record.optimizer}'s param groups: no parameter of {where} trains",
-            f"{where} is not updated while it stays frozen: a frozen backbone, or a "
-            "freeze for warm-up or fine-tuning that is never undone? Set "
-            "requires_grad=True where it should train; if it is meant to stay fixed, "
-            "build the optimizer from the parameters you mean to train "
-            "([p for p in model.parameters() if p.requires_grad]). " + _FROZEN_HINT_END,
+            f"{len(params)} parameters of {where}, {held}, have requires_grad=False and "
+            f"sit in optimizer {scope}'s param groups: {what}",
+            _PART_HINT,
             {
                 "frozen": len(params),
                 "trainable": 0,
                 "parameters": [p.name for p in params],
                 "modules": modules,
-                "optimizer": record.optimizer,
+                "parts": found.tops,
+                "rest": found.rest,
+                "optimizer": scope,
             },
         )
 
