@@ -278,18 +278,20 @@ def test_only_sampled_no_grad_passes_in_training_mode_are_looked_at(quiet_watch)
         model,
         opt,
         eval_in_train_mode={"functional_passes": 2, "functional_every": 5},
+        train_in_eval_mode={"functional_passes": 2},
         # Its re-run of the first batch is one more no-grad pass the model's own
         # record would list; this test counts the user's passes only.
         stalled_training={"enabled": False},
     )
-    for batch in _graphs(3):
+    for batch in _graphs(5):
         _step(model, opt, batch)
     _evaluate(model, _graphs, 11)
     model.eval()
     _evaluate(model, _graphs, 2)
     training = [looked for grad, looked in model.looked if grad]
     no_grad = [looked for grad, looked in model.looked if not grad]
-    assert training == [False] * 3  # a training pass never pays for a look
+    # train_in_eval_mode's look at the first training passes, then none
+    assert training == [True, True, False, False, False]
     # the first two candidates, then one in five; none once in eval mode
     assert (
         no_grad

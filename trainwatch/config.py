@@ -151,7 +151,11 @@ class EvalInTrainModeConfig(RuleConfig):
 
 @dataclass
 class TrainInEvalModeConfig(RuleConfig):
-    pass
+    # Models that call F.dropout / F.batch_norm with no module of those types:
+    # the calls are looked for in this many of the first training passes made in
+    # training mode; a module seen with them acting is known to hold them once a
+    # no-grad pass in eval mode (an evaluation) sees its calls stop acting.
+    functional_passes: int = field(default=3, metadata=_range(0))
 
 
 @dataclass

@@ -19,8 +19,10 @@ join the step's single readback.
   ``collect/eval_gradients.py``).
   Dropout and batch norm called as functions (``F.dropout(x, p,
   training=self.training)``) are found by a sampled look at the calls of a
-  no-grad pass made in training mode (``collect/functional_modes.py``);
-  the modules seen calling them are then checked like dropout modules.
+  no-grad pass made in training mode, or by looks at the first training
+  passes and then at a no-grad pass in eval mode, where the calls seen acting
+  in training must stop (``collect/functional_modes.py``); the modules seen
+  calling them are then checked like dropout modules.
 - Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
   also measures the loss target's spread, constant_output's reference for the
   model's own output. The first evaluation passes are audited the same way
@@ -115,8 +117,13 @@ class BehaviourWatch:
         self._eval_backward_ends = WeakHook(self, "eval_backward_ends")
         evals = config.eval_in_train_mode
         self.functional = (
-            FunctionalLook(evals.functional_passes, evals.functional_every, on_error)
-            if self.check_eval_pass
+            FunctionalLook(
+                evals.functional_passes,
+                evals.functional_every,
+                on_error,
+                config.train_in_eval_mode.functional_passes if self.check_train_step else 0,
+            )
+            if checks_modes
             else None
         )
         self._model_passes = 0  # since the last step boundary
@@ -312,7 +319,7 @@ class BehaviourWatch:
                 else:
                     modes.start_learning()
             look = self.functional
-            if look is not None and not look.broken and not torch.is_grad_enabled():
+            if look is not None and torch.is_grad_enabled() not in look.skipped_grad_modes:
                 self._look_for_functional_modes(module, look)
         sampler = self.sampler
         if sampler is not None and sampler.enabled:
@@ -332,14 +339,26 @@ class BehaviourWatch:
                 sampler.active = False
 
     def _look_for_functional_modes(self, module: nn.Module, look: FunctionalLook) -> None:
-        """A no-grad pass in training mode that no module type flags: maybe watch its calls."""
+        """A pass no module type flags: maybe watch its calls. A no-grad pass in training
+        mode, for calls acting (an evaluation in training mode); one of the first
+        training passes, for the modules calling them; a no-grad pass in eval mode
+        while such modules are held, for whether their calls stop acting in it."""
         model = self._model()
         modes = self.modes
-        if model is None or modes is None or is_wrapper(module) or not model.training:
+        if model is None or modes is None or is_wrapper(module):
             return  # compiled code would not make the calls a look could see
-        skip = self._config.eval_in_train_mode.mc_dropout
-        if modes.in_mode(True, skip_dropout=skip) is None and look.due():
-            look.start(model, skip)
+        if torch.is_grad_enabled():
+            if modes.listed:
+                look.no_more_training_passes()  # its modules say it holds dropout or norms
+            elif look.training_due() and model.training:  # counted in either mode
+                look.start(model, False, training=True)
+        elif not model.training:
+            if look.judge_due():
+                look.start(model, False, judging=True)
+        elif self.check_eval_pass:
+            skip = self._config.eval_in_train_mode.mc_dropout
+            if modes.in_mode(True, skip_dropout=skip) is None and look.due():
+                look.start(model, skip)
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         model = self._model()

@@ -408,8 +408,9 @@ def _stack_is_ours_to_use() -> bool:
     model's audit (which pops itself only from the top, as ours does) may be
     below: an actor's and a critic's audits are both live in the same span,
     and so may the sampled looks at class targets and at the model output's
-    target, and zero_gradient's look at the parameters a pass reads, which pop
-    themselves the same way.
+    target, and zero_gradient's look at the parameters a pass reads, and the
+    look at a pass's dropout and batch-norm calls, which pop themselves the
+    same way.
     """
     if torch._C._len_torch_function_stack() == 0:
         return True
@@ -419,13 +420,12 @@ def _stack_is_ours_to_use() -> bool:
     except ImportError:  # pragma: no cover - other torch versions
         return False
     from trainwatch.collect.class_targets import _TargetMode  # imports this module
+    from trainwatch.collect.functional_modes import _CallMode  # imports this module
     from trainwatch.collect.output_target import _OutputTargetMode  # imports this module
     from trainwatch.collect.parameter_reads import _ReadMode
 
-    return all(
-        isinstance(m, (DeviceContext, _AuditMode, _TargetMode, _OutputTargetMode, _ReadMode))
-        for m in _get_current_function_mode_stack()
-    )
+    ours = (DeviceContext, _AuditMode, _TargetMode, _OutputTargetMode, _ReadMode, _CallMode)
+    return all(isinstance(m, ours) for m in _get_current_function_mode_stack())
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

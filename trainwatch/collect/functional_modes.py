@@ -1,4 +1,4 @@
-"""Dropout and batch norm called as functions, seen in a no-grad pass made in training mode.
+"""Dropout and batch norm called as functions: which modules call them, and when they act.
 
 Graph networks and many research models call ``F.dropout(x, p,
 training=self.training)`` or ``F.batch_norm(..., training=self.training)``
@@ -7,13 +7,26 @@ that the model behaves differently in training mode. The calls themselves
 say it: in training mode they drop units or normalise with the batch's own
 statistics (and overwrite the running ones); in eval mode they do neither.
 
-A look is a ``TorchFunctionMode`` over one whole no-grad pass of a model in
-training mode, with global module hooks that keep the stack of the model's
-modules running, so each call is put on the innermost of them. It runs only
-on sampled passes: the first few no-grad passes of such a model, then one in
-``every``. Passes with gradients (training) never get one. Once a module is
-seen calling one of these functions, the plain ``.training`` check covers it
-like any ``Dropout`` module, and no further look is needed.
+A look is a ``TorchFunctionMode`` over one whole pass of the model, with
+global module hooks that keep the stack of the model's modules running, so
+each call is put on the innermost of them. For an evaluation left in training
+mode it runs on sampled no-grad passes made in training mode: the first few
+of such a model, then one in ``every``. Once a module is seen calling one of
+these functions, the plain ``.training`` check covers it like any
+``Dropout`` module, and no further look is needed.
+
+Training in eval mode (``model.eval()`` in an evaluation, ``model.train()``
+never called back) needs the same knowledge, which those looks never give
+where every no-grad pass runs in eval mode. So the passes with gradients
+among the first ``training_passes`` of a model no module type flags are
+looked at too, those made in training mode, and the modules seen there with
+dropout or batch norm acting are held. A call that acts in training mode may
+act in any mode (``F.dropout(x, p)`` keeps its default ``training=True``): a
+module held is taken for mode-dependent only once a later look at a no-grad
+pass with the module in eval mode sees its call not act (the evaluation that
+``model.eval()`` was called for); a call that acts there too is let go.
+Later passes with gradients get no look: a healthy step past the first ones
+asks one attribute whether its grad mode gets a look, as it did before.
 """
 
 from __future__ import annotations
@@ -156,14 +169,52 @@ class _CallMode(TorchFunctionMode):
         return out
 
 
-class FunctionalLook:
-    """One sampled no-grad pass, watched for dropout and batch-norm calls acting as in training."""
+def _read_modes_above(depth: int | None) -> bool:
+    """Whether every mode above the stack's first ``depth`` is zero_gradient's look
+    at the parameters a pass reads (which leaves at the pass's end)."""
+    from trainwatch.collect.parameter_reads import _ReadMode  # imports broadcast
 
-    def __init__(self, first: int, every: int, on_error: Callable[[str, BaseException], None]):
+    if depth is None:
+        return True
+    above = range(depth, torch._C._len_torch_function_stack())
+    return all(isinstance(torch._C._get_function_stack_at(i), _ReadMode) for i in above)
+
+
+# Values of ``torch.is_grad_enabled()``.
+_GRAD = frozenset({True})
+_ANY_GRAD = frozenset({True, False})
+
+
+class FunctionalLook:
+    """One watched pass of the model: a sampled no-grad pass, watched for dropout and
+    batch-norm calls acting as in training; one of the first training passes, for the
+    modules that call them; a no-grad pass in eval mode, for whether those calls stop."""
+
+    def __init__(
+        self,
+        first: int,
+        every: int,
+        on_error: Callable[[str, BaseException], None],
+        training_passes: int = 0,
+    ):
         self.first = first
         self.every = every
         self._on_error = on_error
         self._candidates = 0  # no-grad passes in training mode seen so far
+        # Training passes in training mode still to look at, and no-grad passes in
+        # eval mode looked at for the modules held (counted from the last one held).
+        self._training_left = training_passes
+        self._judged = 0
+        # Read as each pass of the model starts (an attribute, not a call): the
+        # values of ``torch.is_grad_enabled()`` whose passes get no look. Empty
+        # while training passes are still to be looked at; passes with gradients
+        # from then on; every pass once looks are broken.
+        self.skipped_grad_modes = _GRAD if training_passes <= 0 else frozenset()
+        # Modules seen with dropout or batch norm acting in a training pass made in
+        # training mode, by id, not yet seen calling them in eval mode.
+        self.held: dict[int, Listed] = {}
+        self._judging = False  # the pass watched is a no-grad pass in eval mode
+        self._training = False  # the pass watched is a training pass
         self._mode = _CallMode(self)
         self._depth: int | None = None  # the mode stack's depth with ours on top
         self._hooks = HookGroup()
@@ -184,11 +235,44 @@ class FunctionalLook:
         self._candidates += 1
         return not self.broken and (n < self.first or (self.every > 0 and n % self.every == 0))
 
-    def start(self, model: nn.Module, skip_dropout: bool) -> None:
-        """Watch the pass that begins now (called from the model's own pre-hook)."""
-        if self.active or not _stack_is_ours_to_use():
-            return
+    def training_due(self) -> bool:
+        """Counts a pass with gradients, in any mode (a model trained in eval mode
+        from the start does not pay for the question at every step); whether it is
+        among the first ``training_passes``."""
+        if self._training_left <= 0 or self.broken:
+            return False
+        self._training_left -= 1
+        if self._training_left <= 0:
+            self.skipped_grad_modes = _GRAD  # the healthy step asks nothing more
+        return True
+
+    def no_more_training_passes(self) -> None:
+        """Training passes need no look (module types already flag the model)."""
+        self._training_left = 0
+        if not self.broken:
+            self.skipped_grad_modes = _GRAD
+
+    def judge_due(self) -> bool:
+        """A no-grad pass in eval mode while modules are held: whether it is looked at
+        (the first ``first`` such passes after a module was last held)."""
+        if not self.held or self.broken or self._judged >= self.first:
+            return False
+        self._judged += 1
+        return True
+
+    def start(
+        self, model: nn.Module, skip_dropout: bool, training: bool = False, judging: bool = False
+    ) -> None:
+        """Watch the pass that begins now (called from the model's own pre-hook).
+
+        ``training``: a training pass, whose acting calls are held; ``judging``: a
+        no-grad pass in eval mode, which tells the held modules mode-dependent or not.
+        """
+        if self.active or self._depth is not None or not _stack_is_ours_to_use():
+            return  # (our mode still on the stack under another: not entered twice)
         self._skip_dropout = skip_dropout
+        self._training = training
+        self._judging = judging
         self.found = []
         self._stack = []
         self._names = {
@@ -209,11 +293,14 @@ class FunctionalLook:
         self._hooks.remove_all()
         self.active = False
         self.release()
-        if self.pending:
+        if self.pending and not _read_modes_above(self._depth):
             # A mode entered inside the pass is still on top: popping now would
             # pop it instead of ours. Ours stays, inert, until a step boundary
-            # finds it on top again; no look runs after that.
-            self.broken = True
+            # finds it on top again; no look runs after that. zero_gradient's
+            # look at the parameters a pass reads, entered after ours as the
+            # pass began, leaves as it ends and takes ours along.
+            self._break()
+        self._training = self._judging = False
         self._names = {}
         self._stack = []
         found, self.found = self.found, []
@@ -238,20 +325,45 @@ class FunctionalLook:
         if not self.active or self.broken or quiet.replaying():
             return  # trainwatch's own re-run of a module is not the user's pass
         kind, label, acts = _MODE_FUNCTIONS[func]
-        if (self._skip_dropout and kind == "dropout") or not acts(args, kwargs):
+        if self._skip_dropout and kind == "dropout":
             return
         if not self._stack or self._stack[-1] not in self._names:
             return
-        name, ref = self._names[self._stack[-1]]
-        if all(item.ref() is not ref() for item in self.found):
+        key = self._stack[-1]
+        name, ref = self._names[key]
+        if self._judging:
+            self._judge(key, ref(), acts(args, kwargs))
+        elif not acts(args, kwargs):
+            return
+        elif self._training:
+            module = ref()
+            if module is not None and module.training and key not in self.held:
+                self.held[key] = Listed(name, kind, label, ref)
+                self._judged = 0  # the next evaluations are looked at for it
+        elif all(item.ref() is not ref() for item in self.found):
             self.found.append(Listed(name, kind, label, ref))
+
+    def _judge(self, key: int, module: nn.Module | None, acted: bool) -> None:
+        """A held module called dropout or batch norm in a no-grad pass: in eval mode,
+        a call that does not act makes it mode-dependent (found); one that acts, not."""
+        item = self.held.get(key)
+        if item is None or module is None or item.ref() is not module or module.training:
+            return
+        del self.held[key]
+        if not acted:
+            self.found.append(item)
+
+    def _break(self) -> None:
+        self.broken = True
+        self.skipped_grad_modes = _ANY_GRAD
 
     def fail(self, exc: BaseException) -> None:
         """A look failed: looks end (the mode comes off at the pass's end), the rest goes on."""
-        self.broken = True
+        self._break()
         self._hooks.remove_all()
         self._on_error("functional mode look", exc)
 
     def detach(self) -> None:
-        self.broken = True
+        self._break()
+        self.held = {}
         self.finish()
