@@ -681,7 +681,7 @@ class StepPipeline:
                 record.dropped = tuple(map(info, dropped))
                 names = {d.name for d in record.dropped}
                 record.missing = [i for i in record.missing if i.name not in names]
-        if self._leavings.noting and not record.rewritten_since_backward:
+        if self._leavings.listening and not record.rewritten_since_backward:
             info = self.layers.info
             record.rewritten_after_backward = frozenset(
                 info(p).name for p in rewritten_since(params, left)
@@ -1441,12 +1441,12 @@ class StepPipeline:
                 self._guarded(
                     "other optimizer's backward", self._judge_cancels, index, now, params, frame
                 )
-            if record.present and (record.missing or self._leavings.noting):
+            if record.present and (record.missing or self._leavings.listening):
                 # Some gradient kept: did the loop drop the others backward made?
                 self._guarded("dropped gradients", self._take_dropped, record, params)
-            if self._leavings.noting:
+            if self._leavings.listening:
                 self._leavings.step_gathered()
-            if self._backward_norms.looking:
+            if self._backward_norms.listening:
                 self._guarded("norms at backward's end", self._take_backward_norms, pending, params)
         if self.restarted:
             record.restarted_layers = frozenset(self.restarted)

@@ -25,27 +25,22 @@ Under an enabled GradScaler backward leaves the gradients scaled and
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.accumulation import GradResetTracker
+from trainwatch.collect.backward_end_listener import BackwardEndListener
 from trainwatch.collect.dropped_gradients import rewritten_since
 from trainwatch.collect.grads import gradient_norms, layer_norms
 from trainwatch.frame import Slot, StepFrame
-from trainwatch.hooks import WeakHook
 from trainwatch.layers import ParamInfo
 from trainwatch.process_steps import PROCESS_STEPS
 
 _GRAD = attrgetter("grad")
-# Optimizer steps of the process a request covers: it comes as the rule judges a
-# step, which may be read back a step late (a lagged frame).
-_LOOKED_STEPS = 4
 
 
 class LayerNormsLeft(Mapping[str, float]):
@@ -75,15 +70,12 @@ class LayerNormsLeft(Mapping[str, float]):
         return len(self._computed())
 
 
-class BackwardEndNorms:
+class BackwardEndNorms(BackwardEndListener):
     """Takes the gradients' norms at each backward's end over the steps a request
-    covers (``ask``); the listener goes once they are past."""
+    covers (``request``); the listener goes once they are past."""
 
     def __init__(self, tracker: GradResetTracker) -> None:
-        self._tracker = weakref.ref(tracker)
-        self._until = -1
-        self._listener: RemovableHandle | None = None
-        self.looking = False  # a plain attribute: read only off the usual step
+        super().__init__(tracker)
         # What the latest backward looked at left: the process's backward count as it
         # ended (a later backward anywhere moves it), what the tracker noted of it
         # (each gradient's id and version), the parameters holding a gradient then
@@ -93,20 +85,7 @@ class BackwardEndNorms:
         self._params: list[torch.Tensor] = []
         self._norms: torch.Tensor | None = None
 
-    def ask(self) -> None:
-        """Take the norms at the backward passes' end of the next steps."""
-        self._until = PROCESS_STEPS.taken + _LOOKED_STEPS
-        tracker = self._tracker()
-        if self._listener is None and tracker is not None:
-            self._listener = tracker.on_backward_end(WeakHook(self, "_backward_ended"))
-            self.looking = True
-
-    def _backward_ended(self) -> None:
-        tracker = self._tracker()
-        if tracker is None or PROCESS_STEPS.taken > self._until:
-            self.stop()
-            return
-        tracker.note_asked()
+    def at_backward_end(self, tracker: GradResetTracker) -> None:
         # Kept apart from the tracker's notes: a clip gathered before it notes the
         # gradients again as clipped.
         self._left = tracker.left or {}
@@ -140,16 +119,7 @@ class BackwardEndNorms:
         return True, LayerNormsLeft(infos, frame.add(norms), layers)
 
     def stop(self) -> None:
-        self.looking = False
+        super().stop()
         self._norms = None
         self._params = []
         self._left = {}
-        if self._listener is not None:
-            self._listener.remove()
-            self._listener = None
-
-    detach = stop  # the step pipeline's parts take their hooks off through detach()
-
-    def fail(self, exc: BaseException) -> None:
-        """A WeakHook's target: knowing nothing, it takes nothing (judged as before)."""
-        self.stop()

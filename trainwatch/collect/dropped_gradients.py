@@ -25,23 +25,16 @@ backward's end leaves no gradient ``None`` to arm). A healthy step pays nothing.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import and_, attrgetter, is_, is_not, ne
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from trainwatch.collect.accumulation import GradResetTracker
-from trainwatch.hooks import WeakHook
-from trainwatch.process_steps import PROCESS_STEPS
+from trainwatch.collect.backward_end_listener import BackwardEndListener
 
 _GRAD = attrgetter("grad")
-# Optimizer steps of the process (every watched model's) a request for notes
-# covers: it comes as the rule judges a step, which may be read back a step late
-# (a lagged frame). The first steps are noted unasked, for the same reason.
-_NOTED_STEPS = 4
 
 
 def dropped_to_none(
@@ -66,50 +59,20 @@ def rewritten_since(
     return list(compress(params, map(and_, noted, map(ne, before, now))))
 
 
-class LeavingsNotes:
+class LeavingsNotes(BackwardEndListener):
     """Has the tracker note what each backward leaves, where it would not (the usual
     step), over the first steps and while ``zero_gradient`` asks: a parameter
     without a gradient (``None``) or with an exactly zero one, not yet told, or
-    one found dropped. Each request covers the next ``_NOTED_STEPS`` optimizer
-    steps of the process; with none since, the listener goes at the last one's
-    boundary, and the usual step pays nothing again."""
+    one found dropped. Each request covers the next optimizer steps of the
+    process; with none since, the listener goes at the last one's boundary, and
+    the usual step pays nothing again."""
 
     def __init__(self, tracker: GradResetTracker) -> None:
-        self._tracker = weakref.ref(tracker)
-        self._until = -1
-        self._listener: RemovableHandle | None = None
-        self.noting = False  # a plain attribute: read on the steps it notes
-        self.note_next()
-
-    def note_next(self) -> None:
-        """Note what the backward passes of the next steps leave."""
-        self._until = PROCESS_STEPS.taken + _NOTED_STEPS
-        tracker = self._tracker()
-        if self._listener is None and tracker is not None:
-            self._listener = tracker.on_backward_end(WeakHook(self, "_backward_ended"))
-            self.noting = True
-
-    def _backward_ended(self) -> None:
-        tracker = self._tracker()
-        if tracker is None or PROCESS_STEPS.taken > self._until:
-            self.stop()
-            return
-        tracker.note_asked()
+        super().__init__(tracker)
+        self.request()  # the first steps are noted unasked
 
     def step_gathered(self) -> None:
         """A step boundary read what this noted: after the last step a request covers,
         the listener goes now, so that the next backward queues no call at its end."""
-        if PROCESS_STEPS.taken >= self._until:
+        if self.past_request():
             self.stop()
-
-    def stop(self) -> None:
-        self.noting = False
-        if self._listener is not None:
-            self._listener.remove()
-            self._listener = None
-
-    detach = stop  # the step pipeline's parts take their hooks off through detach()
-
-    def fail(self, exc: BaseException) -> None:
-        """A WeakHook's target: knowing nothing, it notes nothing (judged as before)."""
-        self.stop()

@@ -437,7 +437,7 @@ class ExplodingGradientRule(Rule):
             # Did the loop write into the gradients after backward? Seen from the
             # next steps on (see _as_backward_left).
             if self.backward_norms is not None:
-                self.backward_norms.ask()
+                self.backward_norms.request()
         if alerts or self._waiting is not None:
             alerts = self._unless_a_sync(record, alerts)
         touched = set(record.layer_norms).union(record.restarted_layers)
@@ -472,7 +472,7 @@ class ExplodingGradientRule(Rule):
                 norm = made
             norms[layer] = norm
         if lifted and self.backward_norms is not None:
-            self.backward_norms.ask()
+            self.backward_norms.request()
         judged = shallow_copy(record)  # the record is every rule's: not written
         judged.layer_norms = norms
         return judged

@@ -897,7 +897,7 @@ class ZeroGradientRule(Rule):
         if dropped or any(
             info.name not in streaks or not streaks[info.name].reported for info, _ in silent
         ):
-            self.leavings.note_next()
+            self.leavings.request()
 
     def _zero_ops(self, due: list[ParamInfo]) -> dict[str, list[str]] | None:
         """Per layer of ``due``, the ops with a zero derivative on every path from
