@@ -108,6 +108,7 @@ __all__ = [
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
 _MAX_WAITING = 16
+_STRIDED = torch.strided
 # Backward passes without a step kept per step (their flags); past it the oldest go.
 NOTED_PASSES = 64
 
@@ -448,6 +449,14 @@ class NonfiniteProbe:
         waits, with references to the pass's inputs, for the step boundary.
         """
         module = unwrap(module)  # a replay runs the model itself, eagerly
+        if type(output) is torch.Tensor and not self.at_step:
+            # The usual pass: one plain tensor out, checked on the spot.
+            if output.is_floating_point() and output.layout is _STRIDED and output.numel():
+                if self._this_step.forward_origin is None and not finite_exact(output):
+                    self._forward_bad(module, args, kwargs, self._rng_at_start)
+                if output.grad_fn is not None and output.requires_grad and torch.is_grad_enabled():
+                    self._await_backward(module, args, kwargs, [output])
+            return
         outs = floating_list(output)
         if self.at_step:
             if self._this_step.forward_origin is None and outs:
@@ -484,12 +493,17 @@ class NonfiniteProbe:
         this = self._this_pass
         if this.replay_seq < 0:  # no backward has reached a pass since this one began
             this.last_call, this.grad_entering = call, entering
-        placed: list[PlacedHook] = []
-        for position, tensor in enumerate(needs_grad):
-            hook = WeakHook(self, "on_grad_entering", candidate, position)
-            where = hook_pass_tensor(tensor, hook)
-            if where is not None:
-                placed.append(where)
+        if len(needs_grad) == 1:  # the usual pass: one output
+            hook = WeakHook(self, "on_grad_entering", candidate, 0)
+            where = hook_pass_tensor(needs_grad[0], hook)
+            placed: list[PlacedHook] = [] if where is None else [where]
+        else:
+            placed = []
+            for position, tensor in enumerate(needs_grad):
+                hook = WeakHook(self, "on_grad_entering", candidate, position)
+                where = hook_pass_tensor(tensor, hook)
+                if where is not None:
+                    placed.append(where)
         awaiting = self._this_step.awaiting
         awaiting.append(placed)
         if len(awaiting) > 2:
