@@ -22,6 +22,7 @@ from rich.text import Text
 from trainwatch.alert import SEVERITIES, severity_rank
 from trainwatch.sinks import ALERTS_FILE, COUNTS_FILE
 from trainwatch.sinks.console import severity_text
+from trainwatch.strict_json import dumps
 
 
 class ReportError(Exception):
@@ -263,7 +264,7 @@ def report_main(path: str, *, as_json: bool = False) -> int:
         print(f"trainwatch report: {exc}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(dumps(report.to_dict(), indent=2))
     else:
         Console(highlight=False, soft_wrap=True).print(render(report))
     return 0

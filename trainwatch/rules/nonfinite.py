@@ -13,6 +13,7 @@ from trainwatch.process_steps import OriginTold
 from trainwatch.record import NonfiniteReport, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names, unless_clipping
 from trainwatch.rules.nonfinite_origin import EVERY_MODULE_FINITE, GRADIENT_OVERFLOW
+from trainwatch.strict_json import nonfinite_name
 
 _OP_HINTS = {
     "aten::log": "log of a value at or below 0: a softmax or a probability that reached "
@@ -140,12 +141,16 @@ class _ReportRule(Rule):
         """The message and the hint."""
         raise NotImplementedError
 
+    def data(self, record: StepRecord, report: NonfiniteReport) -> dict[str, Any]:
+        """The alert's ``data``: the report's facts."""
+        return _data(report)
+
     def evaluate(self, record: StepRecord) -> list[Alert]:
         report = self.report(record)
         if report is None:
             return []
         message, hint = self.words(record, report)
-        data = _data(report)
+        data = self.data(record, report)
         if report.after_exploding:
             message += " (after exploding_gradient was reported)"
             hint = _AFTER_EXPLODING + (" or add a warm-up" if self.loop_clips else _OR_CLIP)
@@ -449,6 +454,10 @@ def _entering_alone(
     )
 
 
+# What a report found where the gradient entered the model says of that gradient.
+_ENTERING_FACTS = ("kind", "count", "shape", "dtype", "device")
+
+
 class NonfiniteLossRule(_ReportRule):
     id = "nonfinite_loss"
     needs = frozenset({"nonfinite_probe"})
@@ -460,6 +469,23 @@ class NonfiniteLossRule(_ReportRule):
             # The loss is never a module's: the alert's module is None.
             report = dataclasses.replace(report, module=None)
         return report
+
+    def data(self, record: StepRecord, report: NonfiniteReport) -> dict[str, Any]:
+        """The loss's own facts: ``kind`` and ``loss`` are the loss's, as the message
+        tells them. A report found where the gradient entered the model (cause
+        ``loss``) describes that gradient (the NaN an inf loss sends back): its
+        facts keep their ``entering_`` names, never passed off as the loss's."""
+        data = _data(report)
+        if report.cause == "loss":
+            for key in _ENTERING_FACTS:
+                if key in data:
+                    data["entering_" + key] = data.pop(key)
+        loss = record.loss if record.loss is not None else report.loss
+        if loss is not None:
+            data["loss"] = loss
+            if not math.isfinite(loss):
+                data["kind"] = nonfinite_name(loss)
+        return data
 
     def words(self, record: StepRecord, report: NonfiniteReport) -> tuple[str, str]:
         loss = record.loss if record.loss is not None else report.loss

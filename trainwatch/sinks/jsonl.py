@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from trainwatch.alert import Alert
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, Summary
 from trainwatch.sinks.shared_log_dir import LogDir, log_dir_of, merged_counts, merged_setup
+from trainwatch.strict_json import dumps
 
 ALERTS_FILE = "alerts.jsonl"
 # Repeats of a (rule, module) are counted, not written as lines; the counts
@@ -64,7 +64,7 @@ class JsonlSink(Sink):
         record = alert.to_dict()
         if self.names_models and record["data"].get("model") is None:
             record["data"] = {**record["data"], "model": self.model_name}
-        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.write(dumps(record) + "\n")
         self._file.flush()  # readable up to the last line even after a kill
 
     def setup(self, audit: SetupAudit) -> None:
@@ -83,7 +83,7 @@ class JsonlSink(Sink):
         if self._dir is not None:
             self._dir.setup_ours = True
         partial = path.with_name(SETUP_FILE + ".partial")
-        partial.write_text(json.dumps({"audits": audits}, indent=1))
+        partial.write_text(dumps({"audits": audits}, indent=1))
         partial.replace(path)
 
     def close(self, summary: Summary) -> None:
@@ -111,7 +111,7 @@ class JsonlSink(Sink):
         if self._dir is not None:
             self._dir.counts_ours = True
         partial = path.with_name(COUNTS_FILE + ".partial")
-        partial.write_text(json.dumps(written, indent=1))
+        partial.write_text(dumps(written, indent=1))
         partial.replace(path)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from trainwatch.compiled import unwrap
 from trainwatch.model_names import class_name, unique_name
+from trainwatch.strict_json import dumps
 
 if TYPE_CHECKING:
     from trainwatch.sinks.jsonl import JsonlSink
@@ -169,7 +170,7 @@ def _tag_lines(path: Path, start: int, model: str) -> None:
             data = record.get("data")
             if isinstance(data, dict) and data.get("model") is None:
                 record["data"] = {**data, "model": model}
-            line = json.dumps(record, default=str)
+            line = dumps(record)
         lines.append(line)
     _replace(path, head + ("\n".join(lines) + "\n").encode("utf-8"))
 
@@ -179,7 +180,7 @@ def _tag_counts(path: Path, model: str) -> None:
     for tally in written.get("counts", []):
         if isinstance(tally, dict) and tally.get("model") is None:
             tally["model"] = model
-    _replace(path, json.dumps(written, indent=1).encode("utf-8"))
+    _replace(path, dumps(written, indent=1).encode("utf-8"))
 
 
 def _tag_setup(path: Path, model: str) -> None:
@@ -187,7 +188,7 @@ def _tag_setup(path: Path, model: str) -> None:
     for audit in written.get("audits", []):
         if isinstance(audit, dict) and audit.get("model") is None:
             audit["model"] = model
-    _replace(path, json.dumps(written).encode("utf-8"))
+    _replace(path, dumps(written).encode("utf-8"))
 
 
 def _replace(path: Path, content: bytes) -> None:

@@ -21,6 +21,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import TensorBoardConfig
 from trainwatch.setup_audit import SetupAudit
 from trainwatch.sinks.base import Sink, StepNumbers, Summary
+from trainwatch.strict_json import jsonable
 from trainwatch.tensorboard_plugin import metadata
 from trainwatch.termination import uninterrupted
 
@@ -61,19 +62,6 @@ def _kind(value: float) -> str | None:
     if value == 0.0:
         return "zero"
     return None
-
-
-def jsonable(value: Any) -> Any:
-    """Alert data as strict JSON: a NaN or Inf in a rule's figures becomes a string."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def _entry(alert: Alert, count: int, rank: int) -> dict[str, Any]:
