@@ -28,6 +28,9 @@ average a step per depth: a test holds depth 64's near depth 4's.
     python benchmarks/opcount.py --depths 4 16 64 --json counts.json
     python benchmarks/opcount.py --config configs/strict.yaml
     python benchmarks/opcount.py --depths 4 16 64 --window 50 200
+
+It also prints what each more forward pass adds to a step (``per_pass``): a
+loop acting on one observation at a time runs tens of passes to an update.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +222,44 @@ def window_bytecodes(
     return counts
 
 
+def _passes_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, passes: int
+) -> None:
+    """One update after ``passes`` batch-of-one passes summed into one loss (a policy
+    acting on one observation at a time, as REINFORCE does)."""
+    opt.zero_grad()
+    loss = sum(nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]) for i in range(passes))
+    loss.backward()  # type: ignore[union-attr]
+    opt.step()
+
+
+def per_pass(depth: int = 4, passes: int = 17, config: Any = None) -> tuple[float, float]:
+    """(aten ops, trainwatch bytecodes) each forward pass adds to a healthy step: a
+    step of ``passes`` batch-of-one passes against a step of one, on the residual
+    stack, past the first-steps audits (step 41)."""
+    torch.manual_seed(0)
+    plain = residual_stack(depth)
+    watched = copy.deepcopy(plain)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    watched_opt = torch.optim.Adam(watched.parameters(), lr=1e-3)
+    x, y = torch.randn(passes, WIDTH), torch.randn(passes, 1)
+    found = {}
+    with tw.watch(watched, watched_opt, config=config, console=False):
+        for _ in range(40):
+            _passes_step(plain, plain_opt, x, y, 1)
+            _passes_step(watched, watched_opt, x, y, 1)
+        for n in (1, passes):  # steps 41 to 44: none a sampled step
+            plain_step = partial(_passes_step, plain, plain_opt, x, y, n)
+            watched_step = partial(_passes_step, watched, watched_opt, x, y, n)
+            added = _count_ops(watched_step) - _count_ops(plain_step)
+            found[n] = (added, _count_bytecodes(watched_step))
+    more = passes - 1
+    return (
+        (found[passes][0] - found[1][0]) / more,
+        (found[passes][1] - found[1][1]) / more,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 64])
@@ -248,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.depth:>6} {c.plain_ops:>10} {c.added_ops:>+10} {c.python_calls:>13} "
             f"{c.interpreter_calls:>+16} {c.bytecodes:>10}"
         )
+    ops_a_pass, bytecodes_a_pass = per_pass(config=args.config)
+    print(
+        f"\neach more forward pass in a step (batch-of-one passes): "
+        f"{ops_a_pass:+.0f} ops, {bytecodes_a_pass:.0f} bytecodes"
+    )
     windows = {}
     if args.window:
         start, stop = args.window
