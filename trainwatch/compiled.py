@@ -15,6 +15,10 @@
 - **trainwatch's own re-runs are eager** (:func:`eager`): when a pass is
   replayed to locate a NaN, compiled code runs as plain Python (where the
   hooks are live) instead of the graph that hid the module that made it.
+- **dynamo is never imported by trainwatch** (:class:`OutOfGraphDispatchMode`):
+  the dispatch modes of its replays stay out of a graph as PyTorch's own
+  wrapper would keep them, without importing ``torch._dynamo`` (and sympy:
+  a second or two) in a script that compiles nothing.
 - **One warning kept quiet** (:class:`CompiledHookWarning`): PyTorch warns at
   every call of an ``OptimizedModule`` while any global module hook exists,
   because that hook will also see the wrapper. trainwatch expects exactly
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _is_compiling_function() -> Any:
@@ -135,6 +140,38 @@ def eager() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+class OutOfGraphDispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` dynamo never traces,
+    kept so without importing dynamo.
+
+    PyTorch hands every subclass's ``__torch_dispatch__`` to
+    ``torch._disable_dynamo``, whose first call imports ``torch._dynamo`` (and
+    sympy: a second or two). trainwatch's modes run only in its own re-runs of
+    a forward (stalled_training's first batch, a NaN located), so in a script
+    that never compiles anything (a hand-written update, no ``torch.optim``)
+    that import was trainwatch's alone, paid inside a ``monitor.step()``.
+    While dynamo is not loaded nothing can trace the method, which runs as
+    written; a mode entered once dynamo is loaded has it wrapped, as PyTorch
+    wraps it (once per class).
+    """
+
+    _out_of_graph = False  # set on each subclass, in its own dict, once it is wrapped
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # the wrap PyTorch makes at class creation: made in __enter__ instead
+
+    def __enter__(self) -> Any:
+        kind = type(self)
+        if "torch._dynamo" in sys.modules and not kind.__dict__.get("_out_of_graph", False):
+            raw = kind.__dict__.get("__torch_dispatch__")
+            if raw is not None and not isinstance(raw, classmethod):
+                disable = sys.modules["torch._dynamo"].disable
+                kind.__torch_dispatch__ = disable(raw, recursive=True)  # type: ignore[method-assign]
+            kind._out_of_graph = True
+        return super().__enter__()
 
 
 _WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"

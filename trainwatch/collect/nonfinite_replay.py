@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
@@ -45,7 +44,7 @@ from trainwatch.collect.tensors import (
     local_part,
     non_leaf,
 )
-from trainwatch.compiled import eager
+from trainwatch.compiled import OutOfGraphDispatchMode, eager
 from trainwatch.hooks import HookGroup
 from trainwatch.rng import forked_rngs
 from trainwatch.whole_layers import fully_sharded
@@ -159,7 +158,7 @@ class Replay:
         return True  # a replay that fails only means no finer location
 
 
-class FirstNonfiniteBackward(TorchDispatchMode):
+class FirstNonfiniteBackward(OutOfGraphDispatchMode):
     """Watches a replay's backward: the autograd node whose op first made a NaN/Inf
     out of finite values (``SqrtBackward0`` at a zero: its op is a division, the
     node says what it differentiates). Only in a replay: a check per op.

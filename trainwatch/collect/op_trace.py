@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.rerun_effects import UndoneEffects
@@ -31,7 +30,7 @@ from trainwatch.collect.tensors import (
     only_negative_inf,
     tensor_leaves,
 )
-from trainwatch.compiled import eager
+from trainwatch.compiled import OutOfGraphDispatchMode, eager
 from trainwatch.rng import forked_rngs
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own.
@@ -171,7 +170,7 @@ def mask_arithmetic(args: Any, kwargs: Any) -> bool:
     return any(_at_dtype_minimum(t) for t in tensors)
 
 
-class _FirstNonfinite(TorchDispatchMode):
+class _FirstNonfinite(OutOfGraphDispatchMode):
     """The first op making NaN/+inf from inputs that were finite or masks.
 
     An op making only -inf is kept as the answer only when nothing worse

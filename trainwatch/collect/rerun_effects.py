@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainwatch.compiled import OutOfGraphDispatchMode
 
 _STATE = attrgetter("__dict__")
 _PARAMETERS = attrgetter("_parameters")
@@ -513,7 +514,7 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
     return written
 
 
-class _CopyBeforeWrite(TorchDispatchMode):
+class _CopyBeforeWrite(OutOfGraphDispatchMode):
     """Live for a re-run only: before an op writes into storage the model's state
     had before the re-run, the part it writes is copied (each view once);
     :meth:`put_back` writes the copies back and sets the version counters as
