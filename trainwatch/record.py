@@ -335,6 +335,40 @@ class LearningRates:
     last_step: int | None
 
 
+@dataclass(frozen=True)
+class SteppedTwice:
+    """Two of the model's optimizers stepped the same parameters on one gradient
+    (``not_optimized`` lists them): ``first`` stepped them, then ``second``
+    stepped them again before any backward wrote their gradients anew."""
+
+    first: int
+    first_class: str
+    second: int
+    second_class: str
+    # How many parameter tensors each of the two holds in all.
+    first_holds: int
+    second_holds: int
+    # The names the training code gives the two (None: not found).
+    first_name: str | None = None
+    second_name: str | None = None
+    # The name the training code gives the model (None: not found).
+    model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LeftOutModel:
+    """A model of its own (not a loss module's weights) that no optimizer holds and
+    nothing updates, with the training code's names where they were found."""
+
+    model_class: str
+    model_name: str | None  # what the training code calls it
+    optimizer_class: str  # the class its optimizer would have (the loop's others')
+    # The loop's optimizer named after the model (``decoder_optimizer``) that holds
+    # none of its parameters, and what it holds instead (None: not found).
+    meant: str | None = None
+    holds_instead: str | None = None
+
+
 @dataclass
 class ReplacedModel:
     """What trains a model that no optimizer holds, replaced after its optimizer was
@@ -478,8 +512,11 @@ class StepRecord:
     # the model's outputs (cut off inside it), when some gradient was missing: an
     # output left out of the loss does not explain them.
     cut_off: frozenset[str] = frozenset()
-    # Parameters that got a gradient although no watched optimizer holds them.
+    # Parameters that got a gradient although no watched optimizer holds them
+    # (with stepped_twice: those two optimizers both stepped on one gradient).
     not_optimized: list[ParamInfo] = field(default_factory=list)
+    # With not_optimized: the two optimizers that both stepped them (set on that rare path).
+    stepped_twice: SteppedTwice | None = None
     # Of those, the ones (by name) that were frozen while no optimizer held them,
     # when the optimizers' membership was last looked at (a backbone frozen for a
     # linear probe as the optimizer was built over the head): unfrozen since, after
@@ -508,6 +545,9 @@ class StepRecord:
     # A model no optimizer holds, with accumulated or never-reset gradients: the
     # model an optimizer trains that it is a copy of (its target network).
     copy_of: CopiedFrom | None = None
+    # With not_optimized and idle_steps: a model of its own (not a loss module) that
+    # no optimizer holds and nothing updates (set on that rare path).
+    left_out: LeftOutModel | None = None
     # With copy_of naming a part of this model: the part that copies it (a target
     # network held inside the model), whose parameters are ``accumulated``.
     copy_part: str | None = None

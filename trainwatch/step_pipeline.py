@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
 from operator import attrgetter, is_not, itemgetter, methodcaller
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from trainwatch import clip_hook
 from trainwatch.alert import Alert
+from trainwatch.callers import names_in_caller
 from trainwatch.collect.accumulation import GradResetTracker
 from trainwatch.collect.backward_end_norms import BackwardEndNorms
 from trainwatch.collect.backwards_anywhere import BackwardsAnywhere
@@ -36,6 +37,7 @@ from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.copies import copied_model
+from trainwatch.collect.double_steps import DoubleSteps, shared_parameters
 from trainwatch.collect.dropped_gradients import LeavingsNotes, dropped_to_none, rewritten_since
 from trainwatch.collect.frozen_moves import FrozenMoves
 from trainwatch.collect.gradless_updates import GradlessUpdates
@@ -52,6 +54,7 @@ from trainwatch.collect.idle_optimizer import (
     gradients_seen,
 )
 from trainwatch.collect.joined_layers import JoinedLayers
+from trainwatch.collect.left_out_model import a_loss_module, left_out_model
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
@@ -78,6 +81,7 @@ from trainwatch.frame import Slot, StepFrame
 from trainwatch.fresh import fresh_maker
 from trainwatch.guard import Guard
 from trainwatch.layers import EXTERNAL, LayerMap, ParamInfo, names_outside
+from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.outside_owners import tells_loose, told_elsewhere, watched_by_another
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import (
@@ -92,6 +96,7 @@ from trainwatch.record import (
     NonfiniteReport,
     ReplacedModel,
     SetupCheck,
+    SteppedTwice,
     StepRecord,
 )
 from trainwatch.rules.gradient_scale import ExplodingGradientRule
@@ -515,6 +520,19 @@ class StepPipeline:
         # idle since the start, for the next look to judge.
         self._stopped_check_at = STOPPED_LOOK_AHEAD
         self._stopped_told: set[int] = set()
+        # Parameters two of the model's optimizers hold (found as the membership is
+        # read): their steps looked at for one gradient stepped twice, for a while;
+        # once told, never again.
+        self._double_steps: DoubleSteps | None = None
+        self._double_told = False
+        # Without an optimizer: other models' steps at this model's last step (-1:
+        # none yet), and whether it is a model of its own (None: not asked yet).
+        self._elsewhere_at_boundary = -1
+        self._left_out: bool | None = None
+        # The step from which a step of a model with several optimizers is looked
+        # at (see _optimizer_looks): the next look for one that stopped, or every
+        # step while parameters held twice are looked at.
+        self._multi_look_at = STOPPED_LOOK_AHEAD
         # Per optimizer idle long enough to be looked at, the gradients its own
         # parameters held at the last look (see fresh_gradients).
         self._grads_seen: dict[int, GradientsSeen] = {}
@@ -653,11 +671,12 @@ class StepPipeline:
         applied_at[pending.record.optimizer] = step
         if self._checks_not_optimized and (
             len(applied_at) < len(self._optimizers) + (None in applied_at)
-            or (step >= self._stopped_check_at and len(self._optimizers) > 1)
+            or (step >= self._multi_look_at and len(self._optimizers) > 1)
         ):
             # Some optimizer of the model's never stepped, or it is time to see
-            # whether one stopped (usually neither: C compares).
-            self._guarded("idle optimizer", self._sibling_idle, step)
+            # whether one stopped, or two step the same parameters (usually
+            # none of them: C compares).
+            self._guarded("idle optimizer", self._optimizer_looks, step, pending)
         every = self._parameter_every
         if every and step % every == 0:
             self._guarded("parameter check", self._check_parameters, pending, params)
@@ -1132,14 +1151,33 @@ class StepPipeline:
         record.amp = AmpReport(skipped, self.judge.passes_per_step, scale)
         self._dispatcher.publish(self.rules.evaluate(record))
 
+    def _left_out_whole(self, hand: HandUpdates, stale: list[ParamInfo]) -> bool:
+        """A model of its own (not a loss module's weights) whose gradients were not
+        reset and whose weights did not move since its last step, while other models'
+        optimizers stepped in between: left out of every optimizer, known now (see
+        trainwatch.collect.left_out_model). A copy of a model an optimizer trains (a
+        target network) waits for the usual count."""
+        elsewhere = PROCESS_STEPS.taken - self._taken_before - self._steps_taken()
+        stepped_between = elsewhere > self._elsewhere_at_boundary >= 0
+        self._elsewhere_at_boundary = elsewhere
+        if not (stale and hand.never_moved and stepped_between) or self._left_out is False:
+            return False
+        if self._left_out is None:
+            whole = self._guarded("left-out model", a_loss_module, self._root) is False
+            self._left_out = whole and self._copied_model() is None
+        return bool(self._left_out)
+
     def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> bool:
         """No optimizer, and nothing updates the weights by hand either, while other
         models' optimizers step: parameters left out of every optimizer (whether told)."""
         elsewhere = PROCESS_STEPS.taken - self._taken_before - self._steps_taken()
-        if elsewhere < NEVER_MOVED:
+        whole = self._left_out is True
+        if elsewhere < (1 if whole else NEVER_MOVED):
             return False  # no model here trains with an optimizer (yet): hand-written loops
         record.not_optimized = list(stale)
         record.idle_steps = elsewhere
+        if whole:
+            record.left_out = self._guarded("left-out model", left_out_model, self._root)
         record.copy_of = self._copied_model()
         # A target network told here is not told again once the loop moves it.
         self._copy_told = record.copy_of is not None
@@ -1198,6 +1236,52 @@ class StepPipeline:
         record = StepRecord(step=max(self._step_count(), PROCESS_STEPS.now), source="passes")
         record.not_optimized = [self.layers.info(p) for p in params if p in self.layers]
         record.idle_steps = steps
+        self._dispatcher.publish(self.rules.evaluate(record))
+
+    def _optimizer_looks(self, step: int, pending: PendingStep) -> None:
+        """The looks a step of a model with several optimizers is due (see applied)."""
+        double = self._double_steps
+        if double is not None:
+            found = double.stepped(pending.record.optimizer)
+            if found is not None:
+                self._double_told = True
+                self._tell_stepped_twice(step, *found)
+            if double.done:
+                self._double_steps = None
+        self._sibling_idle(step)
+        self._multi_look_at = -1 if self._double_steps is not None else self._stopped_check_at
+
+    def _look_for_double_steps(self) -> None:
+        """The membership changed: parameters of the model two optimizers hold are
+        looked at from the next step (none: nothing is)."""
+        self._double_steps = None
+        if not self._double_told and len(self._optimizers) > 1:
+            ours = set(map(id, self.layers.parameters()))
+            shared = shared_parameters(self._optimizers, ours)
+            if shared:
+                self._double_steps = DoubleSteps(self._optimizers, shared, self.tracker.enabled)
+        self._multi_look_at = -1 if self._double_steps is not None else self._stopped_check_at
+
+    def _tell_stepped_twice(
+        self, step: int, found: SteppedTwice, params: list[torch.Tensor]
+    ) -> None:
+        """Two optimizers stepped ``params`` on one gradient, at ``step``."""
+        record = StepRecord(
+            step=step,
+            source="passes",
+            optimizer=found.second,
+            optimizer_class=found.second_class,
+        )
+        record.not_optimized = [self.layers.info(p) for p in params if p in self.layers]
+        first, second = self._optimizers[found.first], self._optimizers[found.second]
+        named = [first, second, self._root]
+        names = self._guarded("caller names", names_in_caller, named, _inner_if_optimizer) or {}
+        record.stepped_twice = replace(
+            found,
+            first_name=names.get(id(first)),
+            second_name=names.get(id(second)),
+            model_name=names.get(id(self._root)),
+        )
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _sibling_idle(self, step: int) -> None:
@@ -1823,8 +1907,8 @@ class StepPipeline:
                 self._name_the_copy(record)
             if (
                 hand.never_moved is not None
-                and hand.never_moved >= NEVER_MOVED
                 and self._checks_not_optimized
+                and (hand.never_moved >= NEVER_MOVED or self._left_out_whole(hand, stale))
                 and self._never_updated(record, stale)
             ):
                 hand.never_moved = None  # told once
@@ -2008,6 +2092,8 @@ class StepPipeline:
             }
             if self.behaviour is not None:
                 self._guarded("behaviour checks", self.behaviour.held_by_none, self._unoptimized)
+            if self._checks_not_optimized:
+                self._guarded("double steps", self._look_for_double_steps)
         return self._unoptimized
 
     def rebuild_layers(self) -> None:
@@ -2144,6 +2230,11 @@ class StepPipeline:
         elif look.listening and not due:
             self.passes.unsubscribe(look)
         look.listening = due
+
+
+def _inner_if_optimizer(value: Any) -> Any:
+    """The optimizer a wrapper the training code holds trains (Lightning's ``opt_g``)."""
+    return inner_optimizer(value) if isinstance(value, Optimizer) else value
 
 
 def _group_rate(group: dict[str, Any]) -> float:

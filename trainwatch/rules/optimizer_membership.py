@@ -10,7 +10,7 @@ from trainwatch.alert import Alert
 from trainwatch.config import RuleConfig
 from trainwatch.halt_sync import process_group_up
 from trainwatch.layers import EXTERNAL, ParamInfo
-from trainwatch.record import ReplacedModel, StepRecord
+from trainwatch.record import LeftOutModel, ReplacedModel, SteppedTwice, StepRecord
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.target_copies import copied_model, copy_data
 from trainwatch.rules.trainable_parameters import common_module
@@ -406,6 +406,8 @@ class NotOptimizedRule(_ReportOnce):
     reads = "not_optimized"
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
+        if record.stepped_twice is not None:
+            return self._stepped_twice(record, record.stepped_twice)
         if record.idle_steps:
             return self._idle(record)
         if record.replaced is not None:
@@ -435,6 +437,48 @@ class NotOptimizedRule(_ReportOnce):
                 {"parameters": [p.name for p in params]},
             )
             for owner, params in self.new_owners(None, params).items()
+        ]
+
+    def _stepped_twice(self, record: StepRecord, twice: SteppedTwice) -> list[Alert]:
+        """Two optimizers hold the same parameters and both stepped them on one
+        gradient: each backward updates them twice. One alert, at the module
+        holding them all."""
+        params = record.not_optimized
+        if not params:
+            return []
+        modules = list(by_owner(params))
+        module = common_module(modules)
+        where = module or "the model"
+        first = _optimizer_named(twice.first, twice.first_class, twice.first_name)
+        second = _optimizer_named(twice.second, twice.second_class, twice.second_name)
+        count = len(params)
+        if twice.first_holds == twice.second_holds == count:
+            held = "both hold exactly these parameters"
+        else:
+            held = (
+                f"{twice.first} holds {twice.first_holds} parameters, "
+                f"{twice.second} holds {twice.second_holds}"
+            )
+        return [
+            self.alert(
+                record.step,
+                module,
+                f"{first} and {second} both hold {count} parameters of {where} "
+                f"({short_names(params)}; {held}) and both stepped them at step "
+                f"{record.step} on the same gradient: every backward updates them twice, "
+                "with two sets of optimizer state",
+                f"{_built_over_the_wrong_one(twice, module)} Build each optimizer over the "
+                f"parameters it is meant to train; if {where} should train with two "
+                "learning rates, use one optimizer with two param groups.",
+                {
+                    "kind": "stepped_twice",
+                    "parameters": [p.name for p in params],
+                    "modules": modules,
+                    "optimizers": [twice.first, twice.second],
+                    "optimizer_classes": [twice.first_class, twice.second_class],
+                    "optimizer_names": [twice.first_name, twice.second_name],
+                },
+            )
         ]
 
     def _unfrozen_after_optimizer(self, record: StepRecord, params: list[ParamInfo]) -> list[Alert]:
@@ -772,12 +816,40 @@ class NotOptimizedRule(_ReportOnce):
             },
         )
 
+    def _model_left_out(
+        self, record: StepRecord, left: LeftOutModel, params: list[ParamInfo]
+    ) -> Alert:
+        """A whole model with a forward of its own, called by the loop, in no
+        optimizer: one alert at the model, naming it, with its own optimizer as
+        the fix."""
+        named = f"{left.model_name} ({left.model_class})" if left.model_name else left.model_class
+        return self.alert(
+            record.step,
+            "",
+            f"no optimizer holds the model {named}: its {len(params)} parameters "
+            f"({short_names(params)}) get gradients at every step that are never reset, "
+            "and its weights have not moved, while other models' optimizers took "
+            f"{record.idle_steps} steps: it is never trained",
+            _model_left_out_hint(left),
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "kind": "model_in_no_optimizer",
+                "model_class": left.model_class,
+                "model_name": left.model_name,
+                "optimizer_class": left.optimizer_class,
+                "meant_optimizer": left.meant,
+            },
+        )
+
     def _never_updated(
         self, record: StepRecord, params: list[ParamInfo], owners: list[str]
     ) -> Alert:
         """No optimizer holds the model, and its weights never moved: left out of them."""
         if record.copy_of is not None:
             return self._frozen_target(record, params, owners)
+        if record.left_out is not None:
+            return self._model_left_out(record, record.left_out, params)
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",
@@ -795,10 +867,53 @@ class NotOptimizedRule(_ReportOnce):
         )
 
 
-def _module_in_code(name: str) -> str:
-    """How the training code reaches the module ``name`` of its model."""
+def _model_left_out_hint(left: LeftOutModel) -> str:
+    """Build the model's own optimizer, in the training code's names where found."""
+    model = left.model_name or "model"
+    build = f"torch.optim.{left.optimizer_class}({model}.parameters())"
+    if left.meant is not None:
+        instead = f" but {left.holds_instead}" if left.holds_instead else ""
+        return (
+            f"{left.meant} was most likely meant to be this model's optimizer, yet it "
+            f"holds none of its parameters{instead} (a copy-paste slip?): build it over "
+            f"this model's own, {left.meant} = {build}."
+        )
+    return (
+        f"a model with a forward of its own that the loop calls, whose output feeds the "
+        f"loss, is trained only by an optimizer over its parameters: build one, "
+        f"{build}, and step it with the others, or add its parameters to the optimizer "
+        f"of the model it trains with (torch.optim.{left.optimizer_class}"
+        f"([*other.parameters(), *{model}.parameters()])). If it is meant to stay "
+        f"fixed, freeze it ({model}.requires_grad_(False))."
+    )
+
+
+def _optimizer_named(index: int, kind: str, name: str | None) -> str:
+    """``encoder_optimizer (optimizer 1, Adam)``, or ``optimizer 1 (Adam)`` unnamed."""
+    return f"{name} (optimizer {index}, {kind})" if name else f"optimizer {index} ({kind})"
+
+
+def _built_over_the_wrong_one(twice: SteppedTwice, module: str) -> str:
+    """The usual slip, said with the training code's names where they were found."""
+    if twice.second_name and twice.first_name:
+        code = _module_in_code(module, twice.model_name or "model")
+        return (
+            f"was {twice.second_name} built over the wrong module's parameters, a "
+            f"copy-paste of {twice.first_name}'s line ({twice.second_name} = "
+            f"torch.optim.{twice.second_class}({code}.parameters()) where another "
+            "module was meant, which that leaves in no optimizer)?"
+        )
+    return (
+        "an optimizer built over the wrong module's parameters (a copy-paste slip: "
+        "decoder_optimizer = torch.optim.Adam(encoder.parameters()), which also leaves "
+        "the decoder in no optimizer)?"
+    )
+
+
+def _module_in_code(name: str, model: str = "model") -> str:
+    """How the training code reaches the module ``name`` of its ``model``."""
     if not name:
-        return "model"
+        return model
     if all(piece.isidentifier() for piece in name.split(".")):
-        return f"model.{name}"
-    return f"model.get_submodule({name!r})"
+        return f"{model}.{name}"
+    return f"{model}.get_submodule({name!r})"
