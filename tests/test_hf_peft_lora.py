@@ -43,17 +43,25 @@ def test_frozen_base_with_zero_initialised_b_is_silent():
     assert _warnings(monitor.alerts) == []
 
 
-def test_an_optimizer_over_every_parameter_names_the_frozen_base_layers():
+def test_an_optimizer_over_every_parameter_is_one_note_naming_the_frozen_base():
+    """The frozen base beside its adapters, left in the optimizer: one info note at the
+    module holding it all, not a warning per frozen base layer."""
     model = _lora()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with tw.watch(model, optimizer, console=io.StringIO()) as monitor:
         _train(model, optimizer, 2)
-    found = _warnings(monitor.alerts)
-    assert {rule for rule, _, _ in found} == {"frozen_in_optimizer"}
-    modules = {module for _, _, module in found}
+    assert _warnings(monitor.alerts) == []
+    (note,) = [a for a in monitor.alerts if a.rule == "frozen_in_optimizer"]
+    assert (note.severity, note.module, note.data["kind"]) == (
+        "info",
+        "base_model.model.transformer",
+        "adapters",
+    )
+    modules = set(note.data["modules"])
     assert "base_model.model.transformer.h.0.attn.c_attn.base_layer" in modules
     assert "base_model.model.transformer.wte" in modules
     assert not any("lora_" in module for module in modules)  # the adapters train
+    assert note.data["adapted"] == ["base_model.model.transformer.h.*.attn.c_attn (x2)"]
 
 
 def test_merging_the_adapters_while_the_monitor_is_open_does_not_break_it():
@@ -91,12 +99,14 @@ def test_lora_under_the_trainer_is_silent(tmp_path):
     assert _warnings(watch.alerts) == []
 
 
-def test_lora_under_the_trainer_with_an_optimizer_over_every_parameter_warns(tmp_path):
+def test_lora_under_the_trainer_with_an_optimizer_over_every_parameter_notes_it(tmp_path):
     model = _lora()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer, watch = _trainer(tmp_path, model, (optimizer, None))
     trainer.train()
-    assert {a.rule for a in watch.alerts if a.severity != "info"} == {"frozen_in_optimizer"}
+    assert [a for a in watch.alerts if a.severity != "info"] == []
+    found = [a for a in watch.alerts if a.rule == "frozen_in_optimizer"]
+    assert [(a.severity, a.data["kind"]) for a in found] == [("info", "adapters")]
 
 
 @pytest.mark.parametrize("b_lr", [0.0, 4e-3])

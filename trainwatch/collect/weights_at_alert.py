@@ -146,6 +146,20 @@ class HeldParameters:
                 beside.add(info.owner)
         return beside
 
+    def sizes(self) -> dict[str, tuple[str, int, bool]] | None:
+        """Each parameter of the model by name: its owner, its element count and
+        whether it trains (requires_grad). What a frozen model's small trainable
+        additions weigh beside the frozen weights around them (a LoRA pair beside
+        its base layer). None: the model is not known."""
+        layers = self._layers()
+        if layers is None:
+            return None
+        found = {}
+        for param in layers.parameters():
+            info = layers.info(param)
+            found[info.name] = (info.owner, param.numel(), param.requires_grad)
+        return found
+
     def layer_order(self) -> list[str] | None:
         """The model's layers in the order it registered them (as named_modules()
         gives them), None where the model is not known.

@@ -14,6 +14,7 @@ from trainwatch.record import LeftOutModel, ReplacedModel, SteppedTwice, StepRec
 from trainwatch.rules.base import Rule, by_owner, short_names
 from trainwatch.rules.target_copies import copied_model, copy_data
 from trainwatch.rules.trainable_parameters import common_module
+from trainwatch.setup_audit import pattern
 
 _FROZEN_HINT_END = (
     "(A freeze undone later is told then, as a note.) A momentum or EMA copy kept "
@@ -41,16 +42,45 @@ _PART_HINT = (
 )
 
 
+_APART_HINT = (
+    "frozen on purpose throughout the model (BatchNorm layers frozen for a fine-tune, "
+    "one kind of layer frozen in every block)? Harmless with SGD, Adam or AdamW, which "
+    "skip a parameter without a gradient, unless the loop applies weight decay to them "
+    "itself; build the optimizer from the parameters that train "
+    "([p for p in model.parameters() if p.requires_grad]), which says the freeze is "
+    "meant. If they should train (a freeze for warm-up, a requires_grad_(False) loop "
+    "that matched more than it should), set requires_grad=True where they should "
+    "train. " + _FROZEN_HINT_END
+)
+_ADAPTER_HINT = (
+    "nothing is wrong: SGD, Adam and AdamW skip a parameter without a gradient, so "
+    "the frozen base stays as loaded (unless the loop applies weight decay to every "
+    "parameter itself). Handing the optimizer only the parameters that train, "
+    "AdamW(p for p in model.parameters() if p.requires_grad), spares it walking the "
+    "frozen base at every step and says the freeze is meant. (An unfreeze later is "
+    "told then, as a note.)"
+)
+# Frozen parts apart, told as one: one or two frozen layers among trainable ones
+# may be a slip, each told alone; three or more apart are one decision made
+# throughout the model (adapters beside every frozen base layer, BatchNorm frozen
+# in every block), whose one fix covers them all.
+_APART_PARTS = 3
+
+
 @dataclass
 class _Part:
     """A frozen part told as one alert: the modules holding its parameters, the
     largest frozen subtrees it is made of (``tops``, in the model's order), and the
     rest of the module holding them all (``rest``: what it holds besides, as the
-    largest subtrees holding none of the part)."""
+    largest subtrees holding none of the part). ``apart``: its subtrees lie apart,
+    trained parts between them; ``adapted``: the modules where small trainable
+    additions sit beside a frozen base (adapters), where that is how it lies apart."""
 
     owners: list[str]
     tops: list[str] = field(default_factory=list)
     rest: list[str] = field(default_factory=list)
+    apart: bool = False
+    adapted: list[str] = field(default_factory=list)
 
 
 def _prefixes(name: str) -> list[str]:
@@ -102,6 +132,63 @@ def _rest(order: list[str], owners: list[str], module: str) -> list[str]:
     return rest
 
 
+def _adapted(sizes: dict[str, tuple[str, int, bool]], told: set[str]) -> list[str]:
+    """The modules where a frozen model's trainable parameters sit as adapters, in
+    the model's order; none where it is not fine-tuned through adapters.
+
+    An adapter is a small trainable addition beside a frozen base, inside a block:
+    for each module holding trainable parameters, the innermost module holding it
+    and frozen parameters ``told`` too (LoRA's wrapper around its base layer,
+    loralib's layer itself, the block around a bottleneck adapter) holds fewer
+    trainable elements than frozen ones there. It is an adapter setup where such
+    additions hold most of what trains, in two modules or more, and the model
+    trains fewer elements than it keeps frozen: BatchNorm frozen beside trained
+    convolutions is no adapter (the convolution outweighs it), nor is a prompt or a
+    head beside the frozen model (the root holds them together)."""
+    frozen: dict[str, int] = {}
+    trainable: dict[str, int] = {}
+    owners: dict[str, int] = {}
+    for name, (owner, count, trains) in sizes.items():
+        if name in told:
+            for holder in _prefixes(owner):
+                frozen[holder] = frozen.get(holder, 0) + count
+        elif trains:
+            owners[owner] = owners.get(owner, 0) + count
+            for holder in _prefixes(owner):
+                trainable[holder] = trainable.get(holder, 0) + count
+    total = trainable.get("", 0)
+    if not total or total >= frozen.get("", 0):
+        return []
+    adapted: list[str] = []
+    held = 0
+    for owner, count in owners.items():
+        base = next((name for name in reversed(_prefixes(owner)) if name in frozen), "")
+        if base and trainable[base] < frozen[base]:
+            held += count
+            if base not in adapted:
+                adapted.append(base)
+    return adapted if len(adapted) > 1 and 2 * held > total else []
+
+
+def _compact(names: list[str]) -> list[str]:
+    """``names`` with numbered blocks folded: ``blocks.*.q.base (x4)``. A name is
+    folded only beside others of its pattern, and only where a named piece is left
+    (``*.*.*`` would say nothing of a bare ``nn.Sequential``'s layers)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        folded = pattern(name)
+        if not any(char.isalpha() for char in folded):
+            folded = name
+        groups.setdefault(folded, []).append(name)
+    shown: list[str] = []
+    for folded, members in groups.items():
+        if len(members) == 1:
+            shown.append(members[0] or "<model>")
+        else:
+            shown.append(f"{folded} (x{len(members)})")
+    return shown
+
+
 def _listed(names: list[str], limit: int = 3) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -139,6 +226,9 @@ class FrozenInOptimizerRule(_ReportOnce):
         # than one (a whole backbone frozen): the freeze is told undone at that
         # module once they all train again.
         self._parts: dict[tuple[int | None, str], list[str]] = {}
+        # Per (optimizer, module) told as a note, not a warning: a model fine-tuned
+        # through adapters, its base frozen on purpose.
+        self._noted: set[tuple[int | None, str]] = set()
 
     def evaluate(self, record: StepRecord) -> list[Alert]:
         if not record.frozen:
@@ -165,6 +255,8 @@ class FrozenInOptimizerRule(_ReportOnce):
                 alerts.append(self._outside(record, fresh[EXTERNAL]))
             elif len(owners) == 1:
                 alerts.append(self._frozen_layer(record, owners[0], fresh[owners[0]]))
+            elif part.adapted:
+                alerts.append(self._adapters(record, part, {o: fresh[o] for o in owners}))
             else:
                 alerts.append(self._frozen_part(record, part, {o: fresh[o] for o in owners}))
         return alerts
@@ -179,10 +271,15 @@ class FrozenInOptimizerRule(_ReportOnce):
         or trained between them, the stretch is one part too, told at the module
         holding it all: a torchvision network's stem and stages frozen while its
         ``fc`` trains (the root), the embeddings and first encoder layers frozen for
-        fine-tuning (``bert``); one decision froze them, one fix covers them. Frozen
-        parts apart (embeddings and a head, the encoder trained between them; a LoRA
-        model's base layers between its adapters) stay one alert per subtree, and a
-        module frozen beside trainable parameters of its own is told alone."""
+        fine-tuning (``bert``); one decision froze them, one fix covers them. One or
+        two frozen parts apart (embeddings and a head, the encoder trained between
+        them) stay one alert per subtree, and a module frozen beside trainable
+        parameters of its own is told alone.
+
+        Three frozen parts apart or more, trained parts between them, are one part
+        too, told at the module holding them all: a freeze made throughout the model
+        (BatchNorm frozen in every block, a LoRA model's base layers between its
+        adapters, ``_adapted``), not a layer frozen by slip; one or two stay apart."""
         owners = list(fresh)
         held = self.held
         if len(owners) < 2 or held is None:
@@ -205,6 +302,13 @@ class FrozenInOptimizerRule(_ReportOnce):
             modules = [m for part in parts for m in part.owners]
             subtrees = [top for part in parts for top in part.tops]
             parts = [_Part(modules, subtrees, _rest(order, modules, common_module(subtrees)))]
+        elif len(parts) >= _APART_PARTS:
+            modules = [m for part in parts for m in part.owners]
+            subtrees = [top for part in parts for top in part.tops]
+            sizes = held.sizes()
+            adapted = _adapted(sizes, told) if sizes is not None else []
+            rest = _rest(order, modules, common_module(subtrees)) if order is not None else []
+            parts = [_Part(modules, subtrees, rest, apart=True, adapted=adapted)]
         if EXTERNAL in fresh:  # outside the model: a part of its own
             parts.append(_Part([EXTERNAL]))
         return parts
@@ -236,9 +340,10 @@ class FrozenInOptimizerRule(_ReportOnce):
     def _frozen_part(
         self, record: StepRecord, found: _Part, part: dict[str, list[ParamInfo]]
     ) -> Alert:
-        """A frozen part of many modules (a backbone frozen whole, or everything but
-        the head, while the optimizer was built over ``model.parameters()``): one
-        alert, at the module holding them all, since one fix covers them all."""
+        """A frozen part of many modules (a backbone frozen whole, everything but
+        the head, or one kind of layer frozen throughout, while the optimizer was
+        built over ``model.parameters()``): one alert, at the module holding them
+        all, since one fix covers them all."""
         modules = list(part)
         module = common_module(modules)
         params = [p for group in part.values() for p in group]
@@ -247,11 +352,21 @@ class FrozenInOptimizerRule(_ReportOnce):
         self._parts.setdefault((scope, module), []).extend(modules)
         since = min(self._first_seen.get((scope, m), record.step) for m in modules)
         where = module or "the model"
-        if found.rest:
-            what = f"all of {where} but {_listed(found.rest)}"
+        # "<model>": the root's own parameters (a prompt tuned beside the model).
+        rest = [name.replace("<model>", "its own parameters") for name in found.rest]
+        if found.apart and (not rest or len(rest) > 3):
+            what = "parts that train lie between them"
+            if rest:
+                what += f" ({_listed(_compact(found.rest), 6)})"
+        elif rest:
+            what = f"all of {where} but {_listed(rest)}"
         else:
             what = f"no parameter of {where} trains"
-        if len(found.tops) > 1:
+        subtrees = _compact(found.tops) if found.apart else found.tops
+        if found.apart:
+            tops = _listed(subtrees, 6)
+            held = f"in {len(found.tops)} parts apart ({tops}; {len(modules)} modules)"
+        elif len(found.tops) > 1:
             tops = _listed([top or "<model>" for top in found.tops], 6)
             held = f"in {len(found.tops)} parts ({tops}; {len(modules)} modules)"
         else:
@@ -261,16 +376,62 @@ class FrozenInOptimizerRule(_ReportOnce):
             module,
             f"{len(params)} parameters of {where}, {held}, have requires_grad=False and "
             f"sit in optimizer {scope}'s param groups: {what}",
-            _PART_HINT,
+            _APART_HINT if found.apart else _PART_HINT,
             {
                 "frozen": len(params),
                 "trainable": 0,
                 "parameters": [p.name for p in params],
                 "modules": modules,
-                "parts": found.tops,
+                "parts": subtrees,
                 "rest": found.rest,
                 "optimizer": scope,
             },
+        )
+
+    def _adapters(
+        self, record: StepRecord, found: _Part, part: dict[str, list[ParamInfo]]
+    ) -> Alert:
+        """A model fine-tuned through adapters (LoRA written by hand, loralib, a
+        bottleneck adapter in every block), its frozen base left in an optimizer
+        built over ``model.parameters()``: one note, at the module holding it all.
+
+        A note, not a warning: trainable additions inside every frozen block are
+        made to train beside a base meant to stay frozen, which no forgotten
+        unfreeze looks like (a warm-up freeze holds a stretch of the model, a
+        backbone or its first layers, with nothing trained inside it); and the
+        optimizer skips what gets no gradient."""
+        modules = list(part)
+        module = common_module(modules)
+        params = [p for group in part.values() for p in group]
+        scope = record.optimizer
+        self._parts.setdefault((scope, module), []).extend(modules)
+        self._noted.add((scope, module))
+        since = min(self._first_seen.get((scope, m), record.step) for m in modules)
+        subtrees = _compact(found.tops)
+        adapted = _compact(found.adapted)
+        held = f"{len(found.tops)} parts ({_listed(subtrees, 6)}; {len(modules)} modules)"
+        if len(found.tops) == len(modules):
+            held = f"{len(modules)} modules ({_listed(subtrees, 6)})"
+        return self.alert(
+            since,
+            module,
+            f"{len(params)} frozen parameters of {module or 'the model'}, in {held}, "
+            f"sit in optimizer {scope}'s param groups beside the adapters that train "
+            f"inside {len(found.adapted)} of its modules ({_listed(adapted, 6)}): a "
+            "frozen base fine-tuned through adapters, whose frozen weights get no "
+            "gradient and are skipped by the optimizer",
+            _ADAPTER_HINT,
+            {
+                "kind": "adapters",
+                "frozen": len(params),
+                "trainable": 0,
+                "parameters": [p.name for p in params],
+                "modules": modules,
+                "parts": subtrees,
+                "adapted": adapted,
+                "optimizer": scope,
+            },
+            severity="info",
         )
 
     def _outside(self, record: StepRecord, params: list[ParamInfo]) -> Alert:
@@ -382,8 +543,9 @@ class FrozenInOptimizerRule(_ReportOnce):
             f"train again from step {record.step} (requires_grad=True): part of the freeze "
             f"of {module or 'the model'} told of earlier was undone; {len(rest)} of its "
             f"modules ({', '.join(rest[:4])}{' and more' if len(rest) > 4 else ''}) "
-            f"{'stays' if len(rest) == 1 else 'stay'} frozen, and its warning stands for "
-            f"{'it' if len(rest) == 1 else 'them'}",
+            f"{'stays' if len(rest) == 1 else 'stay'} frozen, and its "
+            f"{'note' if (record.optimizer, module) in self._noted else 'warning'} stands "
+            f"for {'it' if len(rest) == 1 else 'them'}",
             _UNFROZEN_HINT_DISTRIBUTED if process_group_up() else _UNFROZEN_HINT,
             {
                 "kind": "unfrozen",
