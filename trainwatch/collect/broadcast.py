@@ -222,6 +222,7 @@ def batch_broadcast(
     second: tuple[int, ...],
     batch: int | None = None,
     given: frozenset[int] = frozenset(),
+    output_lower: bool = False,
 ) -> tuple[int, ...] | None:
     """The result shape when two operands broadcast a batch axis against another.
 
@@ -246,6 +247,11 @@ def batch_broadcast(
     axes (``z.unsqueeze(1) - keys``), or meeting the other's batch as the last
     axis (``area_a[:, None] + area_b`` in a pairwise IoU, ``s.unsqueeze(1) - t``
     in a ranking margin), is a pairing written on purpose.
+
+    ``output_lower``: the lower-rank operand is the model's output (and the
+    other is not). Then the other side may hold the batch twice already, made
+    so before the op: ``(N, N, C)`` soft targets against ``(N, C)``
+    log-probabilities (``_batch_beside_output``).
     """
     if len(first) == len(second) or not first or not second:
         return None
@@ -266,7 +272,38 @@ def batch_broadcast(
         size = paired[-1]
         if any(low_padded[i] == 1 and high[i] == size for i in range(rank - 1) if paired[i] > 1):
             return result
-    return _inner_pairing(high, low_padded, batch, given, result)
+    found = _inner_pairing(high, low_padded, batch, given, result)
+    if found is None and output_lower:
+        return _batch_beside_output(high, low_padded, batch, result)
+    return found
+
+
+def _batch_beside_output(
+    high: tuple[int, ...],
+    low_padded: tuple[int, ...],
+    batch: int | None,
+    result: tuple[int, ...],
+) -> tuple[int, ...] | None:
+    """``batch_broadcast``'s case of a target side that pairs the samples itself: the
+    model's output ``low`` meets ``high``'s batch with its own, and ``high`` has the
+    batch again on an axis the output lacks (or has of size 1).
+
+    A mixup coefficient shaped ``(N, 1, 1, 1)`` for the images, reused on the
+    ``(N, C)`` one-hot targets, makes them ``(N, 1, N, C)`` (``(N, N, C)`` from an
+    ``(N, 1, 1)`` one) with no output involved; the loss's
+    ``-target * log_softmax(out)`` then scores each sample's output against every
+    sample's mixed target. Only the target side's second batch axis is judged:
+    a pairwise matrix of outputs (``z @ z.T``, ``cdist``) is the output's own,
+    and the judge passes this case for one side from the model only.
+    """
+    if batch is None or batch < 2:
+        return None
+    pairs = list(zip(high, low_padded))
+    if any(h == batch and o == batch for h, o in pairs) and any(
+        h == batch and o == 1 for h, o in pairs
+    ):
+        return result
+    return None
 
 
 def _inner_pairing(
@@ -874,10 +911,11 @@ class BroadcastAudit:
         # one given its pairing axis in the loss (against a momentum encoder's keys,
         # a pairwise IoU's ``area_a[:, None] + area_b``), unless a loss function
         # takes it: ``F.mse_loss(pred, y.unsqueeze(1))`` is a mismatched target.
-        high = a if a.dim() > b.dim() else b
+        high, low = (a, b) if a.dim() > b.dim() else (b, a)
         batch = None if self._derived(a) == self._derived(b) else self._batch
         given = frozenset() if name in _LOSSES else self._axes_given_to(high)
-        result = batch_broadcast(first, second, batch, given)
+        output_lower = batch is not None and self._derived(low)
+        result = batch_broadcast(first, second, batch, given, output_lower)
         if result is None or _one_tensor(a, b):
             return
         key = (name, first, second)

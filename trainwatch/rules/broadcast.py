@@ -79,7 +79,6 @@ class BroadcastRule(Rule):
             }
             if evaluation:
                 data["finding"] = "evaluation"  # counted apart from training's
-            squeeze, reshape = _squeezes(high, low)
             alerts.append(
                 self.alert(
                     record.step,
@@ -88,15 +87,37 @@ class BroadcastRule(Rule):
                     f"{_shape(found.result)}{where}"
                     f"{' in an evaluation pass' if evaluation else ''}: every sample is "
                     "paired with every other sample's value",
-                    f"make the shapes equal before the op: squeeze the {_shape(high)} "
-                    f"side ({squeeze}) or reshape the {_shape(low)} side to match "
-                    f"({reshape}); " + (_EVALUATION if evaluation else _training(high)),
+                    _hint(high, low, evaluation),
                     data,
                 )
             )
         return alerts
 
 
+def _hint(high: tuple[int, ...], low: tuple[int, ...], evaluation: bool) -> str:
+    """How to mend it, and what it does. A ``high`` side ending in ``low``'s whole
+    shape met it axis for axis: it held the batch twice before the op."""
+    if tuple(high[len(high) - len(low) :]) == tuple(low):
+        return (
+            f"the {_shape(high)} side pairs the samples before this op: an axis of the "
+            f"batch's size stands before the {_shape(low)} it shares with the other side, "
+            "left by an earlier broadcast (a mixup coefficient shaped (N, 1, 1, 1) for the "
+            "images reused on (N, C) targets); shape what made it like the "
+            f"{_shape(low)} side (lam.view(-1, 1)). "
+            + (_EVALUATION.capitalize() if evaluation else _PAIRED_TARGETS)
+        )
+    squeeze, reshape = _squeezes(high, low)
+    return (
+        f"make the shapes equal before the op: squeeze the {_shape(high)} "
+        f"side ({squeeze}) or reshape the {_shape(low)} side to match "
+        f"({reshape}); " + (_EVALUATION if evaluation else _training(high))
+    )
+
+
+_PAIRED_TARGETS = (
+    "Each output is trained against every sample's target, not its own: the loss "
+    "still falls, toward the batch's average."
+)
 _TRAINING = (
     "A regression trained like this collapses to predicting the target mean; a policy "
     "gradient loses every per-action signal."
