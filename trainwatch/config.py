@@ -142,7 +142,8 @@ class EvalInTrainModeConfig(RuleConfig):
     # Monte-Carlo dropout: dropout left in training mode on purpose for
     # no-grad passes. Batch norm in training mode is still reported.
     mc_dropout: bool = False
-    # Models that call F.dropout / F.batch_norm with no module of those types:
+    # Models that call F.dropout / F.batch_norm with no module of those types
+    # (or whose modules draw random numbers in training mode only: DropPath):
     # the calls are looked for in this many of the first no-grad passes made in
     # training mode, then in one such pass in functional_every (0: no more).
     functional_passes: int = field(default=3, metadata=_range(0))
@@ -154,7 +155,9 @@ class TrainInEvalModeConfig(RuleConfig):
     # Models that call F.dropout / F.batch_norm with no module of those types:
     # the calls are looked for in this many of the first training passes made in
     # training mode; a module seen with them acting is known to hold them once a
-    # no-grad pass in eval mode (an evaluation) sees its calls stop acting.
+    # no-grad pass in eval mode (an evaluation) sees its calls stop acting. A
+    # module drawing random numbers there (DropPath) is run once in eval mode
+    # at once: drawing none, it is known to behave as dropout does.
     functional_passes: int = field(default=3, metadata=_range(0))
 
 

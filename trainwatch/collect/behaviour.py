@@ -22,7 +22,9 @@ join the step's single readback.
   no-grad pass made in training mode, or by looks at the first training
   passes and then at a no-grad pass in eval mode, where the calls seen acting
   in training must stop (``collect/functional_modes.py``); the modules seen
-  calling them are then checked like dropout modules.
+  calling them are then checked like dropout modules. So are modules seen
+  drawing random numbers in training mode there that draw none when run
+  once more in eval mode (stochastic depth's ``DropPath``).
 - Broadcast: a short audit of the first steps (``collect/broadcast.py``); it
   also measures the loss target's spread, constant_output's reference for the
   model's own output. The first evaluation passes are audited the same way

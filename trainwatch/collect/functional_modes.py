@@ -27,6 +27,14 @@ pass with the module in eval mode sees its call not act (the evaluation that
 ``model.eval()`` was called for); a call that acts there too is let go.
 Later passes with gradients get no look: a healthy step past the first ones
 asks one attribute whether its grad mode gets a look, as it did before.
+
+Stochastic depth written as a module (timm's ``DropPath``: a Bernoulli mask
+per sample, drawn only when ``self.training``) calls no such function: it
+draws random numbers. A module seen drawing them in training mode, in any
+look, is run once more as its call ends, itself and its parts in eval mode
+(``collect/eval_rerun.py``): drawing none there, it acts as dropout does and
+is found; drawing there too (a VAE's sampling, noise injected in any mode, an
+augmentation inside the model), it is let go. Each module is judged once.
 """
 
 from __future__ import annotations
@@ -44,11 +52,12 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect import quiet
 from trainwatch.collect.broadcast import _stack_is_ours_to_use
+from trainwatch.collect.eval_rerun import run_in_eval
 from trainwatch.collect.mode_stack import enter as enter_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.modes import Listed
 from trainwatch.compiled import user_name
-from trainwatch.hooks import HookGroup, WeakHook
+from trainwatch.hooks import HookGroup, KwargsHookHandle, WeakHook
 
 
 def _argument(func: Callable[..., Any], name: str, position: int, default: Any) -> Callable:
@@ -150,6 +159,27 @@ _MODE_FUNCTIONS: dict[Any, tuple[str, str, Callable[[tuple, dict], bool]]] = {
     ),
 }
 
+# Functions and tensor methods that draw random numbers: a module calling them in
+# training mode and not in eval mode (a stochastic-depth DropPath's Bernoulli
+# mask, ``keep + torch.rand(shape)`` floored) acts as dropout does.
+_RANDOM_DRAWS: frozenset[Any] = frozenset(
+    getattr(owner, name)
+    for owner, names in (
+        (
+            torch,
+            "rand rand_like randn randn_like randint randint_like randperm bernoulli "
+            "normal poisson multinomial",
+        ),
+        (
+            torch.Tensor,
+            "bernoulli bernoulli_ uniform_ normal_ random_ exponential_ geometric_ "
+            "cauchy_ log_normal_ multinomial",
+        ),
+    )
+    for name in names.split()
+    if hasattr(owner, name)
+)
+
 
 class _CallMode(TorchFunctionMode):
     def __init__(self, look: FunctionalLook) -> None:
@@ -165,6 +195,13 @@ class _CallMode(TorchFunctionMode):
                 try:
                     look.saw(func, args, kwargs)
                 except Exception as exc:  # never break the user's forward
+                    look.fail(exc)
+        elif func in _RANDOM_DRAWS:
+            look = self.look()
+            if look is not None:
+                try:
+                    look.drew()
+                except Exception as exc:
                     look.fail(exc)
         return out
 
@@ -221,6 +258,15 @@ class FunctionalLook:
         self._names: dict[int, tuple[str, weakref.ref[nn.Module]]] = {}
         self._stack: list[int] = []
         self._skip_dropout = False
+        # Modules seen drawing random numbers, by id: whether their draws stop in
+        # eval mode (found mode-dependent), asked once each by running the module
+        # again in eval mode at the end of its call (see _judge_draws).
+        self._draws: dict[int, tuple[weakref.ref[nn.Module], bool]] = {}
+        # Modules of the pass watched that drew in training mode, by id, not yet judged.
+        self._drawing: set[int] = set()
+        # The module being run again in eval mode (its id), and whether it drew there.
+        self._rerun: int | None = None
+        self._rerun_drew = False
         self.found: list[Listed] = []
         self.broken = False
         # Read after every pass of the model (an attribute, not a call): a look is on.
@@ -281,7 +327,11 @@ class FunctionalLook:
         }
         self._hooks.add(module_hooks.register_module_forward_pre_hook(WeakHook(self, "enter")))
         self._hooks.add(
-            module_hooks.register_module_forward_hook(WeakHook(self, "leave"), always_call=True)
+            KwargsHookHandle(
+                module_hooks.register_module_forward_hook(
+                    WeakHook(self, "leave"), with_kwargs=True, always_call=True
+                )
+            )
         )
         self._stack.append(id(model))
         enter_mode(self._mode)
@@ -303,6 +353,7 @@ class FunctionalLook:
         self._training = self._judging = False
         self._names = {}
         self._stack = []
+        self._drawing = set()
         found, self.found = self.found, []
         return found
 
@@ -317,9 +368,50 @@ class FunctionalLook:
         if id(module) in self._names:
             self._stack.append(id(module))
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._stack and self._stack[-1] == id(module):
             self._stack.pop()
+        if self._drawing and id(module) in self._drawing and self._rerun is None:
+            self._drawing.discard(id(module))
+            self._judge_draws(module, args, kwargs)
+
+    def drew(self) -> None:
+        """A random number was drawn: by the module innermost in the pass."""
+        if not self._stack or self._stack[-1] not in self._names:
+            return
+        key = self._stack[-1]
+        if self._rerun is not None:
+            self._rerun_drew = self._rerun_drew or key == self._rerun
+            return
+        if not self.active or self.broken or quiet.replaying() or self._skip_dropout:
+            return  # (Monte-Carlo dropout on purpose: draws are dropout's)
+        seen = self._draws.get(key)
+        if seen is not None and seen[0]() is self._names[key][1]():
+            return  # judged already
+        module = self._names[key][1]()
+        if module is None:
+            return
+        if module.training:
+            self._drawing.add(key)  # judged as its call ends
+        else:
+            self._draws[key] = (weakref.ref(module), False)  # draws in eval mode too
+
+    def _judge_draws(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A module drew random numbers in training mode: run it again in eval mode.
+        Drawing none there, it behaves differently in training mode (stochastic
+        depth); drawing there too, it is noise in any mode (a VAE's sampling)."""
+        key = id(module)
+        self._rerun, self._rerun_drew = key, False
+        try:
+            ran = run_in_eval(module, args, kwargs)
+        finally:
+            self._rerun = None
+        gated = ran and not self._rerun_drew
+        self._draws[key] = (weakref.ref(module), gated)
+        if gated and all(item.ref() is not module for item in self.found):
+            name = self._names[key][0] if key in self._names else ""
+            label = f"{type(module).__name__}, random in training"
+            self.found.append(Listed(name, "dropout", label, weakref.ref(module)))
 
     def saw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.active or self.broken or quiet.replaying():
