@@ -1888,10 +1888,11 @@ class StepPipeline:
                     self.class_targets.land_padding,  # type: ignore[union-attr]
                     pending.padded_labels.values(),
                 )
-        flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
-        record.accumulated = [
-            info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
-        ]
+        if pending.suspects:  # (the record's own list stays empty on the usual step)
+            flags = pending.suspect_flags.values() if pending.suspect_flags is not None else []
+            record.accumulated = [
+                info for info, slot in pending.suspects if slot is None or flags[slot] > 0.0
+            ]
         if pending.weights is not None:
             # Several backward passes onto the same gradients are accumulation
             # unless the weights changed in between.

@@ -430,9 +430,9 @@ class ZeroGradientRule(Rule):
             self._resets.pop(record.optimizer, None)
         at_once = record.distributed == "ddp" and record.source == "optimizer"
         # Parameters that left the model (a replaced head) are not_optimized's story.
-        silent: list[tuple[ParamInfo, str]] = [
-            (info, "none") for info in record.missing if info.in_model
-        ]
+        silent: list[tuple[ParamInfo, str]] = (
+            [(info, "none") for info in record.missing if info.in_model] if record.missing else []
+        )
         if 0.0 in record.param_norms and not record.sharded:  # a zero shard says nothing
             reset = _reset_by_hand(record) if record.rewritten else frozenset()
             shift_free = _shift_free_biases(record)
