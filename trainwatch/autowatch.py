@@ -393,6 +393,22 @@ def _steps_before(model: nn.Module) -> int:
     return step if isinstance(step, int) and step > 0 else 0
 
 
+def _steps_of_sharers(optimizer: Optimizer, monitor: Monitor, monitors: list[Monitor]) -> int:
+    """The steps the optimizer already took for another model of ours: a module first
+    called mid-run whose parameters that optimizer holds too (an EMA copy handed to
+    the model's optimizer by mistake, found at its first evaluation) takes its steps
+    from there, so what it finds is dated at the step the training is in, not from 0.
+    Asked as an optimizer joins a monitor that has none, never per step."""
+    return max(
+        (
+            other.step_count
+            for other in monitors
+            if other is not monitor and not other.closed and optimizer in other.optimizers
+        ),
+        default=0,
+    )
+
+
 def _hf_global_step(model: nn.Module) -> int:
     """The global step of the Hugging Face Trainer training ``model`` (one scan of
     live objects, when the Trainer is in use; 0 when none holds it).
@@ -1377,7 +1393,9 @@ class AutoWatch:
         for monitor in joined.values():
             if not monitor.closed:
                 if not monitor.step_count and not monitor.optimizers:
-                    resumed = _steps_before(monitor.model)
+                    resumed = _steps_before(monitor.model) or _steps_of_sharers(
+                        optimizer, monitor, self.monitors
+                    )
                     if resumed:
                         monitor.load_state_dict({"step": resumed})
                 self._date_by_trainer(monitor)

@@ -31,6 +31,7 @@ from trainwatch import clip_hook, registry, termination
 from trainwatch.alert import Alert
 from trainwatch.clip_gathering import ClipGathering
 from trainwatch.closing_findings import findings_at_close
+from trainwatch.collect.copies_in_optimizer import COPIES_TOLD
 from trainwatch.collect.data_order import own_batching, sequential_order
 from trainwatch.compiled import unwrap
 from trainwatch.config import Config
@@ -457,6 +458,7 @@ class Monitor:
             if not _OPEN:
                 PROCESS_STEPS.now = 0  # no training under way: the next run starts at 0
                 ORIGINS_TOLD.clear()  # nor any NaN/Inf it reported
+                COPIES_TOLD.clear()  # nor any copy in an optimizer
             clip_hook.release(self)
             try:
                 self._shut()

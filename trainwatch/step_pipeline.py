@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from trainwatch import clip_hook
+from trainwatch import clip_hook, registry
 from trainwatch.alert import Alert
 from trainwatch.callers import names_in_caller
 from trainwatch.collect.accumulation import GradResetTracker
@@ -37,6 +37,7 @@ from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
 from trainwatch.collect.copies import copied_model
+from trainwatch.collect.copies_in_optimizer import COPIES_TOLD, copy_of_another, copy_outside
 from trainwatch.collect.double_steps import DoubleSteps, shared_parameters
 from trainwatch.collect.dropped_gradients import LeavingsNotes, dropped_to_none, rewritten_since
 from trainwatch.collect.frozen_moves import FrozenMoves
@@ -74,7 +75,7 @@ from trainwatch.collect.unwatched_updates import UnwatchedUpdates
 from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.collect.zeroed_updates import ZeroedUpdates
-from trainwatch.compiled import CompiledHookWarning, is_wrapper, user_name, wrappers_of
+from trainwatch.compiled import CompiledHookWarning, is_wrapper, unwrap, user_name, wrappers_of
 from trainwatch.config import Config
 from trainwatch.dispatch import Dispatcher
 from trainwatch.frame import Slot, StepFrame
@@ -111,6 +112,7 @@ from trainwatch.whole_layers import WholeLayerNorms
 
 # An optimizer's step whose every parameter had a gradient.
 _NONE_MISSING: frozenset[str] = frozenset()
+_NONE_HELD: frozenset[str] = frozenset()  # no copy in that optimizer
 
 # Step boundaries with unreset gradients and unmoved weights, without an
 # optimizer, while other models' optimizers took as many steps, before the
@@ -352,6 +354,13 @@ class StepPipeline:
         # Parts of the model that copy another part, and those told as targets.
         self._part_copies = PartCopies()
         self._part_copies_told: set[str] = set()
+        # The optimizers (by index) that hold this whole model as a copy of another
+        # model they train (see _find_copy_held).
+        self._held_as_copy: set[int] = set()
+        # Per optimizer: the names of a copy's parameters it holds beside those of
+        # the model copied (an EMA copy in its model's optimizer), told once and
+        # left out of the step's missing ones; _NONE_HELD where none was found.
+        self._copies_held: dict[int | None, frozenset[str]] = {}
         self._frozen_moves = FrozenMoves()
         self._gradless_updates = GradlessUpdates()
         # Without an optimizer: hand-written updates that applied gradients zeroed
@@ -423,7 +432,11 @@ class StepPipeline:
                 on_error,
             )
             self.behaviour.attach_passes(self.passes)
-            self.behaviour.optimized = lambda: bool(optimizers)  # the Monitor's own list
+            # The Monitor's own list, less those holding this model only as a copy
+            # of another beside it (an EMA copy in its model's optimizer): no
+            # optimizer of its own, whose steps would make its passes a generator's.
+            as_copy = self._held_as_copy
+            self.behaviour.optimized = lambda: len(optimizers) > len(as_copy)
             if self._tracks_calls:
                 self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
@@ -1223,6 +1236,53 @@ class StepPipeline:
             self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
         return left
 
+    def _copy_held(
+        self, index: int, now: int, record: StepRecord, params: list[nn.Parameter]
+    ) -> None:
+        """Parameters without a gradient that copy those of another model the same
+        optimizer holds (an EMA or averaged copy handed to its model's optimizer):
+        told once, as that, and no layer's missing gradient from then on. Looked
+        for at the first step where some parameter of the optimizer went without a
+        gradient while others had one (a step with none at all says nothing)."""
+        held = self._copies_held.get(index)
+        if held is None:
+            if not record.present:
+                return  # no gradient anywhere: looked at again at the next such step
+            held = self._copies_held[index] = self._find_copy_held(index, now, record, params)
+        if held:
+            record.missing = [info for info in record.missing if info.name not in held]
+
+    def _find_copy_held(
+        self, index: int, now: int, record: StepRecord, params: list[nn.Parameter]
+    ) -> frozenset[str]:
+        """The copy's parameter names (empty: none), told unless told already: the
+        model copied tells a copy outside it from its own first step, and under
+        ``trainwatch run`` the copy, watched from its first call, is the same one."""
+        copied = copy_of_another(self._root, params)
+        if copied is not None:
+            copy = [info for info in record.missing if info.in_model]
+            copy_class: str | None = type(unwrap(self._root)).__name__
+            self._held_as_copy.add(index)
+            tensors = [p for p in params if p in self.layers and p.grad is None]
+        else:
+            tensors = copy_outside(self._root, params)
+            copy = [info for info in record.missing if not info.in_model]
+            if not tensors or len(copy) != len(tensors):
+                return _NONE_HELD
+            copied, copy_class = CopiedFrom(self._model_name()), None
+        if COPIES_TOLD.first_telling(tensors):
+            told = StepRecord(now, source="copy_in_optimizer", optimizer=index)
+            told.optimizer_class = type(self._optimizers[index]).__name__
+            told.missing, told.copy_of, told.copy_part = copy, copied, copy_class
+            self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
+        return frozenset(info.name for info in copy)
+
+    def _model_name(self) -> str:
+        """What the alerts call this model (its ``trainwatch run`` name, or its class)."""
+        first = next(iter(self._root.parameters()), None)
+        owner = registry.owner_of(first) if first is not None else None
+        return getattr(owner, "model_name", None) or type(unwrap(self._root)).__name__
+
     def _copied_model(self) -> CopiedFrom | None:
         """The model an optimizer trains that this one is a copy of, looked for once
         (a finding is due: never on the healthy step)."""
@@ -1575,6 +1635,11 @@ class StepPipeline:
                 self._guarded("custom functions", self._custom_functions, record, params)
             step_calls.roots = None  # the step's graph is let go
         if record.missing:
+            if not manual and not attach and self._copies_held.get(index) is not _NONE_HELD:
+                # An EMA copy handed to its model's optimizer? (looked at once)
+                self._guarded(
+                    "copies in the optimizer", self._copy_held, index, now, record, params
+                )
             if manual and len(record.missing) + record.frozen_count == len(params) and not attach:
                 # No gradient anywhere and backward reached nothing: did the loop's
                 # own update move the weights all the same?

@@ -512,9 +512,17 @@ class BehaviourWatch:
             stepped_between=between and self.optimized(),
             steps=(marks[0], PROCESS_STEPS.now),
             rows=rows,
+            frozen=self._all_frozen,
         )
         for due in told:
             self._publish(due)
+
+    def _all_frozen(self) -> bool:
+        """No parameter of the model requires grad now (a teacher frozen after its
+        training): asked only where a model that trained briefly stops stepping."""
+        model = self._model()
+        params = list(model.parameters()) if model is not None else []
+        return bool(params) and not any(p.requires_grad for p in params)
 
     def _frozen_in_training(self, modes: ModeWatch, within: str) -> None:
         """A training pass ran a large frozen part in training mode: told once a run,
@@ -668,10 +676,13 @@ class BehaviourWatch:
             and self.check_train_step
             and self.modes is not None
             and not self._model_passes
-            and record.present
+            and any(info.in_model for info in record.present)
         ):
             # Gradients, but no pass of the model seen (compiled after watching,
-            # before its wrapper was found): the modes now are the pass's.
+            # before its wrapper was found): the modes now are the pass's. Only the
+            # model's own count: an optimizer holding it beside another model (an
+            # EMA copy handed to the model's optimizer) steps it on that model's
+            # gradients, which are no training pass of this one.
             record.train_in_eval = self.modes.in_mode(False)
         self._model_passes = 0
         audit = self.broadcast

@@ -80,7 +80,8 @@ end, a model loaded and tested), ran an evaluation in training mode: told at
 close.
 
 A model that trained alone (every optimizer step of the process, from its
-first training pass on, its own: :data:`TRAINED_ALONE` or more) and then,
+first training pass on, its own: :data:`TRAINED_ALONE` or more, or fewer with
+its parameters all frozen since or dropout on in the pass) and then,
 with no step of its own and its weights unchanged, runs no-grad passes while
 other optimizers take :data:`FROZEN_AFTER` steps was trained first and is now
 used frozen: a teacher distilled from, a reward or target model. A GAN's
@@ -101,6 +102,7 @@ model used in training mode, not an evaluation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +215,10 @@ class _FrozenUse:
     told: bool = False  # told: each later pass is told at once
 
 
+def _no() -> bool:
+    return False
+
+
 def _mark_frozen_use(records: list[StepRecord], trained: bool) -> None:
     """Passes of a model used frozen while another trains, a teacher or target:
     no evaluation, so told with its own advice (``teacher.eval()`` for good)."""
@@ -283,6 +289,7 @@ class EvalPassJudge:
         stepped_between: bool = False,
         steps: tuple[int, int] | None = None,
         rows: int | None = None,
+        frozen: Callable[[], bool] = _no,
     ) -> list[StepRecord]:
         """A no-grad pass with mode-dependent modules in training mode.
 
@@ -297,7 +304,9 @@ class EvalPassJudge:
         not, and the step the process's training is in (what a model trained
         alone and then used frozen is told by, :meth:`_frozen_use`). ``rows``: the
         batch size of the pass's first input tensor (None: unknown), what tells
-        other data from the step's own (:meth:`_after_the_step`).
+        other data from the step's own (:meth:`_after_the_step`). ``frozen``: whether
+        none of the model's parameters requires grad now (asked only where a model
+        that trained briefly stops stepping, see :meth:`_alone`).
         """
         self.attentive = self._step_had_run = True
         self._last_record = record
@@ -332,7 +341,7 @@ class EvalPassJudge:
         self._weights = weights
         self._clock = clock
         if self.trained and steps is not None and clock is not None:
-            due = self._frozen_use(record, moved, gap, clock, steps)
+            due = self._frozen_use(record, moved, gap, clock, steps, frozen)
             if due is not None:
                 return due
         if moved and self.in_a_row >= 2 and not self.trained and gap >= SPARSE_GAP:
@@ -451,7 +460,13 @@ class EvalPassJudge:
         return due
 
     def _frozen_use(
-        self, record: StepRecord, moved: bool, gap: int, clock: int, steps: tuple[int, int]
+        self,
+        record: StepRecord,
+        moved: bool,
+        gap: int,
+        clock: int,
+        steps: tuple[int, int],
+        frozen: Callable[[], bool] = _no,
     ) -> list[StepRecord] | None:
         """A pass of a model that trained, since its last step of its own: once it
         is seen trained alone and then used frozen, told (None: judged as before).
@@ -463,7 +478,7 @@ class EvalPassJudge:
         optimizer_steps, now = steps
         use = self._use
         if use is None or use.own_step != record.step:
-            alone = self._alone(record.step, optimizer_steps)
+            alone = self._alone(record.step, optimizer_steps, record.eval_in_train, frozen)
             use = self._use = _FrozenUse(record.step, optimizer_steps, alone)
         elif moved:
             use.unchanged, use.told = False, False
@@ -513,15 +528,34 @@ class EvalPassJudge:
         _mark_frozen_use(due, True)
         return due
 
-    def _alone(self, own_step: int, optimizer_steps: int) -> bool:
+    def _alone(
+        self,
+        own_step: int,
+        optimizer_steps: int,
+        report: ModeReport | None = None,
+        frozen: Callable[[], bool] = _no,
+    ) -> bool:
         """No other optimizer of the process stepped since its first training pass,
         and it took :data:`TRAINED_ALONE` steps or more. (Fewer steps of the process
-        than its own: a mixed-precision step skipped, never another's.)"""
+        than its own: a mixed-precision step skipped, never another's.)
+
+        Fewer steps alone (a teacher pre-trained briefly, fine-tuned a few steps,
+        or its training cut short) do too where the model now shows it stopped
+        training for good: its parameters all frozen since (``frozen``), or
+        dropout in training mode in the pass (``report``), which a generator sampled
+        between its critic's steps does not run (DCGAN samples with batch norm
+        alone). A generator after its critic's warm-up took its one step alone
+        with neither, and keeps the longer count."""
         start = self._trained_from
         if start is None:
             return False
         taken = own_step - start[1]
-        return taken >= TRAINED_ALONE and optimizer_steps - start[0] <= taken
+        if taken < 1 or optimizer_steps - start[0] > taken:
+            return False
+        if taken >= TRAINED_ALONE:
+            return True
+        dropout = report is not None and any("dropout" in kind.lower() for kind in report.kinds)
+        return dropout or frozen()
 
     def _run_ends(self) -> None:
         """A run of no-grad passes ended: a short one may be part of every step."""

@@ -397,6 +397,8 @@ class ZeroGradientRule(Rule):
                 return self._reset_between_backwards(record)  # type: ignore[arg-type]
             if record.source == "hand_update":
                 return self._reset_before_update(record)  # type: ignore[arg-type]
+            if record.source == "copy_in_optimizer":
+                return self._copy_in_optimizer(record)
             return []
         # Under DDP the next iteration fails when a layer of the optimizer's is
         # never called: that is worth saying at once, not after `patience`.
@@ -1144,6 +1146,59 @@ class ZeroGradientRule(Rule):
                     "steps": steps,
                     "optimizer": record.optimizer,
                 },
+            )
+        ]
+
+    def _copy_in_optimizer(self, record: StepRecord) -> list[Alert]:
+        """An EMA or averaged copy of a model sits in that model's optimizer: its
+        parameters never get a gradient, by design (it runs under ``no_grad`` and
+        is moved by its own update), so no layer of it is cut off. One note, told
+        once per optimizer: a note and not a warning, since SGD, Adam and AdamW
+        skip a parameter without a gradient (no momentum, no weight decay) and the
+        copy stays as its update leaves it. (``copy_part``: the copy's class, where
+        the copy is this model; None where it lies outside the model.)"""
+        copied = record.copy_of
+        assert copied is not None
+        params = record.missing
+        for info in params:
+            self._streaks.pop(info.name, None)
+        inside = record.copy_part is not None
+        owner = "" if inside else params[0].owner
+        count = len(params)
+        what = (
+            f"this model ({record.copy_part}) is a copy of {copied.name}, shape for shape, "
+            f"and none of its {count} parameter{'s' if count != 1 else ''} "
+            f"({short_names(params)}) gets a gradient"
+            if inside
+            else f"{count} parameters outside the model are, shape for shape and in order, "
+            "a copy of the model's own, and none of them gets a gradient"
+        )
+        return [
+            self.alert(
+                record.step,
+                owner,
+                f"optimizer {record.optimizer} ({record.optimizer_class}) holds the parameters "
+                f"of a copy of the model it trains beside the model's: {what}: an EMA or "
+                "averaged copy handed to the optimizer",
+                "an EMA copy (torch.optim.swa_utils.AveragedModel, or a copy.deepcopy moved "
+                "by lerp_/mul_/add_ under no_grad) gets no gradient by design: it is moved by "
+                "its own update and evaluated in eval mode, so nothing is cut off and no "
+                "model.train() is missing. Its parameters were handed to the optimizer by "
+                "mistake (SGD([*model.parameters(), *ema.parameters()])): build the "
+                "optimizer over model.parameters() alone. Harmless as it stands with SGD, "
+                "Adam or AdamW, which skip a parameter without a gradient (no momentum, no "
+                "weight decay), unless the loop applies weight decay itself; were the copy "
+                "ever run with gradients into the loss, the optimizer would move it off "
+                "its average.",
+                {
+                    "kind": "copy_in_optimizer",
+                    "copy_of": copied.name,
+                    "copy_class": record.copy_part,
+                    "parameters": [p.name for p in params],
+                    "optimizer": record.optimizer,
+                    "optimizer_class": record.optimizer_class,
+                },
+                severity="info",
             )
         ]
 
