@@ -2,7 +2,8 @@
 as without it.
 
 Python shows a warning once per code location from a registry that any change
-of the filters wipes for the whole process; trainwatch never changes them. Its
+of the filters through the warnings API wipes for the whole process; trainwatch
+makes none (tests/test_warnings_shown_before_watching_stay_shown.py). Its
 loss audits run the loss's ops from a function mode, so a warning of theirs
 is warned again from the line that called the op; its own re-runs of the model
 (the stalled-training probe's first batch, a NaN replay) show no warning and

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -176,9 +177,19 @@ class OutOfGraphDispatchMode(TorchDispatchMode):
 
 _WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
+# The one filter entry trainwatch adds, as ``warnings.filterwarnings`` would make it
+# (a case-insensitive pattern matched at the message's start, any module and line).
+_ENTRY = ("ignore", re.compile(_WARNING, re.I), UserWarning, None, 0)
 
 _holders = 0
-_filter_entry: Any = None
+# The filter lists the entry was put in. Inside a ``warnings.catch_warnings``
+# block ``warnings.filters`` is a copy, and the list before it comes back on exit:
+# the entry is taken out of each list it was put in, and of the one in place.
+_lists: list[list[Any]] = []
+
+
+def _holds(filters: list[Any]) -> bool:
+    return any(entry is _ENTRY for entry in filters)
 
 
 class CompiledHookWarning:
@@ -189,30 +200,36 @@ class CompiledHookWarning:
     wrapper as the model it wraps, which is what the warning is about. The
     filter is held while any holder is open, and only this message is
     filtered; a user's own ``-W error`` still applies to everything else.
+
+    The entry is put into and taken out of the filter list directly, never
+    through ``warnings.filterwarnings`` or ``_filters_mutated``: those bump the
+    filters' version, which empties every module's ``__warningregistry__`` at
+    its next warning, so a once-per-line warning the script already showed
+    would show again. Without the bump no registry is touched, and none needs
+    to be: an ``ignore`` is never recorded in one, so no mark stands for this
+    message while the entry is in, and a mark made before (the warning shown
+    once already) keeps it hidden, as the entry would.
     """
 
     def __init__(self) -> None:
-        global _holders, _filter_entry
+        global _holders
         self._open = True
-        if _filter_entry is None or _filter_entry not in warnings.filters:
-            # First holder, or the filters were reset since (catch_warnings).
-            warnings.filterwarnings("ignore", message=_WARNING, category=UserWarning)
-            _filter_entry = warnings.filters[0]
+        filters = warnings.filters
+        if not _holds(filters):
+            # First holder, or the filters were reset or replaced since.
+            filters.insert(0, _ENTRY)
+            _lists.append(filters)
         _holders += 1
 
     def detach(self) -> None:
-        global _holders, _filter_entry
+        global _holders
         if not self._open:
             return
         self._open = False
         _holders -= 1
         if _holders > 0:
             return
-        try:
-            warnings.filters.remove(_filter_entry)
-        except ValueError:
-            pass  # the filters were replaced meanwhile (warnings.catch_warnings)
-        mutated = getattr(warnings, "_filters_mutated", None)
-        if mutated is not None:
-            mutated()
-        _filter_entry = None
+        for filters in (*_lists, warnings.filters):
+            if _holds(filters):
+                filters[:] = [entry for entry in filters if entry is not _ENTRY]
+        _lists.clear()
