@@ -368,12 +368,16 @@ class FunctionalLook:
         if id(module) in self._names:
             self._stack.append(id(module))
 
-    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def leave(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        """``rest``: (kwargs, output); (output,) alone where the call raised (PyTorch
+        calls an always-called global hook that way on an exception's way out: the
+        module's call was not made whole, so it is not re-run)."""
         if self._stack and self._stack[-1] == id(module):
             self._stack.pop()
         if self._drawing and id(module) in self._drawing and self._rerun is None:
             self._drawing.discard(id(module))
-            self._judge_draws(module, args, kwargs)
+            if len(rest) == 2:
+                self._judge_draws(module, args, rest[0])
 
     def drew(self) -> None:
         """A random number was drawn: by the module innermost in the pass."""
