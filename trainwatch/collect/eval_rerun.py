@@ -16,19 +16,15 @@ off, and trainwatch's collectors see no pass of it (``quiet.replay``).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainwatch.collect import quiet
-from trainwatch.collect.op_trace import swapped_buffers
 from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_guard import rerun_guarded
 from trainwatch.collect.tensors import detached_copies
-from trainwatch.compiled import eager
-from trainwatch.rng import forked_rngs
 
 _TRAINING = attrgetter("training")
 
@@ -48,13 +44,7 @@ def run_in_eval(module: nn.Module, args: Any, kwargs: Any) -> bool:
     )
     effects = UndoneEffects(subs)
     try:
-        with ExitStack() as stack:
-            stack.enter_context(effects)
-            stack.enter_context(swapped_buffers(module, subs))
-            stack.enter_context(forked_rngs(devices=devices))
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(quiet.replay())
-            stack.enter_context(eager())
+        with rerun_guarded(module, subs, devices, effects):
             for sub in subs:
                 sub.training = False
             module(*detached_copies(args), **detached_copies(kwargs or {}))

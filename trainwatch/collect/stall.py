@@ -62,7 +62,6 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from contextlib import ExitStack
 from itertools import compress, filterfalse, groupby, repeat
 from operator import attrgetter, is_, itemgetter, methodcaller, truediv
 from typing import Any
@@ -71,19 +70,16 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from trainwatch.collect import quiet
 from trainwatch.collect.grads import layer_norms
 from trainwatch.collect.nonfinite_replay import replay_target
-from trainwatch.collect.op_trace import swapped_buffers
 from trainwatch.collect.passes import ModelPasses
 from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_guard import rerun_guarded
 from trainwatch.collect.small_norms import LayerSums
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
-from trainwatch.compiled import eager
 from trainwatch.layers import LayerMap
 from trainwatch.process_steps import PROCESS_STEPS
 from trainwatch.record import StallReport, StepRecord
-from trainwatch.rng import forked_rngs
 
 _NORM_STATS = nn.modules.batchnorm._NormBase
 _TRAINING = attrgetter("training")
@@ -596,13 +592,7 @@ class FirstBatchProbe:
         devices = _cuda_devices(module)
         effects = UndoneEffects(subs)
         try:
-            with ExitStack() as stack:
-                stack.enter_context(effects)
-                stack.enter_context(swapped_buffers(module, subs))
-                stack.enter_context(forked_rngs(devices=devices))
-                stack.enter_context(torch.no_grad())
-                stack.enter_context(quiet.replay())
-                stack.enter_context(eager())
+            with rerun_guarded(module, subs, devices, effects):
                 for buffers, name, kept in stats:
                     buffers[name] = kept.clone()  # the phase's running statistics
                 if swap:
