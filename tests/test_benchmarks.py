@@ -162,3 +162,16 @@ def test_phase_costs_prints_what_each_phase_of_the_loop_adds():
     for phase in ("zero_grad", "forward", "loss", "backward", "step"):
         assert sum(line.split()[0] == phase for line in lines if line.strip()) == 2
     assert sum("whole step:" in line for line in lines) == 2
+
+
+def test_step_writes_lists_the_state_a_healthy_step_moves():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/step_writes.py", "--workload", "tiny", "--step", "41"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "_step " in done.stdout and "Monitor._advance" in done.stdout  # the step count moves
+    assert "distinct writes" in done.stdout.splitlines()[-1]
