@@ -76,12 +76,13 @@ def test_gpt2_trained_on_padding_labelled_with_eos_is_told_once_with_the_figures
     (alert,) = padding_alerts(monitor)
     assert alert.severity == "warning" and alert.module == ""
     assert alert.step == 0  # the first step, where it was seen
-    # lengths 12, 9, 6, 4 of 12: 17 of the 48 label positions are padding.
+    # lengths 12, 9, 6, 4 of 12: GPT-2's loss shifts the labels for next-token
+    # prediction, so it counts 4 x 11 = 44 positions, 17 of them padding.
     assert alert.data["kind"] == "attention_mask"
-    assert alert.data["padded_labels"] == 17 and alert.data["labelled"] == 48
-    assert alert.data["padding_fraction"] == pytest.approx(17 / 48, abs=1e-3)
+    assert alert.data["padded_labels"] == 17 and alert.data["labelled"] == 44
+    assert alert.data["padding_fraction"] == pytest.approx(17 / 44, abs=1e-3)
     assert alert.data["pad_value"] == PAD and alert.data["pad_positions"] == 17
-    assert "17 of the 48" in alert.message and "35%" in alert.message
+    assert "17 of the 44" in alert.message and "39%" in alert.message
     assert "labels[attention_mask == 0] = -100" in alert.hint
     assert "DataCollatorForLanguageModeling" in alert.hint
     assert "internal_error" not in {a.rule for a in monitor.alerts}
@@ -100,7 +101,8 @@ def test_left_padded_batches_labelled_at_padding_are_told():
     torch.manual_seed(0)
     monitor = fit(gpt2(), lambda step: padded_batch(step, masked=False, side="left"))
     (alert,) = padding_alerts(monitor)
-    assert alert.data["padded_labels"] == 17
+    # The first column, padding in 3 rows, is no label of GPT-2's shifted loss.
+    assert alert.data["padded_labels"] == 14
 
 
 def test_an_eos_inside_the_text_is_a_label_not_padding():
@@ -391,6 +393,8 @@ def test_trainer_with_the_callback(tmp_path, masked):
         (alert,) = found
         assert alert.step == 0 and alert.data["kind"] == "attention_mask"
         assert 0 < alert.data["padding_fraction"] < 1
+        # GPT-2's loss (divided by the batch's token count) gets 4 rows of 11 shifted labels.
+        assert alert.data["labelled"] == BATCH * (SEQ - 1)
 
 
 # -- switched off, and the config ---------------------------------------------------------

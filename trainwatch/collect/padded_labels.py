@@ -15,7 +15,11 @@ only (other steps pay nothing):
 
 - a model called with ``labels=`` and ``attention_mask=`` of the same shape
   (it computes its own loss, ignoring -100): the labels at mask 0 that are
-  not -100;
+  not -100, among the positions its loss received: a causal language
+  model's loss (read in its autograd graph,
+  :mod:`trainwatch.collect.model_loss_target`) sees the labels shifted for
+  next-token prediction, ``labels[..., 1:]`` against ``attention_mask[..., 1:]``,
+  one position a row fewer than it was handed;
 - a ``cross_entropy``/``nll_loss`` over tokens after the pass, whose class
   count is the ``num_embeddings`` of the model's one embedding with a
   ``padding_idx``: its targets equal to that index, unless ``ignore_index``
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainwatch.collect.model_loss_target import loss_target
 from trainwatch.compiled import unwrap
 from trainwatch.record import PaddedLabels
 
@@ -50,6 +55,11 @@ _FIGURES = ("pad_positions", "labelled", "padded", "pad_value_max", "pad_value_m
 # Kinds of evidence.
 MASK = "attention_mask"
 PADDING_IDX = "padding_idx"
+# How a model's own loss shifted the labels it was handed (next-token targets):
+# ``labels[..., 1:]``, one position a row fewer, or the same with ``ignore_index``
+# appended to each row (transformers' causal LM loss: to be checked against the labels).
+_DROPPED = "dropped"
+_APPENDED = "appended"
 
 
 def _integer(tensor: Any) -> bool:
@@ -69,14 +79,50 @@ def _seq2seq(module: Any, output: Any) -> bool:
     return getattr(output, "encoder_last_hidden_state", None) is not None
 
 
+def _next_token_target(labels: torch.Tensor, output: Any) -> tuple[str, Any, int] | None:
+    """How the loss the model returned lined ``labels`` up: shifted for next-token
+    prediction (``_DROPPED``, or ``_APPENDED`` with the target it received and its
+    ``ignore_index``, to check against the labels), or None: as handed in, or unseen."""
+    width = labels.shape[-1]
+    if width < 2:
+        return None
+    found = loss_target(output, (labels.numel() // width * (width - 1), labels.numel()))
+    if found is None:
+        return None
+    target, ignored = found
+    if target.numel() != labels.numel():
+        return _DROPPED, None, ignored
+    if target.data_ptr() == labels.data_ptr():
+        return None  # the labels themselves (``labels.view(-1)``): as handed in
+    return _APPENDED, target.detach().reshape(-1, width).to(labels.device), ignored
+
+
+def _appended(rows: list[list[int]], target: list[list[int]], ignored: int) -> bool:
+    """Each row of ``target`` is its row of the labels shifted, ``ignored`` appended."""
+    return all(
+        got[:-1] == row[1:] and got[-1] == ignored for got, row in zip(target, rows, strict=True)
+    )
+
+
 def _host_figures(
-    labels: torch.Tensor, mask: torch.Tensor | None, pad: int | None, ignored: int
+    labels: torch.Tensor,
+    mask: torch.Tensor | None,
+    pad: int | None,
+    ignored: int,
+    shift: tuple[str, Any, int] | None = None,
 ) -> list[float]:
     """The figures of the labels at padding (``mask`` 0, or equal to ``pad``), read on
-    the host: no op."""
-    values = labels.reshape(-1).tolist()
+    the host: no op. ``shift``: the model's loss received them shifted for next-token
+    prediction; only the positions it saw are counted."""
+    rows = labels.reshape(-1, labels.shape[-1]).tolist()
+    first = 0
+    if shift is not None:
+        how, target, loss_ignores = shift
+        first = int(how == _DROPPED or _appended(rows, target.tolist(), loss_ignores))
+    values = [value for row in rows for value in row[first:]]
     if mask is not None:
-        pads = [not kept for kept in mask.reshape(-1).tolist()]
+        kept = mask.reshape(-1, mask.shape[-1]).tolist()
+        pads = [not at for row in kept for at in row[first:]]
     else:
         pads = [value == pad for value in values]
     labelled = len(values) - values.count(ignored)
@@ -86,10 +132,10 @@ def _host_figures(
     return [float(sum(pads)), float(labelled), float(len(found)), value, value]
 
 
-def _device_figures(
+def _figures_on_device(
     labels: torch.Tensor, mask: torch.Tensor | None, pad: int | None, ignored: int
 ) -> torch.Tensor:
-    """The same figures on the device: a few small ops, read back with the step."""
+    """The figures of ``labels`` against their ``mask`` (or ``pad``), as device ops."""
     labels = labels.detach()
     padding = mask == 0 if mask is not None else labels == pad
     labelled = labels != ignored
@@ -105,6 +151,27 @@ def _device_figures(
             torch.where(padded, labels, high).amin(),
         ]
     ).float()
+
+
+def _device_figures(
+    labels: torch.Tensor,
+    mask: torch.Tensor | None,
+    pad: int | None,
+    ignored: int,
+    shift: tuple[str, Any, int] | None = None,
+) -> torch.Tensor:
+    """The same figures on the device: a few small ops, read back with the step (the
+    choice between the labels as handed in and shifted made there too: no sync)."""
+    if shift is None or mask is None:
+        return _figures_on_device(labels, mask, pad, ignored)
+    later = labels[..., 1:]
+    shifted = _figures_on_device(later, mask[..., 1:], pad, ignored)
+    how, target, loss_ignores = shift
+    if how == _DROPPED:
+        return shifted
+    later = later.reshape(target.shape[0], -1)
+    same = (target[:, :-1] == later).all() & (target[:, -1] == loss_ignores).all()
+    return torch.where(same, shifted, _figures_on_device(labels, mask, pad, ignored))
 
 
 def name_in(root: nn.Module | None, module: Any) -> str:
@@ -157,7 +224,7 @@ class PaddingLook:
         ):
             self.open = False  # a classifier's labels, an unmasked stream: nothing to look at
             return False
-        self._measure(MASK, labels, mask, None, IGNORED)
+        self._measure(MASK, labels, mask, None, IGNORED, _next_token_target(labels, output))
         self._module = name_in(self._root_of(), module)
         return True
 
@@ -192,12 +259,13 @@ class PaddingLook:
         mask: torch.Tensor | None,
         pad: int | None,
         ignored: int,
+        shift: tuple[str, Any, int] | None = None,
     ) -> None:
         self._kind, self._ignored = kind, ignored
         if labels.device.type == "cpu" and labels.numel() <= _COUNTED_ON_HOST:
-            self._host = _host_figures(labels, mask, pad, ignored)
+            self._host = _host_figures(labels, mask, pad, ignored, shift)
         else:
-            self._device = _device_figures(labels, mask, pad, ignored)
+            self._device = _device_figures(labels, mask, pad, ignored, shift)
 
     # -- at the step boundary -------------------------------------------------
     def take(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
