@@ -248,6 +248,10 @@ class _ScriptsOwn:
     def __init__(self, owner: AutoWatch) -> None:
         self.owner = weakref.ref(owner)
         self.steps = 0
+        # One of them closed having seen its model run but no step, and said why
+        # (its own closing note): the run, which left that model to it, has
+        # nothing of its own to add about training that was not watched.
+        self.told_idle = False
 
     def _foreign(self, dispatcher: Dispatcher) -> bool:
         owner = self.owner()
@@ -272,6 +276,7 @@ class _ScriptsOwn:
     def closed(self, dispatcher: Dispatcher, summary: Summary) -> None:
         if self._foreign(dispatcher):
             self.steps = max(self.steps, summary.steps)
+            self.told_idle = self.told_idle or bool(summary.idle)
 
 
 class _BackwardEnd:
@@ -840,6 +845,7 @@ class AutoWatch:
             return
         self._closed = True
         _OPEN.discard(self)
+        self._close_scripts_own()  # heard by the run, whose hooks are still on
         self._uninstall()
         self._close_monitors()
 
@@ -893,12 +899,31 @@ class AutoWatch:
         finally:
             termination.release(self)
 
-    def _nothing_watched(self) -> str:
+    def _close_scripts_own(self) -> None:
+        """The script's own monitors still open as the run ends (a ``tw.watch``
+        never closed) close first, as the interpreter's exit closes them under
+        plain ``python``: their summary or closing note is told where the script
+        chose, their last findings reach the run, and the run's closing line then
+        knows what they saw (see _ScriptsOwn)."""
+        ours = {id(monitor) for monitor in self.monitors}
+        for monitor in registry.owners():
+            if id(monitor) in ours or not isinstance(monitor, Monitor):
+                continue
+            try:
+                monitor.close()
+            except Exception as exc:  # the script's monitor: never the run's failure
+                self._internal.internal_error("script's own monitor close", exc, 0)
+
+    def _nothing_watched(self) -> str | None:
         """The closing line of a run that watched no step. Where optimizers stepped over
         parameters of no model found training (a model replaced after its optimizer
         was built, and not taken for its replacement), it says so, and names the
         models that ran paired with optimizers that never stepped, rather than that
-        nothing stepped."""
+        nothing stepped. None where the script's own monitor, which the run left
+        its model to, already said why it watched no step: the run's line would
+        claim that no backward reached a model its own monitors never looked at."""
+        if self._scripts_own.told_idle:
+            return None
         if not self._unwatched_steps:
             return _NOTHING_WATCHED
         kinds = ", ".join(sorted(self._unwatched_steps))

@@ -125,24 +125,33 @@ def _run_watched(path: Path, args: list[str], watcher: AutoWatch) -> int:
     else:
         sys.path.insert(0, script_dir)
     code = 0
+    # What keeps the script's globals alive until the run closes: its namespace,
+    # or the exception it ended with (whose traceback holds them). Under plain
+    # python they live until the interpreter exits, where a monitor the script
+    # never closed is closed and tells its summary; runpy drops them on return,
+    # which would collect such a monitor unheard.
+    ended: object = None
     watcher.install()
     try:
         # __file__ absolute, as python gives it to a script: one that changes
         # directory and then opens files beside itself works the same.
-        runpy.run_path(os.path.abspath(path), run_name="__main__")
-    except StopRun:
-        code = 0
+        ended = runpy.run_path(os.path.abspath(path), run_name="__main__")
+    except StopRun as exc:
+        ended, code = exc, 0
     except SystemExit as exc:
-        code = _exit_status(exc.code)
+        ended, code = exc, _exit_status(exc.code)
     except KeyboardInterrupt as exc:
+        ended = exc
         _print_traceback(exc)
         code = EXIT_INTERRUPTED
     except BaseException as exc:
+        ended = exc
         _name_the_module(exc, watcher)
         _print_traceback(exc)
         code = 1
     finally:
-        watcher.close()
+        watcher.close()  # the script's own monitors left open first (see AutoWatch)
+        del ended
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
