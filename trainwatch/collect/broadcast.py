@@ -423,16 +423,52 @@ def _given_axes(
 
 
 def _one_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Both operands view one tensor: ``s - s.view(-1)`` pairs its rows on purpose.
+    """Both operands are one tensor, seen two ways: ``s - s.view(-1)`` pairs its rows on purpose.
 
     A pairwise ranking loss written that way compares every score with every
     other; the bug pairs a prediction with a target, two different tensors.
+    Sharing a storage is not enough: one pass over chosen and rejected answers
+    together, split with ``r.chunk(2)``, gives two views of one output over
+    different rows, and ``r_c - r_r.view(-1)`` pairs every chosen answer with
+    every rejected one. So the two must start at the same element of the
+    storage and cover the same elements (``s``, ``s.view(-1)``, ``s.t()``,
+    ``s.unsqueeze(0)``, ``s.expand(...)``).
     """
     try:
         ptr = first.untyped_storage().data_ptr()
-        return ptr != 0 and ptr == second.untyped_storage().data_ptr()
+        if ptr == 0 or ptr != second.untyped_storage().data_ptr():
+            return False
+        return first.storage_offset() == second.storage_offset() and _elements_covered(
+            first
+        ) == _elements_covered(second)
     except Exception:  # a tensor without storage (sparse, functional): judge it
         return False
+
+
+def _elements_covered(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """The elements of its storage a view covers, from its start, as (size, stride) runs.
+
+    Axes of size 1 or stride 0 add no element; the rest, outermost stride first,
+    are merged where one axis continues another (``(N, D)`` strided ``(D, 1)`` is
+    the run ``(N * D, 1)``), so views reshaped, transposed or given new axes
+    read the same.
+    """
+    axes = sorted(
+        (
+            (size, stride)
+            for size, stride in zip(tensor.shape, tensor.stride())
+            if size > 1 and stride
+        ),
+        key=lambda axis: -axis[1],
+    )
+    runs: list[tuple[int, int]] = []
+    for size, stride in reversed(axes):
+        if runs and stride == runs[-1][0] * runs[-1][1]:
+            inner_size, inner_stride = runs.pop()
+            runs.append((size * inner_size, inner_stride))
+        else:
+            runs.append((size, stride))
+    return runs
 
 
 def _stack_is_ours_to_use() -> bool:
