@@ -291,6 +291,9 @@ class PaddedLabels:
     other_pad_value: int | None  # the smallest found there, where it differs
     ignore_index: int  # what the loss ignores
     module: str = ""  # the module called with the labels; the root for a loss after it
+    # "padding_idx": that index is also the model's end of text (pad = EOS), so only
+    # the ids past a row's closing one were counted as padding.
+    pad_ends_text: bool = False
 
 
 @dataclass

@@ -238,7 +238,7 @@ class ClassTargetLook:
             self.per_position = True
             padding = self.padding
             if padding is not None and padding.open:
-                self.measured = padding.from_loss(logits, target, kwargs)
+                self.measured = padding.from_loss(logits, target, kwargs, self.batch)
         self.looked = self.counts is not None or self.per_position
         self._update_finished()
 

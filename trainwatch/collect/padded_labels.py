@@ -23,7 +23,13 @@ only (other steps pay nothing):
 - a ``cross_entropy``/``nll_loss`` over tokens after the pass, whose class
   count is the ``num_embeddings`` of the model's one embedding with a
   ``padding_idx``: its targets equal to that index, unless ``ignore_index``
-  is it.
+  is it. Where that index is also the model's end of text (its config's
+  ``eos_token_id``: a tokenizer without a pad token padded with EOS), a target
+  holding it is mostly the EOS that ends a text, the label that teaches the
+  model to stop (one per row, or one per document of a packed row): only the
+  ids past the first of a run at either end of a row are padding (a right-padded
+  tail after its closing EOS, a left-padded head), each row being the target's
+  last axis or, for targets flattened to one axis, the model's batch rows.
 
 A batch of up to 4096 CPU positions is counted on the host, with no op;
 others in a handful of ops whose figures join the step's one readback.
@@ -104,16 +110,38 @@ def _appended(rows: list[list[int]], target: list[list[int]], ignored: int) -> b
     )
 
 
+def _past_the_end(row: list[int], pad: int) -> list[bool]:
+    """Which of ``row``'s ids are padding where ``pad`` also ends a text: those past the
+    first of the run of ``pad`` at either end of the row (an EOS then the padding after
+    it; a row all ``pad``: all but its first)."""
+    width = len(row)
+    head = next((at for at, value in enumerate(row) if value != pad), width)
+    tail = next((at for at, value in enumerate(reversed(row)) if value != pad), width)
+    return [0 < at < head or at > width - tail for at in range(width)]
+
+
+def _past_the_end_on_device(rows: torch.Tensor, pad: int) -> torch.Tensor:
+    """:func:`_past_the_end` of each row of ``rows`` (its last axis), as device ops."""
+    at_pad = (rows == pad).long()
+    head = at_pad.cumprod(-1).bool()  # in the run at the row's start
+    tail = at_pad.flip(-1).cumprod(-1).flip(-1).bool()  # in the run at its end
+    padding = torch.zeros_like(head)
+    padding[..., 1:] = head[..., 1:] | tail[..., :-1]
+    return padding
+
+
 def _host_figures(
     labels: torch.Tensor,
     mask: torch.Tensor | None,
     pad: int | None,
     ignored: int,
     shift: tuple[str, Any, int] | None = None,
+    pad_ends_text: bool = False,
 ) -> list[float]:
-    """The figures of the labels at padding (``mask`` 0, or equal to ``pad``), read on
-    the host: no op. ``shift``: the model's loss received them shifted for next-token
-    prediction; only the positions it saw are counted."""
+    """The figures of the labels at padding (``mask`` 0, or equal to ``pad``; past each
+    row's end of text where ``pad_ends_text``), read on the host: no op. ``shift``: the
+    model's loss received them shifted for next-token prediction; only the positions
+    it saw are counted."""
     rows = labels.reshape(-1, labels.shape[-1]).tolist()
     first = 0
     if shift is not None:
@@ -123,6 +151,8 @@ def _host_figures(
     if mask is not None:
         kept = mask.reshape(-1, mask.shape[-1]).tolist()
         pads = [not at for row in kept for at in row[first:]]
+    elif pad_ends_text:
+        pads = [at for row in rows for at in _past_the_end(row, pad)]  # type: ignore[arg-type]
     else:
         pads = [value == pad for value in values]
     labelled = len(values) - values.count(ignored)
@@ -133,11 +163,21 @@ def _host_figures(
 
 
 def _figures_on_device(
-    labels: torch.Tensor, mask: torch.Tensor | None, pad: int | None, ignored: int
+    labels: torch.Tensor,
+    mask: torch.Tensor | None,
+    pad: int | None,
+    ignored: int,
+    pad_ends_text: bool = False,
 ) -> torch.Tensor:
-    """The figures of ``labels`` against their ``mask`` (or ``pad``), as device ops."""
+    """The figures of ``labels`` against their ``mask`` (or ``pad``; past each row's end
+    of text where ``pad_ends_text``), as device ops."""
     labels = labels.detach()
-    padding = mask == 0 if mask is not None else labels == pad
+    if mask is not None:
+        padding = mask == 0
+    elif pad_ends_text:
+        padding = _past_the_end_on_device(labels, pad)  # type: ignore[arg-type]
+    else:
+        padding = labels == pad
     labelled = labels != ignored
     padded = padding & labelled
     low = torch.iinfo(labels.dtype).min
@@ -159,11 +199,12 @@ def _device_figures(
     pad: int | None,
     ignored: int,
     shift: tuple[str, Any, int] | None = None,
+    pad_ends_text: bool = False,
 ) -> torch.Tensor:
     """The same figures on the device: a few small ops, read back with the step (the
     choice between the labels as handed in and shifted made there too: no sync)."""
     if shift is None or mask is None:
-        return _figures_on_device(labels, mask, pad, ignored)
+        return _figures_on_device(labels, mask, pad, ignored, pad_ends_text)
     later = labels[..., 1:]
     shifted = _figures_on_device(later, mask[..., 1:], pad, ignored)
     how, target, loss_ignores = shift
@@ -180,6 +221,39 @@ def name_in(root: nn.Module | None, module: Any) -> str:
     if root is None or module is unwrap(root):
         return ""
     return next((name for name, part in unwrap(root).named_modules() if part is module), "")
+
+
+def _ids(value: Any) -> set[int]:
+    """A config's token id field as a set: one id, a list of them, or none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def end_of_text_ids(root: nn.Module | None) -> frozenset[int]:
+    """The ``eos_token_id`` of the configs (and generation configs) the model's modules
+    carry: a Hugging Face model's, or a wrapped one's. None known: empty."""
+    found: set[int] = set()
+    if root is None:
+        return frozenset()
+    for module in root.modules():
+        for holder in ("config", "generation_config"):
+            config = module.__dict__.get(holder)
+            if config is not None:
+                found |= _ids(getattr(config, "eos_token_id", None))
+    return frozenset(found)
+
+
+def rows_of(target: torch.Tensor, batch: int | None) -> torch.Tensor:
+    """``target`` as rows of one sequence each: its last axis, or, flattened to one axis,
+    the model's ``batch`` rows (one row where the batch does not divide it)."""
+    if target.dim() >= 2:
+        return target.reshape(-1, target.shape[-1])
+    if batch and target.numel() % batch == 0:
+        return target.reshape(batch, -1)
+    return target.reshape(1, -1)
 
 
 def padding_indices(root: nn.Module | None) -> dict[int, int | None]:
@@ -202,10 +276,12 @@ class PaddingLook:
         self.open = True
         self._root_of = root_of
         self._pads: dict[int, int | None] | None = None  # the model's padding embeddings
+        self._ends: frozenset[int] = frozenset()  # its end-of-text ids (config eos_token_id)
         # This sampled step's measurement: figures read on the host, or on the device.
         self._kind: str | None = None
         self._module = ""  # the module called with the labels (the root for a loss after it)
         self._ignored = IGNORED
+        self._pad_ends_text = False  # the padding id measured is also the end of text
         self._host: list[float] | None = None
         self._device: torch.Tensor | None = None
 
@@ -228,10 +304,15 @@ class PaddingLook:
         self._module = name_in(self._root_of(), module)
         return True
 
-    def from_loss(self, logits: Any, target: Any, kwargs: dict[str, Any]) -> bool:
-        """A class loss over tokens after the pass: measured (True) or nothing to look at."""
+    def from_loss(
+        self, logits: Any, target: Any, kwargs: dict[str, Any], batch: int | None = None
+    ) -> bool:
+        """A class loss over tokens after the pass: measured (True) or nothing to look at.
+        ``batch``: the model's batch, the rows of targets flattened to one axis."""
         if self._pads is None:
-            self._pads = padding_indices(self._root_of())
+            root = self._root_of()
+            self._pads = padding_indices(root)
+            self._ends = end_of_text_ids(root)
         pad = self._pads.get(logits.shape[1]) if logits.dim() >= 2 else None
         ignore_index = kwargs.get("ignore_index", IGNORED)
         if (
@@ -248,7 +329,11 @@ class PaddingLook:
         if ignore_index == pad:
             self.open = False  # the padding is ignored: the fix is in
             return False
-        self._measure(PADDING_IDX, target, None, pad, ignore_index)
+        if pad in self._ends:
+            # The padding id also ends a text: only what follows an end is padding.
+            self._measure(PADDING_IDX, rows_of(target, batch), None, pad, ignore_index, None, True)
+        else:
+            self._measure(PADDING_IDX, target, None, pad, ignore_index)
         self._module = ""
         return True
 
@@ -260,12 +345,13 @@ class PaddingLook:
         pad: int | None,
         ignored: int,
         shift: tuple[str, Any, int] | None = None,
+        pad_ends_text: bool = False,
     ) -> None:
-        self._kind, self._ignored = kind, ignored
+        self._kind, self._ignored, self._pad_ends_text = kind, ignored, pad_ends_text
         if labels.device.type == "cpu" and labels.numel() <= _COUNTED_ON_HOST:
-            self._host = _host_figures(labels, mask, pad, ignored, shift)
+            self._host = _host_figures(labels, mask, pad, ignored, shift, pad_ends_text)
         else:
-            self._device = _device_figures(labels, mask, pad, ignored, shift)
+            self._device = _device_figures(labels, mask, pad, ignored, shift, pad_ends_text)
 
     # -- at the step boundary -------------------------------------------------
     def take(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
@@ -296,6 +382,7 @@ class PaddingLook:
                 ),
                 ignore_index=self._ignored,
                 module=self._module,
+                pad_ends_text=self._pad_ends_text,
             )
         if figures["pad_positions"] and kind == MASK:
             self.open = False  # padding there, every label of it ignored

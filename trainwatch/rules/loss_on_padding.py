@@ -6,8 +6,10 @@ where ``attention_mask`` is 0: the model is trained to predict padding (with
 GPT-2's pad = EOS, it learns to emit EOS without end) and the loss is diluted
 by positions that carry nothing. In plain PyTorch the same comes from a
 ``cross_entropy`` whose ``ignore_index`` is not the embedding's
-``padding_idx``. Seen on the class target look's sampled steps; one finding
-per run, dated at the step it was seen.
+``padding_idx`` (where that index is also the model's EOS, only the ids after
+a row's closing EOS: that EOS is the label that teaches the model to stop).
+Seen on the class target look's sampled steps; one finding per run, dated at
+the step it was seen.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ _MASK_HINT = (
     "(or let DataCollatorForLanguageModeling(tokenizer, mlm=False) build the labels; "
     "DataCollatorForTokenClassification pads token labels with -100)"
 )
+
+
+def _end_of_text_hint(pad: int) -> str:
+    return (
+        f"set the targets after each row's closing EOS to -100, which the loss ignores "
+        f"(labels[attention_mask == 0] = -100, the EOS that ends the text kept as a label); "
+        f"not ignore_index={pad}: {pad} is also the EOS, and ignoring it the model "
+        f"never learns to stop"
+    )
 
 
 def _padding_idx_hint(pad: int) -> str:
@@ -63,6 +74,18 @@ class LossOnPaddingRule(Rule):
             )
             effect = "the model is trained to predict padding and the loss is diluted"
             hint = _MASK_HINT
+        elif found.pad_ends_text:
+            where = (
+                f"{found.padded} of the {found.labelled} targets the loss counts ({share:.0%}) "
+                f"are padding after a row's closing EOS: the embedding's padding_idx "
+                f"{found.pad_value}, which is also the model's eos_token_id, and the loss's "
+                f"ignore_index is {found.ignore_index}"
+            )
+            effect = (
+                "the model is trained to emit EOS without end after the text, "
+                "and the loss is diluted"
+            )
+            hint = _end_of_text_hint(found.pad_value)
         else:
             where = (
                 f"{found.padded} of the {found.labelled} targets the loss counts ({share:.0%}) "
@@ -85,5 +108,6 @@ class LossOnPaddingRule(Rule):
                 "pad_value": found.pad_value,
                 "other_pad_value": found.other_pad_value,
                 "ignore_index": found.ignore_index,
+                "pad_is_eos": found.pad_ends_text,
             },
         )
