@@ -158,6 +158,13 @@ class Dispatcher:
             if type(sink).setup is not Sink.setup:
                 self._each_sink("setup", lambda sink: sink.setup(audit), only=sink)
 
+    def note(self, text: str) -> None:
+        """One line of trainwatch's own about what it watches, not an alert: only the
+        sinks that show such lines (the console)."""
+        for sink in list(self.sinks):
+            if type(sink).note is not Sink.note:
+                self._each_sink("note", lambda sink: sink.note(text), only=sink)
+
     def close(self, summary: Summary) -> None:
         self._each_sink("close", lambda sink: sink.close(summary))
         for observer in OBSERVERS:

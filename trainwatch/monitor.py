@@ -10,7 +10,8 @@ the Lightning callback and ``trainwatch run`` drive this same object.
 
 Other jobs a monitor has are done by objects it owns: the gathering around
 ``clip_grad_norm_`` (trainwatch/clip_gathering.py), the catch of an optimizer
-training the model unwatched (trainwatch/unwatched_catch.py), the step-end
+training the model unwatched (trainwatch/unwatched_catch.py) or stepped by a
+loop that passed ``tw.watch`` none (trainwatch/optimizer_not_given.py), the step-end
 collective across ranks (``halt_sync_for_run`` in trainwatch/halt_sync.py) and
 the findings only closing settles (trainwatch/closing_findings.py).
 """
@@ -40,6 +41,7 @@ from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.guard import Guard
 from trainwatch.halt_sync import HaltSync, halt_sync_for_run, running_distributed
 from trainwatch.hooks import HookGroup, WeakHook
+from trainwatch.optimizer_not_given import OptimizerNotGiven
 from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.preflight import check_optimizer, check_optimizer_matches, preflight
 from trainwatch.process_steps import ORIGINS_TOLD, PROCESS_STEPS
@@ -185,6 +187,9 @@ class Monitor:
             on_hook_error=weak_callback(self.fail),
         )
         self._pipeline.on_unwatched = weak_callback(self._unwatched.weights_moved)
+        # Under tw.watch(model) without an optimizer: one the loop steps over the
+        # model without calling monitor.step() (see watch_optimizer_not_given).
+        self._not_given: OptimizerNotGiven | None = None
         # What close() (or the finalizer, for a monitor dropped unclosed) detaches.
         # Run by close() too, so the finalizer's table no longer holds the parts
         # (and through them the model) of a closed monitor still referenced.
@@ -333,6 +338,35 @@ class Monitor:
             # at its first call, inside a learning-rate range test run before fit).
             self.begin_trial()
 
+    def watch_optimizer_not_given(self) -> None:
+        """Watch, as if passed, the torch optimizers found stepping the model's
+        parameters while no optimizer is watched and ``monitor.step()`` is not
+        called (a loop that forgot to pass its optimizer to ``tw.watch``), from
+        their second step on; one console line says so. ``tw.watch`` asks for this
+        when given no optimizer (see trainwatch/optimizer_not_given.py)."""
+        self._ensure_open()
+        if self._not_given is None and not self._optimizers:
+            self._not_given = OptimizerNotGiven(
+                self._pipeline,
+                self._optimizers,
+                self._guard,
+                self._handles,
+                closed=weak_getter(self, "closed", True),
+                steps_taken=weak_getter(self, "_steps_here", 0),
+                adopt=weak_callback(self._adopt_not_given),
+                note=self._dispatcher.note,
+                model_name=weak_getter(self, "model_name", None),
+            )
+
+    def _adopt_not_given(self, optimizers: list[Optimizer], unwatched: int) -> None:
+        """The optimizers the loop steps without having passed them, watched from the
+        step under way; the ``unwatched`` steps they took before are counted first,
+        so alerts name the loop's own step (as ``trainwatch run`` counts them)."""
+        if unwatched:
+            self.load_state_dict({"step": self._step + unwatched})
+        for optimizer in optimizers:
+            self.add_optimizer(optimizer)
+
     def _release_dropped_optimizers(self) -> None:
         """A new optimizer comes: those the script no longer holds (built anew every
         epoch or round) are let go, so their state is freed with them; each keeps
@@ -470,7 +504,8 @@ class Monitor:
         registry.release(self)
         summary = self._dispatcher.summary(self._step, self._latest_norms)
         if not self._step and self.passes_seen:
-            summary.idle = _idle_note(self.passes_seen, bool(self._optimizers))
+            not_given = self._not_given.closing_words() if self._not_given is not None else None
+            summary.idle = _idle_note(self.passes_seen, bool(self._optimizers), not_given)
         self._dispatcher.close(summary)
 
     def __enter__(self) -> Monitor:
@@ -983,15 +1018,19 @@ class _NameWhileSeveral:
         return monitor.model_name
 
 
-def _idle_note(passes: int, has_optimizer: bool) -> str:
-    """What the console says at close when the model ran but no step came to judge."""
-    why = (
-        "its optimizer never stepped"
-        if has_optimizer
-        else "no optimizer stepped and monitor.step() was never called (a loop that "
-        "updates the weights without a torch.optim optimizer calls monitor.step() "
-        "after each update)"
-    )
+def _idle_note(passes: int, has_optimizer: bool, not_given: str | None = None) -> str:
+    """What the console says at close when the model ran but no step came to judge
+    (``not_given``: the optimizers seen stepping the model though never passed)."""
+    if has_optimizer:
+        why = "its optimizer never stepped"
+    elif not_given is not None:
+        why = not_given
+    else:
+        why = (
+            "no optimizer stepped and monitor.step() was never called (a loop that "
+            "updates the weights without a torch.optim optimizer calls monitor.step() "
+            "after each update)"
+        )
     runs = "pass" if passes == 1 else "passes"
     return f"trainwatch: no training step watched: the model ran {passes} forward {runs}, but {why}"
 

@@ -82,6 +82,9 @@ def watch(
         raise
     except Exception as exc:  # trainwatch's own failure: training goes on, unwatched
         monitor = _switched_off(model, optimizers, cfg, sinks, exc)
+    if not optimizers:
+        # An optimizer the loop steps but forgot to pass (and no monitor.step()).
+        monitor.watch_optimizer_not_given()
     if link is not None:
         store_relay.join(monitor, link, console)
     # A plain loop owns its process: SIGTERM closes the monitor before the

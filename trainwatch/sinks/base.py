@@ -70,5 +70,9 @@ class Sink:
     def setup(self, audit: SetupAudit) -> None:
         """The training setup was audited (at attach, after a change): not an alert."""
 
+    def note(self, text: str) -> None:
+        """One line of trainwatch's own about what it watches (not an alert): shown
+        by the console alone."""
+
     def close(self, summary: Summary) -> None:
         """The monitor is closing; flush and release files."""
