@@ -171,16 +171,18 @@ def test_sac_with_the_td_target_under_no_grad_is_silent(tmp_path):
 
 
 def test_dqn_target_synced_every_few_steps_fed_gradients_is_told_as_a_target(tmp_path):
+    # Told at its second step, before the first sync moves it; not again after.
     found = _run(tmp_path, DQN, "bug", "3", "12")
     (alert,) = found
-    assert (alert["rule"], alert["data"]["model"]) == ("accumulated_gradient", "QNet")
+    assert (alert["rule"], alert["data"]["model"], alert["step"]) == ("not_optimized", "QNet", 1)
     assert _is_target_finding(alert, "QNet#2")
 
 
 def test_dqn_target_never_synced_yet_fed_gradients_is_told_once_as_a_target(tmp_path):
-    # Not moved for the first 50 steps: told then; not again once the sync moves it.
+    # Not moved yet at its second step: told then; not again once the sync moves it.
     found = _run(tmp_path, DQN, "bug", "55", "70")
     (alert,) = found
+    assert alert["step"] == 1
     where = (alert["rule"], alert["data"]["model"], alert["severity"])
     assert where == ("not_optimized", "QNet", "warning")
     assert _is_target_finding(alert, "QNet#2")

@@ -437,6 +437,7 @@ class StepPipeline:
             # optimizer of its own, whose steps would make its passes a generator's.
             as_copy = self._held_as_copy
             self.behaviour.optimized = lambda: len(optimizers) > len(as_copy)
+            self.behaviour.a_target = weak_method(self._a_target, False)
             if self._tracks_calls:
                 self.behaviour.calls = self._calls
             self.passes.subscribe("behaviour checks", self.behaviour)
@@ -1168,16 +1169,17 @@ class StepPipeline:
         """A model of its own (not a loss module's weights) whose gradients were not
         reset and whose weights did not move since its last step, while other models'
         optimizers stepped in between: left out of every optimizer, known now (see
-        trainwatch.collect.left_out_model). A copy of a model an optimizer trains (a
-        target network) waits for the usual count."""
+        trainwatch.collect.left_out_model); or, where it copies a model an optimizer
+        trains, a target or reference fed gradients (a DPO reference or a DQN target
+        computed without ``torch.no_grad()``), known now just as well: a hand-written
+        update would have moved it."""
         elsewhere = PROCESS_STEPS.taken - self._taken_before - self._steps_taken()
         stepped_between = elsewhere > self._elsewhere_at_boundary >= 0
         self._elsewhere_at_boundary = elsewhere
         if not (stale and hand.never_moved and stepped_between) or self._left_out is False:
             return False
         if self._left_out is None:
-            whole = self._guarded("left-out model", a_loss_module, self._root) is False
-            self._left_out = whole and self._copied_model() is None
+            self._left_out = self._guarded("left-out model", a_loss_module, self._root) is False
         return bool(self._left_out)
 
     def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> bool:
@@ -1189,9 +1191,9 @@ class StepPipeline:
             return False  # no model here trains with an optimizer (yet): hand-written loops
         record.not_optimized = list(stale)
         record.idle_steps = elsewhere
-        if whole:
-            record.left_out = self._guarded("left-out model", left_out_model, self._root)
         record.copy_of = self._copied_model()
+        if whole and record.copy_of is None:
+            record.left_out = self._guarded("left-out model", left_out_model, self._root)
         # A target network told here is not told again once the loop moves it.
         self._copy_told = record.copy_of is not None
         return True
@@ -1285,10 +1287,14 @@ class StepPipeline:
 
     def _copied_model(self) -> CopiedFrom | None:
         """The model an optimizer trains that this one is a copy of, looked for once
-        (a finding is due: never on the healthy step)."""
+        (a finding is due: never on the healthy step). Asked as early as the copy's
+        first step (its eval mode in a training pass), a look made before any watched
+        model has an optimizer finds nothing yet: looked for again then."""
         if not self._copy_looked:
-            self._copy_looked = True
             self._copy_of = self._guarded("target copies", copied_model, self._root)
+            self._copy_looked = self._copy_of is not None or any(
+                owner.optimizers for owner in registry.owners()
+            )
         return self._copy_of
 
     def _optimizer_idle(self, steps: int, params: list[nn.Parameter]) -> None:
@@ -1729,6 +1735,9 @@ class StepPipeline:
                         record.unfrozen_unheld = frozenset(
                             info(p).name for p in told if id(p) in frozen_unheld
                         )
+                    # A target or reference part fed gradients trains no more for
+                    # them: it stays a frozen part, kept in eval on purpose.
+                    trained = told
                 if trained and self.behaviour is not None:
                     self._guarded("behaviour checks", self.behaviour.got_gradients, trained)
         if self._audits_setup:

@@ -140,6 +140,10 @@ class BehaviourWatch:
         # Whether the model has an optimizer of its own (set by the pipeline): a
         # generator not yet trained, sampled once per critic step, is one.
         self.optimized: Callable[[], bool] = _never
+        # Whether the model, with no optimizer of its own, copies one an optimizer
+        # trains (set by the pipeline; asked only when a step ran in eval mode): a
+        # target or reference network, kept in eval on purpose.
+        self.a_target: Callable[[], bool] = _never
         # Every optimizer step of the process, and the backward passes of watched
         # models, at the model's last no-grad pass.
         self._steps_at_nograd: tuple[int, int] | None = None
@@ -670,9 +674,9 @@ class BehaviourWatch:
             raise
 
     def _gather(self, record: StepRecord, frame: StepFrame) -> BehaviourToken | None:
-        record.train_in_eval, self.train_in_eval = self.train_in_eval, None
+        found, self.train_in_eval = self.train_in_eval, None
         if (
-            record.train_in_eval is None
+            found is None
             and self.check_train_step
             and self.modes is not None
             and not self._model_passes
@@ -683,7 +687,14 @@ class BehaviourWatch:
             # model's own count: an optimizer holding it beside another model (an
             # EMA copy handed to the model's optimizer) steps it on that model's
             # gradients, which are no training pass of this one.
-            record.train_in_eval = self.modes.in_mode(False)
+            found = self.modes.in_mode(False)
+        if found is not None:
+            # A target or reference copy (a DPO reference, a DQN target) in eval mode
+            # is set up as meant: the gradients backward sends it are no training
+            # step of its own, and no update uses them (not_optimized's finding, or
+            # accumulated_gradient's once the loop moves it), so model.train() is
+            # no advice for it.
+            record.train_in_eval = None if found.whole_model and self.a_target() else found
         self._model_passes = 0
         audit = self.broadcast
         if audit is not None:

@@ -180,8 +180,9 @@ class EvalInTrainModeRule(Rule):
         them, runs = ("them", "run") if many else ("it", "runs")
         part = (
             f"{'parts' if many else 'a part'} of the model that no optimizer trains "
-            f"({named}no optimizer holds {'their' if many else 'its'} parameters, which "
-            "get no gradient; an EMA or momentum target moved by hand is one)"
+            f"({named}no optimizer holds {'their' if many else 'its'} parameters and no "
+            "update trains them; a reference copy, or an EMA or momentum target moved by "
+            "hand, is one)"
             if report.held_by_no_optimizer
             else f"{'frozen parts' if many else 'a frozen part'} of the model "
             f"({named}no parameter of {them} trains)"
@@ -323,8 +324,10 @@ class TrainInEvalModeRule(Rule):
         count = len(report.modules)
         if frozen:
             kept = "module of a frozen part" if count == 1 else "modules of frozen parts"
+            finding = "frozen part kept in eval"
         else:
             kept = "normalisation layer" if count == 1 else "normalisation layers"
+            finding = "normalisation kept in eval"
         alert = self.alert(
             record.step,
             report.modules[0],
@@ -335,6 +338,6 @@ class TrainInEvalModeRule(Rule):
             "is the intent.",
             # A finding of its own: a later step that trains with dropout off too
             # (an evaluation left the model in eval) still warns about the same layer.
-            {**_data(report), "finding": "normalisation kept in eval"},
+            {**_data(report), "finding": finding},
         )
         return [dataclasses.replace(alert, severity="info")]

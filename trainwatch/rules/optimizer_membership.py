@@ -958,12 +958,16 @@ class NotOptimizedRule(_ReportOnce):
         target or reference whose output is used with gradients."""
         copied = record.copy_of
         assert copied is not None
+        # Told from its second step on: not moved yet, which says nothing of a sync
+        # to come (a DQN target's), only that no update uses these gradients.
+        steps = record.idle_steps
         return self.alert(
             record.step,
             owners[0] if len(owners) == 1 else "",
             f"{short_names(params)} of this model, the copy of {copied_model(copied)} that no "
-            "optimizer holds and nothing updates, hold gradients that are never reset, "
-            f"while other models' optimizers took {record.idle_steps} steps: backward "
+            "optimizer holds, hold gradients that are never reset while its weights have "
+            f"not moved, and other models' optimizers took {steps} "
+            f"step{'' if steps == 1 else 's'}: backward "
             "reaches it, most likely through a target or reference computed without "
             "torch.no_grad() or .detach(), which also sends gradients into whatever it "
             "was computed from",
