@@ -26,7 +26,9 @@ and broken by in-place ops). In-place ops (``nn.ReLU(inplace=True)``,
 ``x += r``) change a tensor and keep its identity, so sums are matched by
 identity and version counter; a module's inputs are summed as its call
 begins; and every re-run gets copies of the tensors it is handed, so the
-user's batch and the values their backward needs are never touched twice.
+user's batch and the values their backward needs are never touched twice,
+and the arguments as the call received them: a list or dict its forward
+emptied (``items.pop(0)``) as it was when the pass began (``received``).
 
 State lives in two small records replaced wholesale: one per pass
 (identity matches, what a backward replay needs) and one per step (sums,
@@ -49,6 +51,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -105,6 +108,9 @@ __all__ = [
     "locate_forward",
 ]
 
+# The id of the backward pass running on this thread, -1 for none (always so on a
+# torch that cannot tell): a C call either way, asked as every pass begins.
+_backward_task = graph_task_id if graph_task_id is not None else partial(int, -1)
 # Passes whose verdict may wait for the step boundary; past it (a long
 # evaluation between steps) they are read at once.
 _MAX_WAITING = 16
@@ -220,6 +226,7 @@ class NonfiniteProbe:
     # methods, so no call stands between the caller and the check.
     module_starts = nonfinite_forward.module_starts
     module_ends = nonfinite_forward.module_ends
+    module_keywords = nonfinite_forward.module_keywords
     on_grad = nonfinite_gradients.on_grad
     replay_backward = nonfinite_replay.replay_backward
     entering_all_zero = nonfinite_entering.entering_all_zero
@@ -346,10 +353,11 @@ class NonfiniteProbe:
             return
         # Gradient checkpointing of the whole model re-runs it inside backward:
         # that is no new pass.
-        task = graph_task_id  # inside_backward(), written out: once per pass
-        self._recomputing = task is not None and task() != -1
-        if not self._recomputing:
+        if _backward_task() == -1:  # inside_backward(), written out: once per pass
+            self._recomputing = False
             self._new_pass()
+        else:
+            self._recomputing = True
 
     def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._handles or self._replaying or not self.enabled or self.suspended:

@@ -35,6 +35,7 @@ from trainwatch.collect.nonfinite_sums import (
     unchanged,
 )
 from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
+from trainwatch.collect.received import as_received
 from trainwatch.collect.tensors import detached_copies, floating_tensors, input_range
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.layers import own_parameters
@@ -93,6 +94,9 @@ class CallStart:
     sums: list[int]
     given: Any = None  # copies of its positional arguments (replays only)
     rng: torch.Tensor | None = None  # the CPU generator's state then (replays only)
+    # Its keyword arguments as the call received them, where one held a container
+    # its forward may empty (replays only: ``module_keywords``).
+    kwargs: Any = None
 
 
 def _position(probe: NonfiniteProbe, module: nn.Module) -> int | None:
@@ -121,6 +125,20 @@ def module_ends(probe: NonfiniteProbe, module: nn.Module, args: Any, *rest: Any)
     if position is not None and _follows_call(probe):
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         after_call(probe, position, module, args, kwargs, output)
+
+
+def module_keywords(probe: NonfiniteProbe, module: nn.Module, args: Any, kwargs: Any) -> None:
+    """A checked module's own pre-hook, in a replay: its keyword arguments as the
+    call received them, kept with the call's start (which the global pre-hook,
+    run first, just made). A list handed by keyword that the forward empties is
+    then judged and re-run as it came in."""
+    if not kwargs or not probe._replaying:
+        return
+    stack = probe._this_pass.calls_in_progress
+    if stack and stack[-1].position == _position(probe, module):
+        received = as_received((), kwargs)[1]
+        if received is not kwargs:
+            stack[-1].kwargs = received
 
 
 def _follows_call(probe: NonfiniteProbe) -> bool:
@@ -180,6 +198,8 @@ def _after_forward(
     """A checked call ended: its sums recorded, judged at once where they may be
     read, and its gradients hooked."""
     start = _started(probe, index)
+    if start is not None and start.kwargs is not None:
+        kwargs = start.kwargs  # as the call received them: its forward emptied one
     ins = list(start.inputs) if start is not None else []
     in_ids = list(start.sums) if start is not None else []
     outs = list(floating_tensors(output))

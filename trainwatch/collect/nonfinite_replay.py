@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
 from trainwatch.collect.nonfinite_entering import entering_bad
+from trainwatch.collect.nonfinite_hooks import register_keyword_hooks
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding, innermost_holding, op_of_node
 from trainwatch.collect.op_trace import (
     _PASS_THROUGH,
@@ -145,6 +146,7 @@ class Replay:
             # Module hooks only for the replay: healthy passes run without them.
             handles = HookGroup()
             handles.extend(probe.module_hooks())
+            handles.extend(register_keyword_hooks(probe))
             self._stack.callback(handles.remove_all)
         probe._replaying = True
         probe._this_pass.known.clear()

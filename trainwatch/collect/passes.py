@@ -10,6 +10,14 @@ wrapper of it (whose own call runs eagerly around the compiled graph). Every
 collector that needs a pass (its start, its output, its inputs) subscribes
 here; per-module hooks are installed only on the steps that need them.
 
+A pass's inputs are handed over as its call received them: a forward may
+empty a list or dict it is given (``items.pop(0)``, ``batch.pop("labels")``),
+and a collector that re-runs the pass (a NaN/Inf replay, the first batch
+``stalled_training`` keeps) must not run it on what the call left behind.
+The containers among the arguments are copied as the pass begins, where
+there are any (``received``); tensors and plain values cost one set of their
+types.
+
 Hooks on an instance live in the module's own hook tables, which ``pickle``,
 ``torch.save`` and ``copy.deepcopy`` would carry along (an EMA copy would
 report into this monitor; ``torch.load(weights_only=True)`` would refuse
@@ -31,6 +39,7 @@ import torch
 from torch import nn
 
 from trainwatch.collect import quiet
+from trainwatch.collect.received import PLAIN_TYPES, as_received
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.errors import TrainingHealthError
 from trainwatch.fast_paths import forget_root, hook_module, layer_members, watch_root
@@ -52,7 +61,9 @@ class PassListener(Protocol):
 
     def pass_starts(self, module: nn.Module) -> None: ...
 
-    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None: ...
+    def pass_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """``args`` and ``kwargs`` as the call received them: a list or dict the
+        forward emptied (``items.pop(0)``) comes as it was when the pass began."""
 
 
 def _without_trainwatch_hooks(obj: nn.Module) -> Any:
@@ -125,6 +136,10 @@ class ModelPasses:
         self.on_raise: Callable[[BaseException], None] | None = None
         # The arguments of the pass in progress (a loss computed in forward reads its labels).
         self.inputs: tuple[Any, dict[str, Any]] | None = None
+        # Where the pass in progress was handed a mutable container (a list its forward
+        # may empty): its number (``passes``) and the arguments as the call received
+        # them, handed to the listeners as it ends (see ``received``).
+        self._received: tuple[int, tuple[Any, dict[str, Any]]] | None = None
         # id of the module whose call in progress was started by hand (``started``):
         # its own pre-hook, if PyTorch still runs it, is that same call.
         self._started_by_hand: int | None = None
@@ -271,11 +286,25 @@ class ModelPasses:
             # along (a class whose own __deepcopy__ bypasses the reduction), or
             # a call inside a torch.func transform (per-sample gradients)
             return
-        self._depth += 1
-        if self._depth != 1:
+        if self._depth:
+            self._depth += 1
             return
+        self._depth = 1
         self.passes += 1
-        self.inputs = (args, kwargs or {})
+        # The usual arguments (tensors, tuples, numbers) told by their types' set,
+        # made in C; a call handed a list or a dict has its containers copied before
+        # its forward can empty them (``items.pop(0)``, ``batch.pop("labels")``).
+        if kwargs:  # model(**batch) comes with no args
+            if args and not set(map(type, args)) <= PLAIN_TYPES:
+                self._keep_received(args, kwargs)
+            elif set(map(type, kwargs.values())) <= PLAIN_TYPES:
+                self.inputs = (args, kwargs)
+            else:
+                self._keep_received(args, kwargs)
+        elif set(map(type, args)) <= PLAIN_TYPES:
+            self.inputs = (args, {})
+        else:
+            self._keep_received(args, {})
         for name, listener, starts in self._starts:
             try:
                 starts(module)
@@ -295,12 +324,18 @@ class ModelPasses:
         self._started_by_hand = None
         if output is None and self.on_raise is not None:
             self._raised(module)
-        depth = self._depth - 1
-        if depth > 0:
-            self._depth = depth
+        if self._depth > 1:
+            self._depth -= 1
             return
         self._depth = 0
         self.inputs = None
+        if self._received is not None:
+            # The arguments as this call received them; a copy left by an earlier
+            # pass whose end went unseen is dropped. (Not told by the args tuple: a
+            # module with full backward hooks hands its forward hooks a new one.)
+            received, self._received = self._received, None
+            if received[0] == self.passes:
+                args, kwargs = received[1]
         for name, listener, ends in self._ends:
             try:
                 ends(module, args, kwargs, output)
@@ -308,6 +343,13 @@ class ModelPasses:
                 raise
             except Exception as exc:
                 self._fail(name, listener, exc)
+
+    def _keep_received(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A pass handed something other than tensors and plain values begins: its
+        mutable containers copied before its forward can empty them."""
+        self.inputs = given = as_received(args, kwargs)
+        if given[0] is not args or given[1] is not kwargs:
+            self._received = (self.passes, given)
 
     def _raised(self, module: nn.Module) -> None:
         """The forward raised, or returned None: PyTorch calls this hook from its ``except``.
@@ -350,3 +392,4 @@ class ModelPasses:
         self._listeners.clear()
         self._dispatch()
         self._depth = 0
+        self._received = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence, MutableSet
 from itertools import chain
 from typing import Any
 
@@ -109,8 +109,10 @@ def detached_copies(value: Any, memo: dict[int, Any] | None = None, depth: int =
     normalisation, ``x.relu_()``) must not change the user's batch a second
     time, nor bump the version counter of a tensor the user's backward needs.
     A tensor found twice gets one copy (``memo``), as aliasing goes.
-    Tuples, lists, named tuples and dicts are rebuilt; other mappings and
-    dataclasses are shallow-copied with their tensors replaced; any other
+    Tuples, lists, named tuples and dicts are rebuilt; other mappings,
+    sequences and sets a forward can change (a ``deque`` it ``popleft``s)
+    and dataclasses are shallow-copied with their tensors replaced, so a
+    re-run that empties one leaves the next re-run its items; any other
     object (or one that cannot be copied) is passed on as it is.
     """
     memo = {} if memo is None else memo
@@ -126,7 +128,7 @@ def detached_copies(value: Any, memo: dict[int, Any] | None = None, depth: int =
         return type(value)(detached_copies(item, memo, depth + 1) for item in value)
     if type(value) is dict:
         return {key: detached_copies(item, memo, depth + 1) for key, item in value.items()}
-    if isinstance(value, Mapping) or (
+    if isinstance(value, (Mapping, MutableSequence, MutableSet)) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type)
     ):
         return _rebuilt(value, memo, depth)
@@ -139,6 +141,13 @@ def _rebuilt(value: Any, memo: dict[int, Any], depth: int) -> Any:
         if isinstance(value, Mapping):
             for key, item in value.items():
                 rebuilt[key] = detached_copies(item, memo, depth + 1)
+        elif isinstance(value, MutableSequence):
+            for index, item in enumerate(value):
+                rebuilt[index] = detached_copies(item, memo, depth + 1)
+        elif isinstance(value, MutableSet):
+            rebuilt.clear()
+            for item in value:
+                rebuilt.add(detached_copies(item, memo, depth + 1))
         if dataclasses.is_dataclass(value):
             for field in dataclasses.fields(value):
                 item = detached_copies(getattr(value, field.name, None), memo, depth + 1)

@@ -1,0 +1,109 @@
+"""A pass's arguments as its call received them, where the forward may consume them.
+
+A forward may empty a container it is handed: a queue of ragged items read
+with ``items.pop(0)`` or ``popleft()``, a Hugging Face-style
+``batch.pop("labels")``. By the time the pass ends, the list or dict its
+hooks were given is empty (or lacks its labels), and whatever re-runs the
+pass from it (a NaN/Inf replay, a replay of its backward,
+``stalled_training``'s first batch) would run the model on what the call
+left behind: it could not find again what the call did.
+
+So the mutable containers among a pass's arguments are copied as the call
+begins, their items as they are then (tensors are not cloned: the pass
+holds them anyway), nested containers included. A healthy pass must not
+pay for it: the usual arguments (tensors, tuples, None, numbers, strings)
+are told from the rest by a set of their types made in C and compared with
+``PLAIN_TYPES`` (no call a profiler sees), and only a call handed something
+else is walked here. That check does not look into a tuple: a list inside a tuple is
+copied only where another argument sent the call here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import MutableMapping, MutableSequence, MutableSet
+from operator import is_
+from typing import Any
+
+import torch
+from torch import nn
+
+# Arguments a forward cannot change as containers (a tensor changed in place is
+# another matter: each re-run copies the tensors it is handed).
+PLAIN_TYPES = frozenset(
+    {
+        torch.Tensor,
+        nn.Parameter,
+        tuple,
+        type(None),
+        bool,
+        int,
+        float,
+        str,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+    }
+)
+
+_MUTABLE = (MutableMapping, MutableSequence, MutableSet)
+# Items that hold no container (a tuple may).
+_LEAVES = PLAIN_TYPES - {tuple}
+# Containers whose own ``copy()`` is a shallow copy made in C.
+_COPIED_IN_C = frozenset({list, dict, set, deque})
+# Deep enough for a dict of lists of dicts; a bound for a self-referencing container.
+_MAX_DEPTH = 6
+
+
+def as_received(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(args, kwargs)`` with every mutable container in them copied as it is now.
+
+    ``args`` and ``kwargs`` themselves come back as they are where nothing
+    in them was copied. C loops around the one Python call per argument.
+    """
+    given = tuple(map(_as_received, args))
+    if all(map(is_, given, args)):
+        given = args
+    if kwargs:
+        values = list(map(_as_received, kwargs.values()))
+        if not all(map(is_, values, kwargs.values())):
+            kwargs = dict(zip(kwargs, values))
+    return given, kwargs
+
+
+def _as_received(value: Any, depth: int = 0) -> Any:
+    """``value``, or a copy of it where it is (or holds) a mutable container."""
+    if isinstance(value, torch.Tensor) or depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, tuple):
+        if set(map(type, value)) <= _LEAVES:
+            return value
+        items = [_as_received(item, depth + 1) for item in value]
+        if all(map(is_, items, value)):
+            return value
+        try:
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        except Exception:  # a tuple subclass built some other way
+            return value
+    if not isinstance(value, _MUTABLE):
+        return value
+    try:
+        # The usual list or dict: copied in C, its items looked into only where
+        # one may hold a container itself.
+        copied = value.copy() if type(value) in _COPIED_IN_C else copy.copy(value)
+        if isinstance(value, MutableMapping):
+            if not set(map(type, value.values())) <= _LEAVES:
+                for key, item in value.items():
+                    inner = _as_received(item, depth + 1)
+                    if inner is not item:
+                        copied[key] = inner
+        elif isinstance(value, MutableSequence):
+            if not set(map(type, value)) <= _LEAVES:
+                for index, item in enumerate(value):
+                    inner = _as_received(item, depth + 1)
+                    if inner is not item:
+                        copied[index] = inner
+    except Exception:  # uncopyable: the pass's own, as it will be left
+        return value
+    return copied
