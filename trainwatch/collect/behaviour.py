@@ -439,7 +439,10 @@ class BehaviourWatch:
     ) -> None:
         """A pass without gradients: modules in training mode, told or held."""
         report = modes.in_mode(
-            True, skip_dropout=self._config.eval_in_train_mode.mc_dropout, part=part
+            True,
+            skip_dropout=self._config.eval_in_train_mode.mc_dropout,
+            part=part,
+            pass_over=True,
         )
         if report is None:
             return

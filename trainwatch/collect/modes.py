@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainwatch.collect.norm_reestimation import NormReestimation
 from trainwatch.compiled import user_name
 from trainwatch.fast_paths import hook_module, layer_members
 from trainwatch.hooks import HookGroup, WeakHook
@@ -143,6 +144,10 @@ class ModeWatch:
         # Ids of parameters no optimizer holds that a step saw with a gradient:
         # updated by hand from it, or meant to train; never idle again.
         self._got_gradients: set[int] = set()
+        # Batch norms re-estimating statistics reset since they last trained (a
+        # recalibration after pruning or weight averaging, AdaBN): looked at on
+        # no-grad passes with them in training mode.
+        self.reestimation = NormReestimation()
         self.refresh()
 
     def refresh(self) -> None:
@@ -153,6 +158,7 @@ class ModeWatch:
         self._listing_changed()
         self._above = {}
         self._holders = {}
+        self.reestimation.clear()
         self.ordered = False
         if model is None:
             return
@@ -452,11 +458,14 @@ class ModeWatch:
         training: bool,
         skip_dropout: bool = False,
         part: tuple[str, nn.Module] | None = None,
+        pass_over: bool = False,
     ) -> ModeReport | None:
         """The mode-dependent modules whose ``.training`` equals ``training``, in call order.
 
         ``part``: (its name, itself) for a pass of one part of the model called on
         its own (``self.net(x)`` in a LightningModule): only that part's modules.
+        ``pass_over``: asked at the end of a no-grad pass (not at its start): the
+        batch norms' counts include it (see :class:`NormReestimation`).
         """
         listed = self.listed if part is None else self._listed_in(part[0])
         try:
@@ -478,6 +487,7 @@ class ModeWatch:
         names: list[str] = []
         kinds: list[str] = []
         found_kinds: list[str] = []
+        reestimating = 0  # batch norms among them re-estimating reset statistics
         for name, kind, label, ref in listed:
             module = ref()
             if module is None or module.training != training:
@@ -487,6 +497,11 @@ class ModeWatch:
                 # its statistics are being recomputed on purpose (PreciseBN,
                 # swa_utils.update_bn), in training mode under no_grad.
                 return None
+            if training and kind == "norm" and self.reestimation.from_reset(module, pass_over):
+                # Re-estimating statistics reset since it last trained (a
+                # recalibration after pruning or weight averaging, AdaBN): in
+                # training mode on purpose, if nothing else is (see below).
+                reestimating += 1
             if skip_dropout and kind == "dropout":
                 continue
             if maybe_alone and kind == "dropout" and self._switched_alone(name, within):
@@ -494,7 +509,11 @@ class ModeWatch:
             names.append(name)
             kinds.append(label)
             found_kinds.append(kind)
-        if not names:
+        if len(names) == reestimating:
+            # None, or only batch norms re-estimating statistics reset since they
+            # last trained. Dropout on beside them makes the pass an evaluation in
+            # training mode (or a re-estimation of activations with units dropped),
+            # told whole.
             return None
         whole = ran is not None and ran.training == training
         if whole and training and part is not None and root is not None:
