@@ -138,6 +138,10 @@ class _ModelView(Sink):
         # The reference counts of its model and optimizers when last found held
         # by the script (see _dropped).
         self.held_at: tuple[int, ...] = ()
+        # The run's steps before this model's own count began: those of the models
+        # it came after (an earlier fold's, an earlier stage's). Its count goes on
+        # from that of a model it replaced instead (see AutoWatch.steps).
+        self.start = 0
 
     def emit(self, alert: Alert) -> None:
         owner = self.owner()
@@ -642,7 +646,12 @@ class AutoWatch:
         self._tallies: dict[tuple[str, tuple[Any, ...]], AlertTally] = {}
         # Models set up alike, by _setup_key (see _Family).
         self._families: dict[tuple[Any, ...], _Family] = {}
-        self._released_steps = 0  # the most steps a monitor closed for its dropped model took
+        # The run's steps when the models closed so far (dropped, or replaced by the
+        # model the loop trains in their place) stopped: the most any reached (see steps).
+        self._released_steps = 0
+        # Steps each optimizer took while no monitor of ours watched it (its model
+        # not found yet): its model's count starts there (see _steps_unwatched).
+        self._unwatched_by: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
         self._scripts_own = _ScriptsOwn(self)
         # The DataLoader last started with gradients on (the training one), and
         # DataLoader.__iter__ as it was before install() with our wrapper of it.
@@ -764,10 +773,30 @@ class AutoWatch:
         before). One built over a watched model's parameters (a new learning rate,
         an LR finder's loop) turns nothing on.
         """
+        if self._stale_optimizers:
+            self._built_over_a_replacement(optimizer)
         if self._forward_handles or not self._unowned(optimizer):
             return
         self._awaited[optimizer] = self.steps
         self._hook_forwards()
+
+    def _built_over_a_replacement(self, optimizer: Optimizer) -> None:
+        """An optimizer built over a model of ours trained by hand (one told as the
+        replacement of a model whose optimizer steps on without it): the loop built
+        its next optimizer there (a k-fold loop building each fold's optimizer
+        before the fold's new model). The optimizers told as stepping a model it
+        replaced are no longer the loop's: the next model is not told as replacing
+        theirs, but this model, once this optimizer steps without it."""
+        built = {id(p) for p in _parameters_of(optimizer)}
+        for monitor in self.monitors:
+            if monitor.closed or monitor.optimizers:
+                continue
+            params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
+            if not any(id(p) in built for p in params):
+                continue
+            for stale in list(self._stale_optimizers):
+                if stale is not optimizer and _fits(_parameters_of(stale), params):
+                    del self._stale_optimizers[stale]
 
     def _awaiting_built(self) -> bool:
         """Whether an optimizer built for a model not found yet still waits for its
@@ -953,8 +982,17 @@ class AutoWatch:
 
     @property
     def steps(self) -> int:
-        """Training steps so far: those of the model that has trained the most."""
-        return max([self._released_steps, *(m.step_count for m in self.monitors)])
+        """Training steps so far, the summary's and ``--max-steps``'s: models trained
+        together (a GAN's two halves) count once, those trained one after another (a
+        fold's model after the last one's, a stage's copy) add up. Each model's count
+        is its optimizers' steps, as ``tw.watch`` would number them; it starts where
+        the models closed before it stopped (``_ModelView.start``)."""
+        return max(
+            [
+                self._released_steps,
+                *(view.start + m.step_count for view, m in zip(self.views, self.monitors)),
+            ]
+        )
 
     @property
     def worst(self) -> str | None:
@@ -1232,6 +1270,7 @@ class AutoWatch:
             self._release_dropped()
         name = unique_name(class_name(module), self._names)  # not "OptimizedModule"
         view = _ModelView(self, name)
+        view.start = self._released_steps  # after the models closed so far
         monitor = Monitor(module, [], config=self.config, sinks=[view])
         view.monitor = weakref.ref(monitor)
         monitor.model_name = name
@@ -1314,11 +1353,27 @@ class AutoWatch:
             handle.remove()
         for optimizer in monitor.optimizers:
             self._pending_steps.pop(id(optimizer), None)
-        self._released_steps = max(self._released_steps, monitor.step_count)
+        self._stopped(view, monitor)
         try:
             monitor.close()
         except Exception as exc:  # its model is gone: nothing of the script's is at stake
             self._internal.internal_error("monitor close", exc, monitor.step_count)
+
+    def _stopped(self, view: _ModelView, monitor: Monitor) -> None:
+        """A model's monitor closed, its model dropped (see _release) or replaced (see
+        _retire): the run's steps keep where it stopped, and the models found
+        meanwhile that have not stepped yet (the next fold's, found at its first call
+        while this one was still held) start there: they train after it."""
+        end = view.start + monitor.step_count
+        if end <= self._released_steps:
+            return
+        self._released_steps = end
+        for other_view, other in zip(self.views, self.monitors):
+            if other is not monitor and not other.steps_here:
+                other_view.start = max(other_view.start, end)
+
+    def _view_of(self, monitor: Monitor) -> _ModelView:
+        return self.views[self.monitors.index(monitor)]
 
     def _give_way(self, monitor: Monitor, keep_optimizers: bool = True) -> None:
         """A part's monitor, which has watched no step, closes for the model holding it;
@@ -1381,6 +1436,7 @@ class AutoWatch:
         that optimizers stepped nonetheless); with a closure, its model may be found
         inside it, and then joins this step under way (``_attach``)."""
         self._unwatched_steps[type(optimizer).__name__] += 1
+        self._unwatched_by[optimizer] = self._unwatched_by.get(optimizer, 0) + 1
         closure = args[1] if len(args) > 1 else (kwargs or {}).get("closure")
         self._closure_stepping = weakref.ref(optimizer) if closure is not None else None
 
@@ -1418,8 +1474,9 @@ class AutoWatch:
         for monitor in joined.values():
             if not monitor.closed:
                 if not monitor.step_count and not monitor.optimizers:
-                    resumed = _steps_before(monitor.model) or _steps_of_sharers(
-                        optimizer, monitor, self.monitors
+                    resumed = _steps_before(monitor.model) or max(
+                        _steps_of_sharers(optimizer, monitor, self.monitors),
+                        self._steps_unwatched(optimizer),
                     )
                     if resumed:
                         monitor.load_state_dict({"step": resumed})
@@ -1437,6 +1494,18 @@ class AutoWatch:
         else:
             self._pending.discard(optimizer)
 
+    def _steps_unwatched(self, optimizer: Optimizer) -> int:
+        """The steps the optimizer took before its model was found (batches skipped
+        before the model's first forward, ``optimizer.step()`` still called), which no
+        monitor watched: its model's count starts after them, so each step is
+        numbered as the optimizer's own, as ``tw.watch(model, optimizer)`` numbers
+        it. A step under way, its model found inside its closure, is watched."""
+        steps = self._unwatched_by.get(optimizer, 0)
+        stepping = self._closure_stepping
+        if steps and stepping is not None and stepping() is optimizer:
+            steps -= 1
+        return steps
+
     def _date_by_trainer(self, monitor: Monitor) -> None:
         """A LightningModule fitted by a Trainer other than the one before (a second
         stage's ``L.Trainer``): its steps are that Trainer's ``global_step`` from now
@@ -1451,6 +1520,9 @@ class AutoWatch:
         self._fitted_by[monitor] = weakref.ref(trainer)
         step = getattr(trainer, "global_step", None)
         if seen is not None and isinstance(step, int) and step != monitor.step_count:
+            if step < monitor.step_count and monitor in self.monitors:
+                # The run's steps go on: this fit's come after the last one's.
+                self._view_of(monitor).start += monitor.step_count - step
             monitor.load_state_dict({"step": step})
 
     def _unowned(self, optimizer: Optimizer) -> list[torch.Tensor]:
@@ -1814,10 +1886,19 @@ class AutoWatch:
             if stale is not monitor and any(
                 _fits(_parameters_of(opt), params) for opt in stale.optimizers
             ):
-                monitor.load_state_dict({"step": stale.step_count})
+                self._go_on_from(monitor, stale, stale.step_count)
                 return
         if any(_fits(_parameters_of(opt), params) for opt in list(self._stale_optimizers)):
             monitor.load_state_dict({"step": self.steps})  # replaced again
+            self._view_of(monitor).start = 0  # (its count is the run's)
+
+    def _go_on_from(self, monitor: Monitor, stale: Monitor, step: int) -> None:
+        """The monitor's model replaced ``stale``'s (the loop trains it in its place):
+        its step count goes on from that model's, at ``step``, and the run counts
+        its steps as that model's (see _ModelView.start)."""
+        if step > monitor.step_count:
+            monitor.load_state_dict({"step": step})
+        self._view_of(monitor).start = self._view_of(stale).start
 
     def _look_for_replaced(self, monitor: Monitor, first_step: Optimizer | None = None) -> None:
         """At a step of a hand-trained model (no optimizer holds it) whose parameters got
@@ -1838,10 +1919,12 @@ class AutoWatch:
         params = [p for p in unwrap(monitor.model).parameters() if p.requires_grad]
         if not any(p.grad is not None for p in params):
             return
+        # The model's first step watched: its training without an optimizer began there.
+        began = monitor.step_count - monitor.steps_here
         if first_step is not None:
             replaced = self._stale_pending(params, monitor, first_step)
             if replaced is not None:
-                self._tell_replaced(monitor, replaced)
+                self._tell_replaced(monitor, replaced, began)
             return
         for stale, since in self._stale_monitors():
             if stale is monitor:
@@ -1854,17 +1937,21 @@ class AutoWatch:
                         type(optimizer).__name__, type(root).__name__, stale.model_name, since
                     )
                     self._stale_optimizers[optimizer] = replaced
-                    self._tell_replaced(monitor, replaced)
+                    # The loop trains this model in the stale one's place since
+                    # ``since``: its steps are numbered on from there (found late, at
+                    # a step of its own, it is behind them), and told from there.
+                    self._go_on_from(monitor, stale, since + monitor.steps_here)
+                    self._tell_replaced(monitor, replaced, since)
                     self._retire(stale)
                     return
         for optimizer, told in list(self._stale_optimizers.items()):
             held = _parameters_of(optimizer)
             if _fits(held, params) and all(p.grad is None for p in held):
-                self._tell_replaced(monitor, told)  # the model replaced once more
+                self._tell_replaced(monitor, told, began)  # the model replaced once more
                 return
         replaced = self._stale_pending(params, monitor)
         if replaced is not None:
-            self._tell_replaced(monitor, replaced)
+            self._tell_replaced(monitor, replaced, began)
 
     def _unpair_idle(self, stepping: Optimizer, steps: int, stale: Monitor | None = None) -> None:
         """``stepping`` steps parameters no model trained now holds: those of no model
@@ -1901,12 +1988,15 @@ class AutoWatch:
             for optimizer in monitor.optimizers:
                 self._idle_optimizers.add(optimizer)
                 self._handled.discard(optimizer)  # one that steps after all joins then
-            self._rewatch(monitor, steps)
+            # Its count goes on from ``stale``'s, else from ``stepping``'s own steps.
+            start = self._view_of(stale if stale in self.monitors else monitor).start
+            self._rewatch(monitor, steps, start)
             return
 
-    def _rewatch(self, monitor: Monitor, steps: int) -> None:
+    def _rewatch(self, monitor: Monitor, steps: int, start: int) -> None:
         """The monitor's model watched anew, under its name, its step count at ``steps``
-        (its own monitor closes, no step watched: its optimizers go with it)."""
+        (its own monitor closes, no step watched: its optimizers go with it), after
+        ``start`` steps of the run (see _ModelView.start)."""
         model, name = monitor.model, monitor.model_name
         self._give_way(monitor, keep_optimizers=False)
         if name is not None:
@@ -1915,6 +2005,7 @@ class AutoWatch:
         self._discover(model, called=False)
         for new in self.monitors[found:]:
             new.load_state_dict({"step": steps})
+            self._view_of(new).start = start
 
     def _stale_pending(
         self, params: list[torch.Tensor], monitor: Monitor, first_step: Optimizer | None = None
@@ -1995,9 +2086,9 @@ class AutoWatch:
             )
             return
 
-    def _tell_replaced(self, monitor: Monitor, replaced: ReplacedModel) -> None:
+    def _tell_replaced(self, monitor: Monitor, replaced: ReplacedModel, since: int) -> None:
         self._replaced_looks[monitor] = _REPLACED_LOOKS  # told: no more looks
-        monitor.tell_replaced(replaced)
+        monitor.tell_replaced(replaced, since)
 
     def _retire(self, monitor: Monitor) -> None:
         """The monitor of a model replaced by the one the loop trains: it closes (its
@@ -2005,8 +2096,9 @@ class AutoWatch:
         self._not_called.pop(id(monitor), None)
         if monitor not in self.monitors:
             return
-        self._released_steps = max(self._released_steps, monitor.step_count)
+        view = self._view_of(monitor)
         self._give_way(monitor, keep_optimizers=False)
+        self._stopped(view, monitor)
 
 
 # The runs open in this process. A process forked from it inherits them, hooks

@@ -243,6 +243,12 @@ class Monitor:
         return self._step
 
     @property
+    def steps_here(self) -> int:
+        """Steps this monitor watched itself: ``step_count`` less those it was told
+        came before (a resumed run's, or steps ``trainwatch run`` counted for it)."""
+        return self._steps_here
+
+    @property
     def model_name(self) -> str | None:
         """The model's name where other monitors' alerts name it (a NaN/Inf's knock-on
         in an EMA copy names the model it came from): its class, or the name
@@ -541,13 +547,15 @@ class Monitor:
         ``trainwatch run`` looks for the model that replaced it."""
         self._pipeline.on_not_called = callback
 
-    def tell_replaced(self, replaced: ReplacedModel) -> None:
+    def tell_replaced(self, replaced: ReplacedModel, since: int | None = None) -> None:
         """This model (hand-trained, no optimizer holding it) replaced another one after
         the optimizer was built: that optimizer steps the old model's parameters
-        (``replaced``). Told as ``not_optimized``; the model's own later findings of
-        the same cause (its weights never updated, its training stalled) are not."""
+        (``replaced``). Told as ``not_optimized``, dated at ``since``, the step the
+        model's training without an optimizer began (None: the latest step); the
+        model's own later findings of the same cause (its weights never updated,
+        its training stalled) are not."""
         self._ensure_open()
-        alerts = self._guarded("step collector", self._pipeline.replaced_alerts, replaced)
+        alerts = self._guarded("step collector", self._pipeline.replaced_alerts, replaced, since)
         if alerts:
             self._dispatcher.publish(alerts, may_halt=False)
 

@@ -1132,10 +1132,12 @@ class StepPipeline:
         record.setup = SetupCheck(0, 0, 0, 0, loose=loose, since=step)
         return self.rules.evaluate(record)
 
-    def replaced_alerts(self, replaced: ReplacedModel) -> list[Alert]:
+    def replaced_alerts(self, replaced: ReplacedModel, since: int | None = None) -> list[Alert]:
         """The model's trainable parameters with a gradient, which no optimizer holds,
-        told as the replacement of the model ``replaced`` names: once."""
-        record = StepRecord(step=max(self._step_count() - 1, 0), source="replaced")
+        told as the replacement of the model ``replaced`` names: once, dated at
+        ``since`` (None: the latest step)."""
+        step = max(self._step_count() - 1, 0) if since is None else since
+        record = StepRecord(step=step, source="replaced")
         record.not_optimized = [
             self.layers.info(p) for p in self._trainable() if p.grad is not None
         ]
