@@ -36,7 +36,7 @@ from trainwatch.collect.between_backwards import IDLE_STEPS as WIPES_IDLE_STEPS
 from trainwatch.collect.between_backwards import WipedSteps
 from trainwatch.collect.calls import CallTracker, runs_distributed, weights_read_by_holder
 from trainwatch.collect.class_targets import ClassTargetLook
-from trainwatch.collect.copies import copied_model
+from trainwatch.collect.copies import copied_model, near_copy
 from trainwatch.collect.copies_in_optimizer import COPIES_TOLD, copy_of_another, copy_outside
 from trainwatch.collect.double_steps import DoubleSteps, shared_parameters
 from trainwatch.collect.dropped_gradients import LeavingsNotes, dropped_to_none, rewritten_since
@@ -1181,7 +1181,15 @@ class StepPipeline:
         if not (stale and hand.never_moved and stepped_between) or self._left_out is False:
             return False
         if self._left_out is None:
-            self._left_out = self._guarded("left-out model", a_loss_module, self._root) is False
+            whole = self._guarded("left-out model", a_loss_module, self._root) is False
+            # A copy is told now only while it lies near its source (a reference, a
+            # target): a fresh instance of the same architecture (a k-fold's new
+            # model beside an optimizer left over the last one) is a replaced model,
+            # told by the replacement's look.
+            self._left_out = whole and (
+                self._copied_model() is None
+                or self._guarded("target copies", near_copy, self._root) is True
+            )
         return bool(self._left_out)
 
     def _never_updated(self, record: StepRecord, stale: list[ParamInfo]) -> bool:

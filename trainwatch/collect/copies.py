@@ -86,3 +86,29 @@ def _nearest(own: list[nn.Parameter], owners: list[Any]) -> Any:
     return min(
         owners, key=lambda owner: weight_distance(sample_weights(owner.model.parameters()), weights)
     )
+
+
+# How far, relative to its source's weights, a copy may lie and still be one at its
+# second step: a deepcopy or a synced target is one or two updates from its source
+# (far below this); an instance of the same architecture initialised on its own (a
+# k-fold's fresh model, which a stale optimizer leaves untrained) lies about sqrt(2)
+# away, as two independent draws of the same norm do.
+_NEAR = 0.5
+
+
+def near_copy(root: nn.Module) -> bool:
+    """Whether ``root`` lies near, by weights, the model an optimizer trains that it
+    copies shape for shape (a reference or target still one or two updates from
+    its source). A copy of a run of parameters counts as near (BYOL's target)."""
+    own = list(root.parameters())
+    trained = [owner for owner in registry.owners() if owner.optimizers]
+    matches = [owner for owner in trained if is_copy(own, list(owner.model.parameters()))]
+    if not matches:
+        return True
+    weights = sample_weights(own)
+    for owner in matches:
+        source = sample_weights(owner.model.parameters())
+        scale = float(source.norm())
+        if scale > 0.0 and weight_distance(source, weights) <= _NEAR * scale:
+            return True
+    return False
