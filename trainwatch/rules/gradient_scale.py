@@ -19,6 +19,12 @@ batch-of-one policy gradient has steady, tiny norms while its policy is
 near-deterministic, and 60-190x that for the one step it samples the unlikely
 action; such a jump is held back a step and dropped once it passed, while one
 that goes on is told, dated at the step it began.
+A layer's norm may also have two usual levels far apart (a detector trained one
+mostly empty image a step; a policy gradient whose episodes often return
+nothing): the steps past ``factor`` are averaged apart, and once they keep
+coming back on a sizeable share of the steps, those steps are judged against
+that upper level instead, as the others against the typical norm, which they
+move as any usual step does.
 Vanishing compares each layer with the other layers of the same step, for
 several steps in a row: a layer that is merely small (a rarely used
 embedding) is still within a few orders of magnitude of the rest. A vanishing
@@ -192,12 +198,52 @@ _ENORMOUS = 1e6
 _BURST = "enormous_jump"
 
 
+# A layer's norm may have two usual levels: a dense detector trained one image a
+# step, most images empty, has near-zero gradients on an empty image (the focal
+# loss under its prior bias) and 1e3-1e5x that on one holding an object; a
+# batch-of-one policy gradient whose episodes often return nothing likewise. The
+# steps past ``factor`` above the typical norm are averaged apart (``upper``),
+# with how often they come: once they come on at least this share of the steps
+# (an average over ``_RECURRING_WINDOWS`` windows), and the norm keeps falling
+# back from them (no run of them in a row longer than chance makes at that
+# share, ``_BY_CHANCE``), that level is one of the layer's usual ones. A layer's
+# odd hard example (one step in 50) or a policy's rare action stays below the
+# share; a norm that jumps and stays up (rewards scaled 100x for good, a layer
+# waking up) makes a run no share explains, and is judged as before; a
+# batch-of-one policy's 12 wins in a row at a 50% win rate are chance.
+_RECURRING = 0.03
+_RECURRING_WINDOWS = 4
+_BY_CHANCE = 1e-4
+
+
 class _LogAverage:
     """A layer's typical log norm (about ``window`` steps), its recent one (a few),
     its usual move away from the recent one (``spread``, about ``window`` steps)
-    and the highest typical log norm it has had (``peak``)."""
+    and the highest typical log norm it has had (``peak``).
 
-    __slots__ = ("mean", "count", "recent", "spread", "peak")
+    Its steps past ``factor`` above the typical norm, apart: their average log
+    norm (``upper``) and move from it (``upper_spread``), both over about
+    ``window`` such steps, their recent log norm (``upper_recent``, a few), how
+    often they come (``upper_rate``, an average of one per such step over about
+    ``_RECURRING_WINDOWS`` windows), the ``count`` after the latest
+    (``upper_at``), the run of such steps in a row it ended (``upper_run``) and
+    how many the level learnt from (``upper_seen``); ``upper_rate`` 0.0: none
+    yet."""
+
+    __slots__ = (
+        "mean",
+        "count",
+        "recent",
+        "spread",
+        "peak",
+        "upper",
+        "upper_spread",
+        "upper_rate",
+        "upper_at",
+        "upper_run",
+        "upper_seen",
+        "upper_recent",
+    )
 
     def __init__(self) -> None:
         self.mean = 0.0
@@ -205,6 +251,67 @@ class _LogAverage:
         self.recent = 0.0
         self.spread = 0.0
         self.peak = 0.0
+        self.upper = 0.0
+        self.upper_spread = 0.0
+        self.upper_rate = 0.0
+        self.upper_at = 0
+        self.upper_run = 0
+        self.upper_seen = 0
+        self.upper_recent = 0.0
+
+
+def _upper_level(history: _LogAverage, keep: float) -> float | None:
+    """The layer's upper usual level (a log norm) for a step past ``factor`` above
+    its typical norm, or None: where such steps came on a sizeable share of the
+    recent steps (``keep``: how much of the share a step without one keeps), and
+    this one makes no run of them in a row longer than chance does at that share.
+
+    The share is an average over the layer's steps that began at its first at
+    zero: divided by what the average of ones would be after as many steps, it
+    is the share itself from the first steps on (five steps in 50 at the end of
+    a warm-up are a tenth of them, not the twentieth the bare average says)."""
+    if not history.upper_rate:
+        return None
+    since = history.count - history.upper_at
+    share = history.upper_rate * keep ** max(since, 0) / (1.0 - keep ** max(history.count, 1))
+    run = history.upper_run + 1 if since <= 0 else 1
+    if share < _RECURRING or share**run < _BY_CHANCE:
+        return None
+    return history.upper
+
+
+def _seen_high(
+    history: _LogAverage,
+    log_norm: float,
+    counted: bool,
+    alpha: float,
+    fast: float,
+    keep: float,
+    far: float,
+) -> None:
+    """One step past ``factor`` above the layer's typical norm, learnt into its upper
+    level; called before the step's own ``count`` is written (``counted``: it will
+    be, as every step but a spike's). A spike more than ``far`` (a log) above the
+    level counts among such steps but leaves the level where it was: an explosion
+    drags it up no more than it becomes the typical norm."""
+    if history.upper_rate:
+        since = max(history.count - history.upper_at, 0)
+        history.upper_run = history.upper_run + 1 if since == 0 else 1
+        history.upper_rate = history.upper_rate * keep ** (since + 1) + (1.0 - keep)
+        history.upper_recent += fast * (log_norm - history.upper_recent)
+        if counted or log_norm - history.upper <= far:
+            # A plain mean over its first such steps: where the first one lies
+            # (a transient of the first steps) weighs no more than any other.
+            seen = history.upper_seen = history.upper_seen + 1
+            rate = max(alpha, 1.0 / seen)
+            move = log_norm - history.upper
+            history.upper_spread += rate * (abs(move) - history.upper_spread)
+            history.upper += rate * move
+    else:
+        history.upper = history.upper_recent = log_norm
+        history.upper_spread = 0.0
+        history.upper_rate, history.upper_run, history.upper_seen = 1.0 - keep, 1, 1
+    history.upper_at = history.count + int(counted)
 
 
 class _WarmLayers:
@@ -396,6 +503,10 @@ class ExplodingGradientRule(Rule):
             if not hasattr(history, "spread"):  # saved before the spread was kept
                 history.spread = 0.0
                 history.peak = history.mean
+            if not hasattr(history, "upper"):  # saved before the upper level was kept
+                history.upper = history.upper_spread = history.upper_rate = 0.0
+                history.upper_at = history.upper_run = history.upper_seen = 0
+                history.upper_recent = 0.0
 
     def _write_back(self) -> None:
         """The histories up to date; the lists stay, equal to them."""
@@ -556,7 +667,7 @@ class ExplodingGradientRule(Rule):
         ratios = [alert.data.get("ratio") for alert in alerts]
         if None in ratios:
             return alerts  # over the configured bound: told whatever the cause
-        passing = max(ratios) < _PASSING_BELOW
+        passing = all(map(_passing, alerts))
         look = held.copies.look(step) if held is not None else None
         if look is None and not passing:
             return alerts
@@ -573,15 +684,25 @@ class ExplodingGradientRule(Rule):
         """Some layer that jumped is still sqrt(``factor``) above its typical norm a
         step later: a sync's targets stay moved for steps, while a bad batch's
         jump is gone at the next (one just after a copy of the model was taken:
-        a run resumed beside the model it was saved from)."""
+        a run resumed beside the model it was saved from). A layer with two
+        usual levels is back at either."""
         above = math.log(self.config.factor) / 2.0
+        keep = self._upper_keep()
         norms, histories = record.layer_norms, self._history
         for layer in (name for alert in alerts for name in alert.data["layers"]):
             norm, history = norms.get(layer), histories.get(layer)
             if norm and history is not None and norm < math.inf:
-                if math.log(norm) - history.mean > above:
-                    return True
+                log_norm = math.log(norm)
+                if log_norm - history.mean > above:
+                    upper = _upper_level(history, keep)
+                    if upper is None or log_norm - upper > above:
+                        return True
         return False
+
+    def _upper_keep(self) -> float:
+        """How much of a layer's share of steps at its upper level a step without
+        one keeps: an average over ``_RECURRING_WINDOWS`` windows."""
+        return 1.0 - 2.0 / (self.config.window * _RECURRING_WINDOWS + 1)
 
     def _went_on_hints(self, waiting: _Waiting) -> list[Alert]:
         """The alerts held back, for a jump that went on at the next step: one told as
@@ -784,6 +905,7 @@ class ExplodingGradientRule(Rule):
         max_norm = config.max_norm
         warmup = config.warmup
         enormous = max(math.log(_ENORMOUS), limit)
+        keep = self._upper_keep()
         histories = self._history
         rows = []
         suspect = False  # some layer jumped against its own past
@@ -795,25 +917,58 @@ class ExplodingGradientRule(Rule):
             history = histories.get(layer)
             if history is None:
                 history = histories[layer] = _LogAverage()
-            # Sudden too: a layer whose norm rose steadily for tens of steps
-            # (a deep plain stack waking up from a near-dead start) is far
-            # above its long average but not above its last few steps.
-            jump = (
-                history.count > 0
-                and log_norm - history.mean > limit
-                and (
-                    log_norm - history.mean > _SPREAD_UNITS * history.spread
-                    or (
-                        log_norm - history.peak > above_peak
-                        and history.recent - history.peak > _RISEN
-                    )
-                )
-                and log_norm - history.recent > sudden
+            high = history.count > 0 and log_norm - history.mean > limit
+            # Past ``factor``, a layer with two usual levels is judged against
+            # its upper one, as against its typical norm: a jump is ``factor``
+            # and its usual moves above that level too, or, where its last few
+            # steps there, among its last few steps, already rose above it by
+            # more than its usual moves (the level growing), sqrt(``factor``)
+            # and those moves.
+            upper = _upper_level(history, keep) if high else None
+            # Further below the upper level than a jump would be above it, a step
+            # past ``factor`` is the lower level rising (its typical norm lags a
+            # climb of 100x over tens of steps): it moves the typical norm and is
+            # judged against it, as any other step.
+            seen = high and (
+                upper is None
+                or upper - log_norm <= max(sudden, _SPREAD_UNITS * history.upper_spread)
             )
-            huge = history.count > 0 and log_norm - max(history.recent, history.peak) > enormous
+            if not seen:
+                upper = None
+            climbing = False
+            if upper is not None:
+                over = log_norm - upper
+                moves = history.upper_spread
+                climbing = (
+                    history.count - history.upper_at < _RECENT_WINDOW
+                    and history.upper_recent - upper > max(_RISEN, moves)
+                )
+                jump = (
+                    over > max(sudden if climbing else limit, _SPREAD_UNITS * moves)
+                    and log_norm - history.recent > sudden
+                )
+                climbing = climbing and jump
+                top = max(history.recent, history.peak, upper)
+            else:
+                # Sudden too: a layer whose norm rose steadily for tens of steps
+                # (a deep plain stack waking up from a near-dead start) is far
+                # above its long average but not above its last few steps.
+                jump = (
+                    high
+                    and (
+                        log_norm - history.mean > _SPREAD_UNITS * history.spread
+                        or (
+                            log_norm - history.peak > above_peak
+                            and history.recent - history.peak > _RISEN
+                        )
+                    )
+                    and log_norm - history.recent > sudden
+                )
+                top = max(history.recent, history.peak)
+            huge = history.count > 0 and log_norm - top > enormous
             suspect = suspect or jump or huge
             towering = towering or huge
-            rows.append((layer, norm, log_norm, history, jump, huge))
+            rows.append((layer, norm, log_norm, history, jump, huge, high, seen, upper, climbing))
         # A layer recovering from tiny gradients (a deep stack whose units
         # were nearly dead waking up) jumps by 1e3-1e4 against its own past
         # in healthy runs, but only up to the other layers' level: a jump
@@ -827,20 +982,30 @@ class ExplodingGradientRule(Rule):
             floor = _ABOVE_OTHERS * math.exp(typical_median)
             if towering:
                 burst = self._past_the_clip(rows, typical_median, enormous, record.total_norm)
-        spikes: list[tuple[float, str, float, float | None]] = []
-        for layer, norm, log_norm, history, jump, _ in rows:
+        spikes: list[tuple[float, str, float, float | None, float | None, bool]] = []
+        for layer, norm, log_norm, history, jump, _, high, seen, upper, climbing in rows:
             count = history.count
             jump = jump and norm >= floor
             over_bound = max_norm is not None and norm > max_norm
             # Each layer has its own warm-up: one first trained late, or
             # restarted, is not judged on its first gradients; but in a burst
             # every layer with a past that jumped past ``factor`` is told.
-            joined = burst and count > 0 and log_norm - history.mean > limit
+            joined = burst and high
             if (count >= warmup and (over_bound or jump)) or joined:
-                typical = math.exp(history.mean) if count else None
+                if upper is not None:
+                    typical, lower = math.exp(upper), math.exp(history.mean)
+                else:
+                    typical, lower = (math.exp(history.mean) if count else None), None
                 ratio = norm / typical if typical else math.inf
-                spikes.append((ratio if jump or joined else 0.0, layer, norm, typical))
+                row = (ratio if jump or joined else 0.0, layer, norm, typical, lower, climbing)
+                spikes.append(row)
+                if seen:  # told or not, a level it may keep coming back to
+                    _seen_high(history, log_norm, False, alpha, fast, keep, limit)
                 continue  # a spike does not become the new normal
+            if seen:
+                # Learnt into the upper level; at it or not, the step then moves the
+                # averages as any usual step does.
+                _seen_high(history, log_norm, True, alpha, fast, keep, limit)
             # Written out, not a method: this runs for every layer at every step.
             history.count = count + 1
             if count == 0:
@@ -856,8 +1021,13 @@ class ExplodingGradientRule(Rule):
         # holds outside it (a head no monitor watches, lumped as one layer): those
         # are told among the layers, never in place of the model's own.
         spikes.sort(key=lambda row: (row[0] <= 0.0, row[1] == EXTERNAL, -row[0], -row[2]))
-        ratio, layer, norm, typical = spikes[0]
-        if typical is not None and ratio > 0.0:
+        ratio, layer, norm, typical, lower, _ = spikes[0]
+        if typical is not None and ratio > 0.0 and lower is not None:
+            what = (
+                f"{ratio:.3g}x the higher of its two usual levels, {typical:.3g} (its "
+                f"norm keeps coming back to it from its typical {lower:.3g})"
+            )
+        elif typical is not None and ratio > 0.0:
             what = f"{ratio:.3g}x its recent typical norm {typical:.3g}"
         else:
             what = f"above the configured bound {config.max_norm:g}"
@@ -869,6 +1039,13 @@ class ExplodingGradientRule(Rule):
             "layers": [row[1] for row in spikes],
             "total_norm": record.total_norm,
         }
+        if lower is not None:
+            data["lower_level"] = lower
+        if any(row[5] for row in spikes):
+            # Steps at a layer's upper level rising already: told at once.
+            data["climbing"] = True
+            if spikes[0][5]:
+                what += ", its last few steps there rising already"
         if burst:
             data["kind"] = _BURST
             total = record.total_norm
@@ -967,9 +1144,12 @@ class ExplodingGradientRule(Rule):
             shrink = math.log(max_norm / total)
         return any(
             huge
-            and log_norm + shrink - max(history.recent, history.peak) > enormous
+            and log_norm
+            + shrink
+            - max(history.recent, history.peak, -math.inf if upper is None else upper)
+            > enormous
             and log_norm + shrink - typical_median > enormous
-            for _, _, log_norm, history, _, huge in rows
+            for _, _, log_norm, history, _, huge, _, _, upper, _ in rows
         )
 
     def _exploding_hint(self, burst: bool = False) -> str:
@@ -1003,9 +1183,15 @@ def _as_backward_made(alert: Alert) -> Alert:
 
 
 def _passing(alert: Alert) -> bool:
-    """A jump that may pass at the next step: below ``_PASSING_BELOW``, no burst."""
+    """A jump that may pass at the next step: below ``_PASSING_BELOW``, no burst, not
+    the latest of a layer's steps at its upper level rising one after the other."""
     ratio = alert.data.get("ratio")
-    return ratio is not None and ratio < _PASSING_BELOW and alert.data.get("kind") != _BURST
+    return (
+        ratio is not None
+        and ratio < _PASSING_BELOW
+        and alert.data.get("kind") != _BURST
+        and not alert.data.get("climbing")
+    )
 
 
 def _clip_bound(held: HeldParameters | None) -> float | None:
