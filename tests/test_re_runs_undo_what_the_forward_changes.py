@@ -30,6 +30,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import pytest
@@ -52,21 +53,35 @@ def _internal(alerts) -> list[tw.Alert]:
     return [a for a in alerts if a.rule == "internal_error"]
 
 
-def _counting_re_runs(model: nn.Module) -> list[int]:
-    """A list that grows by one at each call of ``model`` in eval mode: trainwatch's
-    re-runs (training calls it in training mode)."""
-    calls: list[int] = []
-    model.register_forward_pre_hook(
-        lambda module, args: None if module.training else calls.append(1)
-    )
-    return calls
+class _ReRuns:
+    """Counts the calls of a model in eval mode: trainwatch's re-runs (training calls
+    it in training mode). A re-run puts back what a forward pre-hook of the user's
+    reaches (its closure, its object, its module's globals), as it does the model's
+    own state: the counts are kept on the class, which it leaves alone."""
+
+    counts: ClassVar[dict[int, int]] = {}
+
+    def __init__(self, model: nn.Module) -> None:
+        _ReRuns.counts[id(self)] = 0
+        model.register_forward_pre_hook(self._called)
+
+    def _called(self, module: nn.Module, args: object) -> None:
+        if not module.training:
+            _ReRuns.counts[id(self)] += 1
+
+    def __len__(self) -> int:
+        return _ReRuns.counts[id(self)]
+
+
+def _counting_re_runs(model: nn.Module) -> _ReRuns:
+    return _ReRuns(model)
 
 
 # -- tw.watch ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [*WITH_STATE, "plain"])
 def test_a_forward_changing_its_state_trains_as_without_trainwatch(quiet_watch, name):
     plain_losses, plain_state, _ = models.train(name)
-    re_runs: list[list[int]] = []
+    re_runs: list[_ReRuns] = []
 
     def watch(model, opt, **config):
         re_runs.append(_counting_re_runs(model))
@@ -138,7 +153,7 @@ class SparseTraces(nn.Module):
         return self.fc(x)
 
 
-def _train_traced(watch) -> tuple[list[float], torch.Tensor, list[int], tw.Monitor | None]:
+def _train_traced(watch) -> tuple[list[float], torch.Tensor, _ReRuns, tw.Monitor | None]:
     torch.manual_seed(0)
     model = SparseTraces()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -6,14 +6,24 @@ but a forward may also draw from Python's ``random`` (teacher forcing written
 as ``random.random() < ratio``, a stochastic depth coin) or from numpy's
 global generator: a re-run would move those too, and the training that
 follows would no longer be the one the script runs without trainwatch.
+
+A model may also hold generators of its own: a VAE drawing its noise with
+``torch.randn(..., generator=self.gen)`` for reproducible sampling, a
+``np.random.default_rng`` masking features, a ``random.Random`` coin, a
+``torch.Generator`` handed to ``forward(x, generator=g)``. Those are the
+model's state: the re-run puts them back with the rest of it
+(:class:`~trainwatch.collect.rerun_effects.UndoneEffects` finds them and
+saves their states here, :func:`generator_states`), only when a re-run
+happens.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -32,3 +42,68 @@ def forked_rngs(devices: Sequence[int] = ()) -> Iterator[None]:
         random.setstate(python_state)
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
+
+
+def generator_kinds() -> tuple[type, ...]:
+    """The kinds of random generator a model may hold: torch's, Python's
+    ``random.Random`` and, when numpy is loaded, numpy's ``Generator``,
+    ``RandomState`` and bit generators."""
+    kinds: list[type] = [torch.Generator, random.Random]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds += [numpy.random.Generator, numpy.random.RandomState, numpy.random.BitGenerator]
+    return tuple(kinds)
+
+
+def generators_in(values: Iterable[Any], kinds: tuple[type, ...]) -> list[Any]:
+    """The generators of ``kinds`` among ``values`` and in the lists, tuples, sets
+    and dicts among them (one level: a call's arguments)."""
+    found = []
+    for value in values:
+        if isinstance(value, kinds):
+            found.append(value)
+        elif type(value) in (list, tuple, set, frozenset, dict):
+            items = value.values() if type(value) is dict else value
+            found += (item for item in items if isinstance(item, kinds))
+    return found
+
+
+def generator_states(generators: list[Any]) -> list[Any]:
+    """Each generator's state now (None where it has none to read:
+    ``random.SystemRandom``)."""
+    return [_state(generator) for generator in generators]
+
+
+def put_generator_states(generators: list[Any], states: list[Any]) -> None:
+    """Each generator back in the state :func:`generator_states` read."""
+    for generator, state in zip(generators, states):
+        if state is None:
+            continue
+        try:
+            if isinstance(generator, torch.Generator):
+                generator.set_state(state)
+            elif isinstance(generator, random.Random):
+                generator.setstate(state)
+            elif hasattr(generator, "bit_generator"):  # numpy's Generator
+                generator.bit_generator.state = state
+            elif hasattr(generator, "set_state"):  # numpy's RandomState
+                generator.set_state(state)
+            else:  # a numpy bit generator
+                generator.state = state
+        except Exception:
+            continue
+
+
+def _state(generator: Any) -> Any:
+    try:
+        if isinstance(generator, torch.Generator):
+            return generator.get_state()
+        if isinstance(generator, random.Random):
+            return generator.getstate()
+        if hasattr(generator, "bit_generator"):
+            return generator.bit_generator.state
+        if hasattr(generator, "get_state"):
+            return generator.get_state()
+        return generator.state
+    except Exception:
+        return None

@@ -9,9 +9,11 @@ never runs it in eval mode: the functional-mode look runs it once more,
 itself and its parts in eval mode, to see.
 
 The re-run changes nothing of training: torch's, Python's and numpy's
-generators are forked, buffers swapped for copies, whatever the forward
-changes in the modules' state is put back (``UndoneEffects``), gradients are
-off, and trainwatch's collectors see no pass of it (``quiet.replay``).
+generators are forked, and so are those the module holds or is handed
+(a VAE's ``self.gen``), buffers swapped for copies, whatever the forward
+changes in the modules' state is put back (``UndoneEffects``), the user's
+forward hooks are held off, gradients are off, and trainwatch's collectors
+see no pass of it (``quiet.replay``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.rerun_guard import rerun_guarded
 from trainwatch.collect.tensors import detached_copies
 
@@ -35,14 +37,15 @@ def run_in_eval(module: nn.Module, args: Any, kwargs: Any) -> bool:
     again, or whose change to its state could not be put back, did not)."""
     subs = list(module.modules())
     modes = list(map(_TRAINING, subs))
+    arguments = call_arguments(args, kwargs)
     devices = sorted(
         {
             t.device.index or 0
-            for t in _tensors(args, kwargs)
+            for t in arguments
             if isinstance(t, torch.Tensor) and t.device.type == "cuda"
         }
     )
-    effects = UndoneEffects(subs)
+    effects = UndoneEffects(subs, arguments)
     try:
         with rerun_guarded(module, subs, devices, effects):
             for sub in subs:
@@ -54,11 +57,3 @@ def run_in_eval(module: nn.Module, args: Any, kwargs: Any) -> bool:
         for sub, mode in zip(subs, modes):
             sub.training = mode
     return not effects.lasting
-
-
-def _tensors(args: Any, kwargs: Any) -> list[Any]:
-    """The tensors among the call's arguments, top level only (their devices)."""
-    values = list(args) if isinstance(args, tuple) else [args]
-    if isinstance(kwargs, dict):
-        values.extend(kwargs.values())
-    return values

@@ -2,7 +2,9 @@
 
 A replay must not change training: the global RNG (CPU and CUDA) is forked,
 buffers are swapped for copies, what the forward changes in the model's
-state is put back (``UndoneEffects``), the real ``.grad`` is left alone, compiled
+state is put back (``UndoneEffects``: the generators the model holds or the
+pass was handed among it), the user's forward and backward hooks are held
+off (``rerun_hooks``), the real ``.grad`` is left alone, compiled
 code runs eagerly so its modules are seen, and the module hooks that check
 every module exist only for the replay's duration. It never issues a
 collective: a DDP wrapper's ``.module`` is replayed, and models holding
@@ -37,7 +39,7 @@ from trainwatch.collect.op_trace import (
     _null,
     swapped_buffers,
 )
-from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
@@ -118,13 +120,21 @@ class Replay:
     whatever else the forward changes in the model's state put back.
 
     ``rng``: the CPU generator's state as the pass began, set inside the fork,
-    so the replay draws what the pass drew (its dropout masks).
+    so the replay draws what the pass drew (its dropout masks). ``arguments``:
+    the values the replayed call is given (a generator among them is put back).
     """
 
-    def __init__(self, probe: NonfiniteProbe, grad: bool, rng: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        probe: NonfiniteProbe,
+        grad: bool,
+        rng: torch.Tensor | None = None,
+        arguments: list[Any] | None = None,
+    ) -> None:
         self.probe = probe
         self.grad = grad
         self.rng = rng
+        self.arguments = arguments or []
         self._stack: Any = None
 
     def __enter__(self) -> Replay:
@@ -133,7 +143,8 @@ class Replay:
         root = probe._modules[0]() if probe._modules else None
         # Whatever the forward changes in the model's state (a momentum encoder,
         # a queue, a memory) is put back, as if the replay never ran.
-        self._stack.enter_context(UndoneEffects(root.modules()) if root is not None else _null())
+        effects = UndoneEffects(root.modules(), self.arguments) if root is not None else _null()
+        self._stack.enter_context(effects)
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         # The CUDA generators too: a replay's dropout must not move training's RNG.
         self._stack.enter_context(forked_rngs(devices=probe.cuda_devices()))
@@ -320,7 +331,9 @@ def replay_forward(
         probe._this_step.forward_origin = unreplayed_origin(module, args, kwargs)
         return
     module = target
-    with Replay(probe, grad=torch.is_grad_enabled(), rng=rng):
+    with Replay(
+        probe, grad=torch.is_grad_enabled(), rng=rng, arguments=call_arguments(args, kwargs)
+    ):
         args, kwargs = detached_copies((args, kwargs))
         module(*args, **kwargs)
 
@@ -345,7 +358,7 @@ def replay_backward(probe: NonfiniteProbe) -> bool:
     if module is None:
         probe._this_step.backward_unreplayable = True
         return False
-    with Replay(probe, grad=True, rng=rng):
+    with Replay(probe, grad=True, rng=rng, arguments=call_arguments(args, kwargs)):
         args, kwargs = detached_copies((args, kwargs))
         # Anomaly mode keeps, with every node, the stack that made it: the
         # line of the op whose derivative turns out to make the NaN/Inf.

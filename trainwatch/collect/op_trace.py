@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from trainwatch.collect import quiet
-from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
@@ -313,7 +313,7 @@ def _rerun(
         args, kwargs = detached_copies((args, kwargs))
     try:
         with (
-            UndoneEffects(module.modules()),
+            UndoneEffects(module.modules(), call_arguments(args, kwargs)),
             swapped_buffers(module),
             forked_rngs(devices=sorted(set(devices))),
             torch.no_grad(),

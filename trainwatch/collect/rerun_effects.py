@@ -25,6 +25,16 @@ exit:
 - the names the forward's own module rebinds (``global counter``), and the
   containers, objects' attributes and tensors those names hold (as bound,
   not looked into further);
+- the random generators among all of these (a VAE's ``self.gen``, a numpy
+  ``Generator`` or ``random.Random`` the model holds, one in its code's
+  globals) and among the call's arguments (``forward(x, generator=g)``, one
+  level into their containers): each one's state, so a re-run's draws move
+  none of them (the global generators are forked by ``rng.forked_rngs``);
+- what the user's forward pre-hooks on the modules reach (their closures,
+  the object of a bound method, their code's globals), looked into as the
+  modules' attributes are: those hooks run in a re-run, since they feed the
+  call (torch's ``prune``, an input cast), while the user's forward and
+  backward hooks, which watch it, are held off for it (see ``rerun_hooks``);
 - every tensor among all of these (weights, buffers, gradients, plain
   tensor attributes) given other storage (``.data =``, ``set_``,
   ``resize_``) or another ``requires_grad``: its own storage back;
@@ -38,9 +48,9 @@ exit:
 
 What cannot be put back is not done: a write into a tensor of theirs that
 cannot be copied (no plain storage) stops the re-run before it is made, and
-``lasting`` says so (its caller runs that model no more). What a forward
-does beyond the model and its own module (a file, a print, another module's
-state) is not seen.
+``lasting`` says so (its caller runs that model no more). What a forward or
+a pre-hook does beyond the model and its own module (a file, a print,
+another module's state) is not seen.
 
 Costs nothing on a healthy step: built and torn down around the re-run
 alone. Every per-module, per-weight save and restore runs in C loops; the
@@ -49,6 +59,7 @@ dispatch mode costs a set look-up per op of the re-run.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Iterable
@@ -59,7 +70,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainwatch.collect.rerun_hooks import HeldOffWatchers, hook_code, user_pre_hooks
 from trainwatch.compiled import OutOfGraphDispatchMode
+from trainwatch.rng import generator_kinds, generator_states, generators_in, put_generator_states
 
 _STATE = attrgetter("__dict__")
 _PARAMETERS = attrgetter("_parameters")
@@ -149,12 +162,17 @@ class UndoneEffects:
     """Around a re-run of ``modules`` (the model's ``modules()``): whatever the
     re-run changes in their state is put back on exit (see the module's doc).
 
+    ``arguments``: the values the re-run's call is given (positional and
+    keyword): a generator among them (``forward(x, generator=g)``), or in a
+    container among them, is put back too.
+
     ``lasting``: after exit, what could not be undone and was therefore not
     done ("" when nothing): the re-run was stopped before it.
     """
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], arguments: Iterable[Any] = ()) -> None:
         self.modules = list(modules)
+        self.arguments = arguments
         self.lasting = ""
         self._mode: _CopyBeforeWrite | None = None
 
@@ -198,9 +216,20 @@ class UndoneEffects:
         self._object_states = list(map(dict.copy, map(_STATE, found.objects)))
         self._globals = found.global_dicts
         self._global_values = list(map(dict.copy, found.global_dicts))
+        generators = found.generators
+        generators += generators_in(self.arguments, found.generator_kinds)
+        self._generators = list({id(g): g for g in generators}.values())
+        self._generator_states = generator_states(self._generators)
         storages, opaque = _storages(tensors)
-        self._mode = _CopyBeforeWrite(storages, opaque)
-        self._mode.__enter__()
+        self._watchers = HeldOffWatchers(subs)
+        try:
+            self._watchers.take()
+            self._mode = _CopyBeforeWrite(storages, opaque)
+            self._mode.__enter__()
+        except BaseException:
+            self._mode = None
+            self._watchers.put_back()
+            raise
         return self
 
     # -- exiting -------------------------------------------------------------------
@@ -208,7 +237,10 @@ class UndoneEffects:
         mode, self._mode = self._mode, None
         if mode is None:
             return
-        mode.__exit__(None, None, None)
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            self._watchers.put_back()
         self.lasting = mode.lasting
         with torch.no_grad():
             mode.put_back()
@@ -218,13 +250,26 @@ class UndoneEffects:
         _put_contents(self._containers, self._contents)
         _put_objects(self._objects, self._object_states)
         _put_globals(self._globals, self._global_values)
+        put_generator_states(self._generators, self._generator_states)
         _restore(self._states, self._saved, self._tables, self._entries)
+
+
+def call_arguments(args: Any, kwargs: Any) -> list[Any]:
+    """A call's arguments, positional and keyword, as one list (for ``arguments``)."""
+    values = list(args) if isinstance(args, (tuple, list)) else [args]
+    if isinstance(kwargs, dict):
+        values += kwargs.values()
+    return values
 
 
 class _Found:
     """What the modules' state reaches beyond their tables: tensors, containers,
-    plain objects of the model's own code, modules kept outside the tables; and
-    the globals of the modules whose code defines their ``forward``.
+    plain objects of the model's own code, modules kept outside the tables,
+    random generators; and the globals of the modules whose code defines their
+    ``forward``. The user's forward pre-hooks on the modules run in the re-run
+    (see ``rerun_hooks``): what each reaches is looked into the same way (its
+    closure's values, the object of a bound method, a ``partial``'s
+    arguments), and the globals of its code are saved as the forward's are.
 
     The modules' attributes are looked into level by level (containers within
     containers, objects' attributes), each level's values sorted in C loops:
@@ -241,11 +286,16 @@ class _Found:
         self.containers: list[Any] = []
         self.objects: list[Any] = []
         self.global_dicts: list[dict[str, Any]] = []
+        self.generators: list[Any] = []
+        self.generator_kinds = generator_kinds()
         self._seen = set(map(id, subs))
         self._budget = _MAX_VALUES
+        self._hooks = user_pre_hooks(subs)
         forwards = map(getattr, map(type, subs), repeat("forward"), repeat(None))
         spaces = list(map(getattr, forwards, repeat("__globals__"), repeat(None)))
+        spaces += map(_hook_globals, self._hooks)
         own = set(map(_MODULE_NAME, set(map(type, subs))))
+        own.update(map(hook_code, self._hooks))
         for space in dict(zip(map(id, spaces), spaces)).values():
             if isinstance(space, dict) and not _library(space.get("__name__")):
                 self.global_dicts.append(space)
@@ -253,8 +303,12 @@ class _Found:
         self._code = set(filterfalse(_library, own))
 
     def look(self) -> None:
-        """Everything the modules' own attributes reach, then their code's globals."""
-        self._levels(_not_atoms(_attributes(self.modules), _ATTRIBUTE_ATOMS))
+        """Everything the modules' own attributes and their pre-hooks reach, then
+        their code's globals."""
+        reached = _attributes(self.modules)
+        for hook in self._hooks:
+            reached += _hook_reach(hook)
+        self._levels(_not_atoms(reached, _ATTRIBUTE_ATOMS))
         bound: list[Any] = []
         for space in self.global_dicts:
             names = list(space)
@@ -293,6 +347,8 @@ class _Found:
                 seen.update(map(id, found))
                 self.modules += found
                 held += _attributes(found)
+            elif isinstance(value, self.generator_kinds):
+                self.generators.append(value)
             elif kind.__module__ in self._code and type(getattr(value, "__dict__", None)) is dict:
                 self.objects.append(value)
                 if descend:
@@ -305,6 +361,44 @@ def _attributes(modules: list[nn.Module]) -> list[Any]:
     items = list(chain.from_iterable(map(dict.items, map(_STATE, modules))))
     plain = map(not_, map(_MODULE_OWN.__contains__, map(_FIRST, items)))
     return list(map(_SECOND, compress(items, plain)))
+
+
+def _hook_reach(hook: Any) -> list[Any]:
+    """What a hook holds: the values of its closure, the object of a bound method
+    (or the callable object itself), a ``functools.partial``'s arguments."""
+    reached: list[Any] = []
+    try:
+        while isinstance(hook, functools.partial):
+            reached += hook.args
+            reached += hook.keywords.values()
+            hook = hook.func
+        owner = getattr(hook, "__self__", None)
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            reached.append(owner)
+        function = getattr(hook, "__func__", hook)
+        if not isinstance(function, types.FunctionType):
+            if not isinstance(function, (types.BuiltinFunctionType, types.MethodType)):
+                reached.append(function)  # a callable object: its attributes
+            return reached
+        cells = function.__closure__ or ()
+    except Exception:  # a hook whose attributes cannot be read: what was reached
+        return reached
+    for cell in cells:
+        try:
+            reached.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            continue
+    return reached
+
+
+def _hook_globals(hook: Any) -> dict[str, Any] | None:
+    """The globals of the code that defines ``hook`` (None for a callable object)."""
+    try:
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        return getattr(getattr(hook, "__func__", hook), "__globals__", None)
+    except Exception:
+        return None
 
 
 def _not_atoms(values: list[Any], atoms: frozenset[type]) -> list[Any]:

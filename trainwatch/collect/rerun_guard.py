@@ -3,10 +3,13 @@
 trainwatch runs a module's forward again on its own (``stalled_training``'s
 first batch, a module's random draws looked at in eval mode). Such a re-run
 changes nothing of training: the modules' state it writes is put back
-(``UndoneEffects``), buffers are swapped for copies, torch's, Python's and
-numpy's generators are forked (the CUDA ones of ``devices`` too), gradients
-are off, trainwatch's collectors see no pass of it (``quiet.replay``) and
-compiled code runs eagerly.
+(``UndoneEffects``: the generators the model holds or its call is given
+among it), the user's forward and backward hooks are held off for it (its
+forward pre-hooks, which feed the call, run: ``rerun_hooks``), buffers are
+swapped for copies, torch's, Python's and numpy's global generators are
+forked (the CUDA ones of ``devices`` too), gradients are off, trainwatch's
+collectors see no pass of it (``quiet.replay``) and compiled code runs
+eagerly. A NaN replay and an op trace stand under the same pieces.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def rerun_guarded(
     module: nn.Module, subs: Sequence[nn.Module], devices: Sequence[int], effects: UndoneEffects
 ) -> Iterator[None]:
     """``module`` (whose modules are ``subs``) re-run inside: ``effects`` (made by the
-    caller, read after: ``lasting``) puts back what the forward writes."""
+    caller with the call's arguments, read after: ``lasting``) puts back what the
+    forward writes and holds off the user's watching hooks."""
     with ExitStack() as stack:
         stack.enter_context(effects)
         stack.enter_context(swapped_buffers(module, subs))

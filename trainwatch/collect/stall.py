@@ -28,10 +28,12 @@ with a closure) those copies were taken before it: as the pass ended, or as
 
 Every ``every`` steps the model is run on those rows again, in eval mode,
 without gradients and under the quiet marker (no other collector sees the
-pass), with the RNG forked and the buffers swapped for copies, and whatever
+pass), with the RNG forked and the buffers swapped for copies, the user's
+forward hooks held off (an activation kept for a penalty), and whatever
 the forward changes in the model's state (MoCo's momentum update and queue,
-a memory appended to, a weight renormalised in place) put back as it was
-(:class:`UndoneEffects`), so training goes on bit for bit as it would have.
+a memory appended to, a weight renormalised in place, a generator of its
+own drawn from) put back as it was (:class:`UndoneEffects`), so training
+goes on bit for bit as it would have.
 Batch-norm running statistics are the ones kept at the start of the phase:
 they move on every training pass whatever the learning rate, so only the
 weights can move the output. A model whose re-run would leave a change that
@@ -73,7 +75,7 @@ from torch.nn.parameter import is_lazy
 from trainwatch.collect.grads import layer_norms
 from trainwatch.collect.nonfinite_replay import replay_target
 from trainwatch.collect.passes import ModelPasses
-from trainwatch.collect.rerun_effects import UndoneEffects
+from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.rerun_guard import rerun_guarded
 from trainwatch.collect.small_norms import LayerSums
 from trainwatch.collect.tensors import detached_copies, floating_tensors, tensor_leaves
@@ -590,7 +592,7 @@ class FirstBatchProbe:
         subs = list(module.modules())
         modes = list(map(_TRAINING, subs))
         devices = _cuda_devices(module)
-        effects = UndoneEffects(subs)
+        effects = UndoneEffects(subs, call_arguments(args, kwargs))
         try:
             with rerun_guarded(module, subs, devices, effects):
                 for buffers, name, kept in stats:
