@@ -22,12 +22,7 @@ torch's global generator, forked as before.
 from __future__ import annotations
 
 import io
-import json
 import random
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +34,7 @@ from torch.nn import functional as F
 
 import trainwatch as tw
 from tests.lightning_models import quiet_trainer
+from tests.same_training import plain_and_under_run
 from trainwatch.lightning import TrainWatchCallback
 
 OFTEN = {"every": 2, "warmup": 1}  # the reference, then a re-run at every other step
@@ -326,36 +322,9 @@ json.dump(losses, open(sys.argv[1], "w"))
 
 @pytest.mark.slow
 def test_trainwatch_run_of_a_vae_with_its_own_generators_trains_as_without(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    (tmp_path / "often.yaml").write_text("stalled_training: {every: 2, warmup: 1}\n")
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert plain.returncode == 0, plain.stderr
-    options = ["--config", str(tmp_path / "often.yaml"), "--log-dir", str(tmp_path / "out")]
-    watched = subprocess.run(
-        [sys.executable, "-m", "trainwatch", "run", *options, "--no-console"]
-        + [str(script), str(tmp_path / "watched.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert watched.returncode == 0, watched.stdout + watched.stderr
-    alerts = tmp_path / "out" / "alerts.jsonl"
-    lines = alerts.read_text().splitlines() if alerts.exists() else []
-    assert "internal_error" not in [json.loads(line)["rule"] for line in lines]
-    plain_losses = json.loads((tmp_path / "plain.json").read_text())
-    assert json.loads((tmp_path / "watched.json").read_text()) == plain_losses
+    plain, watched, rules = plain_and_under_run(tmp_path, SCRIPT, every=2)
+    assert "internal_error" not in rules
+    assert watched == plain
 
 
 # -- Lightning ---------------------------------------------------------------------------------

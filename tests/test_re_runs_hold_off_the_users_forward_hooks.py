@@ -26,10 +26,6 @@ rate of 0, and only then.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import trainwatch as tw
+from tests.same_training import plain_and_under_run
 from trainwatch.collect.rerun_effects import UndoneEffects
 from trainwatch.collect.rerun_guard import rerun_guarded
 
@@ -323,39 +320,7 @@ json.dump(steps, open(sys.argv[1], "w"))
 def _run_script(tmp_path: Path, script: str) -> tuple[Any, Any, list[str]]:
     """The script run plain and under ``trainwatch run`` (a re-run at every other
     step): what each wrote, and the rules the watched run told."""
-    path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(script))
-    (tmp_path / "often.yaml").write_text("stalled_training: {every: 2, warmup: 1}\n")
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    plain = subprocess.run(
-        [sys.executable, str(path), str(tmp_path / "plain.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert plain.returncode == 0, plain.stderr
-    options = ["--config", str(tmp_path / "often.yaml"), "--log-dir", str(tmp_path / "out")]
-    watched = subprocess.run(
-        [sys.executable, "-m", "trainwatch", "run", *options, "--no-console"]
-        + [str(path), str(tmp_path / "watched.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert watched.returncode == 0, watched.stdout + watched.stderr
-    alerts = tmp_path / "out" / "alerts.jsonl"
-    lines = alerts.read_text().splitlines() if alerts.exists() else []
-    rules = [json.loads(line)["rule"] for line in lines]
-    return (
-        json.loads((tmp_path / "plain.json").read_text()),
-        json.loads((tmp_path / "watched.json").read_text()),
-        rules,
-    )
+    return plain_and_under_run(tmp_path, script, every=2)
 
 
 @pytest.mark.slow

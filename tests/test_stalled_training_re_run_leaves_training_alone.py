@@ -18,11 +18,6 @@ the same step. Controls: the same models without ``max_norm``.
 from __future__ import annotations
 
 import io
-import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -33,6 +28,7 @@ from torch.nn import functional as F
 
 import trainwatch as tw
 from tests.lightning_models import quiet_trainer
+from tests.same_training import plain_and_under_run
 from trainwatch.lightning import TrainWatchCallback
 from trainwatch.tensorboard_plugin import metadata
 
@@ -407,35 +403,9 @@ json.dump(losses, open(sys.argv[1], "w"))
 
 @pytest.mark.slow
 def test_trainwatch_run_of_a_tied_max_norm_embedding_trains_as_without(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    (tmp_path / "often.yaml").write_text("stalled_training: {every: 3, warmup: 1}\n")
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
-    plain = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert plain.returncode == 0, plain.stderr
-    options = ["--config", str(tmp_path / "often.yaml"), "--log-dir", str(tmp_path / "out")]
-    watched = subprocess.run(
-        [sys.executable, "-m", "trainwatch", "run", *options, "--no-console"]
-        + [str(script), str(tmp_path / "watched.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert watched.returncode == 0, watched.stdout + watched.stderr
-    alerts = tmp_path / "out" / "alerts.jsonl"
-    rules = [json.loads(line)["rule"] for line in alerts.read_text().splitlines()]
+    plain, watched, rules = plain_and_under_run(tmp_path, SCRIPT, every=3)
     assert "internal_error" not in rules
-    plain_losses = json.loads((tmp_path / "plain.json").read_text())
-    assert json.loads((tmp_path / "watched.json").read_text()) == plain_losses
+    assert watched == plain
 
 
 # -- the stall is still told ------------------------------------------------------------------
