@@ -175,3 +175,18 @@ def test_step_writes_lists_the_state_a_healthy_step_moves():
     assert done.returncode == 0, done.stderr
     assert "_step " in done.stdout and "Monitor._advance" in done.stdout  # the step count moves
     assert "distinct writes" in done.stdout.splitlines()[-1]
+
+
+def test_step_kinds_sorts_each_steps_gap_by_the_looks_made_at_it():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/step_kinds.py", "--workload", "tiny"]
+        + ["--steps", "30", "--from-step", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    kinds = {line.rsplit(None, 3)[0] for line in done.stdout.splitlines()[2:-1]}
+    assert kinds == {"usual step", "class-target look", "activation sample"}  # steps 20-49
+    assert done.stdout.splitlines()[-1].startswith("all steps: mean gap")
