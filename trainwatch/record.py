@@ -139,7 +139,8 @@ class ModeReport:
 
 @dataclass
 class BroadcastReport:
-    """An elementwise op on the model's output that broadcast a batch axis against another."""
+    """An elementwise op on the model's output that broadcast a batch axis against
+    another, or a class-index map across the output's channels."""
 
     op: str
     shapes: list[tuple[int, ...]]
@@ -151,6 +152,12 @@ class BroadcastReport:
     # The part of the model whose output it is, called on its own (a PPO agent's
     # ``critic``); None for the model's own output.
     module: str | None = None
+    # "batch": samples paired with samples; "class_index_map": a target of class
+    # indices ``(N, 1, H, W)`` broadcast over the output's ``(N, C, H, W)`` channels.
+    kind: str = "batch"
+    # class_index_map only: the channel axis, and the map's smallest and largest index.
+    axis: int | None = None
+    values: tuple[int, int] | None = None
 
 
 @dataclass

@@ -27,7 +27,11 @@ model replaced, parameters frozen or unfrozen), for one step at sparse
 sampled steps, for a loss changed with no such sign, and from the step after a
 layer got its first gradient unaudited until it gets one again
 (``collect/joined_layers.py``: a rare task's head, an auxiliary loss switched
-on). In between the check costs nothing. The first evaluation passes of the run, whenever they come
+on). In between the check costs nothing. Operands of equal rank pair no batch with
+another, but the model's ``(N, C, H, W)`` output against a ``(N, 1, H, W)``
+operand from elsewhere may be a class-index label map broadcast over the
+channels: its values are measured on the device and judged at the step's end
+(``collect/class_index_map.py``). The first evaluation passes of the run, whenever they come
 (and of each new phase), are followed by an audit of their own with this
 judge (``collect/broadcast_eval.py``). On the same training steps a loss function
 that takes logits is looked at for a softmax's or sigmoid's output as its input
@@ -47,6 +51,11 @@ from torch.overrides import TorchFunctionMode
 
 from trainwatch.callers import called_from
 from trainwatch.collect import quiet
+from trainwatch.collect.class_index_map import (
+    PendingClassMap,
+    broadcast_channel,
+    class_index_evidence,
+)
 from trainwatch.collect.log_probabilities import PendingNll, log_probability_gap
 from trainwatch.collect.loss_input import (
     LOSS_INPUTS,
@@ -526,6 +535,14 @@ def _op_name(func: Any) -> str:
     return getattr(func, "__name__", "") or ""
 
 
+def _op_told(name: str) -> str:
+    """The op as a finding names it: ``__rsub__`` is the same subtraction as ``sub``."""
+    op = name.strip("_")
+    if op.startswith("r") and name.startswith("__r"):
+        op = op[1:]  # operands swapped
+    return op
+
+
 # Where ``Normal(mu, std).log_prob(a)`` subtracts the mean from the action: the
 # other side is a sample the policy drew itself, spread by its exploration
 # noise, not a target the output should match; the model's spread is not
@@ -611,6 +628,8 @@ class BroadcastAudit:
         # the model (N, 1, H, W) or with the data (a (N, 1, 1) target).
         self._given: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
         self.findings: list[BroadcastReport] = []
+        # Ops of this span measured for a class-index map, read at its end.
+        self._class_maps: list[PendingClassMap] = []
         self._seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
         self.audited_pass = False
         # Device scalar: the spread across the batch of the loss's target side
@@ -761,7 +780,7 @@ class BroadcastAudit:
             self.audited_pass = False
         if self.steps_left <= 0:
             self.live = False
-        found, self.findings = self.findings, []
+        found = self.take_findings()
         self._batch = None
         return found
 
@@ -822,6 +841,7 @@ class BroadcastAudit:
         self._parts.clear()
         self._given.clear()
         self._squashed.clear()
+        self._class_maps.clear()
         self._forget_nll()
         _IN_PASS.discard(self)
 
@@ -941,6 +961,9 @@ class BroadcastAudit:
 
     def _judge(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         first, second = tuple(a.shape), tuple(b.shape)
+        if len(first) == len(second):
+            self._look_for_class_map(name, a, b)  # equal ranks pair no batch with another
+            return
         # The inner form pairs the model's output with a target or mask; two
         # tensors both derived from the model (``z1.unsqueeze(1) - z2``, every
         # embedding against every other view's) are paired on purpose, and so is
@@ -958,13 +981,67 @@ class BroadcastAudit:
         if key in self._seen:
             return
         self._seen.add(key)
-        op = name.strip("_")
-        if op.startswith("r") and name.startswith("__r"):
-            op = op[1:]  # __rsub__: the same subtraction, operands swapped
         part = self._part_of((a, b) if self._derived(a) else (b, a))
         self.findings.append(
-            BroadcastReport(op, [first, second], result, _user_line(), self.phase, part)
+            BroadcastReport(_op_told(name), [first, second], result, _user_line(), self.phase, part)
         )
+
+    def _look_for_class_map(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The model's ``(N, C, H, W)`` output against a ``(N, 1, H, W)`` side from
+        elsewhere that carries no gradient: measured for a class-index map on the
+        device, judged at the step's end (``collect/class_index_map.py``)."""
+        derived = self._derived(a)
+        if derived == self._derived(b) or len(self._class_maps) >= _MAX_FINDINGS:
+            return
+        output, target = (a, b) if derived else (b, a)
+        axis = broadcast_channel(name, tuple(output.shape), tuple(target.shape))
+        if axis is None or target.requires_grad:
+            return
+        shapes = (tuple(a.shape), tuple(b.shape))
+        if (name, *shapes) in self._seen or any(
+            (p.name, *p.shapes) == (name, *shapes) for p in self._class_maps
+        ):
+            return
+        evidence = class_index_evidence(target)
+        if evidence is not None:
+            self._class_maps.append(
+                PendingClassMap(
+                    evidence,
+                    name,
+                    shapes,
+                    tuple(output.shape),
+                    axis,
+                    _user_line(),
+                    self._part_of((output,)),
+                )
+            )
+
+    def take_findings(self) -> list[BroadcastReport]:
+        """What the span found: its batch pairings, and the ops measured that paired a
+        class-index map with the output's channels (their evidence read now)."""
+        measured, self._class_maps = self._class_maps, []
+        for pending in measured:
+            key = (pending.name, *pending.shapes)
+            values = pending.values()
+            if values is None or key in self._seen or len(self.findings) >= _MAX_FINDINGS:
+                continue
+            self._seen.add(key)
+            first, second = pending.shapes
+            self.findings.append(
+                BroadcastReport(
+                    _op_told(pending.name),
+                    [first, second],
+                    pending.output,
+                    pending.source,
+                    self.phase,
+                    pending.module,
+                    kind="class_index_map",
+                    axis=pending.axis,
+                    values=values,
+                )
+            )
+        found, self.findings = self.findings, []
+        return found
 
     def _judge_loss_input(
         self, name: str, args: Any, kwargs: dict[str, Any], out: Any, in_pass: bool

@@ -83,6 +83,7 @@ class _EvaluationJudge(BroadcastAudit):
         self.stop()
         self._tracked.clear()
         self._given.clear()
+        self._class_maps.clear()
         self._batch = None
 
 
@@ -151,7 +152,7 @@ class EvaluationAudit:
         """What the last pass's span found, as a record to publish. Whether that
         pass, one with gradients, was trained on since: no evaluation, nothing told."""
         judge = self.follower
-        found, judge.findings = judge.findings, []
+        found = judge.take_findings()
         marks, self._marks = self._marks, None
         if marks is not None and marks != _training_marks():
             self.passes_left += 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainwatch.alert import Alert
 from trainwatch.config import BroadcastConfig
-from trainwatch.record import StepRecord
+from trainwatch.record import BroadcastReport, StepRecord
 from trainwatch.rules.base import Rule
 
 
@@ -79,6 +81,9 @@ class BroadcastRule(Rule):
             }
             if evaluation:
                 data["finding"] = "evaluation"  # counted apart from training's
+            if found.kind == "class_index_map":
+                alerts.append(self._class_map_alert(record.step, found, data))
+                continue
             alerts.append(
                 self.alert(
                     record.step,
@@ -92,6 +97,29 @@ class BroadcastRule(Rule):
                 )
             )
         return alerts
+
+    def _class_map_alert(self, step: int, found: BroadcastReport, data: dict[str, Any]) -> Alert:
+        """A class-index map ``(N, 1, H, W)`` broadcast over the output's C channels."""
+        output = found.result
+        axis = found.axis if found.axis is not None else 1
+        low, high = found.values or (0, output[axis] - 1)
+        first, second = found.shapes
+        target = second if tuple(first) == tuple(output) else first
+        data.update(kind="class_index_map", classes=output[axis], channel_axis=axis)
+        data["values"] = [low, high]
+        where = f" at {found.source}" if found.source else ""
+        evaluation = found.phase == "evaluation"
+        return self.alert(
+            step,
+            found.module,
+            f"{found.op} of {_shape(first)} and {_shape(second)}{where}"
+            f"{' in an evaluation pass' if evaluation else ''}: the {_shape(target)} side "
+            f"holds class indices ({low} to {high}), broadcast over the output's "
+            f"{output[axis]} channels: every channel is paired with the class index, "
+            "not with its own 0/1 target",
+            _class_map_hint(output, axis, evaluation),
+            data,
+        )
 
 
 def _hint(high: tuple[int, ...], low: tuple[int, ...], evaluation: bool) -> str:
@@ -139,3 +167,32 @@ _EVALUATION = (
     "selection, early stopping or a scheduler on a plateau act on a wrong value, though "
     "training itself may be sound."
 )
+
+
+def _one_hot(output: tuple[int, ...], axis: int) -> str:
+    """The one-hot that shapes an index map like ``output``: ``F.one_hot`` puts the
+    classes last, ``permute`` moves them to the channel ``axis``."""
+    rank, classes = len(output), output[axis]
+    made = f"F.one_hot(mask, {classes})"
+    if axis != rank - 1:
+        order = [*range(axis), rank - 1, *range(axis, rank - 1)]
+        made += f".permute{tuple(order)}"
+    return made + ".float()"
+
+
+def _class_map_hint(output: tuple[int, ...], axis: int, evaluation: bool) -> str:
+    classes = output[axis]
+    mask = _shape(output[:axis] + output[axis + 1 :])
+    return (
+        f"the target is a class-index map broadcast over the {classes} channels; one-hot it "
+        f"so each channel gets its own 0/1 map, shaped {_shape(output)} like the output: "
+        f"{_one_hot(output, axis)} from the {mask} long mask (mask.squeeze({axis}).long() "
+        f"where it comes with a size-1 channel axis). "
+        + (
+            _EVALUATION.capitalize()
+            if evaluation
+            else "A Dice or squared-error loss trained like this still falls, but each "
+            "channel is pushed toward the class index rather than toward whether the pixel "
+            "is of its class: the model learns no segmentation."
+        )
+    )
