@@ -72,6 +72,7 @@ from trainwatch.collect.step_calls import StepCalls
 from trainwatch.collect.step_gradients import read_gradients
 from trainwatch.collect.structure import StructureWatch
 from trainwatch.collect.unwatched_updates import UnwatchedUpdates
+from trainwatch.collect.updated_elsewhere import UpdatedElsewhere
 from trainwatch.collect.weights_at_alert import HeldParameters
 from trainwatch.collect.zero_derivatives import ZeroDerivativeLook
 from trainwatch.collect.zeroed_updates import ZeroedUpdates
@@ -107,6 +108,7 @@ from trainwatch.rules.zero_gradient import ZeroGradientRule
 from trainwatch.setup_audit import SetupAudit, table_content
 from trainwatch.setup_watch import SetupWatch
 from trainwatch.sinks import StepNumbers
+from trainwatch.trained_elsewhere_note import trained_elsewhere_words
 from trainwatch.weak import weak_callback, weak_getter, weak_method
 from trainwatch.whole_layers import WholeLayerNorms
 
@@ -362,6 +364,8 @@ class StepPipeline:
         # left out of the step's missing ones; _NONE_HELD where none was found.
         self._copies_held: dict[int | None, frozenset[str]] = {}
         self._frozen_moves = FrozenMoves()
+        # Parameters no watched optimizer holds that one not given may train.
+        self._updated_elsewhere = UpdatedElsewhere()
         self._gradless_updates = GradlessUpdates()
         # Without an optimizer: hand-written updates that applied gradients zeroed
         # before them (zero_gradient's reset_before_step), looked at on the first
@@ -1248,6 +1252,34 @@ class StepPipeline:
             self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
         return left
 
+    def _not_held_back(self, step: int, told: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Of the parameters no watched optimizer holds that got gradients at ``step``,
+        those to tell now: those an optimizer the monitor was not given holds wait
+        until their weights show whether it trains them (see UpdatedElsewhere). A
+        verdict falling now is told here: never updated, dated at the step they were
+        first met, or one console note where that optimizer trains them."""
+        look = self._updated_elsewhere
+        kept = look.held_back(step, told, self._optimizers)
+        info = self.layers.info
+        for verdict in look.verdicts:
+            due = [p for p in verdict.due if p in self.layers]
+            if due:
+                dated = StepRecord(verdict.since)
+                dated.not_optimized = [info(p) for p in due]
+                frozen_unheld = self._frozen_unheld
+                if frozen_unheld:
+                    dated.unfrozen_unheld = frozenset(
+                        info(p).name for p in due if id(p) in frozen_unheld
+                    )
+                # Within the step's hooks: a halt waits for the step's end.
+                self._dispatcher.publish(self.rules.evaluate(dated), may_halt=False)
+            trained = [info(p) for p in verdict.trained if p in self.layers]
+            if trained:
+                self._dispatcher.note(
+                    trained_elsewhere_words(trained, verdict.optimizers, self._model_name())
+                )
+        return kept
+
     def _copy_held(
         self, index: int, now: int, record: StepRecord, params: list[nn.Parameter]
     ) -> None:
@@ -1739,11 +1771,15 @@ class StepPipeline:
                             unoptimized,
                         )
                     told = trained if left is None else left
-                    record.not_optimized = [info(p) for p in told]
+                    step = now if index is not None else now - 1  # monitor.step() counted
+                    # Those an optimizer not given may train wait for its verdict.
+                    held = self._guarded("updated elsewhere", self._not_held_back, step, told)
+                    kept = told if held is None else held
+                    record.not_optimized = [info(p) for p in kept]
                     frozen_unheld = self._frozen_unheld
                     if frozen_unheld:
                         record.unfrozen_unheld = frozenset(
-                            info(p).name for p in told if id(p) in frozen_unheld
+                            info(p).name for p in kept if id(p) in frozen_unheld
                         )
                     # A target or reference part fed gradients trains no more for
                     # them: it stays a frozen part, kept in eval on purpose.
