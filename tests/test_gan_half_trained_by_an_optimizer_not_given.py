@@ -223,5 +223,6 @@ def test_trainwatch_run_of_an_unchanged_gan_script_stays_silent(tmp_path: Path):
     log = tmp_path / "log"
     assert run_script(script, log_dir=log, console=False) == 0
     alerts = log / "alerts.jsonl"
-    found = [json.loads(line) for line in alerts.read_text().splitlines()] if alerts.exists() else []
+    lines = alerts.read_text().splitlines() if alerts.exists() else []
+    found = [json.loads(line) for line in lines]
     assert [a["rule"] for a in found if a["severity"] in ("warning", "error")] == []
