@@ -291,9 +291,10 @@ class ModelPasses:
             return
         self._depth = 1
         self.passes += 1
-        # The usual arguments (tensors, tuples, numbers) told by their types' set,
-        # made in C; a call handed a list or a dict has its containers copied before
-        # its forward can empty them (``items.pop(0)``, ``batch.pop("labels")``).
+        # The usual arguments (tensors, numbers) told by their types' set, made in
+        # C; a call handed a list or a dict, or a tuple that may hold one, has its
+        # containers copied before its forward can empty or rewrite them
+        # (``items.pop(0)``, ``batch.pop("labels")``, ``state[0] = h``).
         if kwargs:  # model(**batch) comes with no args
             if args and not set(map(type, args)) <= PLAIN_TYPES:
                 self._keep_received(args, kwargs)

@@ -8,14 +8,21 @@ pass from it (a NaN/Inf replay, a replay of its backward,
 ``stalled_training``'s first batch) would run the model on what the call
 left behind: it could not find again what the call did.
 
+A list may also sit inside a tuple the call is handed: a recurrent block
+called as ``block((x, [h, c]))`` whose forward writes its new state into
+that list (``state[0] = h``), or a loop that moves the list on once the call
+returns. A replay at the pass's end, or at the step boundary, would then run
+on the state the call left behind (its own NaN, already made), and blame
+the data.
+
 So the mutable containers among a pass's arguments are copied as the call
 begins, their items as they are then (tensors are not cloned: the pass
-holds them anyway), nested containers included. A healthy pass must not
-pay for it: the usual arguments (tensors, tuples, None, numbers, strings)
-are told from the rest by a set of their types made in C and compared with
-``PLAIN_TYPES`` (no call a profiler sees), and only a call handed something
-else is walked here. That check does not look into a tuple: a list inside a tuple is
-copied only where another argument sent the call here.
+holds them anyway), nested containers included, inside tuples too. A
+healthy pass must not pay for it: the usual arguments (tensors, None,
+numbers, strings) are told from the rest by a set of their types made in C
+and compared with ``PLAIN_TYPES`` (no call a profiler sees), and only a
+call handed something else (a tuple among them) is walked here; a tuple
+holding plain values alone is told so by one more such set, and kept as it is.
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ import torch
 from torch import nn
 
 # Arguments a forward cannot change as containers (a tensor changed in place is
-# another matter: each re-run copies the tensors it is handed).
+# another matter: each re-run copies the tensors it is handed). Not tuples: one
+# may hold a list (``(x, [h, c])``), so a call handed one is looked into.
 PLAIN_TYPES = frozenset(
     {
         torch.Tensor,
         nn.Parameter,
-        tuple,
         type(None),
         bool,
         int,
@@ -49,7 +56,7 @@ PLAIN_TYPES = frozenset(
 
 _MUTABLE = (MutableMapping, MutableSequence, MutableSet)
 # Items that hold no container (a tuple may).
-_LEAVES = PLAIN_TYPES - {tuple}
+_LEAVES = PLAIN_TYPES
 # Containers whose own ``copy()`` is a shallow copy made in C.
 _COPIED_IN_C = frozenset({list, dict, set, deque})
 # Deep enough for a dict of lists of dicts; a bound for a self-referencing container.
