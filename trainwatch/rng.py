@@ -15,6 +15,13 @@ model's state: the re-run puts them back with the rest of it
 (:class:`~trainwatch.collect.rerun_effects.UndoneEffects` finds them and
 saves their states here, :func:`generator_states`), only when a re-run
 happens.
+
+A NaN replay must draw what the pass it replays drew: a NaN that hangs on a
+draw (every token of a text dropped by the model's own token dropout) is
+found again only then. The CPU generator's state is read as each pass
+begins (a tensor); for a model holding generators of its own, their states
+are read with it (:class:`DrawsAtStart`), and :func:`drawing_as_at` sets
+both back for the replay and puts the model's generators back after it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import random
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -92,6 +100,64 @@ def put_generator_states(generators: list[Any], states: list[Any]) -> None:
                 generator.state = state
         except Exception:
             continue
+
+
+class DrawsAtStart:
+    """The CPU generator's state as a pass began (``cpu``), and the states then of
+    the generators the model holds (``generators``, ``states``)."""
+
+    __slots__ = ("cpu", "generators", "states")
+
+    def __init__(self, cpu: torch.Tensor, generators: list[Any]) -> None:
+        self.cpu = cpu
+        self.generators = generators
+        self.states = generator_states(generators)
+
+
+# What a replay is handed as a pass's draws: the CPU generator's state alone (a
+# model holding no generator), or with those of the model's own (None: unknown).
+PassDraws = torch.Tensor | DrawsAtStart | None
+
+
+def draws_now(generators: list[Any]) -> torch.Tensor | DrawsAtStart:
+    """The CPU generator's state now, with those of ``generators`` where there are any."""
+    cpu = torch.default_generator.get_state()
+    return DrawsAtStart(cpu, generators) if generators else cpu
+
+
+@contextmanager
+def drawing_as_at(draws: PassDraws) -> Iterator[None]:
+    """Inside, torch's CPU generator and the model's own draw from where ``draws``
+    read them: a re-run draws what its pass drew. The CPU generator is the
+    caller's to fork (``forked_rngs``); the model's are put back on exit as they
+    were on entry, so training goes on from where the pass left them."""
+    if draws is None:
+        yield
+        return
+    if isinstance(draws, torch.Tensor):
+        torch.default_generator.set_state(draws)
+        yield
+        return
+    now = generator_states(draws.generators)
+    try:
+        torch.default_generator.set_state(draws.cpu)
+        put_generator_states(draws.generators, draws.states)
+        yield
+    finally:
+        put_generator_states(draws.generators, now)
+
+
+def generator_as_now(generator: Any) -> Any:
+    """A new generator in ``generator``'s state now (``generator`` itself where it
+    cannot be copied): what a call handed it draws from, kept for a re-run."""
+    try:
+        if isinstance(generator, torch.Generator):
+            copy = torch.Generator(device=generator.device)
+            copy.set_state(generator.get_state())
+            return copy
+        return deepcopy(generator)
+    except Exception:
+        return generator
 
 
 def _state(generator: Any) -> Any:

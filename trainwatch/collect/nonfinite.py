@@ -90,10 +90,12 @@ from trainwatch.collect.nonfinite_replay import (
     replay_forward,
     replay_target,
 )
+from trainwatch.collect.rerun_effects import generators_held
 from trainwatch.collect.tensors import finite_exact, floating_list
 from trainwatch.compiled import unwrap
 from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
+from trainwatch.rng import DrawsAtStart, PassDraws
 
 __all__ = [
     "FINITE",
@@ -127,7 +129,7 @@ class _WaitingPass:
     args: Any
     kwargs: Any
     codes: torch.Tensor  # fp64 sum of each floating output (device); -inf: a mask
-    rng: torch.Tensor | None  # the CPU generator's state as the pass began
+    rng: PassDraws  # the generators' states as the pass began
 
 
 @dataclass(slots=True)
@@ -147,7 +149,7 @@ class _PassState:
     calls_in_progress: list[CallStart] = field(default_factory=list)
     # References to the batch (not copies) until the next pass: what a
     # backward replay needs if this step's gradients turn out bad.
-    last_call: tuple[nn.Module, Any, Any, torch.Tensor | None] | None = None
+    last_call: tuple[nn.Module, Any, Any, PassDraws] | None = None
     grad_entering: list[torch.Tensor | None] = field(default_factory=list)
     backward: bool = False  # a backward pass reached the model
     bad: bool = False  # and what entered it was non-finite
@@ -159,9 +161,7 @@ class _PassState:
 # A pass with grad whose backward may come: (its number, its call and the CPU
 # generator's state as it began, what entered it, by output position). A plain
 # tuple: one is made per pass.
-_AwaitedPass = tuple[
-    int, tuple[nn.Module, Any, Any, torch.Tensor | None], list[torch.Tensor | None]
-]
+_AwaitedPass = tuple[int, tuple[nn.Module, Any, Any, PassDraws], list[torch.Tensor | None]]
 
 
 @dataclass(slots=True)
@@ -253,8 +253,12 @@ class NonfiniteProbe:
         # same dropout masks (and ``torch.rand`` in a forward) as the pass did, so
         # a NaN/Inf that hangs on them (every token of a text dropped, two
         # embeddings made equal) is found again where it was born. A copy of a
-        # few kilobytes, no op dispatched; forked state is put back after.
-        self._rng_at_start: torch.Tensor | None = None
+        # few kilobytes, no op dispatched; forked state is put back after. With
+        # the states of the model's own generators where it holds any (a VAE's
+        # ``self.gen``): ``_pass_starts_drawing``.
+        self._rng_at_start: PassDraws = None
+        # The random generators the model holds (found as it is attached).
+        self._generators: list[Any] = []
         self.enabled = True
         self.suspended = False
         self.trace_ops = trace_ops
@@ -334,6 +338,28 @@ class NonfiniteProbe:
             if not isinstance(module, CANNOT_ORIGINATE) or module is model:
                 self._checkable.add(index)
         self.find_device(model)
+        self._hold_generators(generators_held(model.modules()))
+
+    def _hold_generators(self, generators: list[Any]) -> None:
+        """A model drawing from generators of its own (a VAE's ``torch.randn(...,
+        generator=self.gen)``, token dropout from a ``torch.Generator``): a NaN
+        replay must draw what the pass drew, so their states are read as each
+        pass begins, with the CPU generator's. A method swapped in for such a
+        model alone (before the probe subscribes to the passes): any other's
+        pass reads what it read."""
+        self._generators = generators
+        if generators:
+            self.pass_starts = self._pass_starts_drawing  # type: ignore[method-assign]
+        else:
+            self.__dict__.pop("pass_starts", None)
+
+    def _pass_starts_drawing(self, module: nn.Module) -> None:
+        """``pass_starts``, for a model holding generators: their states join the CPU
+        generator's as the pass begins."""
+        NonfiniteProbe.pass_starts(self, module)
+        rng = self._rng_at_start
+        if type(rng) is torch.Tensor:  # read just now: this pass's
+            self._rng_at_start = DrawsAtStart(rng, self._generators)
 
     def module_hooks(self) -> list[Any]:
         """Hooks on every module call: always in deferred mode, else only for a replay."""
@@ -518,9 +544,7 @@ class NonfiniteProbe:
             for hook in awaiting.pop(0):
                 take_out(hook)
 
-    def _forward_bad(
-        self, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
-    ) -> None:
+    def _forward_bad(self, module: nn.Module, args: Any, kwargs: Any, rng: PassDraws) -> None:
         self._step_bad = self._this_step.output_bad = True
         if self._bad_streak < REPLAY_STREAK:
             replay_forward(self, module, args, kwargs, rng)

@@ -39,6 +39,7 @@ from trainwatch.collect.received import as_received
 from trainwatch.collect.tensors import detached_copies, floating_tensors, input_range
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.layers import own_parameters
+from trainwatch.rng import PassDraws, draws_now
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
@@ -93,7 +94,8 @@ class CallStart:
     inputs: list[torch.Tensor]
     sums: list[int]
     given: Any = None  # copies of its positional arguments (replays only)
-    rng: torch.Tensor | None = None  # the CPU generator's state then (replays only)
+    # The CPU generator's state then, with the model's own generators' (replays only).
+    rng: PassDraws = None
     # Its keyword arguments as the call received them, where one held a container
     # its forward may empty (replays only: ``module_keywords``).
     kwargs: Any = None
@@ -169,7 +171,7 @@ def before_call(probe: NonfiniteProbe, position: int, args: Any) -> None:
             # to re-run the module on what it was given, before it changed it.
             given = rng = None
             if probe._replaying and probe.trace_ops:
-                given, rng = detached_copies(args), cpu_rng_state()
+                given, rng = detached_copies(args), draws_now(probe._generators)
             probe._this_pass.calls_in_progress.append(CallStart(position, ins, ids, given, rng))
 
 
@@ -242,7 +244,7 @@ def _check_now(
     kwargs: Any,
     ins: list[torch.Tensor],
     outs: list[torch.Tensor],
-    rng: torch.Tensor | None = None,
+    rng: PassDraws = None,
 ) -> None:
     """Read a call's sums now: outputs gone non-finite from finite inputs make it the
     forward origin, told with its weights, its input range and (re-run under a

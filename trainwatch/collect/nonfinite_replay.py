@@ -49,7 +49,7 @@ from trainwatch.collect.tensors import (
 )
 from trainwatch.compiled import OutOfGraphDispatchMode, eager
 from trainwatch.hooks import HookGroup
-from trainwatch.rng import forked_rngs
+from trainwatch.rng import PassDraws, drawing_as_at, forked_rngs
 from trainwatch.whole_layers import fully_sharded
 
 if TYPE_CHECKING:
@@ -120,7 +120,9 @@ class Replay:
     whatever else the forward changes in the model's state put back.
 
     ``rng``: the CPU generator's state as the pass began, set inside the fork,
-    so the replay draws what the pass drew (its dropout masks). ``arguments``:
+    with those of the model's own generators then (put back after), so the
+    replay draws what the pass drew (its dropout masks, a token dropout drawn
+    from ``self.gen``). ``arguments``:
     the values the replayed call is given (a generator among them is put back).
     """
 
@@ -128,7 +130,7 @@ class Replay:
         self,
         probe: NonfiniteProbe,
         grad: bool,
-        rng: torch.Tensor | None = None,
+        rng: PassDraws = None,
         arguments: list[Any] | None = None,
     ) -> None:
         self.probe = probe
@@ -148,8 +150,7 @@ class Replay:
         self._stack.enter_context(swapped_buffers(root) if root is not None else _null())
         # The CUDA generators too: a replay's dropout must not move training's RNG.
         self._stack.enter_context(forked_rngs(devices=probe.cuda_devices()))
-        if self.rng is not None:
-            torch.default_generator.set_state(self.rng)
+        self._stack.enter_context(drawing_as_at(self.rng))
         self._stack.enter_context(torch.enable_grad() if self.grad else torch.no_grad())
         self._stack.enter_context(quiet.replay())
         self._stack.enter_context(eager())  # compiled modules run (and are seen) one by one
@@ -320,7 +321,7 @@ REPLAY_STREAK = 3  # bad steps in a row after which replays stop
 
 
 def replay_forward(
-    probe: NonfiniteProbe, module: nn.Module, args: Any, kwargs: Any, rng: torch.Tensor | None
+    probe: NonfiniteProbe, module: nn.Module, args: Any, kwargs: Any, rng: PassDraws
 ) -> None:
     """Run the pass again module by module to find where its NaN/Inf was born."""
     # Grad mode as in the pass itself: the replay takes the paths the pass took

@@ -31,7 +31,7 @@ from trainwatch.collect.tensors import (
     tensor_leaves,
 )
 from trainwatch.compiled import OutOfGraphDispatchMode, eager
-from trainwatch.rng import forked_rngs
+from trainwatch.rng import PassDraws, drawing_as_at, forked_rngs
 
 # Frames that are never the user's line: PyTorch's and trainwatch's own.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -284,12 +284,13 @@ def trace_first_nonfinite_op(
     module: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    rng: torch.Tensor | None = None,
+    rng: PassDraws = None,
 ) -> OpFinding | None:
     """Re-run ``module(*args, **kwargs)`` and return the first op that made a NaN/Inf.
 
-    ``rng``: the CPU generator's state as the call began, so the re-run draws
-    what the call drew (a dropout mask inside the module).
+    ``rng``: the CPU generator's state as the call began (with those of the
+    model's own generators), so the re-run draws what the call drew (a dropout
+    mask inside the module).
     """
     tracer = _FirstNonfinite()
     _rerun(module, args, kwargs, tracer, rng)
@@ -301,7 +302,7 @@ def _rerun(
     args: Any,
     kwargs: Any,
     tracer: _FirstNonfinite,
-    rng: torch.Tensor | None = None,
+    rng: PassDraws = None,
 ) -> None:
     """Run ``module`` once more under ``tracer``, leaving training as it was."""
     devices = [
@@ -319,10 +320,9 @@ def _rerun(
             torch.no_grad(),
             quiet.replay(),
             eager(),
+            drawing_as_at(rng),
             tracer,
         ):
-            if rng is not None:
-                torch.default_generator.set_state(rng)
             module(*args, **kwargs)
     except Exception:
         pass  # what the trace found before the failure still stands

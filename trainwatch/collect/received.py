@@ -8,6 +8,10 @@ pass from it (a NaN/Inf replay, a replay of its backward,
 ``stalled_training``'s first batch) would run the model on what the call
 left behind: it could not find again what the call did.
 
+A random generator the call is handed (``forward(x, generator=g)``) is
+copied in its state then: the pass draws from it, and a replay must draw
+what the pass drew.
+
 A list may also sit inside a tuple the call is handed: a recurrent block
 called as ``block((x, [h, c]))`` whose forward writes its new state into
 that list (``state[0] = h``), or a loop that moves the list on once the call
@@ -36,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainwatch.rng import generator_as_now, generator_kinds
+
 # Arguments a forward cannot change as containers (a tensor changed in place is
 # another matter: each re-run copies the tensors it is handed). Not tuples: one
 # may hold a list (``(x, [h, c])``), so a call handed one is looked into.
@@ -59,6 +65,8 @@ _MUTABLE = (MutableMapping, MutableSequence, MutableSet)
 _LEAVES = PLAIN_TYPES
 # Containers whose own ``copy()`` is a shallow copy made in C.
 _COPIED_IN_C = frozenset({list, dict, set, deque})
+# The random generators a call may be handed (numpy's where it is loaded already).
+_GENERATORS = generator_kinds()
 # Deep enough for a dict of lists of dicts; a bound for a self-referencing container.
 _MAX_DEPTH = 6
 
@@ -94,7 +102,7 @@ def _as_received(value: Any, depth: int = 0) -> Any:
         except Exception:  # a tuple subclass built some other way
             return value
     if not isinstance(value, _MUTABLE):
-        return value
+        return generator_as_now(value) if isinstance(value, _GENERATORS) else value
     try:
         # The usual list or dict: copied in C, its items looked into only where
         # one may hold a container itself.

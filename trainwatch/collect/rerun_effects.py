@@ -262,6 +262,18 @@ def call_arguments(args: Any, kwargs: Any) -> list[Any]:
     return values
 
 
+def generators_held(modules: Iterable[nn.Module]) -> list[Any]:
+    """The random generators the modules' state reaches, found as a re-run finds
+    them (their attributes, nested; their code's globals): for a caller that
+    reads their states before any re-run comes (a NaN replay rewinds them)."""
+    found = _Found(list(modules))
+    try:
+        found.look()
+    except Exception:  # an attribute that cannot be looked into: none told
+        return []
+    return list({id(g): g for g in found.generators}.values())
+
+
 class _Found:
     """What the modules' state reaches beyond their tables: tensors, containers,
     plain objects of the model's own code, modules kept outside the tables,
