@@ -4,7 +4,8 @@ A replay must not change training: the global RNG (CPU and CUDA) is forked,
 buffers are swapped for copies, what the forward changes in the model's
 state is put back (``UndoneEffects``: the generators the model holds or the
 pass was handed among it), the user's forward and backward hooks are held
-off (``rerun_hooks``), the real ``.grad`` is left alone, compiled
+off, and in a backward replay their gradient hooks on tensors too
+(``rerun_hooks``), the real ``.grad`` is left alone, compiled
 code runs eagerly so its modules are seen, and the module hooks that check
 every module exist only for the replay's duration. It never issues a
 collective: a DDP wrapper's ``.module`` is replayed, and models holding
@@ -40,6 +41,7 @@ from trainwatch.collect.op_trace import (
     swapped_buffers,
 )
 from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
+from trainwatch.collect.rerun_hooks import HeldOffTensorHooks
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
@@ -359,7 +361,13 @@ def replay_backward(probe: NonfiniteProbe) -> bool:
     if module is None:
         probe._this_step.backward_unreplayable = True
         return False
-    with Replay(probe, grad=True, rng=rng, arguments=call_arguments(args, kwargs)):
+    params = [p for p in module.parameters() if p.requires_grad]
+    # The user's gradient hooks (a logger, a reversal layer's counter) are held off
+    # for it: on the weights, and those its forward registers.
+    with (
+        Replay(probe, grad=True, rng=rng, arguments=call_arguments(args, kwargs)),
+        HeldOffTensorHooks(params),
+    ):
         args, kwargs = detached_copies((args, kwargs))
         # Anomaly mode keeps, with every node, the stack that made it: the
         # line of the op whose derivative turns out to make the NaN/Inf.
@@ -367,7 +375,6 @@ def replay_backward(probe: NonfiniteProbe) -> bool:
             output = module(*args, **kwargs)
         outs = [o for o in floating_tensors(output) if non_leaf(o)]
         pairs = [(o, g) for o, g in zip(outs, probe._this_pass.grad_entering) if g is not None]
-        params = [p for p in module.parameters() if p.requires_grad]
         if pairs and params:
             watch = probe._backward_watch = FirstNonfiniteBackward()
             try:
