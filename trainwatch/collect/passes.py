@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from trainwatch.collect import quiet
-from trainwatch.collect.received import PLAIN_TYPES, as_received
+from trainwatch.collect.received import PLAIN_TYPES, as_received, plain_in_tuples
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.errors import TrainingHealthError
 from trainwatch.fast_paths import forget_root, hook_module, layer_members, watch_root
@@ -296,13 +296,13 @@ class ModelPasses:
         # containers copied before its forward can empty or rewrite them
         # (``items.pop(0)``, ``batch.pop("labels")``, ``state[0] = h``).
         if kwargs:  # model(**batch) comes with no args
-            if args and not set(map(type, args)) <= PLAIN_TYPES:
+            if args and not set(map(type, args)) <= PLAIN_TYPES and not plain_in_tuples(args):
                 self._keep_received(args, kwargs)
-            elif set(map(type, kwargs.values())) <= PLAIN_TYPES:
+            elif set(map(type, kwargs.values())) <= PLAIN_TYPES or plain_in_tuples(kwargs.values()):
                 self.inputs = (args, kwargs)
             else:
                 self._keep_received(args, kwargs)
-        elif set(map(type, args)) <= PLAIN_TYPES:
+        elif set(map(type, args)) <= PLAIN_TYPES or plain_in_tuples(args):
             self.inputs = (args, {})
         else:
             self._keep_received(args, {})

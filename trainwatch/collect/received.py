@@ -25,8 +25,9 @@ holds them anyway), nested containers included, inside tuples too. A
 healthy pass must not pay for it: the usual arguments (tensors, None,
 numbers, strings) are told from the rest by a set of their types made in C
 and compared with ``PLAIN_TYPES`` (no call a profiler sees), and only a
-call handed something else (a tuple among them) is walked here; a tuple
-holding plain values alone is told so by one more such set, and kept as it is.
+call handed something else is walked here. A tuple is not among them (it
+may hold a list); one holding plain values alone is told so by two more such
+sets (``plain_in_tuples``), and the call is not walked.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import MutableMapping, MutableSequence, MutableSet
+from itertools import chain
 from operator import is_
 from typing import Any
 
@@ -63,6 +65,9 @@ PLAIN_TYPES = frozenset(
 _MUTABLE = (MutableMapping, MutableSequence, MutableSet)
 # Items that hold no container (a tuple may).
 _LEAVES = PLAIN_TYPES
+# An argument that is plain, or a tuple that may hold only plain values.
+_PLAIN_OR_TUPLE = PLAIN_TYPES | {tuple}
+_IS_TUPLE = tuple.__instancecheck__
 # Containers whose own ``copy()`` is a shallow copy made in C.
 _COPIED_IN_C = frozenset({list, dict, set, deque})
 # The random generators a call may be handed (numpy's where it is loaded already).
@@ -85,6 +90,15 @@ def as_received(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dic
         if not all(map(is_, values, kwargs.values())):
             kwargs = dict(zip(kwargs, values))
     return given, kwargs
+
+
+def plain_in_tuples(values: Any) -> bool:
+    """Whether ``values`` (a call's arguments, not all of ``PLAIN_TYPES``) are plain
+    values and tuples of them (``model(x, (h, c))``): nothing to copy. Told in C
+    loops; a list among them is told at the first."""
+    if not set(map(type, values)) <= _PLAIN_OR_TUPLE:
+        return False
+    return set(map(type, chain.from_iterable(filter(_IS_TUPLE, values)))) <= PLAIN_TYPES
 
 
 def _as_received(value: Any, depth: int = 0) -> Any:
