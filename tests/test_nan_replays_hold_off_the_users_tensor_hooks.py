@@ -245,6 +245,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [True, False])
 def test_trainwatch_run_leaves_a_scripts_gradient_log_as_it_is_without(tmp_path, bad):
     plain, watched, rules = plain_and_under_run(tmp_path, SCRIPT.replace("BAD", str(bad)))
