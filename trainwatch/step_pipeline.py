@@ -2107,7 +2107,19 @@ class StepPipeline:
         (Lightning's ``toggle_optimizer`` freezes every parameter but that
         optimizer's), which says nothing of its own.
         """
-        pending = self.gather(index, self._step_count(), attach=True)
+        # Attached between a step's backward and its step() (`trainwatch run` attaches
+        # an optimizer at its first step, a new phase's mid-run): what the step's passes
+        # left (the NaN/Inf window, the passes counted) is that step's, judged at its own
+        # boundary, which follows.
+        probe = self.probe
+        kept = probe.keep() if probe is not None else None
+        passes_at_step = self._passes_at_step
+        try:
+            pending = self.gather(index, self._step_count(), attach=True)
+        finally:
+            self._passes_at_step = passes_at_step
+            if kept is not None:
+                probe.resume(kept)
         self.setup.due = True  # a new optimizer: which one holds what changed
         frozen = pending.record.frozen
         if frozen and not pending.record.present and not pending.record.missing:

@@ -668,3 +668,13 @@ class NonfiniteProbe:
         # The pass the step used counts as not skipped; its batch is let go.
         self.reset()
         return window
+
+    def keep(self) -> tuple[Any, ...]:
+        """What the step under way has gathered so far, to put back with :meth:`resume`
+        after a :meth:`take` that was no step boundary (an optimizer attached between a
+        step's backward and its ``step()``: ``trainwatch run`` attaches one there)."""
+        return (self._this_step, self._this_pass, self._bad_streak, self._step_bad)
+
+    def resume(self, kept: tuple[Any, ...]) -> None:
+        """Put back what :meth:`keep` held: the step's passes are judged at its own boundary."""
+        self._this_step, self._this_pass, self._bad_streak, self._step_bad = kept
