@@ -767,6 +767,12 @@ class Monitor:
         self._disabled.add("step collector")
         self._internal_error("step hooks", exc)
 
+    def internal_failure(self, component: str, exc: BaseException) -> None:
+        """A part of trainwatch around this monitor failed (the stand-in for a monitor
+        that could not attach, an adapter restoring its state): told once, as an
+        ``internal_error`` through this monitor's sinks; training goes on."""
+        self._internal_error(component, exc)
+
     def _before_optimizer_step(
         self, index: int, optimizer: Optimizer, args: Any, kwargs: Any
     ) -> None:

@@ -3,12 +3,12 @@
 It checks its arguments and the model before anything is opened, opens the
 default sinks, builds the Monitor and has SIGTERM close it. The Lightning
 callback and ``trainwatch run`` build their Monitors themselves; what they
-share with this (the checks, the sinks) lives in modules of its own.
+share with this (the checks, the sinks, the stand-in monitor with every
+check off that a failure to attach leaves) lives in modules of its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable
 from typing import IO, Any
@@ -21,8 +21,8 @@ from trainwatch.config import Config, load_config
 from trainwatch.errors import WatchError
 from trainwatch.monitor import Monitor
 from trainwatch.preflight import preflight
-from trainwatch.rules import RULE_IDS
 from trainwatch.sinks import Sink, default_sinks
+from trainwatch.switched_off import switched_off_monitor
 
 
 def watch(
@@ -81,7 +81,7 @@ def watch(
     except WatchError:
         raise
     except Exception as exc:  # trainwatch's own failure: training goes on, unwatched
-        monitor = _switched_off(model, optimizers, cfg, sinks, exc)
+        monitor = switched_off_monitor(model, optimizers, cfg, sinks, exc)
     if not optimizers:
         # An optimizer the loop steps but forgot to pass (and no monitor.step()).
         monitor.watch_optimizer_not_given()
@@ -91,33 +91,4 @@ def watch(
     # process dies (trainwatch/termination.py). Frameworks with a SIGTERM
     # handler of their own (Lightning) keep theirs.
     termination.hold(monitor)
-    return monitor
-
-
-def _switched_off(
-    model: nn.Module,
-    optimizers: list[Optimizer],
-    cfg: Config,
-    sinks: list[Sink],
-    exc: Exception,
-) -> Monitor:
-    """A monitor with every rule off (no collector attached), reporting why, once.
-
-    Building the full monitor failed inside trainwatch (a model of a kind it
-    does not yet handle): the loop must not die of it. If even this fails, the
-    original error is raised.
-    """
-    off = dataclasses.replace(
-        cfg,
-        **{
-            name: dataclasses.replace(getattr(cfg, name), enabled=False)
-            for name in RULE_IDS
-            if hasattr(getattr(cfg, name, None), "enabled")
-        },
-    )
-    try:
-        monitor = Monitor(model, optimizers, config=off, sinks=sinks)
-    except Exception:
-        raise exc from None
-    monitor._internal_error("monitor setup (every check is off)", exc)
     return monitor
