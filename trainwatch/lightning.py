@@ -38,10 +38,12 @@ from torch.optim import Optimizer
 
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
+from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.monitor import Monitor
 from trainwatch.raised import note_raise
 from trainwatch.relay import Reporter, gather_to_zero
 from trainwatch.sinks import ConsoleSink, Sink, default_sinks
+from trainwatch.switched_off import SETUP_COMPONENT, switched_off_monitor
 
 Phase = str  # "sanity_check" | "train" | "validate" | "test" | "predict"
 
@@ -81,6 +83,8 @@ class TrainWatchCallback(Callback):
         self._phase: Phase | None = None
         self._batches = 0
         self._failed = False
+        # The run's start failed (told once): its later loop starts do not try again.
+        self._off = False
 
     # -- public surface ------------------------------------------------------
     @property
@@ -119,20 +123,20 @@ class TrainWatchCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every rank is here together, the process group is still up and the
         # logger's writer still open: the last gather, then rank zero reports.
-        self._stop(gather=not self._failed)
+        self._stop(trainer, gather=not self._failed)
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop(gather=not self._failed)
+        self._stop(trainer, gather=not self._failed)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop(gather=not self._failed)
+        self._stop(trainer, gather=not self._failed)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":  # trainer.validate(): the run ends here
-            self._stop(gather=not self._failed)
+            self._stop(trainer, gather=not self._failed)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop(gather=False)
+        self._stop(trainer, gather=False)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -141,10 +145,10 @@ class TrainWatchCallback(Callback):
         _quietly(note_raise, exception, [pl_module])
         # Other ranks may never reach another collective: report locally and stop.
         self._failed = True
-        self._stop(gather=False)
+        self._stop(trainer, gather=False)
 
     def _start_for_evaluation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._monitor is None or self._monitor.closed:
+        if (self._monitor is None or self._monitor.closed) and not self._off:
             self._start(trainer, pl_module, [], carry=True)
 
     def _start(
@@ -158,6 +162,7 @@ class TrainWatchCallback(Callback):
         if self._monitor is not None and not self._monitor.closed:
             return
         self._failed = False
+        self._off = False
         self._batches = 0
         # trainer.log_dir is a broadcast: every rank must ask, in step.
         log_dir = self.log_dir if self.log_dir is not None else trainer.log_dir
@@ -170,33 +175,64 @@ class TrainWatchCallback(Callback):
                 _quietly(_carry, earlier, reporter)
             # "16-mixed" precision keeps its GradScaler on the precision plugin.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
-            monitor = Monitor(
-                pl_module, config=self.config, sinks=[reporter.relay()], scaler=scaler
-            )
-        except Exception as exc:  # never break training
+        except Exception as exc:  # no sink to tell it through: never break training
+            self._off = True
             warnings.warn(
                 f"trainwatch could not start and is off for this run: {exc}", stacklevel=2
             )
             return
+        monitor = self._attach(pl_module, reporter, scaler, _global_step(trainer))
+        if monitor is None:
+            return
         self._reporter, self._monitor = reporter, monitor
         if type(pl_module).forward is pl.LightningModule.forward:
             # No forward of its own: every step calls its parts (self.net(x)).
-            _quietly(monitor.watch_parts)
+            self._guarded("model parts", monitor.watch_parts)
         # A halt under DDP: every rank delivers its alerts to rank zero first.
         monitor.relayed = True
         monitor.before_halt.append(lambda: gather_to_zero(reporter))
         if self._restored is not None:
             # Before the optimizers: their attach audit must see what already fired.
-            self._apply_state(self._restored)
-            self._restored = None
+            restored, self._restored = self._restored, None
+            self._guarded("checkpoint state", self._apply_state, restored)
         elif step := _global_step(trainer):
             # trainer.test() after fit(), or a fit resumed from a checkpoint saved
             # without this callback: alerts still carry Lightning's global_step.
-            _quietly(monitor.load_state_dict, {"step": step})
+            self._guarded("resumed step", monitor.load_state_dict, {"step": step})
         for optimizer in optimizers:
-            _quietly(monitor.add_optimizer, _unwrap(optimizer))
+            self._guarded("optimizer watch", monitor.add_optimizer, _unwrap(optimizer))
         # What the run before left (a checkpoint's findings too) was told already.
         self._carried = _findings(reporter) if earlier is not None else None
+
+    def _attach(
+        self, pl_module: pl.LightningModule, reporter: Reporter, scaler: Any, step: int
+    ) -> Monitor | None:
+        """The run's Monitor, as ``tw.watch`` builds it: where building it fails inside
+        trainwatch (a module of a kind it mishandles), one with every check off that
+        tells the failure once through the run's sinks (console, alerts.jsonl,
+        TensorBoard) and counts the steps. None where trainwatch is off for the
+        run: the module refused (a ``WatchError``: warned, as a refusal is no bug of
+        trainwatch's), or even the stand-in failed (the failure told all the same,
+        dated at ``step``)."""
+        relay = [reporter.relay()]
+        try:
+            return Monitor(pl_module, config=self.config, sinks=relay, scaler=scaler)
+        except WatchError as exc:
+            self._off = True
+            warnings.warn(
+                f"trainwatch could not start and is off for this run: {exc}", stacklevel=3
+            )
+            _quietly(reporter.close)
+            return None
+        except Exception as exc:  # trainwatch's own failure: training goes on
+            failure = exc
+        try:
+            return switched_off_monitor(pl_module, [], self.config, relay, failure)
+        except Exception as exc:
+            self._off = True
+            self._reporter, self._monitor = reporter, None  # closed with the run
+            reporter.dispatcher.internal_error(SETUP_COMPONENT, exc, step)
+            return None
 
     def _rank_zero_sinks(
         self, trainer: pl.Trainer, log_dir: Any, pl_module: pl.LightningModule
@@ -210,7 +246,8 @@ class TrainWatchCallback(Callback):
             log_dir, self.config, console=self.console, writer=writer, model=pl_module
         )
 
-    def _stop(self, *, gather: bool) -> None:
+    def _stop(self, trainer: pl.Trainer, *, gather: bool) -> None:
+        self._off = False
         monitor, reporter = self._monitor, self._reporter
         if monitor is not None and not monitor.closed:
             _quietly(monitor.close)  # lands the last readback into the relay
@@ -241,7 +278,7 @@ class TrainWatchCallback(Callback):
         monitor = self._monitor
         if monitor is not None and not monitor.closed and monitor.optimizers:
             # Always before this step's backward: the loss of the step in progress.
-            _quietly(monitor.record_loss, loss)
+            self._guarded("loss", monitor.record_loss, loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -279,7 +316,7 @@ class TrainWatchCallback(Callback):
         if monitor is not None and not monitor.closed and not _overfitting(trainer):
             # Loaded by now (reloaded each epoch with reload_dataloaders_every_n_epochs).
             for loader in _loaders(trainer.train_dataloader):
-                _quietly(monitor.watch_data, loader)
+                self._guarded("training data", monitor.watch_data, loader)
                 if monitor.data_order is not None:
                     break
 
@@ -311,9 +348,9 @@ class TrainWatchCallback(Callback):
                 # A tuner loading back the checkpoint it saved before its trial steps
                 # (a LearningRateFinder run inside the fit): the monitor goes back to
                 # where they began, and their findings, which went nowhere, with it.
-                _quietly(self._monitor.end_trial)
+                self._guarded("tuner trial", self._monitor.end_trial)
                 return
-            self._apply_state(state_dict)
+            self._guarded("checkpoint state", self._apply_state, state_dict)
         else:
             self._restored = dict(state_dict)
 
@@ -323,6 +360,26 @@ class TrainWatchCallback(Callback):
         if self._reporter is not None and "reported" in state:
             restored = self._reporter.dispatcher.load_state_dict(state["reported"])
             self._reporter.memory.alerts.extend(restored)
+
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """Training goes on whatever trainwatch does. A failure of its own is told
+        once, as an ``internal_error`` through the run's sinks (the component:
+        ``lightning callback: <what>``); a Python warning only where no monitor is
+        open to tell it. A refusal (``WatchError``: an optimizer over another
+        model's parameters) is the user's to hear, not a bug of trainwatch's: a
+        warning, as before."""
+        monitor = self._monitor
+        try:
+            fn(*args)
+        except TrainingHealthError:
+            raise
+        except WatchError as exc:
+            warnings.warn(f"trainwatch: {exc}", stacklevel=3)
+        except Exception as exc:
+            if monitor is not None and not monitor.closed:
+                monitor.internal_failure(f"lightning callback: {what}", exc)
+            else:
+                warnings.warn(f"trainwatch: {exc!r}", stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         """Hooks, open files and a live console do not travel: a copy starts fresh."""
@@ -398,9 +455,8 @@ def _loaders(value: Any) -> list[Any]:
 
 
 def _quietly(fn: Any, *args: Any) -> None:
-    """Training goes on whatever trainwatch's own bookkeeping does."""
-    from trainwatch.errors import TrainingHealthError
-
+    """Training goes on whatever trainwatch's own bookkeeping does (where no open
+    monitor can tell a failure: closing, an exception on its way out)."""
     try:
         fn(*args)
     except TrainingHealthError:
