@@ -254,6 +254,8 @@ class TrainWatchCallback(Callback):
         if gather:
             gather_to_zero(reporter if reporter is not None and not reporter.closed else None)
         if reporter is not None and not reporter.closed:
+            if reporter.idle is not None and not self._trained_without_a_step(trainer):
+                reporter.idle = None
             if reporter.outbox is not None and reporter.outbox.pending:
                 self._report_undelivered(reporter)
             if self._carried is not None and _findings(reporter) <= self._carried:
@@ -261,6 +263,24 @@ class TrainWatchCallback(Callback):
                 # them again counts it): no summary saying them again.
                 _quietly(_without_summary, reporter)
             _quietly(reporter.close)
+
+    def _trained_without_a_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the monitor's closing note (the model ran, no step was watched) is
+        this run's story, as it is a plain loop's under ``tw.watch``: a fit that ran
+        training batches, none of which stepped an optimizer (manual optimisation
+        that never calls ``opt.step()``, every step skipped by the GradScaler).
+
+        Not for an evaluation run (``validate``, ``test``, ``predict``: no step is
+        due), a fit that ran no training batch (``limit_train_batches=0``, a tuner's
+        trial steps alone, undone after: Lightning says so itself), one that ended
+        in an exception (its traceback is the story), nor one whose only optimizer
+        is Lightning's stand-in for none (``configure_optimizers`` returned None):
+        "its optimizer never stepped" would name an optimizer the user never made."""
+        if self._failed or trainer.state.fn != "fit" or self._monitor is None:
+            return False
+        if not any(_holds_parameters(opt) for opt in self._monitor.optimizers):
+            return False
+        return _training_batches_run(trainer) > 0
 
     def _report_undelivered(self, reporter: Reporter) -> None:
         """A rank that can no longer reach rank zero says what it saw itself."""
@@ -426,6 +446,20 @@ def _global_step(trainer: pl.Trainer) -> int:
     loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
     resumed = loaded.get("global_step", 0) if isinstance(loaded, dict) else 0
     return max(trainer.global_step, int(resumed or 0))
+
+
+def _training_batches_run(trainer: pl.Trainer) -> int:
+    """Training batches the fit ran, as Lightning counts them: a tuner's trial batches
+    are not among them once it loads its checkpoint back."""
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.total.completed)
+    except Exception:  # a loop of another shape: say nothing rather than guess
+        return 0
+
+
+def _holds_parameters(optimizer: Optimizer) -> bool:
+    """Lightning's stand-in for no optimizer (``_MockOptimizer``) holds none."""
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -64,6 +64,10 @@ class Reporter:
         self.closed = False
         self._steps = 0
         self._norms: dict[str, float] = {}
+        # The monitor's closing note where it ran the model but watched no step
+        # (``Summary.idle``), told with the summary; an adapter clears it where
+        # no training was due (an evaluation run).
+        self.idle: str | None = None
 
     def relay(self) -> RelaySink:
         return RelaySink(self)
@@ -83,12 +87,15 @@ class Reporter:
 
     def monitor_closed(self, summary: Summary) -> None:
         self._steps, self._norms = summary.steps, dict(summary.latest_norms)
+        self.idle = summary.idle
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.dispatcher.close(self.dispatcher.summary(self._steps, self._norms))
+        summary = self.dispatcher.summary(self._steps, self._norms)
+        summary.idle = self.idle
+        self.dispatcher.close(summary)
 
 
 class RelaySink(Sink):
