@@ -34,7 +34,7 @@ from torch import nn
 
 import trainwatch
 import trainwatch as tw
-from tests.lightning_models import BoringNet, ManualNet, _data, quiet_trainer
+from tests.lightning_models import BoringNet, ManualNet, quiet_trainer
 from trainwatch.lightning import TrainWatchCallback
 
 NOTE = "trainwatch: no training step watched"
@@ -103,7 +103,7 @@ def test_the_same_loop_under_tw_watch_says_this(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = io.StringIO()
     with tw.watch(model, opt, console=out):
-        for x, y in torch.utils.data.DataLoader(_data(), batch_size=8):
+        for x, y in model.train_dataloader():
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
     # (Its setup table first: tw.watch was handed the optimizer at attach.)
