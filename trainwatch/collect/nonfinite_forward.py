@@ -9,6 +9,9 @@ its input in place is judged on what it was given. Where sums may be read at
 once (CPU, a replay) the first call whose outputs went non-finite from finite
 inputs is named on the spot, with its op when a re-run can trace it; else the
 calls and sums wait in the step's state for ``locate_forward``.
+Complex inputs and outputs are checked like floating ones (``inexact_tensors``):
+a module handing on a complex NaN (a spectral layer, a complex activation) is
+where it was born, and the module after it, which reads it, is not.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from trainwatch.collect.nonfinite_sums import (
 )
 from trainwatch.collect.op_trace import OpFinding, trace_first_nonfinite_op
 from trainwatch.collect.received import as_received
-from trainwatch.collect.tensors import detached_copies, floating_tensors, input_range
+from trainwatch.collect.tensors import detached_copies, inexact_tensors, input_range
 from trainwatch.compiled import transform_level, unwrap
 from trainwatch.layers import own_parameters
 from trainwatch.rng import PassDraws, draws_now
@@ -165,7 +168,7 @@ def before_call(probe: NonfiniteProbe, position: int, args: Any) -> None:
     probe._depth += 1
     if _checks_each_module(probe) and position in probe._checkable:
         if len(probe._this_step.sums) <= MAX_SUMS:
-            ins = list(floating_tensors(args))
+            ins = list(inexact_tensors(args))
             ids = [sum_index(probe, t) for t in ins]
             # In a replay (cost is no object there) the op trace may need
             # to re-run the module on what it was given, before it changed it.
@@ -204,11 +207,11 @@ def _after_forward(
         kwargs = start.kwargs  # as the call received them: its forward emptied one
     ins = list(start.inputs) if start is not None else []
     in_ids = list(start.sums) if start is not None else []
-    outs = list(floating_tensors(output))
+    outs = list(inexact_tensors(output))
     if not outs or len(probe._this_step.sums) > MAX_SUMS:
         return
     # Positional inputs were summed as the call began; keyword ones now.
-    kw_ins = list(floating_tensors(kwargs))
+    kw_ins = list(inexact_tensors(kwargs))
     ins += kw_ins
     in_ids += [sum_index(probe, t) for t in kw_ins]
     first = outs[0]
@@ -288,7 +291,7 @@ def _check_now(
     if bad_weights:
         finding.nonfinite_weights = bad_weights
         finding.weights_written = probe.written_since_update(bad_weights)
-    given = list(floating_tensors([args, kwargs]))
+    given = list(inexact_tensors([args, kwargs]))
     found = input_range(given)
     if found is not None:
         finding.input_min, finding.input_max = found

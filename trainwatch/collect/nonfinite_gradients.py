@@ -46,8 +46,8 @@ def on_grad(probe: NonfiniteProbe, call: ForwardCall, side: str, grad: torch.Ten
     """A gradient of ``call``'s output (``side`` "out") or input ("in") arrived."""
     if not probe.enabled:
         return
-    if not grad.is_floating_point() or grad.layout != torch.strided:
-        return
+    if not (grad.is_floating_point() or grad.is_complex()) or grad.layout != torch.strided:
+        return  # a complex tensor's gradient is complex: checked as its output was
     index = grad_index(probe, grad)
     if index is None:
         return

@@ -45,6 +45,7 @@ from trainwatch.collect.rerun_hooks import HeldOffTensorHooks
 from trainwatch.collect.tensors import (
     detached_copies,
     floating_tensors,
+    inexact_tensors,
     input_range,
     local_part,
     non_leaf,
@@ -89,7 +90,7 @@ def unreplayed_origin(module: nn.Module, args: Any, kwargs: Any) -> NonfiniteFin
     find). Otherwise the NaN/Inf was born inside the model, on this rank, from
     finite inputs: in which module is not known, so the model is named.
     """
-    given = [t for t in floating_tensors([args, kwargs]) if t.numel()]
+    given = [t for t in inexact_tensors([args, kwargs]) if t.numel()]
     for tensor in given:
         bad = tensor.detach()
         if not bool(torch.isfinite(bad).all()):
@@ -204,7 +205,7 @@ class FirstNonfiniteBackward(OutOfGraphDispatchMode):
     def _seen(self, node: Any, made: Any) -> None:
         self.node = node
         self.made = next(
-            (t.detach() for t in _floating(made) if not bool(torch.isfinite(t).all())), None
+            (t.detach() for t in _inexact(made) if not bool(torch.isfinite(t).all())), None
         )
 
     def watch_graph(self, outputs: list[torch.Tensor]) -> None:
@@ -279,16 +280,18 @@ def node_source(node: Any) -> str | None:
     return None
 
 
-def _floating(value: Any) -> list[torch.Tensor]:
+def _inexact(value: Any) -> list[torch.Tensor]:
+    """The floating and complex tensors in ``value``: a complex gradient (a complex
+    sqrt's derivative at 0) holds the NaN before the op that makes it real."""
     return [
         t
         for t in tree_leaves(value)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel()
     ]
 
 
 def _finite(value: Any) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in _floating(value))
+    return all(bool(torch.isfinite(t).all()) for t in _inexact(value))
 
 
 def backward_leaving_grads(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainwatch.collect.tensors import finite_or_mask, version_of
+from trainwatch.collect.tensors import finite_or_mask, real_parts, version_of
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
@@ -37,9 +37,15 @@ def checked_sum(probe: NonfiniteProbe, tensor: torch.Tensor) -> torch.Tensor:
     On the spot an fp32 sum will do: a sum that overflows is caught by the
     exact check that follows. Judged later there is no exact check, so the
     sum is taken in fp64, where finite fp32/fp16/bf16 values cannot overflow.
+    A complex tensor is summed over the magnitudes of both its parts (a plain
+    sum to a real dtype drops the imaginary part): a NaN/Inf in either makes
+    it NaN/+inf, never -inf, so no complex value passes for a mask.
     """
     exact = reads_now(probe, tensor)
-    return tensor.detach().sum(dtype=torch.float32 if exact else torch.float64)
+    values = tensor.detach()
+    if values.is_complex():
+        values = real_parts(values).abs()
+    return values.sum(dtype=torch.float32 if exact else torch.float64)
 
 
 def sum_index(probe: NonfiniteProbe, tensor: torch.Tensor) -> int:

@@ -26,7 +26,7 @@ from trainwatch.collect import quiet
 from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.tensors import (
     detached_copies,
-    floating_tensors,
+    inexact_tensors,
     only_negative_inf,
     tensor_leaves,
 )
@@ -110,7 +110,11 @@ def _only_negative_inf(tensors: list[torch.Tensor]) -> bool:
 
 
 def _judge_inputs(args: Any, kwargs: Any, func: Any = None) -> tuple[bool, bool]:
-    """(all finite, finite or masks) for an op's floating inputs."""
+    """(all finite, finite or masks) for an op's floating and complex inputs.
+
+    A complex input is finite only where both its parts are: ``view_as_real``
+    or ``.abs()`` of a spectrum that already held a NaN made nothing.
+    """
     schema = getattr(func, "_schema", None)
     if schema is not None and "batch_norm" in schema.name and len(args) > 5 and args[5] is True:
         # Training-mode batch norm does not read its running statistics (it
@@ -119,7 +123,7 @@ def _judge_inputs(args: Any, kwargs: Any, func: Any = None) -> tuple[bool, bool]
     if kwargs and "out" in kwargs:
         # Written, not read: an ``out=`` buffer fresh from ``empty`` may hold NaN bits.
         kwargs = {name: value for name, value in kwargs.items() if name != "out"}
-    inputs = list(floating_tensors([args, kwargs]))
+    inputs = list(inexact_tensors([args, kwargs]))
     finite = _all_finite(inputs)
     return finite, finite or _only_negative_inf(inputs)
 
@@ -178,7 +182,9 @@ class _FirstNonfinite(OutOfGraphDispatchMode):
     named by its division, not by its mask. A -inf made by arithmetic from
     finite inputs (not a mask, see ``mask_arithmetic``) that a NaN/+inf then
     consumes is the origin: the op that made it is named, not the one where
-    it turned into a NaN (``-inf - -inf``).
+    it turned into a NaN (``-inf - -inf``). Complex results and inputs are
+    judged like real ones: the FFT whose spectrum overflowed is named, not the
+    ``view_as_real`` or ``.real`` that later handed its NaN to a real tensor.
     """
 
     def __init__(self) -> None:
@@ -196,7 +202,7 @@ class _FirstNonfinite(OutOfGraphDispatchMode):
             masking = mask_arithmetic(args, kwargs)
         out = func(*args, **(kwargs or {}))
         if self.found is None and getattr(func, "overloadpacket", None) not in _UNINITIALISED:
-            results = list(floating_tensors(out))
+            results = list(inexact_tensors(out))
             if results and not _all_finite(results):
                 finite, finite_or_masks = before or _judge_inputs(args, kwargs, func)
                 if finite_or_masks:
@@ -307,7 +313,7 @@ def _rerun(
     """Run ``module`` once more under ``tracer``, leaving training as it was."""
     devices = [
         t.device.index or 0
-        for t in floating_tensors([list(args), kwargs])
+        for t in inexact_tensors([list(args), kwargs])
         if t.device.type == "cuda"
     ]
     with torch.no_grad():

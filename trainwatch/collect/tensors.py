@@ -9,9 +9,13 @@ leaves it applies to and silently skips the rest:
 - ``tensor_leaves``: every tensor, with its path (``"logits"``,
   ``"hidden.0"``); the broadcast audit follows all of them into the loss.
 - ``floating_tensors``: real floating tensors with values (not empty, not
-  sparse): what a NaN/Inf check and the activation statistics apply to.
-  Integer and bool tensors cannot hold a NaN/Inf, and complex ones have no
-  single spread.
+  sparse): what the trigger's NaN/Inf check and the activation statistics
+  apply to. Integer and bool tensors cannot hold a NaN/Inf, and complex ones
+  have no single spread.
+- ``inexact_tensors``: floating and complex ones: where a replay looks for
+  the birth of a NaN/Inf. A complex tensor (an FFT's spectrum, the product of
+  a complex weight) holds it before ``.real``, ``.abs()`` or ``view_as_real``
+  hands it on to a real one.
 """
 
 from __future__ import annotations
@@ -88,14 +92,45 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield tensor
 
 
+def is_checkable_inexact(tensor: torch.Tensor) -> bool:
+    """A floating or complex tensor with values in ordinary (strided) storage: one
+    a NaN/Inf can be in. A complex value is non-finite when either part is."""
+    return (
+        (tensor.is_floating_point() or tensor.is_complex())
+        and tensor.layout == torch.strided
+        and tensor.numel() > 0
+    )
+
+
+def inexact_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The floating and complex tensors with values in ``value``, in the structure's order.
+
+    Only where a NaN/Inf has been seen already (a replay, an op trace) or every
+    module is checked: left out, a complex tensor's NaN would be found first in
+    the real tensor a view or ``.abs()`` makes of it, and that op blamed.
+    """
+    for _, tensor in tensor_leaves(value):
+        if is_checkable_inexact(tensor):
+            yield tensor
+
+
+def real_parts(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's real and imaginary parts as one real tensor (a view, a
+    last dimension of 2; a conjugate view resolved first); any other as it is."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor.resolve_conj())
+    return tensor
+
+
 def input_range(tensors: Iterable[torch.Tensor]) -> tuple[float, float] | None:
     """The smallest and largest value of a pass's floating inputs, for a message.
 
     Scalars are left out: a 0-d argument is a setting or a count (a temperature,
     the ``num_items_in_batch`` the Hugging Face Trainer hands a model), not data;
-    told as the input range it reads as if the data were constant.
+    told as the input range it reads as if the data were constant. A complex
+    input's range is that of its real and imaginary parts.
     """
-    data = [t.detach() for t in tensors if t.dim() > 0 and t.numel() > 0]
+    data = [real_parts(t.detach()) for t in tensors if t.dim() > 0 and t.numel() > 0]
     if not data:
         return None
     return min(float(t.min()) for t in data), max(float(t.max()) for t in data)
@@ -168,8 +203,11 @@ def version_of(tensor: torch.Tensor) -> int | None:
 
 def only_negative_inf(tensor: torch.Tensor) -> bool:
     """No NaN and no +inf: whatever is not finite is -inf, what a mask is made of
-    (``torch.full(..., -inf)``, ``masked_fill``)."""
+    (``torch.full(..., -inf)``, ``masked_fill``). No complex value is a mask: one
+    is this only where both its parts are finite everywhere."""
     values = tensor.detach()
+    if values.is_complex():
+        return bool(torch.isfinite(values).all())
     return not bool((torch.isnan(values) | torch.isposinf(values)).any())
 
 
