@@ -11,7 +11,7 @@ from operator import attrgetter
 
 import torch
 
-from trainwatch.collect.tensors import all_plain, local_part
+from trainwatch.collect.tensors import all_plain, local_part, real_parts
 from trainwatch.layers import ParamInfo
 
 _STRIDED = {torch.strided}
@@ -23,8 +23,11 @@ _DEVICE = attrgetter("device")
 def _foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     try:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    except (TypeError, RuntimeError):  # older torch: no dtype argument
-        return list(torch._foreach_norm([t.float() for t in tensors], 2))
+    except (TypeError, RuntimeError):
+        # Older torch (no dtype argument), or complex weights (a spectral layer's):
+        # a complex tensor's norm is that of its real and imaginary parts, so a
+        # NaN/Inf in either shows (``.float()`` would drop the imaginary one).
+        return list(torch._foreach_norm([real_parts(t).float() for t in tensors], 2))
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
