@@ -35,6 +35,11 @@ _OP_HINTS = {
     "add an epsilon, e.g. (x.pow(2).sum() + eps).sqrt()",
     "aten::norm": "the gradient of a norm at a zero vector is undefined: add an epsilon",
     "aten::mul": "a product overflowed (Inf * 0 = NaN, or a value past the dtype's range)",
+    # Every FFT op (_fft_r2c, _fft_c2c, _fft_c2r): torch.fft.*, torch.stft.
+    "aten::_fft_": "an FFT sums every value along the transformed dimensions, so inputs "
+    "about the dtype's range divided by their count overflow it (3.4e38 in fp32, 65504 "
+    "in fp16): normalise or rescale the input before the transform (the norm= argument "
+    "scales only its result), and run fp16 FFTs in fp32",
 }
 
 # Matmuls overflow past their dtype's range: what to do depends on which.
@@ -48,7 +53,14 @@ _RANGE_OVERFLOW = (
     "an outlier in the data (a corrupt input or target) or from weights the updates "
     "blew up: check this batch, normalise the inputs, or lower the learning rate"
 )
-_RANGES = {"torch.float32": "3.4e38", "torch.bfloat16": "3.4e38", "torch.float64": "1.8e308"}
+_RANGES = {
+    "torch.float32": "3.4e38",
+    "torch.bfloat16": "3.4e38",
+    "torch.float64": "1.8e308",
+    # Each part of a complex value has its real dtype's range.
+    "torch.complex64": "3.4e38",
+    "torch.complex128": "1.8e308",
+}
 _UNKNOWN_OVERFLOW = (
     "a matmul overflowed its dtype's range (65504 in fp16, about 3.4e38 in fp32 and "
     "bf16): keep fp16 activations small (bf16, normalisation), and look for an "
