@@ -55,7 +55,7 @@ from trainwatch.sinks import ConsoleSink, MemorySink, Sink
 from trainwatch.step_pipeline import PendingStep, StepPipeline
 from trainwatch.tuner_trials import tuner_trial_running
 from trainwatch.unwatched_catch import UnwatchedOptimizerCatch
-from trainwatch.weak import weak_callback, weak_getter
+from trainwatch.weak import weak_callback, weak_getter, weak_method
 
 _OPEN: weakref.WeakSet[Monitor] = weakref.WeakSet()
 
@@ -121,6 +121,10 @@ class Monitor:
         rules = build_rules(self.config)
         self._handles = HookGroup()
         self._optimizers: list[Optimizer] = []
+        # The steps' gradients are all any step uses: one optimizer watched, and no
+        # other seen stepping the model (see _step_not_watched).
+        self._one_optimizer = False
+        self._others_step = False
         self._step = 0
         self._steps_here = 0  # steps taken in this process (a resumed run restores _step)
         # Under torch.distributed with halt_on: the check that stops every rank
@@ -336,6 +340,7 @@ class Monitor:
         )
         self._guarded("optimizer restarts", self._watch_loads, optimizer, index)
         self._optimizers.append(optimizer)
+        self._one_optimizer = len(self._optimizers) == 1 and not self._others_step
         registry.changed()  # which monitor tells a parameter held outside its model
         self._pipeline.tracker.track_reached = False  # its steps say what the gradients were
         self._guarded("optimizer audit", self._pipeline.audit_optimizer, index)
@@ -360,6 +365,10 @@ class Monitor:
                 closed=weak_getter(self, "closed", True),
                 steps_taken=weak_getter(self, "_steps_here", 0),
                 adopt=weak_callback(self._adopt_not_given),
+                watch=weak_callback(self.add_optimizer),
+                step_not_watched=weak_method(self._step_not_watched, 0),
+                step_count=weak_getter(self, "_step", 0),
+                stepped_before=weak_callback(self._stepped_before),
                 note=self._dispatcher.note,
                 model_name=weak_getter(self, "model_name", None),
             )
@@ -372,6 +381,28 @@ class Monitor:
             self.load_state_dict({"step": self._step + unwatched})
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
+
+    def _stepped_before(self, optimizer: Optimizer, step: int) -> None:
+        """``optimizer``, watched now, took ``step`` before it was (found stepping the
+        model by trainwatch/optimizer_not_given.py): its latest step, as its own
+        watched step would have noted it (a missing ``zero_grad()`` names it)."""
+        for index, opt in enumerate(self._optimizers):
+            if opt is optimizer:
+                self._pipeline.stepped_unwatched(index, step)
+                return
+
+    def _step_not_watched(self) -> int:
+        """A step of an optimizer found stepping the model while others are watched
+        already, to be watched from its next step (see trainwatch/optimizer_not_given.py):
+        counted as a watched optimizer's step is, so the steps after it are numbered
+        as with every optimizer passed. Returns its number. The watched optimizer's
+        gradients are no longer all that steps use."""
+        self._others_step = True
+        self._one_optimizer = False
+        self._step += 1
+        PROCESS_STEPS.taken += 1
+        PROCESS_STEPS.now = self._step
+        return self._step - 1
 
     def _release_dropped_optimizers(self) -> None:
         """A new optimizer comes: those the script no longer holds (built anew every
@@ -880,10 +911,10 @@ class Monitor:
             pending = self._guarded("step collector", gather, index, step)
         if pending is None:
             self._pipeline.applied(
-                step, None, self._pipeline.optimizer_params(index), len(self._optimizers) == 1
+                step, None, self._pipeline.optimizer_params(index), self._one_optimizer
             )
         else:
-            self._pipeline.applied(step, pending, pending.params, len(self._optimizers) == 1)
+            self._pipeline.applied(step, pending, pending.params, self._one_optimizer)
         self._finish(step, pending)
 
     def _closure_step(self, index: int, step: int) -> PendingStep:

@@ -1,13 +1,14 @@
-"""The optimizer a plain loop steps but never gave ``tw.watch``.
+"""The optimizers a plain loop steps but never gave ``tw.watch``.
 
 ``tw.watch(model)`` without an optimizer expects ``monitor.step()`` after each
-update. A loop that trains with a torch optimizer and forgot both (no
-optimizer passed, no ``monitor.step()``) would watch no step at all, and close
-saying that no optimizer stepped. The optimizer is found instead
-the way ``trainwatch run`` finds one: at its step, through one global pre-step
-hook, paired with the model by the parameters it holds
+update. A loop that trains with torch optimizers and forgot both (none
+passed, no ``monitor.step()``) would watch no step at all, and close saying
+that no optimizer stepped. The optimizers are found instead the way
+``trainwatch run`` finds them: at their steps, through one global pre-step
+hook, paired with the model by the parameters they hold
 (``trainwatch.collect.unwatched_updates.holds_any``, as the monitor's catch of
-an optimizer built later does).
+an optimizer built later does). One over another model's parameters only is
+never taken.
 
 Its first step cannot tell the two loops apart: ``monitor.step()`` comes
 after ``optimizer.step()`` returns. So the first step of each optimizer over
@@ -17,12 +18,27 @@ every optimizer seen over the model is watched from that step on, as if it
 had been passed (the steps seen so far are counted, so alerts name the
 loop's own step), and one console line says so. A loop that calls
 ``monitor.step()`` is left as it was: its steps are its own marks, and the
-hook comes off. It comes off too once an optimizer is watched (found, or
-handed to ``monitor.add_optimizer``) and at close: a loop of hand-written
-updates pays one call per optimizer step of the process while it lasts, and
-a usual ``tw.watch(model, optimizer)`` never has it. (A loop whose
-optimizer over the model steps twice before its first ``monitor.step()``, an
-inner loop adapting the watched model itself, is taken for one that forgot.)
+hook comes off. (A loop whose optimizer over the model steps twice before
+its first ``monitor.step()``, an inner loop adapting the watched model
+itself, is taken for one that forgot.)
+
+A loop may step several optimizers over parts of the model, not all before
+one of them steps twice: a WGAN's critic five times to the generator's once,
+an actor-critic agent whose actor starts after the critic's warm-up, a new
+optimizer for a head unfrozen later. So the look goes on after the first
+ones are watched, while some parameter of the model is in no watched
+optimizer: each other optimizer found stepping the model is watched at its
+own second step, as the first ones were. Its first step is counted where it
+comes (the steps are numbered as with every optimizer passed,
+``tw.watch(model, [opt_g, opt_d])``: each optimizer's step is one), and the
+gradients it used are watched for a reset from there, so a missing
+``opt_g.zero_grad()`` is told at its second step, as with it passed. Each is
+said in one console line. The hook comes off once every parameter of the
+model is in a watched optimizer (the usual loop's one optimizer over the
+whole model: at its second step), once an optimizer the look did not find is
+watched before it found one (handed to ``monitor.add_optimizer``), and at
+close. While it lasts, a loop pays one call per optimizer step of the
+process; a ``tw.watch(model, optimizer)`` never has it.
 
 What was seen but never watched (a run of one step) is said at close
 (:meth:`OptimizerNotGiven.closing_words`), so the note never says no optimizer
@@ -33,8 +49,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
@@ -43,12 +61,23 @@ from trainwatch.collect.unwatched_updates import RemoveAtNextPass, holds_any
 from trainwatch.errors import WatchError
 from trainwatch.hooks import HookGroup, WeakHook
 from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.rules.trainable_parameters import common_module
 
 if TYPE_CHECKING:
     from trainwatch.guard import Guard
     from trainwatch.step_pipeline import StepPipeline
 
 _COMPONENT = "optimizer not given"
+
+
+@dataclass(frozen=True)
+class _FirstStep:
+    """An optimizer's first step, seen before any optimizer is watched."""
+
+    place: int  # among the steps seen (0: the first)
+    params: list[torch.Tensor]  # the model's parameters it holds
+    # Each one's gradient then (weakly), with its version (None: it had none).
+    grads: list[tuple[weakref.ref[torch.Tensor], int] | None]
 
 
 class OptimizerNotGiven:
@@ -64,6 +93,10 @@ class OptimizerNotGiven:
         closed: Callable[[], bool],
         steps_taken: Callable[[], int],
         adopt: Callable[[list[Optimizer], int], None],
+        watch: Callable[[Optimizer], None],
+        step_not_watched: Callable[[], int],
+        step_count: Callable[[], int],
+        stepped_before: Callable[[Optimizer, int], None],
         note: Callable[[str], None],
         model_name: Callable[[], str | None],
     ) -> None:
@@ -73,12 +106,22 @@ class OptimizerNotGiven:
         self._closed = closed
         self._steps_taken = steps_taken  # monitor.step() calls in this process
         self._adopt = adopt  # the monitor's: count the steps seen, watch the optimizers
+        self._watch = watch  # the monitor's add_optimizer: one more, found later
+        self._step_not_watched = step_not_watched  # counts one step, returns its number
+        self._step_count = step_count  # the monitor's: the step under way
+        self._stepped_before = stepped_before  # a watched one's step before it was
         self._note = note  # one console line
         self._model_name = model_name
         # Optimizers seen stepping the model's parameters, in the order met (weakly:
         # one the loop drops goes), and their steps seen, none of them watched.
         self._seen: list[weakref.ref[Optimizer]] = []
         self.steps_seen = 0
+        # Before the first are watched: each one's first step (see _arm_unchanged).
+        # After: the step each one seen took, unwatched.
+        self._first: weakref.WeakKeyDictionary[Optimizer, _FirstStep] = weakref.WeakKeyDictionary()
+        self._unchecked: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+        # True once the first ones found are watched: the loop marks no steps itself.
+        self._watching = False
         # Per optimizer met: its param groups' count then, and whether it steps the
         # model (asked once, not at each of its steps).
         self._trains: weakref.WeakKeyDictionary[Optimizer, tuple[int, bool]] = (
@@ -92,6 +135,17 @@ class OptimizerNotGiven:
         """Some optimizer of the process is about to step (the global pre-step hook)."""
         if self._hook is None:
             return
+        if self._watching:
+            # Some found and watched, some of the model's parameters in none of them.
+            # (Optimizers compare by identity; no name is left holding a watched one,
+            # which adding another may find dropped by the loop and let go.)
+            if optimizer in self._optimizers:
+                return
+            if self._closed():
+                self._stop()
+            elif self._steps_model(optimizer):
+                self._guard.run(_COMPONENT, self._another_steps, optimizer)
+            return
         if self._closed() or self._optimizers or self._steps_taken():
             # Closed, an optimizer watched, or the loop marks its own steps.
             self._stop()
@@ -99,10 +153,12 @@ class OptimizerNotGiven:
         if not self._steps_model(optimizer):
             return
         if any(ref() is optimizer for ref in self._seen):
-            self._guard.run(_COMPONENT, self._watch_seen)  # its second step: watched from now
+            # Its second step: watched from now.
+            self._guard.run(_COMPONENT, self._watch_seen, optimizer)
             return
         self._seen.append(weakref.ref(optimizer))
         self.steps_seen += 1
+        self._guard.run(_COMPONENT, self._note_first_step, optimizer)
 
     def fail(self, exc: BaseException) -> None:
         """The hook failed: reported once, and the look ends."""
@@ -141,18 +197,74 @@ class OptimizerNotGiven:
         self._trains[optimizer] = (groups, verdict)
         return verdict
 
-    def _watch_seen(self) -> None:
+    def _own_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The model's parameters among those ``optimizer`` holds."""
+        layers = self._pipeline.layers
+        return [p for group in optimizer.param_groups for p in group["params"] if p in layers]
+
+    def _note_first_step(self, optimizer: Optimizer) -> None:
+        """Its first step, before any optimizer is watched: where it came, and the
+        gradients it uses as they are, for the tracker to arm should they be
+        unchanged when the first ones are watched (the loop may still turn out to
+        call monitor.step(): nothing is armed before)."""
+        params = self._own_params(optimizer)
+        grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params]
+        self._first[optimizer] = _FirstStep(self.steps_seen - 1, params, grads)
+
+    def _watch_seen(self, stepping: Optimizer) -> None:
         """Every optimizer seen stepping the model is watched from this step on (the
-        monitor's own step hooks run after the global ones, so this step is too)."""
+        monitor's own step hooks run after the global ones, so this step is too);
+        the look goes on for those stepping the rest of the model."""
         found = [opt for opt in (ref() for ref in self._seen) if opt is not None]
-        self._stop()
+        self._watching = True
         try:
             self._adopt(found, self.steps_seen)
         except WatchError:
+            self._stop()
             return  # refused as tw.watch would have refused it: said at close
         self._note(self._adopted_words(found))
+        first_seen = self._step_count() - self.steps_seen  # the number of the first
+        for optimizer in found:
+            first = self._first.get(optimizer)
+            if first is None:
+                continue
+            self._stepped_before(optimizer, first_seen + first.place)
+            if optimizer is not stepping:
+                self._pipeline.tracker.arm_beside(_unchanged(first))
         self._seen.clear()
+        self._first.clear()
         self.steps_seen = 0
+        self._stop_if_covered()
+
+    def _another_steps(self, optimizer: Optimizer) -> None:
+        """An optimizer not watched steps the model while others are: its first step is
+        counted and its gradients armed; at its second it is watched."""
+        if not any(ref() is optimizer for ref in self._seen):
+            self._seen.append(weakref.ref(optimizer))
+            self._unchecked[optimizer] = self._step_not_watched()
+            self._pipeline.tracker.arm_beside(self._own_params(optimizer))
+            return
+        self._seen = [ref for ref in self._seen if ref() is not None and ref() is not optimizer]
+        try:
+            self._watch(optimizer)
+        except WatchError:
+            return  # refused as tw.watch would have refused it (never asked again)
+        finally:
+            self._trains[optimizer] = (len(optimizer.param_groups), False)
+        unchecked = self._unchecked.pop(optimizer, None)
+        if unchecked is not None:
+            self._stepped_before(optimizer, unchecked)
+        self._note(self._another_words(optimizer, self._step_count(), unchecked))
+        self._stop_if_covered()
+
+    def _stop_if_covered(self) -> None:
+        """Every parameter of the model in a watched optimizer: nothing left to find."""
+        held: set[int] = set()
+        for optimizer in self._optimizers:
+            for group in getattr(optimizer, "param_groups", ()):
+                held.update(map(id, group["params"]))
+        if all(id(param) in held for param in self._pipeline.layers.parameters()):
+            self._stop()
 
     def _adopted_words(self, found: list[Optimizer]) -> str:
         one = len(found) == 1
@@ -167,6 +279,23 @@ class OptimizerNotGiven:
             f"{'it' if one else 'them'}, tw.watch(model, optimizer), to have every step checked."
         )
 
+    def _another_words(self, optimizer: Optimizer, since: int, unchecked: int | None) -> str:
+        model = self._model_name() or "model"
+        went = "" if unchecked is None else f"; its step {unchecked} went unchecked"
+        return (
+            f"trainwatch: {type(optimizer).__name__} over {self._part(optimizer)} steps the "
+            f"watched {model}'s parameters too, and was not passed to tw.watch either: "
+            f"watching it from step {since} on, as if passed{went}. Pass every optimizer "
+            "the loop steps, tw.watch(model, [opt_g, opt_d]), to have every step checked."
+        )
+
+    def _part(self, optimizer: Optimizer) -> str:
+        """The innermost module holding every parameter of the model ``optimizer`` holds."""
+        info = self._pipeline.layers.info
+        owners = list(dict.fromkeys(info(p).owner for p in self._own_params(optimizer)))
+        part = common_module(owners)
+        return part if part else "the whole model"
+
     def _names(self, found: list[Optimizer] | None = None) -> str:
         if found is None:
             found = [opt for opt in (ref() for ref in self._seen) if opt is not None]
@@ -180,3 +309,15 @@ class OptimizerNotGiven:
         if hook is not None:
             passes = self._pipeline.passes
             passes.subscribe(_COMPONENT, RemoveAtNextPass(passes, hook))
+
+
+def _unchanged(first: _FirstStep) -> list[torch.Tensor]:
+    """The parameters whose gradient is still as ``first`` found it: the same tensor,
+    not written since (a GAN's generator, stepped after the discriminator and
+    watched from the discriminator's second step, not reset yet)."""
+    kept = []
+    for param, then in zip(first.params, first.grads):
+        grad = param.grad
+        if then is not None and grad is not None and then[0]() is grad and grad._version == then[1]:
+            kept.append(param)
+    return kept

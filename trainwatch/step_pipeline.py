@@ -657,6 +657,12 @@ class StepPipeline:
             self.layers.parameters(), self.layers.info, clip_hook.total_in_progress()
         )
 
+    def stepped_unwatched(self, index: int, step: int) -> None:
+        """Optimizer ``index`` took ``step`` before it was watched (found stepping the
+        model though not given to ``tw.watch``): its latest step, as its own watched
+        step would have noted it."""
+        self._applied_at.setdefault(index, step)
+
     def applied(
         self,
         step: int,

@@ -1226,6 +1226,44 @@ class GradResetTracker:
         state = self._states.get(id(param))
         return state is not None and state.seen
 
+    def arm_beside(self, params: Sequence[torch.Tensor]) -> None:
+        """A step the monitor does not watch has used these gradients (an optimizer
+        the loop steps over the model, found before it is watched): they are watched
+        for a reset as a watched step's would be, so the missing ``zero_grad()`` of
+        that optimizer is told at its next step, watched by then. What the watched
+        steps armed stays as they left it (their one snapshot written into the
+        states first), and so does what the step boundary notes (the backward seen,
+        the gradients it left): this step is no boundary of theirs."""
+        if not self.enabled or not params:
+            return
+        if self._snapshot is not None:
+            if self.track_reached:
+                self._write_reach()
+            self._unpack_snapshot()
+        # The next backward is looked at, these gradients now among those armed.
+        self._snapshot_reset = False
+        swap = _swap_mode()
+        states = self._states
+        for param in params:
+            state = states.get(id(param))
+            if state is None:
+                continue
+            state.seen = state.reset = state.accumulated = state.added = False
+            state.perturbed = False
+            state.content = None
+            grad = param.grad
+            if grad is None:
+                state.armed = False
+                state.grad_ref = state.grad_key = None
+                continue
+            state.armed = True
+            state.version = grad._version
+            if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
+                state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
+            else:
+                state.grad_ref, state.grad_key = weakref.ref(grad), None
+        self._any_accumulated = any(map(_ACCUMULATED, states.values()))
+
     def arm(
         self, params: Sequence[torch.Tensor], whole: bool = False, writes_may_follow: bool = False
     ) -> None:
