@@ -45,12 +45,13 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from trainwatch import store_relay
 from trainwatch.alert import Alert
 from trainwatch.config import Config, load_config
-from trainwatch.errors import TrainingHealthError
+from trainwatch.errors import TrainingHealthError, WatchError
 from trainwatch.halt_sync import HaltSync, running_distributed
 from trainwatch.monitor import Monitor
 from trainwatch.optimizer_wrappers import inner_optimizer
 from trainwatch.sinks import Sink, default_sinks
 from trainwatch.sinks.base import Summary
+from trainwatch.switched_off import switched_off_monitor
 
 
 class TrainWatchCallback(TrainerCallback):
@@ -124,35 +125,60 @@ class TrainWatchCallback(TrainerCallback):
                     )
                 sinks = default_sinks(log_dir, config, console=self.console, model=model)
             torch_optimizer = _unwrap(optimizer)
-            # The halt is applied at the step's end, through the Trainer's own
-            # control flow: the Monitor itself never raises inside optimizer.step.
-            quiet_config = dataclasses.replace(self.config, halt_on=[])
-            scaler = getattr(optimizer, "scaler", None)
-            monitor = Monitor(model, config=quiet_config, sinks=[*sinks, self._halt], scaler=scaler)
-            if state.global_step:
-                # A resumed run: steps continue from the checkpoint's.
-                monitor.load_state_dict({"step": state.global_step})
-            if torch_optimizer is not None:
-                monitor.add_optimizer(torch_optimizer)
-            if link is not None:
-                store_relay.join(monitor, link, self.console)
-        except Exception as exc:  # never break training
-            for sink in sinks:
-                sink.close(Summary(steps=0, tallies=[], latest_norms={}))
-            warnings.warn(
-                f"trainwatch could not start and is off for this run: {exc}", stacklevel=2
-            )
+        except Exception as exc:  # no sink to tell it through: never break training
+            self._off(sinks, exc)
             return
+        # The halt is applied at the step's end, through the Trainer's own
+        # control flow: the Monitor itself never raises inside optimizer.step.
+        quiet_config = dataclasses.replace(self.config, halt_on=[])
+        scaler = getattr(optimizer, "scaler", None)
+        sinks = [*sinks, self._halt]
+        try:
+            monitor = Monitor(model, config=quiet_config, sinks=sinks, scaler=scaler)
+            standing_in = False
+        except WatchError as exc:  # the model refused: the user's to hear, no bug of ours
+            self._off(sinks, exc)
+            return
+        except Exception as exc:  # trainwatch's own failure: told once, training goes on
+            try:
+                monitor = switched_off_monitor(model, [], quiet_config, sinks, exc)
+            except Exception as failure:
+                self._off(sinks, failure)
+                return
+            standing_in = True
+        if state.global_step:
+            # A resumed run: steps continue from the checkpoint's.
+            _guarded(monitor, "resumed step", monitor.load_state_dict, {"step": state.global_step})
+        if torch_optimizer is not None:
+            _guarded(monitor, "optimizer watch", monitor.add_optimizer, torch_optimizer)
+        if link is not None:
+            _guarded(monitor, "rank relay", store_relay.join, monitor, link, self.console)
         self._monitor = monitor
         self._sync = None
         if self.config.halt_on and running_distributed():
             self._sync = HaltSync(self.config.distributed.halt_check_every)
-        if torch_optimizer is not None and not getattr(scaler, "_enabled", False):
+        if (
+            torch_optimizer is not None
+            and monitor.optimizers
+            and not standing_in
+            and not getattr(scaler, "_enabled", False)
+        ):
             # With fp16's GradScaler the gradients are still scaled when backward
             # ends (unscaled just before clipping): its overflows, routine and
             # skipped, would look like NaN gradients. They are gathered in the
             # optimizer's step hook instead, like a plain AMP loop's.
             self._backward_end = _BackwardEnd.attach(monitor, torch_optimizer)
+
+    def _off(self, sinks: list[Sink], exc: BaseException) -> None:
+        """trainwatch is off for this run: where no sink was opened to tell it through
+        (or the model refused, a ``WatchError``, or even the stand-in monitor failed),
+        a Python warning says so, and the sinks opened close."""
+        for sink in sinks:
+            try:
+                sink.close(Summary(steps=0, tallies=[], latest_norms={}))
+            except Exception:
+                pass
+        warnings.warn(f"trainwatch could not start and is off for this run: {exc}", stacklevel=3)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -312,6 +338,19 @@ class _BackwardEnd:
     def _fail(self, exc: BaseException) -> None:
         self.failed = True
         warnings.warn(f"trainwatch: gathering at backward's end is off: {exc!r}", stacklevel=2)
+
+
+def _guarded(monitor: Monitor, what: str, fn: Any, *args: Any) -> None:
+    """Training goes on whatever trainwatch does while the callback attaches. A failure
+    of its own is told once, as an ``internal_error`` through the run's sinks (the
+    component: ``hf callback: <what>``); a refusal (``WatchError``: an optimizer over
+    another model's parameters) is the user's to hear, as a warning."""
+    try:
+        fn(*args)
+    except WatchError as exc:
+        warnings.warn(f"trainwatch: {exc}", stacklevel=3)
+    except Exception as exc:
+        monitor.internal_failure(f"hf callback: {what}", exc)
 
 
 def _syncs_now() -> bool:
