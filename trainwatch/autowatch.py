@@ -79,6 +79,12 @@ _NOTHING_WATCHED = (
     "autograd.grad, and applied by hand are watched with tw.watch(model) and "
     "monitor.step() after each update)"
 )
+# Said instead where backward passes reached models paired with optimizers, none of
+# which stepped (manual optimisation that never calls opt.step()): tw.watch's note.
+_NEVER_STEPPED = (
+    "trainwatch: no training step watched: {ran} and backward passes reached {them}, "
+    "but {their} never stepped"
+)
 # Said instead where optimizers stepped nonetheless, over parameters of no model watched.
 _STEPPED_UNWATCHED = (
     "trainwatch: no training step watched: {which} stepped {steps} {times}, but over "
@@ -954,7 +960,7 @@ class AutoWatch:
         if self._scripts_own.told_idle:
             return None
         if not self._unwatched_steps:
-            return _NOTHING_WATCHED
+            return self._never_stepped() or _NOTHING_WATCHED
         kinds = ", ".join(sorted(self._unwatched_steps))
         steps = sum(self._unwatched_steps.values())
         which = (
@@ -978,6 +984,29 @@ class AutoWatch:
         return (
             f"{line} (was the model replaced after its optimizer was built, or are the "
             "parameters held by no module?)"
+        )
+
+    def _never_stepped(self) -> str | None:
+        """The closing line of a run whose models ran and were backpropagated through,
+        paired with optimizers none of which stepped, as ``tw.watch`` tells such a
+        loop; None where no backward reached such a model (the run's usual line)."""
+        idle = [
+            m
+            for m in self.monitors
+            if m.passes_seen and m.optimizers and not m.step_count and m.backward_seen
+        ]
+        if not idle:
+            return None
+        ran = ", ".join(
+            f"{m.model_name} ran {m.passes_seen} forward "
+            f"{'pass' if m.passes_seen == 1 else 'passes'}"
+            for m in idle
+        )
+        one = len(idle) == 1
+        return _NEVER_STEPPED.format(
+            ran=ran,
+            them="it" if one else "them",
+            their="its optimizer" if one else "their optimizers",
         )
 
     @property

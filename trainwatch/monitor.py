@@ -242,6 +242,14 @@ class Monitor:
         return self._pipeline.passes.passes
 
     @property
+    def backward_seen(self) -> bool:
+        """Whether a backward pass reached the model since its last step (before its
+        first: ever). Read at close, never at a step: a model that ran and was
+        backpropagated through, though no optimizer stepped, is told apart from one
+        that only ran forward."""
+        return self._pipeline.tracker.backward_seen
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps seen (or ``monitor.step()`` calls without an optimizer)."""
         return self._step
