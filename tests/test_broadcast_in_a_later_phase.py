@@ -6,9 +6,11 @@ regression head, builds a new optimizer and switches to a Huber loss: a
 prediction against every target, and the audit of the run's first steps has
 long ended. A new optimizer, a part of the model replaced or parameters
 unfrozen re-arm it for ``audit_steps`` steps (and the evaluation audit for as
-many passes); a loss changed with no such sign is found at the next sampled
-step (100, 200, 400, 800, ...). The same phase changes with matching shapes
-stay silent, and a long healthy run is audited on its sampled steps only.
+many passes); a loss changed with no such sign is found by its kind (the
+autograd ops from it back to the model's output) at the next step the class
+target look samples, and audited the step after; with that off, at the next
+sampled recheck (100, 200, 400, 800, ...). The same phase changes with matching
+shapes stay silent, and a long healthy run is audited on its sampled steps only.
 """
 
 from __future__ import annotations
@@ -177,8 +179,16 @@ def _loss_changed_at(quiet_watch, switch: int, flat: bool, steps: int = 130, **c
     return monitor
 
 
-def test_a_loss_changed_without_other_sign_is_caught_at_the_next_sampled_step(quiet_watch):
+def test_a_loss_changed_without_other_sign_is_caught_the_step_after_its_kind_changed(
+    quiet_watch,
+):
+    """Step 60 is one the class target look samples: the new kind is read there."""
     monitor = _loss_changed_at(quiet_watch, 60, flat=True)
+    assert _broadcasts(monitor) == [(61, "huber_loss", "training")]
+
+
+def test_without_the_loss_kind_a_changed_loss_waits_for_the_next_sampled_recheck(quiet_watch):
+    monitor = _loss_changed_at(quiet_watch, 60, flat=True, broadcast={"loss_kind_every": 0})
     assert _broadcasts(monitor) == [(100, "huber_loss", "training")]
 
 
@@ -188,7 +198,8 @@ def test_a_loss_changed_with_matching_shapes_stays_silent(quiet_watch):
 
 
 def test_the_sampled_recheck_is_off_when_configured_so(quiet_watch):
-    monitor = _loss_changed_at(quiet_watch, 60, flat=True, broadcast={"recheck_from": 0})
+    off = {"recheck_from": 0, "loss_kind_every": 0}
+    monitor = _loss_changed_at(quiet_watch, 60, flat=True, broadcast=off)
     assert _broadcasts(monitor) == []
 
 
@@ -329,7 +340,7 @@ class _SwapLoss(pl.Callback):
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat_target", "matching_target"])
-def test_a_lightning_callback_swapping_the_loss_is_caught_at_a_sampled_step(tmp_path, flat):
+def test_a_lightning_callback_swapping_the_loss_is_caught_the_step_after(tmp_path, flat):
     callback = TrainWatchCallback(console=False)
     trainer = quiet_trainer(
         tmp_path, [callback, _SwapLoss(flat)], max_epochs=3, num_sanity_val_steps=0
@@ -338,5 +349,5 @@ def test_a_lightning_callback_swapping_the_loss_is_caught_at_a_sampled_step(tmp_
         warnings.simplefilter("ignore", UserWarning)
         trainer.fit(_Curriculum())
     found = [(a.rule, a.step, a.data["op"]) for a in callback.alerts if a.rule == "broadcast"]
-    assert found == ([("broadcast", 100, "smooth_l1_loss")] if flat else [])
+    assert found == ([("broadcast", 81, "smooth_l1_loss")] if flat else [])
     assert [a.rule for a in callback.alerts if a.rule != "broadcast"] == []

@@ -330,12 +330,11 @@ def test_a_broadcasting_loss_of_a_new_phase_is_told_at_its_first_step(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")
-def test_a_loss_switched_alone_is_told_at_the_next_recheck(tmp_path):
-    """With no sign of a new phase, the loss is audited again at steps 100, 200,
-    400, 800...: a loss switched at S is told at the first recheck after it."""
+def test_a_loss_switched_alone_is_told_within_its_kinds_cadence(tmp_path):
+    """With no sign of a new phase, the loss's kind (its autograd ops back to the
+    model's output) is read on the class target look's sampled steps, at most
+    ``loss_kind_every`` apart: a new one has the next step audited. S is such a
+    step (the 400 recheck would come 50 steps later)."""
     alerts = train_regressor("loss_switched", tmp_path)
-    config = tw.Config().broadcast
-    rechecks = [config.recheck_from * 2**k for k in range(8)]
-    due = min(r for r in rechecks if r >= S)
-    assert due < STEPS
-    assert told(alerts) == [("broadcast", due, None)]
+    assert S % tw.Config().broadcast.loss_kind_every == 0
+    assert told(alerts) == [("broadcast", S + 1, None)]

@@ -93,8 +93,9 @@ def test_gpt2_with_padding_labels_set_to_minus_100_is_silent(side):
     torch.manual_seed(0)
     monitor = fit(gpt2(), lambda step: padded_batch(step, masked=True, side=side))
     assert silent(monitor)
-    # The verdict is in: the look stops for good.
-    assert monitor._pipeline.class_targets.finished
+    # The verdict is in: the look has no targets left to look at (it goes on
+    # reading the loss's kind for the broadcast audit).
+    assert monitor._pipeline.class_targets.targets_done
 
 
 def test_left_padded_batches_labelled_at_padding_are_told():
@@ -343,7 +344,7 @@ def test_a_vocabulary_without_a_padding_idx_is_not_looked_at():
             ).backward()
             opt.step()
     assert silent(monitor)
-    assert monitor._pipeline.class_targets.finished
+    assert monitor._pipeline.class_targets.targets_done
 
 
 # -- transformers.Trainer with trainwatch's callback ----------------------------------------
@@ -405,13 +406,17 @@ def test_switched_off_it_attaches_nothing():
     monitor = fit(gpt2(), lambda step: padded_batch(step, masked=False), loss_on_padding=False)
     assert silent(monitor)
     assert monitor._pipeline.class_targets.padding is None
-    off = fit(
+    off = {"loss_on_padding": False, "unshuffled_data": False}
+    kinds_only = fit(gpt2(), lambda step: padded_batch(step, masked=False), **off)
+    look = kinds_only._pipeline.class_targets  # reads the loss's kind only
+    assert look.padding is None and look.targets_done and not look.finished
+    none = fit(
         gpt2(),
         lambda step: padded_batch(step, masked=False),
-        loss_on_padding=False,
-        unshuffled_data=False,
+        broadcast={"loss_kind_every": 0},
+        **off,
     )
-    assert off._pipeline.class_targets is None
+    assert none._pipeline.class_targets is None
 
 
 def test_on_alone_it_keeps_its_own_cadence():

@@ -98,9 +98,10 @@ def test_padding_counted_by_the_loss_is_told_at_step_0(make):
     assert alert.severity == "warning" and alert.step == 0
     assert alert.data["kind"] == "padding_idx" and alert.data["pad_value"] == PAD
     assert "internal_error" not in {a.rule for a in monitor.alerts}
-    # Step 0 is the broadcast audit's: the look rode its mode, no second one was pushed.
+    # Step 0 is the broadcast audit's: the look rode its mode, no second one was pushed
+    # (after the verdict the look's own mode reads the loss's kind on its sampled steps).
     assert stacks[0] == ["_AuditMode"]
-    assert all(stack in ([], ["_AuditMode"]) for stack in stacks)
+    assert all(stack in ([], ["_AuditMode"], ["_TargetMode"]) for stack in stacks)
     assert torch._C._len_torch_function_stack() == 0
 
 
@@ -108,7 +109,7 @@ def test_padding_counted_by_the_loss_is_told_at_step_0(make):
 def test_padding_ignored_by_the_loss_is_silent_and_judged_at_step_0(make):
     monitor, _ = fit(make(), ignore=PAD)
     assert not {"loss_on_padding", "internal_error"} & {a.rule for a in monitor.alerts}
-    assert monitor._pipeline.class_targets.finished  # the verdict came with the first step
+    assert monitor._pipeline.class_targets.targets_done  # the verdict came with the first step
 
 
 def test_without_the_broadcast_audit_the_look_takes_step_0_with_its_own_mode():

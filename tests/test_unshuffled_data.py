@@ -645,15 +645,28 @@ def _regression_loss(out, y):
 
 
 def test_a_regression_loop_opens_the_loss_span_less_and_less_often():
+    """Down to a sixteenth of the cadence where the loss's kind is not read."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with tw.watch(model, opt, console=False) as monitor:
+    with tw.watch(model, opt, console=False, broadcast={"loss_kind_every": 0}) as monitor:
         opened = _count_spans(monitor)
         _train(model, opt, 400, _regression_loss)
         look = monitor._pipeline.class_targets
         assert look.every > 5
     late = [step for step in opened if step >= 200]
     assert len(opened) < 400 // 5 // 2 and len(late) <= 200 // 5 // 4
+
+
+def test_a_regression_loop_reading_the_loss_kind_slows_down_to_its_cadence():
+    """The loss's kind (read for the broadcast audit) keeps the look every 10 steps."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tw.watch(model, opt, console=False) as monitor:
+        opened = _count_spans(monitor)
+        _train(model, opt, 400, _regression_loss)
+        assert monitor._pipeline.class_targets.every == 10
+    # (Step 200 is the broadcast audit's recheck: the look rides the audit's mode.)
+    assert [step for step in opened if step >= 200] == list(range(210, 400, 10))
 
 
 def test_a_classification_loop_keeps_the_configured_cadence():

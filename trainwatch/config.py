@@ -181,6 +181,12 @@ class BroadcastConfig(RuleConfig):
     # (100, 200, 400, 800, 1600, 3200, 4800...). 0: never.
     recheck_from: int = field(default=100, metadata=_range(0))
     recheck_every: int = field(default=1600, metadata=_range(1))
+    # A loss changed with no such sign is also found by its kind (the types of the
+    # autograd ops from it back to the model's output), read on the class target
+    # look's sampled steps, at least every this many steps: a new kind has the
+    # audit follow the next steps until one with it (at most 8 times a run).
+    # 0: never.
+    loss_kind_every: int = field(default=10, metadata=_range(0))
 
 
 @dataclass

@@ -13,7 +13,7 @@ lagged readback, a halt); this module decides what each one does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
@@ -56,6 +56,7 @@ from trainwatch.collect.idle_optimizer import (
 )
 from trainwatch.collect.joined_layers import JoinedLayers
 from trainwatch.collect.left_out_model import a_loss_module, left_out_model
+from trainwatch.collect.loss_kind import LossKinds, loss_kind
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
@@ -465,6 +466,13 @@ class StepPipeline:
         if self._audits and config.broadcast.audit_steps > 0:
             self._joins = JoinedLayers()
             self._small_norms.on_new_layout = weak_callback(self._new_layout)
+        # A loss whose kind changes with no other sign (a term a curriculum adds): the
+        # class target look reads its kind on its sampled steps, the audit on its own,
+        # and a new kind has the audit follow the next steps (``collect/loss_kind.py``).
+        self._kinds: LossKinds | None = None
+        kinds_every = config.broadcast.loss_kind_every
+        if self._audits and config.broadcast.audit_steps > 0 and kinds_every > 0:
+            self._kinds = LossKinds()
         # Which parameters no optimizer holds: not_optimized's, and the mode checks'
         # (a part never frozen but held by none and given no gradient is frozen).
         self._reads_membership = self._checks_not_optimized or (
@@ -472,22 +480,28 @@ class StepPipeline:
         )
         # The loss's class targets on sampled steps, and the training loader's order.
         # The same look measures the labels a token loss gives padding (loss_on_padding).
+        # It also reads the loss's kind for the broadcast audit.
         self.class_targets: ClassTargetLook | None = None
-        if needs & {"class_targets", "padded_labels"}:
+        if needs & {"class_targets", "padded_labels"} or self._kinds is not None:
             counts = "class_targets" in needs
             padding = "padded_labels" in needs
             cadences = [config.unshuffled_data.every] if counts else []
             if padding:
                 cadences.append(config.loss_on_padding.every)
             self.class_targets = ClassTargetLook(
-                min(cadences),
+                min(cadences, default=kinds_every),
                 config.unshuffled_data.max_classes,
                 step_count,
                 on_error,
                 counts=counts,
                 padding=PaddingLook(weak_getter(self, "_root", None)) if padding else None,
                 audit=weak_getter(self.behaviour, "broadcast", None) if self._audits else None,
+                kinds_every=kinds_every,
             )
+            if self._kinds is not None:
+                told = weak_callback(self._loss_kind)
+                self.class_targets.read_loss_kinds(told)
+                self.behaviour.read_loss_kinds(told)  # type: ignore[union-attr]
             # Listens to the passes of sampled steps only, this one first: a wrong
             # target (padding counted, data sorted by label) is there from the first
             # batch. On a step the broadcast audit follows too (the first steps, its
@@ -2329,7 +2343,8 @@ class StepPipeline:
     def _rearm_audit(self, now: int, record: StepRecord) -> None:
         """Arm the broadcast audit for the steps after this one: ``audit_steps`` of
         a new phase, one sampled step (a loss changed with no other sign), or the
-        next while layers that joined the loss unaudited wait for their next gradient."""
+        next while layers that joined the loss unaudited wait for their next gradient,
+        or a loss of a new kind waits for its audit."""
         behaviour = self.behaviour
         section = self.config.broadcast
         if self._phase_began:
@@ -2345,6 +2360,38 @@ class StepPipeline:
         if joins is not None and joins.waiting and joins.keep_armed(record.present, now):
             behaviour.rearm_audit(1, phase=False)
             self._audit_at = now  # asked again at the next boundary
+        kinds = self._kinds
+        if kinds is not None and kinds.waiting is not None:
+            if kinds.keep_armed(now):
+                behaviour.rearm_audit(1, phase=False)
+                self._audit_at = now
+            elif kinds.exhausted:
+                self._stop_reading_kinds()
+
+    def _loss_kind(self, roots: Sequence[torch.Tensor], after: int, audited: bool) -> None:
+        """A step's loss reached ``backward`` (from ``roots``; the nodes of its passes
+        are numbered up to ``after``): its kind is read, and a new one the audit did
+        not follow has the audit armed from the next step, until a step with that
+        kind is audited."""
+        kinds = self._kinds
+        if kinds is None:
+            return
+        kind = self._guarded("loss kind", loss_kind, roots, after)
+        if kind is None:  # failed (told): no more kinds read
+            self._stop_reading_kinds()
+        elif kinds.seen(kind, audited):
+            self._audit_at = 0  # at this boundary: whatever step it is
+        elif kinds.waits_left <= 0 and kinds.exhausted:
+            self._stop_reading_kinds()
+
+    def _stop_reading_kinds(self) -> None:
+        """The run's waits are spent (or reading one failed): the look and the audit
+        stop handing losses over, and the look slows down as it would without."""
+        self._kinds = None
+        if self.class_targets is not None:
+            self.class_targets.read_loss_kinds(None)
+        if self.behaviour is not None:
+            self.behaviour.read_loss_kinds(None)
 
     def _new_layout(self, present: list[ParamInfo]) -> None:
         """Gradients reached a new set of parameters (told before the step's audit

@@ -33,7 +33,8 @@ join the step's single readback.
   (``rearm_audit``) when the pipeline sees a new phase of training begin,
   and the training audit for one step at sparse sampled steps, and step by
   step while a layer that joined the loss unaudited waits for its next
-  gradient (``collect/joined_layers.py``); the evaluation
+  gradient (``collect/joined_layers.py``) or a loss of a new kind waits for
+  its audit (``collect/loss_kind.py``); the evaluation
   audit also when ``trainwatch run`` sees a dataset first evaluated
   (``rearm_evaluations``); between them no pass calls the audit.
 - Activations: sampled statistics (``collect/activations.py``), and what the
@@ -60,6 +61,7 @@ from trainwatch.collect.eval_gradients import EvalModeGradients, hook_backward, 
 from trainwatch.collect.eval_passes import EvalPassJudge, PartStreak, batch_rows, pass_shapes
 from trainwatch.collect.functional_modes import FunctionalLook
 from trainwatch.collect.lone_parts import LoneParts
+from trainwatch.collect.loss_kind import KindReader
 from trainwatch.collect.modes import ModeWatch
 from trainwatch.collect.output_target import OutputTargetLook
 from trainwatch.collect.pass_chain import PassChain
@@ -741,6 +743,12 @@ class BehaviourWatch:
         self.broadcast = audit
         if phase:
             self.rearm_evaluations()
+
+    def read_loss_kinds(self, told: KindReader | None) -> None:
+        """Hand ``told`` each loss the training audit follows to its ``backward``, for
+        its kind (``collect/loss_kind.py``); None: no more."""
+        if self._audit is not None:
+            self._audit.on_loss_kind = told
 
     def rearm_evaluations(self) -> None:
         """Follow the next evaluation passes: those of a new phase of training, or

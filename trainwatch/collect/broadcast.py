@@ -24,10 +24,13 @@ model's ``forward`` is the same bug. After the audit the mode is not entered
 again until the audit is re-armed (``rearm``): for as many steps again when a
 new phase of training begins (the monitor sees a new optimizer, a part of the
 model replaced, parameters frozen or unfrozen), for one step at sparse
-sampled steps, for a loss changed with no such sign, and from the step after a
+sampled steps, for a loss changed with no such sign, from the step after a
 layer got its first gradient unaudited until it gets one again
 (``collect/joined_layers.py``: a rare task's head, an auxiliary loss switched
-on). In between the check costs nothing. Operands of equal rank pair no batch with
+on), and from the step after a loss of a new kind was read until one of that
+kind is audited (``collect/loss_kind.py``: a term a curriculum adds; the audit
+tells it the kind of each loss it follows to ``backward``). In between the
+check costs nothing. Operands of equal rank pair no batch with
 another, but the model's ``(N, C, H, W)`` output against a ``(N, 1, H, W)``
 operand from elsewhere may be a class-index label map broadcast over the
 channels: its values are measured on the device and judged at the step's end
@@ -63,6 +66,7 @@ from trainwatch.collect.loss_input import (
     probabilities_fed,
     squashing_node,
 )
+from trainwatch.collect.loss_kind import KindReader, backward_roots, node_number
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.model_kind import LOSSES
@@ -660,6 +664,13 @@ class BroadcastAudit:
         # step both audited and sampled dispatches every op of its loss through one
         # mode, not two. Set and cleared by the look.
         self.rider: Callable[[Any, Any, dict[str, Any]], None] | None = None
+        # Handed each loss the audit follows to its ``backward`` (its roots, the
+        # number of the step's latest pass node, and True: audited), whose kind
+        # the pipeline reads (``collect/loss_kind.py``); set by the pipeline.
+        self.on_loss_kind: KindReader | None = None
+        # The number of the latest autograd node the step's passes made: the
+        # loss's nodes come after it.
+        self._last_node = -1
 
     # -- the span: from the model's output to the step boundary -------------
     def pass_starts(
@@ -728,8 +739,11 @@ class BroadcastAudit:
         if not self.live or self.steps_left <= 0:
             return
         self.audited_pass = True
+        reads_kind = self.on_loss_kind is not None
         for tensor in _tensors(output):
             self._track(tensor, part)
+            if reads_kind:
+                self._last_node = max(self._last_node, node_number(tensor))
             if self._batch is None and tensor.dim() > 0:
                 self._batch = tensor.shape[0]
             if self.judges_loss_inputs:
@@ -770,6 +784,7 @@ class BroadcastAudit:
 
     def step_boundary(self) -> list[BroadcastReport]:
         self.stop()
+        self._last_node = -1
         self._tracked.clear()
         self._parts.clear()
         self._given.clear()
@@ -929,6 +944,8 @@ class BroadcastAudit:
             self._measure_target(operands)
         if name in LOSSES:
             self.losses.add(name)
+        elif name == "backward" and self.on_loss_kind is not None:
+            self.on_loss_kind(backward_roots(args, kwargs), self._last_node, True)
         if name in LOSS_INPUTS and self.judges_loss_inputs:
             self._judge_loss_input(name, args, kwargs, out, in_pass=False)
         if name not in self.judged_ops or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:

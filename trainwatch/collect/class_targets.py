@@ -23,6 +23,12 @@ steps show no class loss at all (a regression), or a token loss whose
 batches hold no padding yet, is looked at half as often after every few such
 steps, down to a sixteenth of the cadence, until a class loss shows up again
 (a classifier trained after a pretext phase).
+
+The same span also reads the kind of the step's loss at its first ``backward``
+(:mod:`trainwatch.collect.loss_kind`), for the broadcast audit to follow a loss
+changed mid-run: while it does, the look comes at least every
+``broadcast.loss_kind_every`` steps (the slowest pace above is capped there), and
+goes on after its class targets and padding are done.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainwatch.collect.broadcast import BroadcastAudit, _call, _stack_is_ours_to_use
+from trainwatch.collect.loss_kind import KindReader, backward_roots, node_number
 from trainwatch.collect.mode_stack import enter_loss_mode
 from trainwatch.collect.mode_stack import leave as leave_mode
 from trainwatch.collect.padded_labels import PaddingLook
@@ -42,6 +49,8 @@ from trainwatch.collect.tensors import tensor_leaves
 from trainwatch.record import PaddedLabels
 
 _CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})
+# The ops of the span the look acts on: a class loss, and the loss's backward.
+_LOOKED_FOR = _CLASS_LOSSES | {"backward"}
 # Targets of a CPU batch up to this many are counted on the host, with no op.
 _COUNTED_ON_HOST = 4096
 # A run whose loss is no class loss (a regression, a reconstruction) pays for
@@ -138,9 +147,21 @@ class ClassTargetLook:
         counts: bool = True,
         padding: PaddingLook | None = None,
         audit: Callable[[], BroadcastAudit | None] | None = None,
+        kinds_every: int = 0,
     ) -> None:
         self.every = every
         self._configured_every = every
+        # The slowest pace: a sixteenth of the cadence, or while the loss's kind is
+        # read here (``on_loss_kind``), the slowest that still comes every
+        # ``kinds_every`` steps (at the configured cadence where that is slower).
+        self._slowest_every = every * _SLOWEST
+        self._kinds_every = kinds_every
+        # Handed the span's loss at its first ``backward`` on a step the broadcast
+        # audit does not follow (it hands its own), for its kind to be read: set by
+        # the pipeline, with ``read_loss_kinds``.
+        self.on_loss_kind: KindReader | None = None
+        self._kind_read = False  # this step's
+        self._last_node = -1  # the latest autograd node of this step's passes
         self._misses = 0
         self._span_seen = False  # this sampled step's training pass opened the span
         self.max_classes = max_classes
@@ -166,8 +187,11 @@ class ClassTargetLook:
         self.looked = False
         # This sampled step's labels at padding were measured (the padding job's take).
         self.measured = False
-        # Nothing left to look for: the monitor stops subscribing the look.
-        self.finished = not counts and padding is None
+        # No class targets or padding left to look for.
+        self.targets_done = not counts and padding is None
+        # Nothing left to look for (nor the loss's kind): the monitor stops
+        # subscribing the look.
+        self.finished = self.targets_done
         # Subscribed to the model's passes (the monitor does it for sampled steps only).
         self.listening = False
         self.broken = False
@@ -178,15 +202,26 @@ class ClassTargetLook:
             self._stop()  # the model's own ops are not the loss
 
     def pass_ends(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if self.broken or self.finished or self.looked:
+        if self.broken or self.finished:
             return
         if self._depth is not None or self._riding is not None:
             return
         if self._step_of() % self.every or not torch.is_grad_enabled():
             return
-        self.batch = next((t.shape[0] for _, t in tensor_leaves(output) if t.dim() > 0), None)
+        counting = not self.looked and not self.targets_done
+        reads_kind = self.on_loss_kind is not None and not self._kind_read
+        if not counting and not reads_kind:
+            return
+        tensors = [t for _, t in tensor_leaves(output)]
+        self.batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
+        if reads_kind:
+            self._last_node = max(self._last_node, *map(node_number, tensors), -1)
         labels = kwargs.get("labels") if isinstance(kwargs, dict) else None
         if isinstance(labels, torch.Tensor):
+            # A loss computed inside the model: its kind is the model's own.
+            self._kind_read = True
+            if not counting:
+                return
             # The loss is computed inside the model (``model(ids, labels=y)``,
             # Hugging Face style): its targets are the labels handed in.
             self._labels_seen(module, kwargs, labels, output)
@@ -206,12 +241,22 @@ class ClassTargetLook:
 
     def op_seen(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """An op of the span (seen by the look's own mode, or the audit's it rides)."""
-        # The op's name first: most ops of the span are no class loss.
-        if getattr(func, "__name__", "") in _CLASS_LOSSES and not self.looked:
-            try:
-                self.loss_seen(args, kwargs)
-            except Exception as exc:  # never break the user's loss
-                self.fail(exc)
+        # The op's name first: most ops of the span are no class loss, no backward.
+        name = getattr(func, "__name__", "")
+        if name not in _LOOKED_FOR:
+            return
+        if name != "backward":
+            if not self.looked and not self.targets_done:
+                try:
+                    self.loss_seen(args, kwargs)
+                except Exception as exc:  # never break the user's loss
+                    self.fail(exc)
+        elif not self._kind_read:
+            self._kind_read = True
+            told = self.on_loss_kind
+            # Riding the audit's mode, the audit hands the loss over itself (audited).
+            if told is not None and self._riding is None:
+                told(backward_roots(args, kwargs), self._last_node, False)
 
     def _labels_seen(self, module: Any, kwargs: dict[str, Any], labels: Any, output: Any) -> None:
         logits = _logits_of(output)
@@ -244,9 +289,24 @@ class ClassTargetLook:
 
     def _update_finished(self) -> None:
         padding = self.padding
-        self.finished = (not self._counting or self.per_position) and (
+        self.targets_done = (not self._counting or self.per_position) and (
             padding is None or not padding.open
         )
+        self.finished = self.targets_done and self.on_loss_kind is None
+
+    def read_loss_kinds(self, told: KindReader | None) -> None:
+        """Hand ``told`` each sampled step's loss for its kind (``collect/loss_kind.py``),
+        at least every ``kinds_every`` steps; None: no more (the run's waits are spent)."""
+        self.on_loss_kind = told
+        slowest = self._configured_every * _SLOWEST
+        if told is not None:
+            paced = self._configured_every
+            while paced * 2 <= min(self._kinds_every, slowest):
+                paced *= 2
+            slowest = paced
+        self._slowest_every = slowest
+        self.every = min(self.every, slowest)
+        self._update_finished()
 
     def end_span(self) -> None:
         """The step boundary is reached: no loss is computed any more."""
@@ -256,11 +316,16 @@ class ClassTargetLook:
         """At the step boundary: the step's counts (None when not sampled or not seen)."""
         self._stop()
         found, self.counts, self.looked = self.counts, None, False
+        self._kind_read, self._last_node = False, -1
         if self._span_seen:
             self._span_seen = False
-            # A class loss per sample keeps the cadence; one over tokens whose padding
-            # is still to be judged (no padded batch yet: packed sequences) does not.
-            self._pace(found is not None or self.finished)
+            if self.targets_done:  # the loss's kind alone: at its own cadence
+                self.every = self._slowest_every
+            else:
+                # A class loss per sample keeps the cadence; one over tokens whose
+                # padding is still to be judged (no padded batch yet: packed
+                # sequences) does not.
+                self._pace(found is not None)
         return found
 
     def take_padding(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
@@ -283,7 +348,7 @@ class ClassTargetLook:
         self._misses += 1
         if self._misses >= _MISSES:
             self._misses = 0
-            self.every = min(self.every * 2, self._configured_every * _SLOWEST)
+            self.every = min(self.every * 2, self._slowest_every)
 
     def _stop(self) -> None:
         riding = self._riding
