@@ -408,8 +408,10 @@ def test_switched_off_it_attaches_nothing():
     assert monitor._pipeline.class_targets.padding is None
     off = {"loss_on_padding": False, "unshuffled_data": False}
     kinds_only = fit(gpt2(), lambda step: padded_batch(step, masked=False), **off)
-    look = kinds_only._pipeline.class_targets  # reads the loss's kind only
-    assert look.padding is None and look.targets_done and not look.finished
+    look = kinds_only._pipeline.class_targets  # there to read the loss's kind only
+    assert look.padding is None and look.targets_done
+    # A model that computes its own loss leaves it no kind to read: it stops.
+    assert look.finished and not look.listening
     none = fit(
         gpt2(),
         lambda step: padded_batch(step, masked=False),

@@ -161,6 +161,8 @@ class ClassTargetLook:
         # the pipeline, with ``read_loss_kinds``.
         self.on_loss_kind: KindReader | None = None
         self._kind_read = False  # this step's
+        # The model computes its loss itself (given ``labels``): no kind to read here.
+        self._loss_inside = False
         self._last_node = -1  # the latest autograd node of this step's passes
         self._misses = 0
         self._span_seen = False  # this sampled step's training pass opened the span
@@ -218,9 +220,11 @@ class ClassTargetLook:
             self._last_node = max(self._last_node, *map(node_number, tensors), -1)
         labels = kwargs.get("labels") if isinstance(kwargs, dict) else None
         if isinstance(labels, torch.Tensor):
-            # A loss computed inside the model: its kind is the model's own.
+            # A loss computed inside the model: its kind is the model's own, not read.
             self._kind_read = True
             if not counting:
+                self._loss_inside = True
+                self._update_finished()
                 return
             # The loss is computed inside the model (``model(ids, labels=y)``,
             # Hugging Face style): its targets are the labels handed in.
@@ -292,7 +296,7 @@ class ClassTargetLook:
         self.targets_done = (not self._counting or self.per_position) and (
             padding is None or not padding.open
         )
-        self.finished = self.targets_done and self.on_loss_kind is None
+        self.finished = self.targets_done and (self.on_loss_kind is None or self._loss_inside)
 
     def read_loss_kinds(self, told: KindReader | None) -> None:
         """Hand ``told`` each sampled step's loss for its kind (``collect/loss_kind.py``),
