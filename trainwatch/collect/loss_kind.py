@@ -10,8 +10,9 @@ step made (autograd numbers its nodes as it makes them: those of the loss
 come after the pass's output), and the set of their types
 (``MseLossBackward0``, ``AddBackward0``...) is the loss's kind. Types, not
 how many of each: a loss that loops over a varying number of objects keeps
-its kind; a term made of ops the loss already had is not seen (the sampled
-rechecks still audit it).
+its kind; a term made of ops the loss already had, or a change to the target
+alone (no gradient flows through it, so it is no node of the graph), is not
+seen (the sampled rechecks still audit it).
 
 The kind is read only where a function mode follows the loss to the step
 boundary, at its ``backward``: the class target look's sampled steps (its first
