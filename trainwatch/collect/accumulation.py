@@ -237,6 +237,24 @@ def _added_in_place(snapshot: tuple[Sequence[torch.Tensor], list, list[int]]) ->
     return any(map(ne, map(_VERSION, compress(now, same)), compress(versions, same)))
 
 
+def _arm_state(state: _ParamState, grad: torch.Tensor | None, swap: bool) -> None:
+    """One parameter's state armed on the gradient a step just used (or on none):
+    what a later backward finds is judged against it."""
+    state.seen = state.reset = state.accumulated = state.added = False
+    state.perturbed = False
+    state.content = None
+    if grad is None:
+        state.armed = False
+        state.grad_ref = state.grad_key = None
+        return
+    state.armed = True
+    state.version = grad._version
+    if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
+        state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
+    else:
+        state.grad_ref, state.grad_key = weakref.ref(grad), None
+
+
 def _state_added(state: _ParamState) -> bool:
     """The gradient the last step used is still there, written since."""
     grad = state.param.grad
@@ -1248,20 +1266,7 @@ class GradResetTracker:
             state = states.get(id(param))
             if state is None:
                 continue
-            state.seen = state.reset = state.accumulated = state.added = False
-            state.perturbed = False
-            state.content = None
-            grad = param.grad
-            if grad is None:
-                state.armed = False
-                state.grad_ref = state.grad_key = None
-                continue
-            state.armed = True
-            state.version = grad._version
-            if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
-                state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
-            else:
-                state.grad_ref, state.grad_key = weakref.ref(grad), None
+            _arm_state(state, param.grad, swap)
         self._any_accumulated = any(map(_ACCUMULATED, states.values()))
 
     def arm(
@@ -1328,23 +1333,7 @@ class GradResetTracker:
                 # wired to autograd again (the user's too).
                 _rewire_hooks(param)
                 state.impl = param._cdata
-            state.seen = False
-            state.reset = False
-            state.accumulated = False
-            state.added = False
-            state.perturbed = False
-            state.content = None
-            grad = param.grad
-            if grad is None:
-                state.armed = False
-                state.grad_ref = state.grad_key = None
-                continue
-            state.armed = True
-            state.version = grad._version
-            if swap or (type(grad) is not torch.Tensor and _wrapper_subclass(grad)):
-                state.grad_ref, state.grad_key = None, (id(grad), grad._cdata)
-            else:
-                state.grad_ref, state.grad_key = weakref.ref(grad), None
+            _arm_state(state, param.grad, swap)
         if not whole:
             # Another optimizer's parameters, not armed here, may still hold stale
             # gradients its own step has yet to find.
