@@ -22,19 +22,15 @@ user's), and a fit that fails at its first batch (the traceback is the story).
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-import trainwatch
 import trainwatch as tw
 from tests.lightning_models import BoringNet, ManualNet, quiet_trainer
+from tests.run_script import stderr_under_run
 from trainwatch.lightning import TrainWatchCallback
 
 NOTE = "trainwatch: no training step watched"
@@ -203,31 +199,14 @@ trainer.fit(Net(), DataLoader(TensorDataset(x, x[:, :1]), batch_size=8))
 """
 
 
-def _trainwatch_run(tmp_path: Path, *args: str) -> str:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(Path(trainwatch.__file__).resolve().parents[1]))
-    done = subprocess.run(
-        [sys.executable, "-m", "trainwatch", "run", "--log-dir", str(tmp_path / "run")]
-        + [str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stderr
-
-
 @pytest.mark.slow
 def test_under_trainwatch_run_the_callbacks_note_is_the_closing_line(tmp_path):
-    err = _trainwatch_run(tmp_path)
+    err = stderr_under_run(tmp_path, SCRIPT)
     assert err.count(NOTE) == 1, err
     assert NEVER_STEPPED in err and "no backward pass reached a model" not in err
 
 
 @pytest.mark.slow
 def test_control_under_trainwatch_run_a_stepping_callback_run_has_no_note(tmp_path):
-    err = _trainwatch_run(tmp_path, "step")
+    err = stderr_under_run(tmp_path, SCRIPT, "step")
     assert NOTE not in err and "8 steps watched" in err

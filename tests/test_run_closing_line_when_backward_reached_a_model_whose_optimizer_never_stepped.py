@@ -13,14 +13,9 @@ usual line.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-import trainwatch
+from tests.run_script import stderr_under_run
 
 NEVER_STEPPED = (
     "trainwatch: no training step watched: {model} ran 8 forward passes and backward "
@@ -97,29 +92,11 @@ for step in range(8):
 """
 
 
-def _trainwatch_run(tmp_path: Path, source: str, *args: str) -> str:
-    """The script's stderr under ``trainwatch run``, importing the trainwatch under test."""
-    script = tmp_path / "train.py"
-    script.write_text(source)
-    env = dict(os.environ, PYTHONPATH=str(Path(trainwatch.__file__).resolve().parents[1]))
-    done = subprocess.run(
-        [sys.executable, "-m", "trainwatch", "run", "--log-dir", str(tmp_path / "run")]
-        + [str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stderr
-
-
 @pytest.mark.slow
 def test_lightning_manual_optimisation_without_opt_step_closes_with_its_optimizer_never_stepped(
     tmp_path,
 ):
-    err = _trainwatch_run(tmp_path, LIGHTNING, "manual")
+    err = stderr_under_run(tmp_path, LIGHTNING, "manual")
     assert NEVER_STEPPED.format(model="Net") in err, err
     assert err.count(NOTHING_WATCHED) == 1 and NO_BACKWARD not in err
 
@@ -127,25 +104,25 @@ def test_lightning_manual_optimisation_without_opt_step_closes_with_its_optimize
 @pytest.mark.slow
 @pytest.mark.parametrize("optimisation", [("manual", "step"), ("automatic",)])
 def test_control_lightning_stepping_closes_with_its_steps(tmp_path, optimisation):
-    err = _trainwatch_run(tmp_path, LIGHTNING, *optimisation)
+    err = stderr_under_run(tmp_path, LIGHTNING, *optimisation)
     assert NOTHING_WATCHED not in err and "8 steps watched" in err, err
 
 
 @pytest.mark.slow
 def test_a_loop_without_opt_step_closes_with_its_optimizer_never_stepped(tmp_path):
-    err = _trainwatch_run(tmp_path, LOOP)
+    err = stderr_under_run(tmp_path, LOOP)
     assert NEVER_STEPPED.format(model="Sequential") in err, err
     assert err.count(NOTHING_WATCHED) == 1 and NO_BACKWARD not in err
 
 
 @pytest.mark.slow
 def test_control_a_stepping_loop_closes_with_its_steps(tmp_path):
-    err = _trainwatch_run(tmp_path, LOOP, "step")
+    err = stderr_under_run(tmp_path, LOOP, "step")
     assert NOTHING_WATCHED not in err and "8 steps watched" in err, err
 
 
 @pytest.mark.slow
 def test_control_a_loop_that_only_runs_the_model_forward_keeps_the_runs_line(tmp_path):
-    err = _trainwatch_run(tmp_path, LOOP, "forward")
+    err = stderr_under_run(tmp_path, LOOP, "forward")
     assert err.count(NOTHING_WATCHED) == 1 and NO_BACKWARD in err, err
     assert "never stepped" not in err
