@@ -181,14 +181,15 @@ def test_masks_weights_one_hot_targets_and_gates_in_the_model_are_silent(quiet_w
 
 
 def test_a_map_whose_indices_pass_the_channels_is_no_class_map(quiet_watch):
-    """Values up to 255 (a VOC border) against four channels: no class indices."""
+    """Indices 0..7 against four channels: more values past the channels than the one
+    a map marks ignored pixels with (``test_a_class_index_map_with_an_ignore_value``)."""
     torch.manual_seed(0)
     model = SegNet()
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     monitor = quiet_watch(model, opt)
     for _ in range(3):
         x = torch.randn(N, 3, H, H)
-        mask = _mask(x, C).masked_fill(x[:, 1] > 1, 255)
+        mask = _mask(x, 2 * C)
         loss = _dice(model(x).softmax(dim=1), mask.unsqueeze(1).float())
         opt.zero_grad()
         loss.backward()

@@ -155,9 +155,11 @@ class BroadcastReport:
     # "batch": samples paired with samples; "class_index_map": a target of class
     # indices ``(N, 1, H, W)`` broadcast over the output's ``(N, C, H, W)`` channels.
     kind: str = "batch"
-    # class_index_map only: the channel axis, and the map's smallest and largest index.
+    # class_index_map only: the channel axis, the map's smallest and largest index,
+    # and the value it marks pixels to ignore with (255, -100), where it holds one.
     axis: int | None = None
     values: tuple[int, int] | None = None
+    ignored: int | None = None
 
 
 @dataclass

@@ -1019,7 +1019,7 @@ class BroadcastAudit:
             (p.name, *p.shapes) == (name, *shapes) for p in self._class_maps
         ):
             return
-        evidence = class_index_evidence(target)
+        evidence = class_index_evidence(target, output.shape[axis])
         if evidence is not None:
             self._class_maps.append(
                 PendingClassMap(
@@ -1054,7 +1054,8 @@ class BroadcastAudit:
                     pending.module,
                     kind="class_index_map",
                     axis=pending.axis,
-                    values=values,
+                    values=(values.low, values.high),
+                    ignored=values.ignored,
                 )
             )
         found, self.findings = self.findings, []

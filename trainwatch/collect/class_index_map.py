@@ -15,6 +15,10 @@ blanks an ignored region, or a per-pixel weight map, broadcasts the same way on
 purpose. The values can: a class-index map holds whole numbers, at least 0 and
 at most C-1, and more than two of them (a map of 0s and 1s is a mask, and with
 C = 2 a class map cannot be told from one, so two channels are never judged).
+Segmentation labels often mark the pixels to ignore with one value outside the
+classes: 255 (VOC's border, Cityscapes' void) or a negative one (-1, -100, the
+``ignore_index`` of ``cross_entropy``). One such value beside the indices still
+makes a class map; it adds no class, so a 0/255 binary mask stays a mask.
 The evidence is measured on the device at the op, on the broadcast audit's
 steps only (``collect/broadcast.py``), and read once at the step's end.
 """
@@ -34,6 +38,8 @@ MIN_CLASSES = 3
 _SAMPLES = 16
 # Ops whose operands are not the pair compared: ``where``'s first is a condition.
 _NOT_PAIRS = frozenset({"where"})
+# The ignore value above the classes that segmentation datasets use (VOC, Cityscapes).
+IGNORED_ABOVE = 255
 
 
 def broadcast_channel(name: str, output: tuple[int, ...], target: tuple[int, ...]) -> int | None:
@@ -54,19 +60,41 @@ def broadcast_channel(name: str, output: tuple[int, ...], target: tuple[int, ...
     return axis
 
 
-def class_index_evidence(target: torch.Tensor) -> torch.Tensor | None:
-    """On the device, without a sync: ``[whole numbers, smallest, largest, a value
-    strictly between them]`` of a few samples of ``target`` (whole numbers between
-    their smallest and largest value take more than two values exactly when one
-    lies strictly between). None for what cannot hold class indices."""
+def is_ignore_value(value: float) -> bool:
+    """A label value that marks pixels to ignore rather than a class: 255, or below 0."""
+    return value == IGNORED_ABOVE or value < 0
+
+
+def class_index_evidence(target: torch.Tensor, classes: int) -> torch.Tensor | None:
+    """On the device, without a sync: of a few samples of ``target``, ``[whole
+    numbers, smallest and largest value in 0..classes-1, a value of that range
+    strictly between them, smallest and largest value outside it]`` (whole numbers
+    between their smallest and largest value take more than two values exactly
+    when one lies strictly between; the values outside are one ignore value when
+    their smallest is their largest). A bound of no value is infinite. None for
+    what cannot hold class indices."""
     if target.dtype == torch.bool or target.is_complex() or target.numel() == 0:
         return None
     with torch.no_grad():
         values = spread_rows(target.detach(), _SAMPLES).float()
         whole = (values == values.round()).all()
-        low, high = values.amin(), values.amax()
-        between = ((values > low) & (values < high)).any()
-        return torch.stack([whole.float(), low, high, between.float()])
+        inside = (values >= 0) & (values <= classes - 1)
+        infinite = torch.tensor(float("inf"), device=values.device)
+        low = torch.where(inside, values, infinite).amin()
+        high = torch.where(inside, values, -infinite).amax()
+        between = (inside & (values > low) & (values < high)).any()
+        outside_low = torch.where(inside, infinite, values).amin()
+        outside_high = torch.where(inside, -infinite, values).amax()
+        return torch.stack([whole.float(), low, high, between.float(), outside_low, outside_high])
+
+
+@dataclass(frozen=True)
+class ClassMapValues:
+    """What a class-index map was measured to hold."""
+
+    low: int  # its smallest class index
+    high: int  # its largest
+    ignored: int | None  # the value marking pixels to ignore, where it holds one
 
 
 @dataclass
@@ -81,10 +109,15 @@ class PendingClassMap:
     source: str | None
     module: str | None
 
-    def values(self) -> tuple[int, int] | None:
-        """The map's smallest and largest class index, where the evidence says it is
-        one (one read to the host: audited steps only); None where it is not."""
-        whole, low, high, between = self.evidence.tolist()
-        if whole and between and low >= 0 and high <= self.output[self.axis] - 1:
-            return int(low), int(high)
-        return None
+    def values(self) -> ClassMapValues | None:
+        """The map's class indices and its ignore value, where the evidence says it is
+        a class map (one read to the host: audited steps only); None where it is not."""
+        whole, low, high, between, outside_low, outside_high = self.evidence.tolist()
+        if not (whole and between):
+            return None
+        ignored = None
+        if outside_low <= outside_high:  # values outside the classes
+            if outside_low != outside_high or not is_ignore_value(outside_low):
+                return None  # more than one, or one that is no ignore value
+            ignored = int(outside_low)
+        return ClassMapValues(int(low), int(high), ignored)

@@ -107,6 +107,8 @@ class BroadcastRule(Rule):
         target = second if tuple(first) == tuple(output) else first
         data.update(kind="class_index_map", classes=output[axis], channel_axis=axis)
         data["values"] = [low, high]
+        data["ignored"] = found.ignored
+        ignored = "" if found.ignored is None else f", and {found.ignored} for pixels to ignore"
         where = f" at {found.source}" if found.source else ""
         evaluation = found.phase == "evaluation"
         return self.alert(
@@ -114,10 +116,10 @@ class BroadcastRule(Rule):
             found.module,
             f"{found.op} of {_shape(first)} and {_shape(second)}{where}"
             f"{' in an evaluation pass' if evaluation else ''}: the {_shape(target)} side "
-            f"holds class indices ({low} to {high}), broadcast over the output's "
+            f"holds class indices ({low} to {high}{ignored}), broadcast over the output's "
             f"{output[axis]} channels: every channel is paired with the class index, "
             "not with its own 0/1 target",
-            _class_map_hint(output, axis, evaluation),
+            _class_map_hint(output, axis, evaluation, found.ignored),
             data,
         )
 
@@ -180,7 +182,9 @@ def _one_hot(output: tuple[int, ...], axis: int) -> str:
     return made + ".float()"
 
 
-def _class_map_hint(output: tuple[int, ...], axis: int, evaluation: bool) -> str:
+def _class_map_hint(
+    output: tuple[int, ...], axis: int, evaluation: bool, ignored: int | None = None
+) -> str:
     classes = output[axis]
     mask = _shape(output[:axis] + output[axis + 1 :])
     return (
@@ -188,6 +192,7 @@ def _class_map_hint(output: tuple[int, ...], axis: int, evaluation: bool) -> str
         f"so each channel gets its own 0/1 map, shaped {_shape(output)} like the output: "
         f"{_one_hot(output, axis)} from the {mask} long mask (mask.squeeze({axis}).long() "
         f"where it comes with a size-1 channel axis). "
+        + ("" if ignored is None else _ignoring(ignored, axis))
         + (
             _EVALUATION.capitalize()
             if evaluation
@@ -195,4 +200,15 @@ def _class_map_hint(output: tuple[int, ...], axis: int, evaluation: bool) -> str
             "channel is pushed toward the class index rather than toward whether the pixel "
             "is of its class: the model learns no segmentation."
         )
+    )
+
+
+def _ignoring(ignored: int, axis: int) -> str:
+    """How the one-hot leaves out the pixels marked ``ignored``: F.one_hot refuses the
+    value, and an ignored pixel belongs in neither side of the loss."""
+    return (
+        f"The map marks pixels to ignore with {ignored}, which F.one_hot refuses: take "
+        f"valid = (mask != {ignored}), one-hot mask.masked_fill(~valid, 0), and multiply "
+        f"both the one-hot and the probabilities by valid.unsqueeze({axis}).float() so "
+        "ignored pixels count in neither. "
     )
