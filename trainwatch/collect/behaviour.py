@@ -167,6 +167,8 @@ class BehaviourWatch:
         self._audit = (
             BroadcastAudit(audit_steps, on_error, "loss_input" in rule_ids) if audits else None
         )
+        if self._audit is not None:
+            self._audit.name_called = self._name_called
         self.broadcast = self._audit
         # The first evaluation passes' audit: a whole first validation.
         self.evaluations = (
@@ -627,6 +629,16 @@ class BehaviourWatch:
             self._frozen_seen = None
         if self._frozen_told is not None:
             self._told_part_trains(modes)
+
+    def _name_called(self, module: nn.Module | None) -> str | None:
+        """A called module's name as findings give it: "" for the model, its name for a
+        part called on its own; None for a module of neither (or a compiled wrapper)."""
+        if module is None:
+            return None
+        model = self._model()
+        if module is model or unwrap(module) is model:
+            return ""
+        return self._part_name(module)
 
     def _part_name(self, module: nn.Module) -> str | None:
         """The name in the model of a part called on its own (None: not one of its parts).

@@ -34,12 +34,14 @@ check costs nothing. Operands of equal rank pair no batch with
 another, but the model's ``(N, C, H, W)`` output against a ``(N, 1, H, W)``
 operand from elsewhere may be a class-index label map broadcast over the
 channels: its values are measured on the device and judged at the step's end
-(``collect/class_index_map.py``). The first evaluation passes of the run, whenever they come
-(and of each new phase), are followed by an audit of their own with this
-judge (``collect/broadcast_eval.py``). On the same training steps a loss function
-that takes logits is looked at for a softmax's or sigmoid's output as its input
-(``collect/loss_input.py``, rule ``loss_input``), and ``nll_loss`` for raw logits
-given where log-probabilities belong (``collect/log_probabilities.py``).
+(``collect/class_index_map.py``); so are labels of that shape that a pass given
+them pairs with a prediction (a Dice computed in ``forward``). The first
+evaluation passes of the run, whenever they come (and of each new phase), are
+followed by an audit of their own with this judge (``collect/broadcast_eval.py``).
+On the same training steps a loss function that takes logits is looked at for a
+softmax's or sigmoid's output as its input (``collect/loss_input.py``, rule
+``loss_input``), and ``nll_loss`` for raw logits given where log-probabilities
+belong (``collect/log_probabilities.py``).
 """
 
 from __future__ import annotations
@@ -643,6 +645,11 @@ class BroadcastAudit:
         # Inside a pass given labels: the labels and what only reshapes them, by id.
         self.inside = False
         self._labels: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # The name of the module called with labels, as a finding names it ("" the
+        # model, else its part), asked of ``name_called`` (set by the pipeline) once
+        # labels are found; None where no name is known.
+        self._inside_part: str | None = None
+        self.name_called: Callable[[Any], str | None] | None = None
         # Whether a loss function's input is looked at for probabilities (loss_input).
         self.judges_loss_inputs = loss_inputs
         self.loss_inputs: list[LossInputReport] = []
@@ -700,6 +707,7 @@ class BroadcastAudit:
             return
         for tensor in labels:
             self._labels[id(tensor)] = tensor
+        self._inside_part = None if self.name_called is None else self.name_called(module)
         self.inside = True
         self.audited_pass = True
         enter_loss_mode(self._mode)
@@ -972,8 +980,16 @@ class BroadcastAudit:
         if name not in _ELEMENTWISE or len(operands) < 2 or len(self.findings) >= _MAX_FINDINGS:
             return
         first, second = operands[0], operands[1]
-        if (labels.get(id(first)) is first) == (labels.get(id(second)) is second):
+        first_is_label = labels.get(id(first)) is first
+        if first_is_label == (labels.get(id(second)) is second):
             return  # labels against labels, or neither: not a prediction and its target
+        if first.dim() == second.dim():
+            # The pass's prediction (it carries the gradient) against the labels it was
+            # given: a Dice computed in ``forward`` from a class-index map.
+            target, output = (first, second) if first_is_label else (second, first)
+            if output.requires_grad:
+                self._measure_class_map(name, (first, second), output, target, self._inside_part)
+            return
         self._judge(name, first, second)
 
     def _judge(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -1008,13 +1024,27 @@ class BroadcastAudit:
         elsewhere that carries no gradient: measured for a class-index map on the
         device, judged at the step's end (``collect/class_index_map.py``)."""
         derived = self._derived(a)
-        if derived == self._derived(b) or len(self._class_maps) >= _MAX_FINDINGS:
+        if derived == self._derived(b):
             return
         output, target = (a, b) if derived else (b, a)
+        self._measure_class_map(name, (a, b), output, target, self._part_of((output,)))
+
+    def _measure_class_map(
+        self,
+        name: str,
+        operands: tuple[torch.Tensor, torch.Tensor],
+        output: torch.Tensor,
+        target: torch.Tensor,
+        module: str | None,
+    ) -> None:
+        """``target`` broadcast over ``output``'s channels by the op: its values measured,
+        once for each op and pair of shapes, while it carries no gradient."""
+        if len(self._class_maps) >= _MAX_FINDINGS:
+            return
         axis = broadcast_channel(name, tuple(output.shape), tuple(target.shape))
         if axis is None or target.requires_grad:
             return
-        shapes = (tuple(a.shape), tuple(b.shape))
+        shapes = (tuple(operands[0].shape), tuple(operands[1].shape))
         if (name, *shapes) in self._seen or any(
             (p.name, *p.shapes) == (name, *shapes) for p in self._class_maps
         ):
@@ -1023,13 +1053,7 @@ class BroadcastAudit:
         if evidence is not None:
             self._class_maps.append(
                 PendingClassMap(
-                    evidence,
-                    name,
-                    shapes,
-                    tuple(output.shape),
-                    axis,
-                    _user_line(),
-                    self._part_of((output,)),
+                    evidence, name, shapes, tuple(output.shape), axis, _user_line(), module
                 )
             )
 
