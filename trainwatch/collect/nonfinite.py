@@ -90,8 +90,9 @@ from trainwatch.collect.nonfinite_replay import (
     replay_forward,
     replay_target,
 )
+from trainwatch.collect.nonfinite_sums import output_code
 from trainwatch.collect.rerun_effects import generators_held
-from trainwatch.collect.tensors import finite_exact, floating_list
+from trainwatch.collect.tensors import finite_exact, finite_inexact, inexact_list
 from trainwatch.compiled import unwrap
 from trainwatch.fresh import fresh_maker
 from trainwatch.hooks import HookGroup, PlacedHook, WeakHook, hook_pass_tensor, take_out
@@ -231,6 +232,7 @@ class NonfiniteProbe:
     replay_backward = nonfinite_replay.replay_backward
     entering_all_zero = nonfinite_entering.entering_all_zero
     entering_bad = nonfinite_entering.entering_bad
+    on_inexact_grad_entering = nonfinite_entering.on_inexact_grad_entering
     outputs_without_signal = nonfinite_entering.outputs_without_signal
     outputs_unreached = nonfinite_entering.outputs_unreached
 
@@ -490,8 +492,14 @@ class NonfiniteProbe:
                     self._forward_bad(module, args, kwargs, self._rng_at_start)
                 if output.grad_fn is not None and output.requires_grad and torch.is_grad_enabled():
                     self._await_backward(module, args, kwargs, [output])
+                return
+            if output.is_complex():
+                self._end_complex_pass(module, args, kwargs, inexact_list(output)[0])
             return
-        outs = floating_list(output)
+        outs, complex_ = inexact_list(output)
+        if complex_:
+            self._end_complex_pass(module, args, kwargs, outs)
+            return
         if self.at_step:
             if self._this_step.forward_origin is None and outs:
                 codes = torch.stack([o.detach().sum(dtype=torch.float64) for o in outs])
@@ -507,8 +515,33 @@ class NonfiniteProbe:
         if needs_grad and torch.is_grad_enabled():
             self._await_backward(module, args, kwargs, needs_grad)
 
+    def _end_complex_pass(
+        self, module: nn.Module, args: Any, kwargs: Any, outs: list[torch.Tensor]
+    ) -> None:
+        """A pass whose outputs hold a complex tensor ended (an FNO or a complex layer
+        handing out its spectrum): checked as any pass is, a complex output non-finite
+        where either part of a value is, and the complex gradient backward hands it
+        kept as the real view of its parts (``on_inexact_grad_entering``). Apart from
+        the real outputs' path, which pays nothing for it."""
+        if self.at_step:
+            if self._this_step.forward_origin is None:
+                codes = torch.stack([output_code(o) for o in outs])
+                self._waiting.append(_WaitingPass(module, args, kwargs, codes, self._rng_at_start))
+                if len(self._waiting) >= _MAX_WAITING:
+                    self.settle(None)
+        elif self._this_step.forward_origin is None and not all(map(finite_inexact, outs)):
+            self._forward_bad(module, args, kwargs, self._rng_at_start)
+        needs_grad = [o for o in outs if o.requires_grad and o.grad_fn is not None]
+        if needs_grad and torch.is_grad_enabled():
+            self._await_backward(module, args, kwargs, needs_grad, "on_inexact_grad_entering")
+
     def _await_backward(
-        self, module: nn.Module, args: Any, kwargs: Any, needs_grad: list[torch.Tensor]
+        self,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        needs_grad: list[torch.Tensor],
+        on_grad: str = "on_grad_entering",
     ) -> None:
         """Hook where backward enters this pass: the pass a backward replay would run.
 
@@ -519,7 +552,8 @@ class NonfiniteProbe:
         passes summed into one loss each keep their own gradient. Until a
         backward comes, the latest pass stands. The hooks of the last two
         passes stay: a batch-of-one loop's tens of passes call into Python
-        twice in backward, not once per pass.
+        twice in backward, not once per pass. ``on_grad``: the probe's method
+        each hook calls (a pass with complex outputs names its own).
         """
         self._pass_seq += 1
         call, entering = (module, args, kwargs, self._rng_at_start), [None] * len(needs_grad)
@@ -528,13 +562,13 @@ class NonfiniteProbe:
         if this.replay_seq < 0:  # no backward has reached a pass since this one began
             this.last_call, this.grad_entering = call, entering
         if len(needs_grad) == 1:  # the usual pass: one output
-            hook = WeakHook(self, "on_grad_entering", candidate, 0)
+            hook = WeakHook(self, on_grad, candidate, 0)
             where = hook_pass_tensor(needs_grad[0], hook)
             placed: list[PlacedHook] = [] if where is None else [where]
         else:
             placed = []
             for position, tensor in enumerate(needs_grad):
-                hook = WeakHook(self, "on_grad_entering", candidate, position)
+                hook = WeakHook(self, on_grad, candidate, position)
                 where = hook_pass_tensor(tensor, hook)
                 if where is not None:
                     placed.append(where)

@@ -12,16 +12,38 @@ output get nothing?), or a backward no step used (its flag).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding
 from trainwatch.collect.nonfinite_loss_backward import look_at_loss
-from trainwatch.collect.tensors import finite_exact
+from trainwatch.collect.tensors import finite_exact, real_parts
 
 if TYPE_CHECKING:
     from trainwatch.collect.nonfinite import NonfiniteProbe
+
+
+def on_inexact_grad_entering(
+    probe: NonfiniteProbe, candidate: Any, position: int, grad: torch.Tensor
+) -> None:
+    """``on_grad_entering`` for a pass whose outputs hold a complex tensor: a complex
+    gradient is kept as the real view of its two parts, so the step's norms it rides
+    with, and every look here, take a NaN/Inf in either part as they take a real
+    one's (a norm in fp32 refuses a complex tensor). ``as_handed`` gives it back."""
+    probe.on_grad_entering(candidate, position, real_parts(grad) if grad.is_complex() else grad)
+
+
+def as_handed(grad: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient as backward handed it to the output: one kept as the real view of
+    a complex gradient's parts (see :func:`on_inexact_grad_entering`) is that complex
+    gradient again. ``output``: the output it entered, where known (a replay's)."""
+    if grad.is_complex() or grad.dim() == 0 or grad.shape[-1] != 2 or grad.stride(-1) != 1:
+        return grad
+    if output is not None:
+        return torch.view_as_complex(grad) if output.is_complex() else grad
+    base = grad._base
+    return torch.view_as_complex(grad) if base is not None and base.is_complex() else grad
 
 
 def entering_all_zero(probe: NonfiniteProbe) -> bool:
@@ -91,7 +113,7 @@ def entering_bad(probe: NonfiniteProbe) -> bool:
 def _entering_origin(grad: torch.Tensor) -> NonfiniteFinding:
     """The gradient non-finite where it enters the model, as it is: an Inf in fp16
     is the loss's gradient past fp16's range, a NaN more likely the loss itself."""
-    grad = grad.detach()
+    grad = as_handed(grad).detach()
     return NonfiniteFinding(
         module=0,
         direction="backward",

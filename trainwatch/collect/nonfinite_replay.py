@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from trainwatch.collect import quiet
-from trainwatch.collect.nonfinite_entering import entering_bad
+from trainwatch.collect.nonfinite_entering import as_handed, entering_bad
 from trainwatch.collect.nonfinite_hooks import register_keyword_hooks
 from trainwatch.collect.nonfinite_locate import NonfiniteFinding, innermost_holding, op_of_node
 from trainwatch.collect.op_trace import (
@@ -44,7 +44,6 @@ from trainwatch.collect.rerun_effects import UndoneEffects, call_arguments
 from trainwatch.collect.rerun_hooks import HeldOffTensorHooks
 from trainwatch.collect.tensors import (
     detached_copies,
-    floating_tensors,
     inexact_tensors,
     input_range,
     local_part,
@@ -376,8 +375,9 @@ def replay_backward(probe: NonfiniteProbe) -> bool:
         # line of the op whose derivative turns out to make the NaN/Inf.
         with torch.autograd.set_detect_anomaly(True, check_nan=False):
             output = module(*args, **kwargs)
-        outs = [o for o in floating_tensors(output) if non_leaf(o)]
-        pairs = [(o, g) for o, g in zip(outs, probe._this_pass.grad_entering) if g is not None]
+        outs = [o for o in inexact_tensors(output) if non_leaf(o)]
+        entering = probe._this_pass.grad_entering
+        pairs = [(o, as_handed(g, o)) for o, g in zip(outs, entering) if g is not None]
         if pairs and params:
             watch = probe._backward_watch = FirstNonfiniteBackward()
             try:

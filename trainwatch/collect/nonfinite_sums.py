@@ -48,6 +48,16 @@ def checked_sum(probe: NonfiniteProbe, tensor: torch.Tensor) -> torch.Tensor:
     return values.sum(dtype=torch.float32 if exact else torch.float64)
 
 
+def output_code(tensor: torch.Tensor) -> torch.Tensor:
+    """A pass output's fp64 sum, read at the step boundary (see ``checked_sum``): NaN/+inf
+    where it holds one, -inf where its only non-finite values are a mask's -inf. A
+    complex output's is over the magnitudes of both its parts: never -inf."""
+    values = tensor.detach()
+    if values.is_complex():
+        values = real_parts(values).abs()
+    return values.sum(dtype=torch.float64)
+
+
 def sum_index(probe: NonfiniteProbe, tensor: torch.Tensor) -> int:
     """The index of this tensor's sum in the step's sums, taken now if not yet."""
     known = probe._this_pass.known.get(id(tensor))

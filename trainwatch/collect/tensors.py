@@ -9,13 +9,13 @@ leaves it applies to and silently skips the rest:
 - ``tensor_leaves``: every tensor, with its path (``"logits"``,
   ``"hidden.0"``); the broadcast audit follows all of them into the loss.
 - ``floating_tensors``: real floating tensors with values (not empty, not
-  sparse): what the trigger's NaN/Inf check and the activation statistics
-  apply to. Integer and bool tensors cannot hold a NaN/Inf, and complex ones
-  have no single spread.
-- ``inexact_tensors``: floating and complex ones: where a replay looks for
-  the birth of a NaN/Inf. A complex tensor (an FFT's spectrum, the product of
-  a complex weight) holds it before ``.real``, ``.abs()`` or ``view_as_real``
-  hands it on to a real one.
+  sparse): what the activation statistics apply to. Integer and bool tensors
+  cannot hold a NaN/Inf, and complex ones have no single spread.
+- ``inexact_tensors``: floating and complex ones: what the trigger's NaN/Inf
+  check reads of a pass's output (``inexact_list``), and where a replay looks
+  for the birth of a NaN/Inf. A complex tensor (an FFT's spectrum, the
+  product of a complex weight) holds it before ``.real``, ``.abs()`` or
+  ``view_as_real`` hands it on to a real one.
 """
 
 from __future__ import annotations
@@ -83,6 +83,28 @@ def floating_list(value: Any) -> list[torch.Tensor]:
         checkable = value.is_floating_point() and value.layout is _STRIDED and value.numel() > 0
         return [value] if checkable else []
     return list(floating_tensors(value))
+
+
+def inexact_list(value: Any) -> tuple[list[torch.Tensor], bool]:
+    """``inexact_tensors`` as a list, with whether any of them is complex, and no walk
+    for the usual plain tensor output: what the trigger checks of a model's pass. A
+    model may hand on a complex tensor (an FNO or a complex layer's output, its loss
+    ``(out - target).abs()``), whose NaN/Inf must count there as a real one's does."""
+    if type(value) is torch.Tensor:
+        if value.is_floating_point() and value.layout is _STRIDED and value.numel() > 0:
+            return [value], False
+        if value.is_complex() and value.layout is _STRIDED and value.numel() > 0:
+            return [value], True
+        return [], False
+    found: list[torch.Tensor] = []
+    complex_ = False
+    for _, tensor in tensor_leaves(value):
+        if is_checkable_float(tensor):
+            found.append(tensor)
+        elif is_checkable_inexact(tensor):
+            found.append(tensor)
+            complex_ = True
+    return found, complex_
 
 
 def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -270,6 +292,14 @@ def finite_exact(tensor: torch.Tensor, masks: bool = True) -> bool:
         # finite ones past fp32's range. A masked output is judged by its sum.
         return True
     return finite_or_mask(tensor)
+
+
+def finite_inexact(tensor: torch.Tensor) -> bool:
+    """``finite_exact`` for a floating or a complex tensor: a complex one is finite where
+    both parts of every value are (no complex value is a mask)."""
+    if tensor.is_complex():
+        return finite_exact(real_parts(tensor.detach()), masks=False)
+    return finite_exact(tensor)
 
 
 def finite_or_mask(tensor: torch.Tensor) -> bool:
