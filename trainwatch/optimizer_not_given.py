@@ -241,8 +241,11 @@ class OptimizerNotGiven:
         counted and its gradients armed; at its second it is watched."""
         if not any(ref() is optimizer for ref in self._seen):
             self._seen.append(weakref.ref(optimizer))
-            self._unchecked[optimizer] = self._step_not_watched()
-            self._pipeline.tracker.arm_beside(self._own_params(optimizer))
+            step = self._unchecked[optimizer] = self._step_not_watched()
+            params = self._own_params(optimizer)
+            # Its NaN/Inf judged before it applies them (a new phase's first batch).
+            self._pipeline.judge_unwatched_step(params, step)
+            self._pipeline.tracker.arm_beside(params)
             return
         self._seen = [ref for ref in self._seen if ref() is not None and ref() is not optimizer]
         try:

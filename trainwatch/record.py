@@ -414,7 +414,9 @@ class StepRecord:
     step: int
     # "optimizer": an optimizer's step() ended it; "manual": monitor.step();
     # "attach": the audit made when the monitor attaches (no gradients yet);
-    # "setup": the trainable-parameter audit (at attach, after a change).
+    # "setup": the trainable-parameter audit (at attach, after a change);
+    # "unwatched_step": the step of an optimizer found stepping the model, not yet
+    # watched, judged for its NaN/Inf alone (trainwatch/optimizer_not_given.py).
     source: str = "optimizer"
     optimizer: int | None = None
     # The optimizer's class name, where a message names the optimizer (set on the

@@ -608,6 +608,39 @@ class StepPipeline:
             self._dispatcher.publish(self._window_alerts(window, self._step_count()))
         self._on_new_pass()
 
+    def judge_unwatched_step(self, params: list[torch.Tensor], step: int) -> None:
+        """``step`` is about to apply the gradients of ``params`` with no watched
+        optimizer (one found stepping the model under ``tw.watch(model)``, watched
+        from its next step: trainwatch/optimizer_not_given.py): no boundary of its
+        own comes, so what its passes met is judged now, before the update, as a
+        boundary judges it. A new phase's optimizer whose first batch holds a NaN
+        target is told at that step as a non-finite loss (a NaN feature as the
+        input), not a step later as weights the training code wrote: the update it
+        makes then is that origin's knock-on. Checked on the spot, a healthy step
+        leaves its passes to the next boundary, as before. Runs once per optimizer
+        found; the rules that follow the steps' gradients (their scale, zeros) are
+        not handed this one."""
+        probe = self.probe
+        if probe is None or not probe.enabled:
+            return
+        # The trigger a boundary pulls: the gradients' norms, with those of the
+        # gradient that entered the model last (kept where checks are on the spot).
+        used = [p for p in params if p.grad is not None]
+        entering = [g for g in probe._this_pass.grad_entering if g is not None]
+        norms = gradient_norms([p.grad for p in used] + entering) if used or entering else None
+        listed = [] if norms is None else norms.tolist()
+        if probe.on_the_spot:
+            self._locate_if_off(norms, entering)
+            if not probe.found_in_step() and all(map(math.isfinite, listed)):
+                return
+        # (Deferred checks: every module's sums, read now. They are this step's own:
+        # left to the next boundary, they would be read as that step's.)
+        record = StepRecord(step=step, source="unwatched_step")
+        info = self.layers.info
+        record.present = [info(p) for p in used]
+        record.param_norms = listed[: len(used)]
+        self._dispatcher.publish(self._window_alerts(probe.take(), step, record))
+
     def _locate_if_off(
         self, norms: torch.Tensor | None, entering: list[torch.Tensor]
     ) -> list[float] | None:
@@ -2089,14 +2122,18 @@ class StepPipeline:
             probe.settle(None)  # the waiting passes' one scalar, and a replay if bad
         return self._window_alerts(probe.take(), step)
 
-    def _window_alerts(self, window: StepWindow, step: int) -> list[Alert]:
-        """What a window of passes no step boundary will judge found (read back now)."""
+    def _window_alerts(
+        self, window: StepWindow, step: int, record: StepRecord | None = None
+    ) -> list[Alert]:
+        """What a window of passes no step boundary will judge found (read back now).
+        ``record``: the step's own, where one applies them (else none followed)."""
         values = {
             name: tensor.reshape(-1).float().tolist()
             for name in ("sums", "grad_sums", "skipped")
             if (tensor := getattr(window, name)) is not None
         }
-        record = StepRecord(step=step, source="passes")
+        if record is None:
+            record = StepRecord(step=step, source="passes")
         self.judge.judge(
             record,
             window,
