@@ -618,8 +618,8 @@ class StepPipeline:
         input), not a step later as weights the training code wrote: the update it
         makes then is that origin's knock-on. Checked on the spot, a healthy step
         leaves its passes to the next boundary, as before. Runs once per optimizer
-        found; the rules that follow the steps' gradients (their scale, zeros) are
-        not handed this one."""
+        found; the rules that follow the steps' gradients (their scale, zeros) pass
+        over its record (its source)."""
         probe = self.probe
         if probe is None or not probe.enabled:
             return
