@@ -604,6 +604,9 @@ def test_ctrl_c_flushes_alerts_and_exits_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        # A suite started as a background job (``pytest &``) hands its children SIGINT
+        # ignored, and Python then keeps it ignored: Ctrl-C as a terminal sends it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout.readline().strip() == "READY"
