@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -12,6 +13,11 @@ import torch
 from torch import nn
 
 import trainwatch as tw
+
+# The scripts the tests start (``trainwatch run``, torchrun ranks, the demo) train
+# tiny models too: one OpenMP thread each, or two workers' children contend for the
+# same cores (a ``trainwatch run`` test took a third longer with torch's default).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

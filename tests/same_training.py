@@ -20,7 +20,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 def _python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args],
-        env={"PYTHONPATH": _ROOT, "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": _ROOT, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,

@@ -260,7 +260,7 @@ def test_trainwatch_run_of_an_unmodified_script_trains_as_without(tmp_path, name
     script.write_text(textwrap.dedent(SCRIPT))
     (tmp_path / "often.yaml").write_text("stalled_training: {every: 2, warmup: 1}\n")
     root = str(Path(__file__).resolve().parent.parent)
-    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": root, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     plain = subprocess.run(
         [sys.executable, str(script), name, str(tmp_path / "plain.pt")],
         env=env,
