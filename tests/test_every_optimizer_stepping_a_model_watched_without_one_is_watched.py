@@ -288,7 +288,8 @@ def test_a_forgotten_critic_step_is_told_as_with_the_optimizers_passed():
     stopped, at the twin's step, not as one training the model unwatched."""
     monitor, _ = _actor_critic_run(False, "critic_step", iterations=130)
     twin, _ = _actor_critic_run(True, "critic_step", iterations=130)
-    assert _found(monitor) == _found(twin) == [("not_optimized", 125, "", "warning")]
+    # Told at the module holding the critic's parameters.
+    assert _found(monitor) == _found(twin) == [("not_optimized", 125, "critic", "warning")]
     message = _messages(monitor)[0]
     assert "last stepped at step 2, 123 steps ago" in message
     assert "(critic.0.weight, critic.0.bias" in message

@@ -547,6 +547,13 @@ class StepRecord:
     idle_optimizer: int | None = None
     # With idle_optimizer: the step it last stepped at (None: it never stepped).
     idle_since: int | None = None
+    # With idle_steps: the loop threw away the idle optimizer's gradients this many
+    # times, reset and written anew with no step between (0: not seen).
+    idle_lost: int = 0
+    # With idle_steps: what the training code calls the idle optimizer and the model
+    # (None: not found; looked up only as the finding is told).
+    idle_optimizer_name: str | None = None
+    idle_model_name: str | None = None
     # Parameters whose gradient still held the previous step's values when
     # backward added onto it, and how that was established.
     accumulated: list[ParamInfo] = field(default_factory=list)

@@ -58,6 +58,7 @@ from trainwatch.collect.joined_layers import JoinedLayers
 from trainwatch.collect.left_out_model import a_loss_module, left_out_model
 from trainwatch.collect.loss_kind import LossKinds, loss_kind
 from trainwatch.collect.loss_scale import loss_scale, scale_tensor
+from trainwatch.collect.lost_gradients import LostGradients, LostGradientWatches
 from trainwatch.collect.mode_stack import LOSS_MODES
 from trainwatch.collect.nonfinite import NonfiniteFinding, NonfiniteProbe, StepWindow
 from trainwatch.collect.norm_overflow import norm_overflow
@@ -155,6 +156,7 @@ _PARTS = (
     "class_targets",
     "stall",
     "idle",
+    "lost_gradients",
     "unwatched",
     "_backwards_anywhere",
 )
@@ -522,7 +524,11 @@ class StepPipeline:
         self.idle: IdleOptimizer | None = None
         if self._checks_not_optimized:
             self.idle = IdleOptimizer(
-                root, optimizers, steps_taken, weak_callback(self._optimizer_idle)
+                root,
+                optimizers,
+                steps_taken,
+                weak_callback(self._optimizer_idle),
+                weak_callback(self._optimizer_idle_lost),
             )
             self.passes.subscribe("idle optimizer", self.idle)
         # Weights updated while no watched optimizer steps (an optimizer the loop
@@ -547,6 +553,9 @@ class StepPipeline:
         # Per such optimizer, the gradients its parameters held at the last look
         # (see _sibling_idle).
         self._sibling_seen: dict[int, GradientsSeen] = {}
+        # Per such optimizer, over its first IDLE_LOOK_AHEAD steps idle: its own
+        # gradients, followed for ones the loop throws away unapplied.
+        self.lost_gradients = LostGradientWatches()
         # With several optimizers: when to look next for one that stopped stepping,
         # and those already told. The first look notes the gradients of any optimizer
         # idle since the start, for the next look to judge.
@@ -1399,6 +1408,30 @@ class StepPipeline:
         record.idle_steps = steps
         self._dispatcher.publish(self.rules.evaluate(record))
 
+    def _optimizer_idle_lost(
+        self, since: int, steps: int, params: list[nn.Parameter], losses: int
+    ) -> None:
+        """The model's optimizer never stepped since ``since`` while other models took
+        ``steps`` steps, and the loop threw away its gradients ``losses`` times (see
+        LostGradients)."""
+        self._guarded("idle optimizer", self._tell_idle_lost, since, steps, params, losses)
+
+    def _tell_idle_lost(
+        self, since: int, steps: int, params: list[nn.Parameter], losses: int
+    ) -> None:
+        record = StepRecord(step=since, source="passes")
+        record.not_optimized = [self.layers.info(p) for p in params if p in self.layers]
+        record.idle_steps = steps
+        record.idle_lost = losses
+        optimizers = list(self._optimizers)
+        named = [self._root, *optimizers]
+        names = self._guarded("caller names", names_in_caller, named, _inner_if_optimizer) or {}
+        record.idle_model_name = names.get(id(self._root))
+        if len(optimizers) == 1:
+            record.idle_optimizer_name = names.get(id(optimizers[0]))
+            record.optimizer_class = type(optimizers[0]).__name__
+        self._dispatcher.publish(self.rules.evaluate(record))
+
     def _optimizer_looks(self, step: int, pending: PendingStep) -> None:
         """The looks a step of a model with several optimizers is due (see applied)."""
         double = self._double_steps
@@ -1462,18 +1495,19 @@ class StepPipeline:
             if index in self._applied_at:
                 continue
             since = self._attached_at.setdefault(index, taken)
-            if since < 0 or taken - since < IDLE_LOOK_AHEAD:
+            if since < 0:
                 continue
+            if taken - since < IDLE_LOOK_AHEAD:
+                if stepping is None:
+                    stepping = self._stepping_params()
+                self._look_for_lost(index, step, stepping)
+                continue
+            self.lost_gradients.end(index)  # the longer wait takes over
             due = taken - since >= IDLE_PATIENCE
             if not due and index in self._sibling_seen:
                 continue  # noted: judged when due
             if stepping is None:
-                stepping = {
-                    id(p)
-                    for other in self._applied_at
-                    if other is not None
-                    for p in self.optimizer_params(other)
-                }
+                stepping = self._stepping_params()
             # Those another optimizer steps are updated (Adam first, L-BFGS later
             # over the same parameters): only the ones no stepping optimizer holds.
             # Frozen or not: Lightning's toggle_optimizer(opt_g) freezes the
@@ -1500,6 +1534,63 @@ class StepPipeline:
         if step >= self._stopped_check_at:
             self._stopped_check_at = step + STOPPED_STEPPING // 4
             self._stopped_stepping(step)
+
+    def _stepping_params(self) -> set[int]:
+        """The parameters (by id) of the model's optimizers that have stepped."""
+        return {
+            id(p)
+            for other in self._applied_at
+            if other is not None
+            for p in self.optimizer_params(other)
+        }
+
+    def _look_for_lost(self, index: int, step: int, stepping: set[int]) -> None:
+        """Optimizer ``index`` has not stepped by ``step``, another one's: its own
+        parameters' gradients looked at for ones thrown away unapplied (a forgotten
+        ``critic_opt.step()``), from the first such step on, over the first
+        :data:`IDLE_LOOK_AHEAD` (the longer wait takes over after them)."""
+        watches = self.lost_gradients.by_index
+        watch = watches.get(index)
+        if watch is not None and watch.done:
+            return  # ended: made once per optimizer
+        # Those another optimizer steps are updated by it: only the ones no stepping
+        # optimizer holds (frozen or not, as around the step of sibling_idle).
+        own = [p for p in self.optimizer_params(index) if id(p) not in stepping]
+        # Its writes are followed once it was idle at an earlier step too, or holds
+        # gradients its step has not applied yet; a healthy loop's first iteration,
+        # its backward and step after this one's, gets no hook.
+        follow = watch is not None or any(p.grad is not None for p in own)
+        if watch is None:
+            watch = watches[index] = LostGradients(
+                partial(weak_method(self._has_stepped, True), index),
+                partial(weak_callback(self._gradients_lost), index, step),
+            )
+        watch.look(own, PROCESS_STEPS.taken - 1, follow)  # this step came after them
+
+    def _has_stepped(self, index: int) -> bool:
+        return index in self._applied_at
+
+    def _gradients_lost(
+        self, index: int, since_step: int, params: list[torch.Tensor], losses: int
+    ) -> None:
+        """Optimizer ``index``, idle since ``since_step``, let the loop throw away its
+        parameters' gradients ``losses`` times (see LostGradients)."""
+        since = self._attached_at.get(index, -1)
+        if since < 0 or index in self._applied_at:
+            return
+        self._attached_at[index] = -1  # told once
+        self._sibling_seen.pop(index, None)
+        taken = self._steps_taken()
+        self._guarded(
+            "idle optimizer",
+            self._tell_idle,
+            since_step,
+            index,
+            params,
+            taken - since + 1,
+            None,
+            losses,
+        )
 
     def _stopped_stepping(self, step: int) -> None:
         """An optimizer of the model's stepped, then stopped for :data:`STOPPED_STEPPING`
@@ -1558,19 +1649,25 @@ class StepPipeline:
         held: list[torch.Tensor],
         idle_steps: int,
         last_step: int | None = None,
+        lost: int = 0,
     ) -> None:
         """Optimizer ``index`` left ``held`` unapplied for ``idle_steps`` steps (since
-        ``last_step``, its last; None: it never stepped)."""
+        ``last_step``, its last; None: it never stepped), ``lost``: their gradients
+        thrown away that many times (0: not known)."""
+        optimizer = self._optimizers[index]
         record = StepRecord(
             step=step,
             source="passes",
             optimizer=index,
-            optimizer_class=type(self._optimizers[index]).__name__,
+            optimizer_class=type(optimizer).__name__,
         )
         record.not_optimized = [self.layers.info(p) for p in held if p in self.layers]
         record.idle_steps = idle_steps
         record.idle_optimizer = index
         record.idle_since = last_step
+        record.idle_lost = lost
+        names = self._guarded("caller names", names_in_caller, [optimizer], _inner_if_optimizer)
+        record.idle_optimizer_name = (names or {}).get(id(optimizer))
         self._dispatcher.publish(self.rules.evaluate(record))
 
     def _frozen_output(self, found: FrozenOutput) -> None:

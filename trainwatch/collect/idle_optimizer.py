@@ -12,6 +12,13 @@ reported once (``not_optimized``): a ``.grad`` merely left behind (one
 diagnostic backward, a saliency map, before another model trains beside it)
 is no training.
 
+Over the first :data:`LOOK_AHEAD` of those steps, the model's passes look at
+its gradients for ones the loop throws away unapplied (``critic_opt.zero_grad();
+critic_loss.backward()`` and no ``critic_opt.step()``): twice is a
+forgotten step, told then, within a few iterations (see
+:mod:`trainwatch.collect.lost_gradients`); the wait above is for loops where
+that does not show (gradients reset in place).
+
 It listens to the passes only until the model's first step: a model that
 trains pays nothing for it from then on.
 
@@ -31,7 +38,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from trainwatch import registry
+from trainwatch.collect.lost_gradients import LostGradients
 from trainwatch.process_steps import PROCESS_STEPS
+from trainwatch.weak import weak_callback
 
 # Optimizer steps of other models in this process before a model whose own
 # optimizer never stepped is told (a GAN's critic steps 5 times per generator
@@ -97,12 +107,20 @@ class IdleOptimizer:
         optimizers: list[Any],
         steps_taken: Callable[[], int],
         found: Callable[[int, list[nn.Parameter]], None],
+        lost: Callable[[int, int, list[torch.Tensor], int], None],
     ) -> None:
         self._model = model
         self._optimizers = optimizers  # the monitor's own list
         self._steps_taken = steps_taken
         self._found = found
+        # Told ``(since, steps, params, losses)`` where the gradients are thrown away.
+        self._lost_found = lost
         self._since = PROCESS_STEPS.taken
+        # The watch for gradients thrown away (made at the first look; kept once
+        # done, so it is made once) and the step it dates a finding at.
+        self._lost: LostGradients | None = None
+        self._lost_since = 0
+        self._lost_params: list[torch.Tensor] = []
         # From the look ahead on: ids of the trainable parameters whose gradient
         # some backward wrote since (None: not listening).
         self._written: set[int] | None = None
@@ -110,13 +128,17 @@ class IdleOptimizer:
         self.done = False
 
     def pass_starts(self, module: nn.Module) -> None:
-        if (
-            self.done
-            or not self._optimizers
-            or PROCESS_STEPS.taken - self._since < LOOK_AHEAD
-            or self._steps_taken()
-        ):
+        if self.done or not self._optimizers:
             return
+        elapsed = PROCESS_STEPS.taken - self._since
+        if elapsed < LOOK_AHEAD:
+            if elapsed and not self._steps_taken():
+                self._look_for_lost()
+            return
+        if self._steps_taken():
+            return
+        if self._lost is not None and not self._lost.done:
+            self._lost.detach()  # past the look ahead: the longer wait takes over
         written = self._written
         if written is None:
             self._listen()
@@ -130,6 +152,40 @@ class IdleOptimizer:
             return
         self.done = True
         self._found(PROCESS_STEPS.taken - self._since, held)
+
+    def _look_for_lost(self) -> None:
+        """Another model stepped since this one was watched, and its optimizer never
+        did: its gradients looked at for ones thrown away unapplied."""
+        lost = self._lost
+        if lost is None:
+            lost = self._lost = LostGradients(self._steps_taken, weak_callback(self._lost_seen))
+            self._lost_since = max(PROCESS_STEPS.now - 1, 0)  # the first step it missed
+            self._lost_params = self._own_params()
+        # Looked at as a pass starts: only a step from now comes after what they hold.
+        # Idle across another model's step already: its writes are followed.
+        lost.look(self._lost_params, PROCESS_STEPS.taken, True)
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """The model's parameters its optimizers hold and no other watched model's
+        optimizer does (a trunk shared with a model that trains is updated there)."""
+        ours = {id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]}
+        others = {
+            id(p)
+            for owner in registry.owners()
+            for opt in owner.optimizers
+            if not any(opt is mine for mine in self._optimizers)
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+        return [p for p in self._model.parameters() if id(p) in ours and id(p) not in others]
+
+    def _lost_seen(self, params: list[torch.Tensor], losses: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._stop_listening()
+        steps = PROCESS_STEPS.taken - self._since
+        self._lost_found(self._lost_since, steps, params, losses)
 
     def _listen(self) -> None:
         """Note each write of a trainable parameter's gradient from now on.
@@ -160,3 +216,5 @@ class IdleOptimizer:
     def detach(self) -> None:
         self.done = True
         self._stop_listening()
+        if self._lost is not None:
+            self._lost.detach()

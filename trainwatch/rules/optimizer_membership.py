@@ -829,10 +829,12 @@ class NotOptimizedRule(_ReportOnce):
             return [self._unwatched(record, params, owners)]
         if record.idle_optimizer is not None:
             return [self._sibling_never_steps(record, params, owners)]
+        if record.idle_lost:
+            return [self._model_gradients_lost(record, params, owners)]
         return [
             self.alert(
                 record.step,
-                owners[0] if len(owners) == 1 else "",
+                common_module(owners),
                 f"this model's optimizer has not stepped once while other models took "
                 f"{record.idle_steps} optimizer steps, yet {len(params)} of its parameters "
                 f"({short_names(params)}) hold gradients: it is never updated, and its "
@@ -849,6 +851,42 @@ class NotOptimizedRule(_ReportOnce):
             )
         ]
 
+    def _model_gradients_lost(
+        self, record: StepRecord, params: list[ParamInfo], owners: list[str]
+    ) -> Alert:
+        """The model's only optimizers never stepped while other models did, and the
+        loop threw its gradients away before any step applied them."""
+        model = record.idle_model_name
+        optimizer = record.idle_optimizer_name
+        if optimizer and record.optimizer_class:
+            named = f"{optimizer} ({record.optimizer_class})"
+        else:
+            named = optimizer or "this model's optimizer"
+        whose = f"{model}'s" if model else "this model's"
+        step_call = f"{optimizer}.step()" if optimizer else "its optimizer.step()"
+        return self.alert(
+            record.step,
+            common_module(owners),
+            f"{named} has not stepped once since step {record.step}, while other models "
+            f"took {record.idle_steps} optimizer steps: {whose} gradients "
+            f"({short_names(params)}) were reset and written anew {record.idle_lost} times "
+            "with no step between, so every backward's gradient is thrown away "
+            f"and {model or 'the model'} is never updated",
+            f"is {step_call} missing after its backward (an actor-critic's critic_opt, a "
+            "GAN's discriminator optimizer), or did a copy-paste slip step another "
+            "optimizer in its place? If the model is held fixed on purpose, freeze it "
+            "(requires_grad_(False)) so no gradient is computed for it.",
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "kind": "optimizer_never_steps",
+                "lost_gradients": record.idle_lost,
+                "since_step": record.step,
+                "optimizer_name": optimizer,
+                "model_name": model,
+            },
+        )
+
     def _sibling_never_steps(
         self, record: StepRecord, params: list[ParamInfo], owners: list[str]
     ) -> Alert:
@@ -859,10 +897,14 @@ class NotOptimizedRule(_ReportOnce):
         name = f"optimizer {index}"
         if record.optimizer_class:
             name += f" ({record.optimizer_class})"
+            if record.idle_optimizer_name:  # critic_opt (optimizer 1, Adam)
+                name = _optimizer_named(index, record.optimizer_class, record.idle_optimizer_name)
+        if record.idle_lost:
+            return self._sibling_gradients_lost(record, params, owners, name)
         if record.idle_since is not None:
             return self.alert(
                 record.step,
-                owners[0] if len(owners) == 1 else "",
+                common_module(owners),
                 f"{name} last stepped at step {record.idle_since}, "
                 f"{record.idle_steps} steps ago, while this model's other optimizers "
                 f"step, yet {len(params)} parameters only it holds "
@@ -882,7 +924,7 @@ class NotOptimizedRule(_ReportOnce):
             )
         return self.alert(
             record.step,
-            owners[0] if len(owners) == 1 else "",
+            common_module(owners),
             f"{name} has not stepped once while this model's other optimizers "
             f"took {record.idle_steps} steps, yet {len(params)} of its parameters "
             f"({short_names(params)}) hold gradients: they are never updated",
@@ -896,6 +938,39 @@ class NotOptimizedRule(_ReportOnce):
                 "optimizer": index,
                 "optimizer_class": record.optimizer_class,
                 "kind": "optimizer_never_steps",
+            },
+        )
+
+    def _sibling_gradients_lost(
+        self, record: StepRecord, params: list[ParamInfo], owners: list[str], name: str
+    ) -> Alert:
+        """One of the model's optimizers never stepped while its others did, and the
+        loop threw its parameters' gradients away before any step applied them."""
+        module = common_module(owners)
+        where = module or "the model"
+        optimizer = record.idle_optimizer_name
+        step_call = f"{optimizer}.step()" if optimizer else "its step()"
+        return self.alert(
+            record.step,
+            module,
+            f"{name} has not stepped once since step {record.step}, while this model's "
+            f"other optimizers took {record.idle_steps} steps: the gradients of its "
+            f"{len(params)} parameters ({short_names(params)}) were reset and written anew "
+            f"{record.idle_lost} times with no step between, so every backward's "
+            f"gradient is thrown away and {where} is never updated",
+            f"is {step_call} missing after its backward (an actor-critic's critic_opt, "
+            "one optimizer per part of the model), or did a copy-paste slip step another "
+            "optimizer in its place? If these parameters are held fixed on purpose, freeze "
+            "them (requires_grad_(False)) so no gradient is computed for them.",
+            {
+                "parameters": [p.name for p in params],
+                "steps_elsewhere": record.idle_steps,
+                "optimizer": record.idle_optimizer,
+                "optimizer_class": record.optimizer_class,
+                "optimizer_name": optimizer,
+                "kind": "optimizer_never_steps",
+                "lost_gradients": record.idle_lost,
+                "since_step": record.step,
             },
         )
 
