@@ -6,7 +6,7 @@ and never ``critic_opt.step()`` (or steps ``actor_opt`` a second time where
 at every iteration and writes new ones: each backward's gradient is thrown
 away without an update. Waiting for other optimizers to take many steps before
 calling such an optimizer idle tells it late; the gradients say it within
-three iterations.
+four iterations.
 
 A gradient is lost when a backward writes a new gradient tensor into a
 parameter whose previous one is gone (or the parameter is found holding none):
@@ -17,8 +17,8 @@ meanwhile: a diagnostic backward repeated between two steps is no training),
 and every gradient seen finite, are the evidence; none of these loses enough:
 
 - gradient accumulation adds onto the same tensor (its step comes later);
-- an optimizer stepped every other iteration loses at most one gradient
-  before its first step;
+- an optimizer stepped every second or third iteration loses at most two
+  gradients before its first step;
 - a GradScaler's skipped steps throw away non-finite gradients (the count
   starts again after them);
 - a learning-rate warm-up from 0 steps all the same, and the watch ends at
@@ -51,8 +51,9 @@ from trainwatch.hooks import WeakHook
 from trainwatch.process_steps import PROCESS_STEPS
 
 # Gradients lost with no step of their optimizer before it is told: one more than
-# an optimizer stepped every other iteration loses.
-LOSSES = 2
+# an optimizer stepped every third iteration loses before its first step (a delayed
+# update written ``(it + 1) % 3 == 0``, its loss's backward run at every iteration).
+LOSSES = 3
 
 # Per parameter (by id): the parameter, the gradient last seen on it (weakly;
 # None: none to lose) and the process's step count from which a step counts as

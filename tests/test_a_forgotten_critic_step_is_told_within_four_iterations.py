@@ -4,10 +4,10 @@
 ``actor_opt.step()`` written twice, a copy-paste slip): the critic's gradient
 is reset and written anew at every iteration, each one thrown away before any
 step applies it. That was told only once the actor's optimizer had taken 20
-steps; the gradients say it by the third iteration: two thrown away in a row.
+steps; the gradients say it by the fourth iteration: three thrown away in a row.
 
 Each planted bug beside its clean control, and the loops that look alike but
-train the critic: gradient accumulation, a critic stepped every other
+train the critic: gradient accumulation, a critic stepped every second or third
 iteration, a GradScaler skipping the critic's steps while its scale comes
 down, a learning-rate warm-up from 0, TD3's delayed actor with soft-updated
 targets, PPO's epochs over a rollout, a frozen critic.
@@ -81,7 +81,8 @@ def _a2c(
     ``critic``: ``"steps"``, ``"forgotten"``, ``"actor_twice"`` (``actor_opt.step()``
     where ``critic_opt.step()`` belongs), ``"accumulates"`` (4 backward passes a
     step, reset after it), ``"every_other"`` / ``"every_other_late"`` (reset every
-    iteration, stepped at even / odd ones). Returns the alerts and the number
+    iteration, stepped at even / odd ones), ``"every_third_late"`` (reset every
+    iteration, stepped at the third of each three: ``(it + 1) % 3 == 0``). Returns the alerts and the number
     of alerts told by the end of each iteration.
     """
     torch.manual_seed(0)
@@ -128,6 +129,7 @@ def _a2c(
                 or (critic == "accumulates" and it % 4 == 3)
                 or (critic == "every_other" and it % 2 == 0)
                 or (critic == "every_other_late" and it % 2 == 1)
+                or (critic == "every_third_late" and (it + 1) % 3 == 0)
             ):
                 critic_opt.step()
                 if critic == "accumulates":
@@ -147,20 +149,22 @@ def _told_at(told: list[int]) -> int:
 
 
 @pytest.mark.parametrize("critic", ["forgotten", "actor_twice"])
-def test_a_forgotten_critic_step_is_told_by_the_third_iteration(critic):
+def test_a_forgotten_critic_step_is_told_by_the_fourth_iteration(critic):
     alerts, told = _a2c(critic)
     (alert,) = alerts
     assert alert.rule == "not_optimized" and alert.data["kind"] == "optimizer_never_steps"
-    assert alert.module == "critic" and _told_at(told) <= 2
+    assert alert.module == "critic" and _told_at(told) <= 3
     assert alert.step == 0  # dated at the first step it missed
     assert alert.data["optimizer"] == 1 and alert.data["optimizer_name"] == "critic_opt"
-    assert alert.data["lost_gradients"] == 2
+    assert alert.data["lost_gradients"] == 3
     assert {name.split(".")[0] for name in alert.data["parameters"]} == {"critic"}
     assert "critic_opt.step()" in alert.hint
 
 
-@pytest.mark.parametrize("critic", ["steps", "accumulates", "every_other", "every_other_late"])
-def test_a_critic_that_steps_accumulates_or_steps_every_other_iteration_is_silent(critic):
+@pytest.mark.parametrize(
+    "critic", ["steps", "accumulates", "every_other", "every_other_late", "every_third_late"]
+)
+def test_a_critic_that_steps_accumulates_or_steps_every_few_iterations_is_silent(critic):
     alerts, _ = _a2c(critic, iterations=2 * PATIENCE)
     assert alerts == []
 
@@ -316,7 +320,7 @@ def test_a_critic_watched_as_a_model_of_its_own(forget):
         return
     (alert,) = alerts
     assert alert.rule == "not_optimized" and alert.data["kind"] == "optimizer_never_steps"
-    assert _told_at(told) <= 2 and alert.step == 0
+    assert _told_at(told) <= 3 and alert.step == 0
     assert alert.data["model_name"] == "critic" and alert.data["optimizer_name"] == "critic_opt"
     assert alert.message.startswith("critic_opt (Adam) has not stepped once")
 
@@ -391,10 +395,10 @@ def test_td3_whose_critic_step_is_forgotten_is_told_early():
     alerts, told = _td3(forget_critic=True, actor_loss_every_iteration=False)
     (alert,) = alerts
     assert alert.rule == "not_optimized" and alert.module == "critic"
-    assert alert.data["optimizer_name"] == "critic_opt" and alert.data["lost_gradients"] == 2
+    assert alert.data["optimizer_name"] == "critic_opt" and alert.data["lost_gradients"] == 3
     # The actor steps at odd iterations only: the critic, seen idle at its first step
-    # (iteration 1), is told two iterations later.
-    assert _told_at(told) <= 3
+    # (iteration 1), is told three iterations later.
+    assert _told_at(told) <= 4
 
 
 # -- Lightning's manual optimization -----------------------------------------------------
@@ -460,7 +464,7 @@ def test_lightning_manual_optimization_with_a_forgotten_critic_step(tmp_path, fo
         return
     (alert,) = alerts
     assert alert.rule == "not_optimized" and alert.module == "critic"
-    assert alert.step == 0 and alert.data["steps_elsewhere"] <= 3
+    assert alert.step == 0 and alert.data["steps_elsewhere"] <= 4
     assert alert.data["optimizer"] == 1 and alert.data["optimizer_name"] == "critic_opt"
 
 
@@ -540,5 +544,5 @@ def test_trainwatch_run_tells_the_forgotten_critic_step(tmp_path, how):
         return
     (alert,) = found
     assert alert["rule"] == "not_optimized" and alert["module"] == "critic"
-    assert alert["step"] == 0 and alert["data"]["steps_elsewhere"] <= 3
+    assert alert["step"] == 0 and alert["data"]["steps_elsewhere"] <= 4
     assert alert["data"]["optimizer_name"] == "critic_opt"
