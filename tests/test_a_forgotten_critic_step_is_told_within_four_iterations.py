@@ -82,8 +82,8 @@ def _a2c(
     where ``critic_opt.step()`` belongs), ``"accumulates"`` (4 backward passes a
     step, reset after it), ``"every_other"`` / ``"every_other_late"`` (reset every
     iteration, stepped at even / odd ones), ``"every_third_late"`` (reset every
-    iteration, stepped at the third of each three: ``(it + 1) % 3 == 0``). Returns the alerts and the number
-    of alerts told by the end of each iteration.
+    iteration, stepped at the third of each three: ``(it + 1) % 3 == 0``). Returns
+    the alerts and the number of alerts told by the end of each iteration.
     """
     torch.manual_seed(0)
     env = CartPole()
