@@ -139,7 +139,7 @@ def test_a_gru_lm_shifting_its_labels_is_told_the_176_positions_its_loss_counts(
 def test_a_gru_lm_shifting_labels_set_to_minus_100_at_padding_is_silent():
     monitor = fit(GruLM(next_token=True), lambda step: padded_batch(step, masked=True))
     assert padding_alerts(monitor) == []
-    assert monitor._pipeline.class_targets.padding.open is False  # its verdict is in
+    assert monitor._pipeline.class_targets.padding.judged  # its verdict is in
 
 
 def test_left_padding_the_shifted_loss_never_sees_as_a_label_is_not_counted():
@@ -166,7 +166,7 @@ def test_gpt2_shifting_the_labels_it_is_handed_is_told_what_its_loss_counts(side
 def test_gpt2_with_padding_labelled_minus_100_is_silent():
     monitor = fit(tiny_gpt2(), lambda step: padded_batch(step, masked=True, side="left"))
     assert padding_alerts(monitor) == []
-    assert monitor._pipeline.class_targets.finished
+    assert monitor._pipeline.class_targets.padding.judged
 
 
 @pytest.mark.parametrize("model_of", [lambda: GruLM(next_token=True), tiny_gpt2])

@@ -109,7 +109,8 @@ def test_padding_counted_by_the_loss_is_told_at_step_0(make):
 def test_padding_ignored_by_the_loss_is_silent_and_judged_at_step_0(make):
     monitor, _ = fit(make(), ignore=PAD)
     assert not {"loss_on_padding", "internal_error"} & {a.rule for a in monitor.alerts}
-    assert monitor._pipeline.class_targets.targets_done  # the verdict came with the first step
+    padding = monitor._pipeline.class_targets.padding
+    assert padding.judged and padding.open  # the verdict came with the first step; it goes on
 
 
 def test_without_the_broadcast_audit_the_look_takes_step_0_with_its_own_mode():

@@ -827,6 +827,7 @@ class AutoWatch:
         for monitor in self.monitors:
             if not monitor.closed:
                 monitor.watch_data(loader)
+                monitor.data_restarted()
 
     def _evaluation_started(self, loader: DataLoader) -> None:
         """A loader read for an evaluation: a dataset evaluated for the first time (a

@@ -211,6 +211,18 @@ class TrainWatchCallback(TrainerCallback):
         return Path(args.output_dir), False
 
     # -- the step ----------------------------------------------------------------
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # A new pass over the training data: its batches may be of another make
+        # (a collator or tokenizer changed by a callback of the user's).
+        monitor = self._monitor
+        if monitor is not None and not monitor.closed:
+            try:
+                monitor.data_restarted()
+            except Exception as exc:
+                warnings.warn(f"trainwatch: {exc!r}", stacklevel=2)
+
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -333,7 +333,11 @@ class TrainWatchCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter("train")
         monitor = self._monitor
-        if monitor is not None and not monitor.closed and not _overfitting(trainer):
+        if monitor is None or monitor.closed:
+            return
+        # A new pass over the training data: its batches may be of another make.
+        self._guarded("training data", monitor.data_restarted)
+        if not _overfitting(trainer):
             # Loaded by now (reloaded each epoch with reload_dataloaders_every_n_epochs).
             for loader in _loaders(trainer.train_dataloader):
                 self._guarded("training data", monitor.watch_data, loader)

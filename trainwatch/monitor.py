@@ -432,6 +432,18 @@ class Monitor:
         self._pipeline.data_order = self._guarded("data order", sequential_order, loader)
         self._pipeline.own_batching = self._guarded("data order", own_batching, loader)
 
+    def data_restarted(self) -> None:
+        """A new pass over the training data begins (an epoch, another loader).
+
+        Its batches may be of another make than the last pass's (a curriculum's
+        second loader, a collate changed for a fine-tuning phase): the labels a
+        token loss gives padding are looked at on the next step
+        (``loss_on_padding``), not only at their sampled cadence. ``trainwatch run``
+        and the Lightning and Hugging Face callbacks call it at each epoch.
+        """
+        if not self.closed:
+            self._pipeline.batches_may_change()
+
     def new_evaluation_data(self) -> None:
         """A dataset is evaluated for the first time (a test set after fitting,
         Lightning's ``trainer.test`` or ``predict``): its first passes are followed

@@ -2469,7 +2469,12 @@ class StepPipeline:
     def _new_phase(self, now: int) -> None:
         """A new phase of training (a new optimizer, a part of the model replaced,
         parameters frozen or unfrozen) may bring a new loss: the broadcast audit
-        runs its first steps again, armed at this step's boundary."""
+        runs its first steps again, armed at this step's boundary. It may bring
+        batches of another make too: the padding look comes at the next step (the
+        monitor subscribes it as it turns to that step)."""
+        look = self.class_targets
+        if look is not None:
+            self._guarded("class target look", look.look_soon)
         if self._audits:
             self._phase_began = True
             self._audit_at = min(self._audit_at, now)
@@ -2541,6 +2546,14 @@ class StepPipeline:
         if joins.exhausted:
             self._joins = None
             self._small_norms.on_new_layout = None
+
+    def batches_may_change(self) -> None:
+        """Between steps: the training data starts a new pass (an epoch, another
+        loader), whose batches may be of another make (a collate of its own): the
+        padding look comes at the next step."""
+        look = self.class_targets
+        if look is not None and self._guarded("class target look", look.look_soon):
+            self._guarded("class target look", self.listen_for_targets, look)
 
     def listen_for_targets(self, look: ClassTargetLook) -> None:
         """Only the passes of sampled steps reach the look: others pay nothing for it."""

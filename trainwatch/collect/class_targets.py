@@ -18,11 +18,15 @@ nothing for it. A class loss over tokens or pixels (a
 language model's next-token loss) marks the run as one whose targets vary
 within each sample: nothing more to count. The same look measures the
 labels such a loss gives padding (:mod:`trainwatch.collect.padded_labels`)
-until that has its verdict; then it stops for good. A run whose sampled
-steps show no class loss at all (a regression), or a token loss whose
-batches hold no padding yet, is looked at half as often after every few such
-steps, down to a sixteenth of the cadence, until a class loss shows up again
-(a classifier trained after a pretext phase).
+until a finding: a healthy verdict is no reason to stop, as a collate may
+break mid-run. A run whose sampled steps show no class loss at all (a
+regression), or a token loss (its batches with padding or without), is
+looked at half as often after every few such steps, down to a sixteenth of
+the cadence, until a class loss shows up again (a classifier trained after a
+pretext phase). Where the batches may be of another make from a step on (a
+new pass over the training data, a new phase of training), a token loss's
+look comes at that step (:meth:`ClassTargetLook.look_soon`), then at the
+configured cadence again, slowing down as before.
 
 The same span also reads the kind of the step's loss at its first ``backward``
 (:mod:`trainwatch.collect.loss_kind`), for the broadcast audit to follow a loss
@@ -166,6 +170,10 @@ class ClassTargetLook:
         self._last_node = -1  # the latest autograd node of this step's passes
         self._misses = 0
         self._span_seen = False  # this sampled step's training pass opened the span
+        # A look asked for at the next training pass (``look_soon``), and whether this
+        # step's pass is that look (the ask came before it, not after it).
+        self._asked = False
+        self._asked_look = False
         self.max_classes = max_classes
         self._step_of = step_of
         self._on_error = on_error
@@ -214,6 +222,7 @@ class ClassTargetLook:
         reads_kind = self.on_loss_kind is not None and not self._kind_read
         if not counting and not reads_kind:
             return
+        self._asked_look = self._asked
         tensors = [t for _, t in tensor_leaves(output)]
         self.batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
         if reads_kind:
@@ -323,7 +332,12 @@ class ClassTargetLook:
         self._kind_read, self._last_node = False, -1
         if self._span_seen:
             self._span_seen = False
-            if self.targets_done:  # the loss's kind alone: at its own cadence
+            if self._asked_look:  # the look a change of the batches asked for
+                self._asked = self._asked_look = False
+                self._misses, self.every = 0, self._configured_every
+            elif self._asked:
+                pass  # asked after this step's pass: the next one is looked at
+            elif self.targets_done:  # the loss's kind alone: at its own cadence
                 self.every = self._slowest_every
             else:
                 # A class loss per sample keeps the cadence; one over tokens whose
@@ -331,6 +345,17 @@ class ClassTargetLook:
                 # sequences) does not.
                 self._pace(found is not None)
         return found
+
+    def look_soon(self) -> bool:
+        """The batches may be of another make from the next training pass on (a new
+        pass over the training data, a new phase): where a token loss's padding is
+        still looked at, that pass is sampled, and the cadence starts over from there.
+        True: asked (the caller subscribes the look for it, between steps)."""
+        padding = self.padding
+        if self.broken or padding is None or not padding.open or not padding.reached:
+            return False
+        self._asked, self.every = True, 1
+        return True
 
     def take_padding(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
         """This sampled step's padding finding (read on the host), or its figures to read back."""

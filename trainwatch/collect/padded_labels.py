@@ -33,10 +33,17 @@ only (other steps pay nothing):
 
 A batch of up to 4096 CPU positions is counted on the host, with no op;
 others in a handful of ops whose figures join the step's one readback.
-The look closes at its first verdict (padding labelled, padding masked, or
-nothing of the kind to look at: a classifier's labels, a seq2seq model's
-target sequence) and keeps looking, less and less often, while batches
-hold no padding at all (packed sequences).
+The look closes for good at a finding (one a run) or where the model has
+nothing of the kind to look at (a classifier's labels, a seq2seq model's
+target sequence without its decoder mask, a vocabulary without a padding
+embedding). A verdict that the padding is ignored (labels -100 at mask 0,
+``ignore_index`` set to the padding index) does not close it: a collate that
+breaks mid-run (a curriculum's second loader padding its batches, a
+fine-tuning phase's ``DataCollatorWithPadding``, a pad token set to EOS) gives
+batches of another make, so the look goes on at its sampled steps, less and
+less often, as it does while batches hold no padding at all (packed
+sequences), and at the first step after the batches may have changed (see
+:meth:`trainwatch.collect.class_targets.ClassTargetLook.look_soon`).
 """
 
 from __future__ import annotations
@@ -270,10 +277,17 @@ def padding_indices(root: nn.Module | None) -> dict[int, int | None]:
 
 
 class PaddingLook:
-    """The padding job of the class target look: open until its first verdict."""
+    """The padding job of the class target look: open until a finding, or nothing to
+    look at; a healthy verdict leaves it open for the batches that come later."""
 
     def __init__(self, root_of: Callable[[], nn.Module | None]) -> None:
+        # Measures on the look's sampled steps: until a finding, or nothing to look at.
         self.open = True
+        # A padded batch was seen with every label there ignored (or the loss ignores
+        # the padding index): healthy so far, looked at again all the same.
+        self.judged = False
+        # Labels reached it (a token loss's, while it stays open): a run of such batches.
+        self.reached = False
         self._root_of = root_of
         self._pads: dict[int, int | None] | None = None  # the model's padding embeddings
         self._ends: frozenset[int] = frozenset()  # its end-of-text ids (config eos_token_id)
@@ -287,19 +301,17 @@ class PaddingLook:
 
     # -- what a sampled step shows ------------------------------------------
     def from_labels(self, module: Any, kwargs: dict[str, Any], labels: Any, output: Any) -> bool:
-        """``model(..., labels=, attention_mask=)``: measured (True) or nothing to look at."""
-        if _seq2seq(module, output):
-            mask = kwargs.get("decoder_attention_mask")
-        else:
-            mask = kwargs.get("attention_mask")
-        if (
-            not _integer(labels)
-            or not isinstance(mask, torch.Tensor)
-            or mask.shape != labels.shape
-            or labels.dim() < 2
-        ):
-            self.open = False  # a classifier's labels, an unmasked stream: nothing to look at
+        """``model(..., labels=, attention_mask=)``: measured (True) or not."""
+        self.reached = True
+        seq2seq = _seq2seq(module, output)
+        mask = kwargs.get("decoder_attention_mask" if seq2seq else "attention_mask")
+        if not _integer(labels) or labels.dim() < 2 or (seq2seq and mask is None):
+            # A classifier's labels, a seq2seq model's targets without their own mask:
+            # nothing to look at, now or later.
+            self.open = False
             return False
+        if not isinstance(mask, torch.Tensor) or mask.shape != labels.shape:
+            return False  # a stream without a mask of its own (packed rows): not yet
         self._measure(MASK, labels, mask, None, IGNORED, _next_token_target(labels, output))
         self._module = name_in(self._root_of(), module)
         return True
@@ -309,25 +321,23 @@ class PaddingLook:
     ) -> bool:
         """A class loss over tokens after the pass: measured (True) or nothing to look at.
         ``batch``: the model's batch, the rows of targets flattened to one axis."""
+        self.reached = True
         if self._pads is None:
             root = self._root_of()
             self._pads = padding_indices(root)
             self._ends = end_of_text_ids(root)
         pad = self._pads.get(logits.shape[1]) if logits.dim() >= 2 else None
         ignore_index = kwargs.get("ignore_index", IGNORED)
-        if (
-            pad is None  # no padding embedding of this vocabulary
-            or not _integer(target)
-            or not isinstance(ignore_index, int)
+        if pad is None or not _integer(target) or not isinstance(ignore_index, int):
+            self.open = False  # no padding embedding of this vocabulary: nothing to look at
+            return False
+        if kwargs.get("reduction", "mean") == "none" or kwargs.get("weight") is not None:
             # Per-position losses weighted after (a mask), or class weights that may
-            # give the padding none: the loss may well leave the padding out.
-            or kwargs.get("reduction", "mean") == "none"
-            or kwargs.get("weight") is not None
-        ):
-            self.open = False
+            # give the padding none: the loss may well leave the padding out (a later
+            # phase's loss is looked at again).
             return False
         if ignore_index == pad:
-            self.open = False  # the padding is ignored: the fix is in
+            self.judged = True  # the padding is ignored: the fix is in, for this loss
             return False
         if pad in self._ends:
             # The padding id also ends a text: only what follows an end is padding.
@@ -363,8 +373,9 @@ class PaddingLook:
         return None, device
 
     def land(self, values: list[float]) -> PaddedLabels | None:
-        """The figures read: the finding (padding labelled), or None. A verdict closes
-        the look; a batch without padding says nothing either way."""
+        """The figures read: the finding (padding labelled), or None. A finding closes
+        the look; padding whose labels are all ignored is judged healthy, and a batch
+        without padding says nothing either way: the look goes on."""
         figures = dict(zip(_FIGURES, (int(v) for v in values), strict=True))
         kind = self._kind or MASK
         if figures["padded"]:
@@ -385,5 +396,5 @@ class PaddingLook:
                 pad_ends_text=self._pad_ends_text,
             )
         if figures["pad_positions"] and kind == MASK:
-            self.open = False  # padding there, every label of it ignored
+            self.judged = True  # padding there, every label of it ignored
         return None
