@@ -36,7 +36,7 @@ from torch.optim.optimizer import (
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from trainwatch import dispatch, registry, termination
+from trainwatch import dispatch, loader_hook, registry, termination
 from trainwatch.alert import Alert, standing_worst
 from trainwatch.callers import called_from
 from trainwatch.child_processes import ChildProcesses
@@ -1302,6 +1302,10 @@ class AutoWatch:
         view = _ModelView(self, name)
         view.start = self._released_steps  # after the models closed so far
         monitor = Monitor(module, [], config=self.config, sinks=[view])
+        # Told of each training loader's pass by the run's own wrapper of
+        # DataLoader.__iter__ (_loader_started): the monitors' one comes off, so
+        # the run's wrapper is the outer one and comes off at its end.
+        loader_hook.release(monitor)
         view.monitor = weakref.ref(monitor)
         monitor.model_name = name
         monitor.yields_to_explicit_watch = True

@@ -215,8 +215,10 @@ class UnshuffledDataConfig(RuleConfig):
 class LossOnPaddingConfig(RuleConfig):
     # The labels a token loss receives are looked at at step 0 and every
     # ``every``-th step after (the class target look's sampled steps: with
-    # unshuffled_data on, the more frequent of the two cadences), until the first
-    # padded batch says whether its labels are ignored; other steps pay nothing.
+    # unshuffled_data on, the more frequent of the two cadences), slowing down
+    # to 16 x ``every`` (or broadcast.loss_kind_every) while nothing is found,
+    # and at the first step of a new pass over the data or of a new optimizer;
+    # other steps pay nothing.
     every: int = field(default=5, metadata=_range(1))
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
-from trainwatch import clip_hook, registry, termination
+from trainwatch import clip_hook, loader_hook, registry, termination
 from trainwatch.alert import Alert
 from trainwatch.clip_gathering import ClipGathering
 from trainwatch.closing_findings import findings_at_close
@@ -204,6 +204,8 @@ class Monitor:
             registry.claim(layers.parameters(), self)
             _OPEN.add(self)
             clip_hook.install(self)
+            if self._pipeline.looks_at_padding:
+                loader_hook.install(self)
             for opt in optimizers:
                 self.add_optimizer(opt)
         except BaseException:
@@ -211,6 +213,7 @@ class Monitor:
             # optimizers or the process (a monitor built in its place attaches anew).
             _OPEN.discard(self)
             clip_hook.release(self)
+            loader_hook.release(self)
             self._detach()
             registry.release(self)
             raise
@@ -337,6 +340,9 @@ class Monitor:
             self._pipeline.restarted.update(
                 info(p).owner for group in optimizer.param_groups for p in group["params"]
             )
+            # Its batches may be of another make (a fine-tuning collate): looked at
+            # from its first step, not only from the phase's detection after it.
+            self._pipeline.batches_may_change()
         if self._optimizers and not self._attaching:
             self._guarded("dropped optimizers", self._release_dropped_optimizers)
         index = len(self._optimizers)
@@ -439,10 +445,17 @@ class Monitor:
         second loader, a collate changed for a fine-tuning phase): the labels a
         token loss gives padding are looked at on the next step
         (``loss_on_padding``), not only at their sampled cadence. ``trainwatch run``
-        and the Lightning and Hugging Face callbacks call it at each epoch.
+        and the Lightning and Hugging Face callbacks call it at each epoch; a loop
+        under ``tw.watch`` has it called as each ``DataLoader`` pass begins.
         """
         if not self.closed:
             self._pipeline.batches_may_change()
+
+    def loader_started(self) -> None:
+        """A ``DataLoader`` pass began with gradients on (:mod:`trainwatch.loader_hook`):
+        with the model in training mode, a new pass over the training data."""
+        if not self.closed and self.model.training:
+            self.data_restarted()
 
     def new_evaluation_data(self) -> None:
         """A dataset is evaluated for the first time (a test set after fitting,
@@ -551,6 +564,7 @@ class Monitor:
                 ORIGINS_TOLD.clear()  # nor any NaN/Inf it reported
                 COPIES_TOLD.clear()  # nor any copy in an optimizer
             clip_hook.release(self)
+            loader_hook.release(self)
             try:
                 self._shut()
             finally:

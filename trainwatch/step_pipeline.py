@@ -2547,6 +2547,12 @@ class StepPipeline:
             self._joins = None
             self._small_norms.on_new_layout = None
 
+    @property
+    def looks_at_padding(self) -> bool:
+        """Whether the labels a token loss gives padding are looked at (loss_on_padding)."""
+        look = self.class_targets
+        return look is not None and look.padding is not None
+
     def batches_may_change(self) -> None:
         """Between steps: the training data starts a new pass (an epoch, another
         loader), whose batches may be of another make (a collate of its own): the

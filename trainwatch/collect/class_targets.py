@@ -25,8 +25,7 @@ looked at half as often after every few such steps, down to a sixteenth of
 the cadence, until a class loss shows up again (a classifier trained after a
 pretext phase). Where the batches may be of another make from a step on (a
 new pass over the training data, a new phase of training), a token loss's
-look comes at that step (:meth:`ClassTargetLook.look_soon`), then at the
-configured cadence again, slowing down as before.
+look comes at that step too (:meth:`ClassTargetLook.look_soon`).
 
 The same span also reads the kind of the step's loss at its first ``backward``
 (:mod:`trainwatch.collect.loss_kind`), for the broadcast audit to follow a loss
@@ -156,8 +155,9 @@ class ClassTargetLook:
         self.every = every
         self._configured_every = every
         # The slowest pace: a sixteenth of the cadence, or while the loss's kind is
-        # read here (``on_loss_kind``), the slowest that still comes every
-        # ``kinds_every`` steps (at the configured cadence where that is slower).
+        # read here (``on_loss_kind``, a loss computed after the pass), the slowest
+        # that still comes every ``kinds_every`` steps (at the configured cadence
+        # where that is slower).
         self._slowest_every = every * _SLOWEST
         self._kinds_every = kinds_every
         # Handed the span's loss at its first ``backward`` on a step the broadcast
@@ -170,10 +170,10 @@ class ClassTargetLook:
         self._last_node = -1  # the latest autograd node of this step's passes
         self._misses = 0
         self._span_seen = False  # this sampled step's training pass opened the span
-        # A look asked for at the next training pass (``look_soon``), and whether this
-        # step's pass is that look (the ask came before it, not after it).
+        # A look asked for at the next token loss (``look_soon``), and the cadence
+        # to go on at after it.
         self._asked = False
-        self._asked_look = False
+        self._every_after_ask = every
         self.max_classes = max_classes
         self._step_of = step_of
         self._on_error = on_error
@@ -222,17 +222,19 @@ class ClassTargetLook:
         reads_kind = self.on_loss_kind is not None and not self._kind_read
         if not counting and not reads_kind:
             return
-        self._asked_look = self._asked
         tensors = [t for _, t in tensor_leaves(output)]
         self.batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
         if reads_kind:
             self._last_node = max(self._last_node, *map(node_number, tensors), -1)
         labels = kwargs.get("labels") if isinstance(kwargs, dict) else None
         if isinstance(labels, torch.Tensor):
-            # A loss computed inside the model: its kind is the model's own, not read.
+            # A loss computed inside the model: its kind is the model's own, not read,
+            # and its look keeps no pace for the kind.
             self._kind_read = True
-            if not counting:
+            if not self._loss_inside:
                 self._loss_inside = True
+                self._pace_limit()
+            if not counting:
                 self._update_finished()
                 return
             # The loss is computed inside the model (``model(ids, labels=y)``,
@@ -282,6 +284,8 @@ class ClassTargetLook:
             and padding.open
             and padding.from_labels(module, kwargs, labels, output)
         )
+        if self._asked:
+            self._answered()
         self.measured = measured
         self.looked = self.counts is not None or self.per_position or measured
         self._update_finished()
@@ -297,6 +301,8 @@ class ClassTargetLook:
             padding = self.padding
             if padding is not None and padding.open:
                 self.measured = padding.from_loss(logits, target, kwargs, self.batch)
+            if self._asked:
+                self._answered()
         self.looked = self.counts is not None or self.per_position
         self._update_finished()
 
@@ -311,15 +317,19 @@ class ClassTargetLook:
         """Hand ``told`` each sampled step's loss for its kind (``collect/loss_kind.py``),
         at least every ``kinds_every`` steps; None: no more (the run's waits are spent)."""
         self.on_loss_kind = told
+        self._pace_limit()
+        self._update_finished()
+
+    def _pace_limit(self) -> None:
+        """The slowest pace (``_slowest_every``) for the loss's kind as it is read now."""
         slowest = self._configured_every * _SLOWEST
-        if told is not None:
+        if self.on_loss_kind is not None and not self._loss_inside:
             paced = self._configured_every
             while paced * 2 <= min(self._kinds_every, slowest):
                 paced *= 2
             slowest = paced
         self._slowest_every = slowest
         self.every = min(self.every, slowest)
-        self._update_finished()
 
     def end_span(self) -> None:
         """The step boundary is reached: no loss is computed any more."""
@@ -332,12 +342,7 @@ class ClassTargetLook:
         self._kind_read, self._last_node = False, -1
         if self._span_seen:
             self._span_seen = False
-            if self._asked_look:  # the look a change of the batches asked for
-                self._asked = self._asked_look = False
-                self._misses, self.every = 0, self._configured_every
-            elif self._asked:
-                pass  # asked after this step's pass: the next one is looked at
-            elif self.targets_done:  # the loss's kind alone: at its own cadence
+            if self.targets_done:  # the loss's kind alone: at its own cadence
                 self.every = self._slowest_every
             else:
                 # A class loss per sample keeps the cadence; one over tokens whose
@@ -349,13 +354,20 @@ class ClassTargetLook:
     def look_soon(self) -> bool:
         """The batches may be of another make from the next training pass on (a new
         pass over the training data, a new phase): where a token loss's padding is
-        still looked at, that pass is sampled, and the cadence starts over from there.
+        still looked at, that pass is sampled (then the cadence goes on as it was).
         True: asked (the caller subscribes the look for it, between steps)."""
         padding = self.padding
         if self.broken or padding is None or not padding.open or not padding.reached:
             return False
+        if not self._asked:
+            self._every_after_ask = self.every
         self._asked, self.every = True, 1
         return True
+
+    def _answered(self) -> None:
+        """The look asked for has seen a token loss: the cadence goes on as it was."""
+        self._asked = False
+        self.every = min(self._every_after_ask, self._slowest_every)
 
     def take_padding(self) -> tuple[PaddedLabels | None, torch.Tensor | None]:
         """This sampled step's padding finding (read on the host), or its figures to read back."""
