@@ -13,7 +13,9 @@ after the critic's warm-up went unwatched too, and a critic whose step the
 main loop forgot was taken for an optimizer training the model unwatched.
 
 Now each optimizer stepping the model is watched at its own second step, its
-first counted: the findings, their steps and the step count are those of the
+first counted (those seen before the loop shows its second iteration, all at
+once from there: a WGAN's two from the critic's step after the generator's
+first): the findings, their steps and the step count are those of the
 same loop with every optimizer passed (``tw.watch(model, [opt_g, opt_d])``,
 or ``monitor.add_optimizer`` for one built mid-run), the twin each test runs
 beside. Another model's optimizer in the same process is not taken, a loop
@@ -151,24 +153,28 @@ def test_the_healthy_gan_stays_silent_both_halves_watched(loop):
     assert TRAINED_ELSEWHERE not in text
     if loop == "wgan":
         # The critic's optimizer at its second step, the generator's at its own.
+        # Both at the critic's step after the generator's first: the loop's second
+        # iteration, with no monitor.step() in the first.
         notes = [line for line in text.splitlines() if NOT_GIVEN in line]
-        assert len(notes) == 2, text
-        assert "watching it from step 1 on" in notes[0]
-        assert "RMSprop over G steps the watched ModuleDict's parameters too" in notes[1]
-        assert "watching it from step 11 on" in notes[1] and "its step 5 went unchecked" in notes[1]
+        assert len(notes) == 1, text
+        assert "RMSprop over D and RMSprop over G step the watched ModuleDict's" in notes[0]
+        assert "watching them from step 6 on" in notes[0]
+        assert "steps 0-5 went unchecked" in notes[0]
     assert held == 0  # the look's hook came off once both halves were watched
 
 
-def test_a_loop_marking_its_own_steps_keeps_them():
+@pytest.mark.parametrize("loop", ["wgan", "dcgan"])
+def test_a_loop_marking_its_own_steps_keeps_them(loop):
     """monitor.step() once an iteration: no optimizer taken over, no note, each
-    iteration one step, and the look's hook gone. (A WGAN's critic steps twice
-    before the first monitor.step(): taken for a loop that forgot, as before.)"""
+    iteration one step, and the look's hook gone. (A WGAN's critic steps five
+    times before the first monitor.step(), after the generator's first step: no
+    second iteration shows before it.)"""
     model = _gan()
-    opt_g, opt_d = _gan_optimizers(model, "dcgan")
+    opt_g, opt_d = _gan_optimizers(model, loop)
     console = io.StringIO()
     hooks = len(_global_optimizer_pre_hooks)
     monitor = tw.watch(model, console=console)
-    _train_gan(model, opt_g, opt_d, "dcgan", monitor=monitor)
+    _train_gan(model, opt_g, opt_d, loop, monitor=monitor)
     held = len(_global_optimizer_pre_hooks) - hooks
     monitor.close()
     assert monitor.optimizers == []
@@ -271,7 +277,8 @@ def test_the_healthy_actor_critic_has_both_watched():
     assert len(monitor.optimizers) == 2
     assert monitor.step_count == twin.step_count == 37
     assert _found(monitor) == _found(twin) == []
-    assert "Adam over actor steps the watched ActorCritic's parameters too" in text
+    # Both at the critic's step after the actor's first (the critic alone before it).
+    assert "Adam over critic and Adam over actor step the watched ActorCritic's" in text
     assert TRAINED_ELSEWHERE not in text
 
 

@@ -174,8 +174,10 @@ def test_watched_without_an_optimizer_a_forgotten_discriminator_step_is_told():
     monitor = tw.watch(model, console=io.StringIO())
     _train(model, opt_g, opt_d, "dcgan", d_steps=False)
     monitor.close()
-    # opt_g adopted at its second step (step 1), D told there, as before.
-    assert _told(monitor) == [("not_optimized", 1, "D.0"), ("not_optimized", 1, "D.2")]
+    # opt_g adopted at its second step (step 1), where D's gradients were thrown away
+    # since its first: opt_d watched from there too, and told as with it passed.
+    assert _told(monitor) == [("not_optimized", 1, "D")]
+    assert "opt_d (optimizer 1, Adam) has not stepped once" in monitor.alerts[0].message
 
 
 def test_training_is_the_same_with_and_without_the_monitor():
