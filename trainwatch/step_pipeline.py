@@ -1314,14 +1314,17 @@ class StepPipeline:
             self._dispatcher.publish(self.rules.evaluate(told), may_halt=False)
         return left
 
-    def _not_held_back(self, step: int, told: list[nn.Parameter]) -> list[nn.Parameter]:
+    def _not_held_back(
+        self, step: int, told: list[nn.Parameter], resting: Sequence[nn.Parameter] = ()
+    ) -> list[nn.Parameter]:
         """Of the parameters no watched optimizer holds that got gradients at ``step``,
         those to tell now: those an optimizer the monitor was not given holds wait
-        until their weights show whether it trains them (see UpdatedElsewhere). A
-        verdict falling now is told here: never updated, dated at the step they were
-        first met, or one console note where that optimizer trains them."""
+        until their weights show whether it trains them (see UpdatedElsewhere), as do
+        those of ``resting`` it holds (frozen now, with a gradient: never told from
+        here). A verdict falling now is told here: never updated, dated at the step
+        they were first met, or one console note where that optimizer trains them."""
         look = self._updated_elsewhere
-        kept = look.held_back(step, told, self._optimizers)
+        kept = look.held_back(step, told, self._optimizers, resting)
         info = self.layers.info
         for verdict in look.verdicts:
             due = [p for p in verdict.due if p in self.layers]
@@ -1330,8 +1333,9 @@ class StepPipeline:
                 dated.not_optimized = [info(p) for p in due]
                 frozen_unheld = self._frozen_unheld
                 if frozen_unheld:
+                    # (Frozen now, as for the generator's step: not unfrozen since.)
                     dated.unfrozen_unheld = frozenset(
-                        info(p).name for p in due if id(p) in frozen_unheld
+                        info(p).name for p in due if id(p) in frozen_unheld and p.requires_grad
                     )
                 # Within the step's hooks: a halt waits for the step's end.
                 self._dispatcher.publish(self.rules.evaluate(dated), may_halt=False)
@@ -1907,7 +1911,16 @@ class StepPipeline:
         if not manual and self._reads_membership:
             unoptimized = self._unoptimized_params()
             if unoptimized:  # usually none: every parameter is some optimizer's
-                trained = [p for p in unoptimized if p.requires_grad and p.grad is not None]
+                graded = [p for p in unoptimized if p.grad is not None]
+                trained = [p for p in graded if p.requires_grad] if graded else graded
+                if self._checks_not_optimized and len(trained) < len(graded):
+                    # Frozen at this step, their gradients written while they trained (a
+                    # discriminator frozen for the generator's step): those an optimizer
+                    # not given holds wait for its verdict as the trainable ones do, and
+                    # none is told from here.
+                    step = now if index is not None else now - 1  # monitor.step() counted
+                    resting = [p for p in graded if not p.requires_grad]
+                    self._guarded("updated elsewhere", self._not_held_back, step, [], resting)
                 if self._checks_not_optimized and trained:
                     left = None
                     if self._check_accumulation:  # whose story a target part is

@@ -126,16 +126,26 @@ class UpdatedElsewhere:
         self.verdicts: list[Verdict] = []  # decided at the latest boundary
 
     def held_back(
-        self, step: int, params: Sequence[nn.Parameter], watched: Sequence[Optimizer]
+        self,
+        step: int,
+        params: Sequence[nn.Parameter],
+        watched: Sequence[Optimizer],
+        resting: Sequence[nn.Parameter] = (),
     ) -> list[nn.Parameter]:
         """Of ``params`` (no watched optimizer holds them, they got gradients at
         ``step``), those to tell now; the verdicts that fell at this boundary are
-        left in :attr:`verdicts`."""
+        left in :attr:`verdicts`. ``resting``: parameters no watched optimizer holds
+        that are frozen at this boundary and hold a gradient (a discriminator frozen
+        for the generator's step): those an unwatched optimizer holds wait for their
+        verdict too; none is told here."""
         self.verdicts = []
         if self._pending:
             self._look()
         known = self._known
         fresh = [p for p in params if id(p) not in known]
+        if fresh:
+            self._meet(step, fresh, watched)
+        fresh = [p for p in resting if id(p) not in known]
         if fresh:
             self._meet(step, fresh, watched)
         if not self._elsewhere and not self._pending:
