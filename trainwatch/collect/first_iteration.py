@@ -5,10 +5,9 @@ update; an optimizer stepping the model in a loop that calls none is watched
 as if passed (trainwatch/optimizer_not_given.py). Its second step is not
 always the loop's second iteration: a WGAN's critic steps five times before
 the generator's first step, and a loop calling ``monitor.step()`` once per
-iteration calls it after that. Taken for a loop that marks no steps at the
-critic's second step, it was watched as one (each optimizer's step a step,
-not each ``monitor.step()``) with a console line saying ``monitor.step()``
-is not called.
+iteration calls it after that. Taken at the critic's second step for a loop
+that marks no steps, such a loop would lose its own marks (each optimizer's
+step a step) to a console line saying ``monitor.step()`` is not called.
 
 So a repeated step of an optimizer over the model, no ``monitor.step()``
 having come, is the second iteration only where the steps show one:
@@ -26,7 +25,7 @@ having come, is the second iteration only where the steps show one:
   not); these parameters are :attr:`FirstIteration.lost`;
 - it is the only optimizer seen, and no other live optimizer holds a
   trainable parameter of those models: no other optimizer's first step is
-  to come (the usual loop, at its second step, as before);
+  to come (the usual loop: at its second step);
 - :data:`STEPS_WITHOUT_MARK` steps of the model's optimizers went by.
 
 A ``monitor.step()`` coming first says the loop marks its own steps. Each
