@@ -36,7 +36,6 @@ the look lasts, until the loop is known to mark its steps or not.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from trainwatch.optimizer_wrappers import inner_optimizer, takes_step_hooks
+from trainwatch.live_optimizers import optimizers_holding
 
 # Steps of the model's optimizers with no monitor.step() after which the loop is
 # taken to mark none, where nothing above told: more than the longest critic
@@ -143,21 +142,7 @@ def _lost(params: list[torch.Tensor], then: list[Grad]) -> list[torch.Tensor]:
 def holders(
     params: Iterable[torch.Tensor], excluded: Sequence[Optimizer] = ()
 ) -> dict[int, list[Optimizer]]:
-    """Per id of ``params``, the live optimizers (but ``excluded``) holding it (one scan
-    of live objects: made once per look, where a finding or a decision is due)."""
-    wanted = {id(p) for p in params}
-    found: dict[int, list[Optimizer]] = {}
-    if not wanted:
-        return found
-    for obj in gc.get_objects():
-        # By type: isinstance asks a dead weak proxy among the live objects and raises.
-        # A wrapper is left out: the optimizer it wraps holds the same parameters.
-        if not issubclass(type(obj), Optimizer) or any(obj is opt for opt in excluded):
-            continue
-        if inner_optimizer(obj) is not obj or not takes_step_hooks(obj):
-            continue
-        for group in obj.param_groups:
-            for param in group["params"]:
-                if id(param) in wanted:
-                    found.setdefault(id(param), []).append(obj)
-    return found
+    """Per id of ``params``, the live optimizers (but ``excluded``) holding it, a
+    wrapper left out: one heap scan, made once per look, where a finding or a
+    decision is due."""
+    return optimizers_holding(params, excluded, wrappers=False)

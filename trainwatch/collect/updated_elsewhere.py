@@ -36,7 +36,6 @@ stepped every second iteration leaves one unused gradient between its steps).
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainwatch.collect.frozen_moves import weight_sums
+from trainwatch.live_optimizers import optimizers_holding
 
 # Boundaries whose weights moved since the previous one before the parameters are
 # taken for trained by an optimizer the monitor was not given.
@@ -182,14 +182,5 @@ def _unwatched_holders(
 ) -> dict[int, list[str]]:
     """Per id of ``params``, the classes of the live optimizers not in ``watched``
     that hold it (one scan of live objects: made where a finding is due only)."""
-    wanted = {id(p) for p in params}
-    found: dict[int, list[str]] = {}
-    for obj in gc.get_objects():
-        # By type: isinstance asks a dead weak proxy among the live objects and raises.
-        if not issubclass(type(obj), Optimizer) or any(obj is opt for opt in watched):
-            continue
-        for group in obj.param_groups:
-            for param in group["params"]:
-                if id(param) in wanted:
-                    found.setdefault(id(param), []).append(type(obj).__name__)
-    return found
+    found = optimizers_holding(params, watched)
+    return {key: [type(opt).__name__ for opt in opts] for key, opts in found.items()}
